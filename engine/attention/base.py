@@ -1,0 +1,68 @@
+"""The attention-backend interface. A backend owns the paged KV cache view it reads and writes and,
+on the GPU, its own workspaces and graph buffers; models only call `forward`.
+
+Batch layout is ragged: the T new tokens of B sequences are concatenated, sequence i owning rows
+`query_start_loc[i]:query_start_loc[i + 1]`.
+
+KV cache layout: one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0 of dim 1 is K, 1 is V). Token j of a sequence lives in slot
+`block_table[j // block_size] * block_size + j % block_size`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors describing a ragged batch, on the model's device unless named `_cpu`."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32: prefix sums of new tokens per sequence
+    seq_lens: torch.Tensor  # [B] int32: tokens in the KV cache after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, rows padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token; -1 writes nothing
+    query_start_loc_cpu: list[int]  # host copies, so CPU-side loops never synchronize
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Reads and writes one engine's paged KV cache. `kv_cache` is the tensor described above."""
+
+    def __init__(self, kv_cache: torch.Tensor, scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.scale = scale
+        self.block_size = kv_cache.shape[3]
+
+    @abstractmethod
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write the new k/v into the cache at `meta.slot_mapping`, then attend causally: new token
+        at position p of sequence i sees cached and new tokens 0..p of sequence i."""
+
+
+@dataclass
+class ForwardContext:
+    """Explicit per-step state a model forward needs besides token ids and positions."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata

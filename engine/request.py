@@ -1,0 +1,176 @@
+"""What a user asks for (`SamplingParams`), what the engine tracks per request (`Request`) and what
+one step runs (`Batch`). Pure Python: the scheduler and the client import this without torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses; the message names the bad field. HTTP maps it to 400."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Field names as SGLang's `sampling_params`. `top_k` -1 (or 0) means off."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs_num: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists (JSON) and a bare string for `stop`; store tuples so the object stays hashable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self._check()
+
+    def _check(self) -> None:
+        def bad(msg: str) -> InvalidRequest:
+            return InvalidRequest(f"invalid sampling_params: {msg}")
+
+        if self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise bad(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
+        if self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 <= self.top_logprobs_num <= 20:
+            raise bad(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# finish_reason values, as SGLang's `meta_info.finish_reason.type` ("error" is ours: a request
+# the engine could never run, with `error` saying why).
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the engine. `token_ids` is prompt + output; the KV of its first
+    `num_computed_tokens` tokens is in the blocks of `block_table`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_matched: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request may hold at most: its prompt plus every token it may generate."""
+        return self.num_prompt_tokens + self.sampling_params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Append a sampled token and finish the request if it hit a stop condition.
+        String stops are the client's job: it sees text, and aborts the request on a match."""
+        self.token_ids.append(token_id)
+        sp = self.sampling_params
+        n_out = self.num_output_tokens
+        if n_out >= sp.min_new_tokens:
+            if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
+                self.finish(FINISH_STOP, matched=token_id)
+                return
+        if n_out >= sp.max_new_tokens:
+            self.finish(FINISH_LENGTH)
+
+    def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_matched = matched
+        self.error = error
+
+
+@dataclass
+class Batch:
+    """One engine step. Request i runs tokens `token_ids[num_computed_tokens : num_computed_tokens +
+    num_new_tokens[i]]`; it samples a next token iff that chunk reaches the end of its tokens."""
+
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        r = self.requests[i]
+        return r.num_computed_tokens + self.num_new_tokens[i] == r.num_tokens
+
+    def __len__(self) -> int:
+        return len(self.requests)
