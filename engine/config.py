@@ -53,6 +53,7 @@ class ModelConfig:
     torch_dtype: str  # "float32" | "bfloat16" | "float16"
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
+    mlp_bias: bool = False
 
     @classmethod
     def from_hf(cls, path: str) -> ModelConfig:
@@ -65,6 +66,9 @@ class ModelConfig:
         if not archs:
             raise ConfigError(f"{cfg_file} names no `architectures`")
         arch = archs[0]
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -81,14 +85,27 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(hf.get("rope_theta") or _rope_param(hf, "rope_theta", 10000.0)),
             rope_scaling=_rope_scaling(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_max_positions(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-family configs say so with `attention_bias`.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             torch_dtype=_dtype_name(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             eos_token_ids=_eos_ids(path, hf),
             bos_token_id=hf.get("bos_token_id"),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
         )
+
+
+def _max_positions(hf: dict[str, Any]) -> int:
+    """Longest context served. With a sliding window (Mistral's `sliding_window`, Qwen's when
+    `use_sliding_window` is on) it is capped at the window: below it, sliding-window attention is
+    full attention, which is what the attention backends compute."""
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    window = hf.get("sliding_window")
+    sliding = hf.get("use_sliding_window", window is not None)
+    if sliding and window is not None:
+        return min(max_pos, int(window))
+    return max_pos
 
 
 def _rope_param(hf: dict[str, Any], key: str, default: Any) -> Any:

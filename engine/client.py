@@ -1,0 +1,238 @@
+"""Clients of the `EngineCore` process: `CoreProcess` (start, sockets, stop) and `Engine`, the
+blocking Python API for trainers that want no HTTP.
+
+The client binds both IPC sockets, then spawns the core, which connects to them; the core says
+`Ready` (or `Failed`) once it has built everything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core import run_engine_core
+from engine.output import GenerationOutput, RequestState
+from engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    ControlCall,
+    ControlReply,
+    Failed,
+    FromCore,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    ToCore,
+)
+from engine.request import InvalidRequest, SamplingParams
+
+log = logging.getLogger("siesta.client")
+
+# How long a client waits for the core to build itself, and for it to exit, seconds.
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 10.0
+_POLL_MS = 200
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process failed to start or died; the message says why."""
+
+
+class CoreProcess:
+    """The engine process and the two sockets to it."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        self._dir = tempfile.mkdtemp(prefix="siesta-")
+        in_addr = f"ipc://{os.path.join(self._dir, 'to_core')}"
+        out_addr = f"ipc://{os.path.join(self._dir, 'from_core')}"
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(in_addr)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.LINGER, 0)
+        self._from_core.bind(out_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self.process = mp.get_context("spawn").Process(
+            target=run_engine_core, args=(config, in_addr, out_addr, log_level), name="siesta-engine", daemon=True
+        )
+        self.process.start()
+        self.dead: str | None = None
+        self.info = self._wait_ready()
+
+    def _wait_ready(self) -> dict[str, Any]:
+        waited = 0.0
+        while waited < STARTUP_TIMEOUT_S:
+            msg = self.recv(timeout_ms=_POLL_MS)
+            if isinstance(msg, Ready):
+                return msg.info
+            if self.dead is not None:
+                self.close()
+                raise EngineDeadError(self.dead)
+            waited += _POLL_MS / 1000
+        self.close()
+        raise EngineDeadError(f"engine did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def send(self, msg: ToCore) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._to_core.send(self._encoder.encode(msg))
+
+    def recv(self, timeout_ms: int) -> FromCore | None:
+        """One message from the core, or None after `timeout_ms`. Notices a dead core."""
+        if self._from_core.poll(timeout_ms):
+            msg = self._decoder.decode(self._from_core.recv())
+            if isinstance(msg, Failed):
+                self.dead = msg.error
+            return msg
+        if self.dead is None and not self.process.is_alive():
+            self.dead = f"engine process exited with code {self.process.exitcode}"
+        return None
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._to_core.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(SHUTDOWN_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self._to_core.close()
+        self._from_core.close()
+        self._ctx.term()
+        for name in ("to_core", "from_core"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except FileNotFoundError:
+                pass
+        os.rmdir(self._dir)
+
+
+class Engine:
+    """Blocking Python API: `Engine(model=DIR, device="cpu", dtype="float32", **engine_knobs)`."""
+
+    def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **knobs: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = EngineConfig(model=model or knobs.pop("model", ""), **knobs)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        self._core = CoreProcess(self.config, log_level=log_level)
+        self.info = self._core.info
+        self._ids = itertools.count()
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for each prompt (text, or token ids); outputs come back in input order."""
+        prompt_ids = self._prompt_ids(prompts, input_ids)
+        params = self._params(sampling_params, len(prompt_ids))
+        states: dict[str, RequestState] = {}
+        for ids, sp in zip(prompt_ids, params, strict=True):
+            rid = f"gen-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+            states[rid] = RequestState(rid, ids, sp, self.tokenizer)
+            self._core.send(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
+        pending = set(states)
+        try:
+            while pending:
+                msg = self._recv()
+                if not isinstance(msg, StepOutputs):
+                    continue
+                for delta in msg.deltas:
+                    state = states.get(delta.request_id)
+                    if state is None or delta.request_id not in pending:
+                        continue
+                    update = state.apply(delta)
+                    if update.abort:
+                        self._core.send(AbortRequests(request_ids=[delta.request_id]))
+                    if update.finished:
+                        pending.discard(delta.request_id)
+        except BaseException:
+            if self._core.dead is None and pending:
+                self._core.send(AbortRequests(request_ids=list(pending)))
+            raise
+        return [s.output for s in states.values()]
+
+    def _prompt_ids(self, prompts: Any, input_ids: Any) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise InvalidRequest("give exactly one of prompts (text) and input_ids")
+        if input_ids is not None:
+            if len(input_ids) > 0 and isinstance(input_ids[0], int):
+                input_ids = [input_ids]
+            return [[int(t) for t in ids] for ids in input_ids]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+
+    @staticmethod
+    def _params(sp: Any, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if len(sp) != n:
+            raise InvalidRequest(f"{len(sp)} sampling_params for {n} prompts")
+        return list(sp)
+
+    def _recv(self) -> FromCore:
+        while True:
+            msg = self._core.recv(timeout_ms=_POLL_MS)
+            if self._core.dead is not None:
+                raise EngineDeadError(self._core.dead)
+            if msg is not None:
+                return msg
+
+    # ---- control --------------------------------------------------------------------------------
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        """Run a control method of the core between steps and return its result."""
+        call_id = next(self._ids)
+        self._core.send(ControlCall(call_id=call_id, method=method, kwargs=kwargs))
+        while True:
+            msg = self._recv()
+            if isinstance(msg, ControlReply) and msg.call_id == call_id:
+                if not msg.ok:
+                    raise RuntimeError(msg.error)
+                return msg.result
+
+    def flush_cache(self) -> bool:
+        return self.call("flush_cache")
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.call("get_info")
+
+    # ---- lifetime -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if getattr(self, "_core", None) is not None:
+            self._core.close()
+            self._core = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

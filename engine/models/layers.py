@@ -1,0 +1,213 @@
+"""Building blocks of the decoder families: linears (plain and packed), RMSNorm, rotary embedding,
+the attention and MLP blocks.
+
+Shapes: T is the number of new tokens in the step (sequences concatenated, see
+engine/attention/base.py), H / Hkv the query / KV heads, D the head dim.
+
+Parameters are created with `torch.empty` in the current default dtype and device (the caller's
+`torch.device(...)` context and `torch.set_default_dtype`): they hold garbage until
+engine/weights.py loads a checkpoint. The rotary cache is the one tensor computed here; it is
+always float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.config import ModelConfig, RopeScaling
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias); weight [out_features, in_features]; uninitialised until loaded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several checkpoint linears with the same input packed along the output dim, run as one
+    matmul: e.g. q/k/v -> qkv_proj, gate/up -> gate_up_proj. `shards` maps each checkpoint
+    module name (`q_proj`) to its rows of `weight` (and `bias`); the weight loader copies into
+    those rows."""
+
+    def __init__(
+        self, in_features: int, shards: dict[str, int], bias: bool = False
+    ) -> None:  # shards: checkpoint name -> output features, in packing order
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shards: dict[str, slice] = {}
+        start = 0
+        for name, size in shards.items():
+            self.shards[name] = slice(start, start + size)
+            start += size
+
+
+class Embedding(nn.Module):
+    """Token id -> row of weight [vocab_size, hidden]; uninitialised until loaded."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim. The normalisation runs in float32 and is cast back
+    before the weight multiply, as in Hugging Face, so half-precision results match it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2I] (gate | up) -> silu(gate) * up, [..., I]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], float32: theta^(-2i / head_dim), then scaled.
+
+    linear: every frequency / factor (the same as positions / factor).
+    llama3: wavelengths longer than original_len / low_freq_factor are divided by factor, shorter
+    than original_len / high_freq_factor are kept, and those in between blend the two linearly in
+    original_len / wavelength.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.type != "llama3":
+        raise ValueError(f"rope scaling {scaling.type!r} is not implemented")
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    original_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original_len / high) & (wavelen <= original_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout: dims i and i + D/2 form a pair.
+
+    `cos_sin_cache` [max_positions, D] holds cos(p * f) | sin(p * f) for every position p, computed
+    once at init in float32. It is a buffer left out of the state dict (checkpoints never carry
+    it); a model built on the meta device must call `reset_cache()` after materialising.
+    """
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer(
+            "cos_sin_cache", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False
+        )
+        self.reset_cache()
+
+    @torch.no_grad()
+    def reset_cache(self) -> None:
+        """(Re)compute the cache in place: its address never changes. Computed on the CPU, so
+        the values do not depend on the device."""
+        if self.cos_sin_cache.is_meta:
+            return
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, D/2]
+        self.cos_sin_cache.copy_(torch.cat([freqs.cos(), freqs.sin()], dim=-1))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin, each [T, 1, D/2] float32 (the 1 broadcasts over heads)."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i+D/2}) of x [T, heads, D] by its angle; math in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """qkv_proj -> (per-head q/k RMSNorm) -> rope -> paged attention -> o_proj.
+
+    qkv_bias: bias on q/k/v (Qwen2, Llama with attention_bias); o_bias: bias on o_proj (Llama with
+    attention_bias); qk_norm: RMSNorm over head_dim of each q and k head before rope (Qwen3).
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,  # [T, 1, D/2]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = hidden.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.backend.forward(self.layer_id, q, k, v, ctx.meta)  # [T, H, D]
+        return self.o_proj(out.reshape(T, H * D))
+
+
+class MLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up packed into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
+        )
+        self.act = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act(self.gate_up_proj(x)))

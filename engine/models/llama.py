@@ -1,0 +1,123 @@
+"""The Llama decoder, shared by every family Siesta serves: Llama and Mistral use it as is, Qwen2
+and Qwen3 (qwen2.py, qwen3.py) only change `DecoderOptions`.
+
+Parameter names match the Hugging Face checkpoints (`model.layers.0.self_attn.o_proj.weight`, ...)
+except the packed linears: `qkv_proj` holds q/k/v_proj, `gate_up_proj` holds gate/up_proj (see
+`MergedLinear.shards`).
+
+Construction: `cls(config)` creates parameters in the current default dtype and on the current
+default device, so build it inside `torch.device(dev)` with `torch.set_default_dtype(dtype)` set;
+never `.to(dtype)` it afterwards (that would cast the float32 rotary cache too). Parameters are
+uninitialised until engine/weights.py loads them. Built on the meta device, materialise it with
+`to_empty(device=...)` and then call `init_buffers()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.config import ModelConfig
+from engine.models.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What differs between the families that share this decoder."""
+
+    qkv_bias: bool = False  # bias on q/k/v_proj
+    o_bias: bool = False  # bias on o_proj
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope
+    mlp_bias: bool = False  # bias on gate/up/down_proj
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, options: DecoderOptions) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(
+            config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,  # [T, 1, D/2]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm; `model.` in checkpoint names."""
+
+    def __init__(self, config: ModelConfig, options: DecoderOptions) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, options) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One rotary table for all layers; cos/sin are looked up once per forward.
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, hidden]
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM over the ragged batch layout.
+
+    hidden = model(input_ids [T], positions [T], ctx) -> [T, hidden]
+    logits = model.compute_logits(hidden[rows]) -> [n, vocab] float32
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.decoder_options(config))
+        # Tied: the logits reuse model.embed_tokens.weight and there is no lm_head parameter.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @classmethod
+    def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
+        # Llama's `attention_bias` covers q, k, v and o.
+        return DecoderOptions(
+            qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def init_buffers(self) -> None:
+        """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""
+        self.model.rotary_emb.reset_cache()
+

@@ -1,0 +1,92 @@
+"""Client-side assembly of one request's output from the core's token deltas: detokenization,
+stop strings and logprobs. Shared by the blocking `Engine` and the server's async client.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.protocol import RequestDelta
+from engine.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    """A request's result. `finish_reason` is "stop" | "length" | "abort"; a request the engine
+    refused is an "abort" with `error` saying why (as SGLang reports it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    cached_tokens: int = 0
+    e2e_latency: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepUpdate:
+    """What one delta changed: new text safe to show, new token ids, and whether the request is
+    finished. `abort` is set when a stop string matched and the core must be told to stop it."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool
+    abort: bool = False
+
+
+class RequestState:
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any
+    ) -> None:
+        self.params = params
+        self.started = time.monotonic()
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        )
+        self.output = GenerationOutput(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            output_token_logprobs=[] if params.logprobs else None,
+            output_top_logprobs=[] if params.top_logprobs_num > 0 else None,
+        )
+
+    def apply(self, delta: RequestDelta) -> StepUpdate:
+        out = self.output
+        if out.finished:  # e.g. the core's abort confirmation after a stop-string match
+            return StepUpdate(text="", token_ids=[], finished=True)
+        out.cached_tokens = delta.num_cached_tokens
+        new_ids = list(delta.new_token_ids)
+        out.output_ids += new_ids
+        if out.output_token_logprobs is not None and delta.new_logprobs is not None:
+            out.output_token_logprobs += list(zip(delta.new_logprobs, new_ids, strict=True))
+        if out.output_top_logprobs is not None and delta.new_top_logprobs is not None:
+            out.output_top_logprobs += [[(int(t), float(lp)) for t, lp in row] for row in delta.new_top_logprobs]
+        text = self.detok.step(new_ids) if new_ids else ""
+        if self.detok.finished_by_stop:
+            self._finish(FINISH_STOP, self.detok.stop_matched, None)
+            return StepUpdate(text=text, token_ids=new_ids, finished=True, abort=not delta.finished)
+        if delta.finished:
+            text += self.detok.flush()
+            reason = FINISH_ABORT if delta.finish_reason == FINISH_ERROR else delta.finish_reason
+            self._finish(reason, delta.stop_matched, delta.error)
+        return StepUpdate(text=text, token_ids=new_ids, finished=delta.finished)
+
+    def _finish(self, reason: str | None, matched: int | str | None, error: str | None) -> None:
+        out = self.output
+        out.text = self.detok.text
+        out.finish_reason = reason
+        out.matched_stop = matched
+        out.error = error
+        out.e2e_latency = time.monotonic() - self.started

@@ -1,0 +1,81 @@
+"""Messages between the clients (`Engine`, the HTTP server) and the `EngineCore` process.
+
+Two ZeroMQ IPC sockets carry them, msgspec-encoded: client -> core (PUSH/PULL) for requests and
+control calls, core -> client (PUSH/PULL) for token deltas and replies. Each message is a tagged
+struct so one decoder reads a union.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.request import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    """Abort the named requests; `None` aborts every request in the engine."""
+
+    request_ids: list[str] | None
+
+
+class ControlCall(msgspec.Struct, tag=True):
+    """A control method of the core (`flush_cache`, `get_info`, ...), run between steps, in order."""
+
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = {}
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class RequestDelta(msgspec.Struct):
+    """What one step produced for one request. Token lists hold 0 tokens (a request finished with
+    no new token, e.g. aborted) or 1 per step; a client concatenates them."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_matched: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    deltas: list[RequestDelta]
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    call_id: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+class Ready(msgspec.Struct, tag=True):
+    """Sent once when the core has built everything; `info` is `EngineCore.get_info()`."""
+
+    info: dict[str, Any]
+
+
+class Failed(msgspec.Struct, tag=True):
+    """Sent when the core cannot start or dies; the client raises `EngineDeadError` with it."""
+
+    error: str
+
+
+ToCore = AddRequest | AbortRequests | ControlCall | Shutdown
+FromCore = StepOutputs | ControlReply | Ready | Failed

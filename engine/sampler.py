@@ -1,0 +1,238 @@
+"""Turning one step's logits into tokens: penalties, min_new_tokens, logprobs, greedy, temperature,
+top-k, top-p, min-p and per-request seeds.
+
+Everything runs on the logits' device with batched tensor ops; the only host sync is the one
+transfer of the results at the end of `Sampler.__call__`. Per-row choices that change the work done
+(any penalties? any sampled rows? any top-k?) are Python flags on `SamplingBatch`, known without
+looking at a tensor.
+
+Order, per row: penalties, then min_new_tokens masking, then logprobs = log_softmax(logits / T)
+(T 0 counts as 1), then greedy rows take the argmax and the others divide by T, truncate (top-k,
+top-p, min-p) and sample with an exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks
+token i with probability probs[i] / sum(probs), and lets a row draw q from its own generator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+# A seeded row's noise at output step n comes from a generator seeded with
+# (seed * _SEED_STRIDE + n) & _SEED_MASK: the same for that (seed, n) whatever else is batched
+# with it, and again after a preemption recomputes the row.
+_SEED_STRIDE = 1_000_003
+_SEED_MASK = (1 << 63) - 1
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Generator seed of a seeded request when it samples its output token `num_output_tokens`."""
+    return (seed * _SEED_STRIDE + num_output_tokens) & _SEED_MASK
+
+
+def _pairs_tensor(rows: list[int], cols: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([rows, cols], dtype=torch.long, device=device)  # [2, N]: row ids, token ids
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling inputs of B rows, on `device`. Token lists are (row, token) pairs so that
+    building them needs no vocabulary size."""
+
+    temperatures: torch.Tensor  # [B] float32; 1.0 where the request's temperature is 0
+    greedy: torch.Tensor  # [B] bool: temperature 0 or top_k 1
+    top_ks: torch.Tensor  # [B] int64; 0 = off
+    top_ps: torch.Tensor  # [B] float32; 1.0 = off
+    min_ps: torch.Tensor  # [B] float32; 0.0 = off
+    repetition_penalties: torch.Tensor | None  # [B] float32; None when every row is neutral
+    frequency_penalties: torch.Tensor | None  # [B] float32
+    presence_penalties: torch.Tensor | None  # [B] float32
+    seen_pairs: torch.Tensor | None  # [2, S] int64: unique (row, token) in prompt or output
+    output_pairs: torch.Tensor | None  # [2, O] int64: unique (row, token) in output
+    output_counts: torch.Tensor | None  # [O] float32: occurrences of output_pairs[:, j] in output
+    banned_pairs: torch.Tensor | None  # [2, N] int64: (row, token) masked by min_new_tokens
+    seeds: list[tuple[int, int]]  # (row, generator seed) of every sampled (non-greedy) seeded row
+    top_logprobs_nums: list[int]  # [B]
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        greedy = [p.greedy for p in params]
+        seeds = [
+            (i, step_seed(p.seed, r.num_output_tokens))
+            for i, (r, p) in enumerate(zip(requests, params, strict=True))
+            if p.seed is not None and not greedy[i]
+        ]
+
+        rep = [p.repetition_penalty for p in params]
+        freq = [p.frequency_penalty for p in params]
+        pres = [p.presence_penalty for p in params]
+        use_rep = any(x != 1.0 for x in rep)
+        use_out = any(x != 0.0 for x in freq + pres)
+        seen_pairs = output_pairs = output_counts = None
+        if use_rep:
+            rows, cols = [], []
+            for i, r in enumerate(requests):
+                if rep[i] != 1.0:
+                    tokens = set(r.token_ids)
+                    rows += [i] * len(tokens)
+                    cols += tokens
+            seen_pairs = _pairs_tensor(rows, cols, device)
+        if use_out:
+            rows, cols, counts = [], [], []
+            for i, r in enumerate(requests):
+                if freq[i] != 0.0 or pres[i] != 0.0:
+                    counter = Counter(r.output_token_ids)
+                    rows += [i] * len(counter)
+                    cols += counter.keys()
+                    counts += counter.values()
+            output_pairs = _pairs_tensor(rows, cols, device)
+            output_counts = floats(counts)
+
+        # min_new_tokens: the tokens that would end the request are impossible until it has enough.
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+            if r.num_output_tokens < p.min_new_tokens:
+                ended_by = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                ban_rows += [i] * len(ended_by)
+                ban_cols += ended_by
+
+        return cls(
+            temperatures=floats([p.temperature if p.temperature > 0 else 1.0 for p in params]),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
+            top_ps=floats([p.top_p for p in params]),
+            min_ps=floats([p.min_p for p in params]),
+            repetition_penalties=floats(rep) if use_rep else None,
+            frequency_penalties=floats(freq) if use_out else None,
+            presence_penalties=floats(pres) if use_out else None,
+            seen_pairs=seen_pairs,
+            output_pairs=output_pairs,
+            output_counts=output_counts,
+            banned_pairs=_pairs_tensor(ban_rows, ban_cols, device) if ban_rows else None,
+            seeds=seeds,
+            top_logprobs_nums=[p.top_logprobs_num for p in params],
+            all_greedy=all(greedy),
+            use_top_k=any(p.top_k > 1 and not g for p, g in zip(params, greedy, strict=True)),
+            use_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
+            use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True)),
+        )
+
+    def __len__(self) -> int:
+        return len(self.top_logprobs_nums)
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the sampled token, its logprob, and (when any row asked) its top logprobs, best
+    first, `top_logprobs_num` of them (an empty list for rows that asked for none)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class Sampler:
+    """Samples one token per row. Rows without a seed share the generator seeded with `seed`."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._row_generator = torch.Generator(device=self.device)  # re-seeded for each seeded row
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = self.process_logits(logits, batch)  # [B, V] float32
+        scaled = logits / batch.temperatures[:, None]  # [B, V]
+        logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
+        tokens = scaled.argmax(dim=-1)  # [B]
+        if not batch.all_greedy:
+            probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
+            if batch.use_min_p:
+                # Relative to the row's best token, so no renormalisation is needed first or after.
+                cut = probs < batch.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+                probs = probs.masked_fill(cut, 0.0)
+            sampled = (probs / self._exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+            tokens = torch.where(batch.greedy, tokens, sampled)
+        columns = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
+        n_top = max(batch.top_logprobs_nums, default=0)
+        if n_top > 0:
+            top_values, top_ids = logprobs.topk(n_top, dim=-1)  # [B, n_top] each
+            columns += [top_values.double(), top_ids.double()]
+        rows = torch.cat(columns, dim=1).tolist()  # the one host sync; ids < 2**53 stay exact
+        return SamplerOutput(
+            token_ids=[int(row[0]) for row in rows],
+            logprobs=[row[1] for row in rows],
+            top_logprobs=None
+            if n_top == 0
+            else [
+                [(int(row[2 + n_top + j]), row[2 + j]) for j in range(n)]
+                for row, n in zip(rows, batch.top_logprobs_nums, strict=True)
+            ],
+        )
+
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties then min_new_tokens masking; returns a new [B, V] float32 tensor."""
+        logits = logits.to(torch.float32, copy=True)
+        batch_size, vocab_size = logits.shape
+        if batch.repetition_penalties is not None and batch.seen_pairs is not None:
+            # Seen tokens move toward "less likely": positive logits divided, negative multiplied.
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[batch.seen_pairs[0], batch.seen_pairs[1]] = True
+            penalty = batch.repetition_penalties[:, None]
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalized, logits)
+        if (
+            batch.output_pairs is not None
+            and batch.output_counts is not None
+            and batch.frequency_penalties is not None
+            and batch.presence_penalties is not None
+        ):
+            counts = torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=logits.device)
+            counts[batch.output_pairs[0], batch.output_pairs[1]] = batch.output_counts
+            logits -= batch.frequency_penalties[:, None] * counts
+            logits -= batch.presence_penalties[:, None] * (counts > 0).float()
+        if batch.banned_pairs is not None:
+            logits[batch.banned_pairs[0], batch.banned_pairs[1]] = float("-inf")
+        return logits
+
+    def _truncate(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Top-k then top-p on temperature-scaled logits [B, V]: dropped tokens become -inf.
+        Top-p keeps the smallest best-first prefix whose probability (renormalised after top-k)
+        reaches top_p: token j stays iff the mass strictly before it is < top_p."""
+        if not (batch.use_top_k or batch.use_top_p):
+            return scaled
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V] each
+        vocab_size = scaled.shape[-1]
+        if batch.use_top_k:
+            rank = torch.arange(vocab_size, device=scaled.device)[None, :]  # [1, V]
+            k = torch.where(batch.top_ks > 0, batch.top_ks, vocab_size)[:, None]  # [B, 1]
+            sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        if batch.use_top_p:
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [B, V]
+            cut = (mass_before >= batch.top_ps[:, None]) & (batch.top_ps[:, None] < 1.0)
+            cut[:, 0] = False  # the best token always stays, whatever rounding does
+            sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+
+    def _exponential_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Exp(1) noise [B, V]: seeded rows from their own step generator, the rest shared."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seed in batch.seeds:
+            self._row_generator.manual_seed(seed)
+            noise[row].exponential_(generator=self._row_generator)
+        # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax would pick.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

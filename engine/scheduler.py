@@ -1,0 +1,202 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+One unified step, as in vLLM v1: there are no prefill and decode phases, only a token budget of
+`max_num_batched_tokens`. A request runs the tokens it has not computed yet,
+`num_tokens - num_computed_tokens`, capped by what is left of the budget: a whole prompt, a chunk
+of a long one (chunked prefill), one token when decoding, or everything again after preemption.
+
+Order of a step:
+  1. Running requests, oldest admission first. When one cannot get KV blocks, the most recently
+     admitted running request is preempted (blocks freed, to recompute later) until it can.
+  2. Waiting requests, first in first out, while budget, `max_num_seqs` and blocks allow. The
+     first that does not fit stops admission: nothing overtakes it. No admission in a step that
+     preempted.
+A request that could never run (longer than `max_model_len`, or more blocks than the whole cache)
+is finished with FINISH_ERROR instead of waiting forever. Since the oldest running request can
+always preempt all the others, it always progresses, so every request finishes eventually.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.kv_cache import BlockManager
+from engine.request import FINISH_ABORT, FINISH_ERROR, Batch, Request, RequestStatus
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; asks `block_manager` for KV blocks."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        if min(max_num_batched_tokens, max_num_seqs, max_model_len) < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests go back to the front
+        self.running: list[Request] = []  # in admission order
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.num_preemptions = 0  # since start, for /get_server_info and tests
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def request_ids(self) -> list[str]:
+        """Ids of every unfinished request: running, then waiting."""
+        return [r.request_id for r in (*self.running, *self.waiting)]
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        if req.status is not RequestStatus.WAITING or req.block_table:
+            raise ValueError(f"request {req.request_id!r} is not a new request")
+        self._requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish one request with FINISH_ABORT and free its blocks; None if it is not here."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.finish(FINISH_ABORT)
+        return req
+
+    def finish_all(self, reason: str = FINISH_ABORT, error: str | None = None) -> list[Request]:
+        """Finish every request (running first, then waiting) and free their blocks."""
+        reqs = [*self.running, *self.waiting]
+        self.running.clear()
+        self.waiting.clear()
+        self._requests.clear()
+        for req in reqs:
+            self.block_manager.free(req)
+            req.finish(reason, error=error)
+        return reqs
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[Batch, list[Request]]:
+        """The next step's batch, and the requests finished here with FINISH_ERROR (never runnable)."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        batch = Batch(requests=[], num_new_tokens=[])
+        preempted = False
+
+        i = 0  # running[:i] are scheduled; running[i:] may still be preempted
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n < 1:
+                i += 1
+                continue
+            while not bm.allocate(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # `req` preempted itself: everything after it is gone too
+
+        failed: list[Request] = []
+        while self.waiting:
+            req = self.waiting[0]
+            error = self._never_runs(req)
+            if error is not None:
+                self.waiting.popleft()
+                del self._requests[req.request_id]
+                req.finish(FINISH_ERROR, error=error)
+                failed.append(req)
+                continue
+            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs:
+                break
+            computed = bm.match_prefix(req)
+            n = min(req.num_tokens - computed, budget)
+            if not bm.allocate(req, computed + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch, failed
+
+    def _preempt(self, req: Request) -> None:
+        """Drop `req`'s KV; it recomputes (from the prefix cache, where it survives) when readmitted."""
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _never_runs(self, req: Request) -> str | None:
+        """Why `req` can never run, or None. Judged on its largest size, prompt + max_new_tokens."""
+        if req.num_prompt_tokens == 0:
+            return "the prompt is empty"
+        total, max_new = req.max_total_tokens, req.sampling_params.max_new_tokens
+        what = f"{total} tokens ({req.num_prompt_tokens} prompt + {max_new} max_new_tokens)"
+        if total > self.max_model_len:
+            return f"request needs up to {what}, more than max_model_len={self.max_model_len}"
+        bm = self.block_manager
+        blocks = bm.blocks_needed(total)
+        if blocks > bm.num_blocks:
+            return (
+                f"request needs up to {what}, i.e. {blocks} KV blocks of {bm.block_size} tokens, "
+                f"but the KV cache has only {bm.num_blocks} blocks "
+                f"({bm.num_blocks * bm.block_size} tokens)"
+            )
+        return None
+
+    def update(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
+        """Account for a step the model ran: `sampled` maps request id -> next token for exactly the
+        requests whose chunk reached their last token (`batch.samples(i)`, judged before this call).
+        Returns the requests that finished; their blocks are freed."""
+        finished: list[Request] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
+            if req.finished:
+                continue  # aborted after schedule(): its blocks are already freed
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            at_end = req.num_computed_tokens == req.num_tokens
+            if (token is not None) != at_end:
+                raise RuntimeError(
+                    f"request {req.request_id}: {'a' if token is not None else 'no'} sampled token, but "
+                    f"{req.num_computed_tokens} of {req.num_tokens} tokens are computed"
+                )
+            if token is not None:
+                req.append_token(token)
+            if req.finished:
+                finished.append(req)
+        if finished:
+            self.running[:] = [r for r in self.running if not r.finished]
+            for req in finished:
+                self.block_manager.free(req)
+                del self._requests[req.request_id]
+        return finished

@@ -1,0 +1,174 @@
+"""Loading weights into a built model, from a safetensors checkpoint or from named tensors (RL
+weight updates), always in place.
+
+Rules:
+- Tensors are copied into the existing parameters (`param.data[rows].copy_(t)`, cast to the
+  parameter's dtype and device); a parameter is never rebound, since CUDA graphs hold its address.
+- Two phases, so that a load is all or nothing: every (name, shape, dtype) is checked against the
+  model first, from safetensors headers alone for a checkpoint; only then is anything copied.
+- Names are the checkpoint's (Hugging Face) names. A packed parameter (`MergedLinear`) takes one
+  checkpoint tensor per shard: `...self_attn.q_proj.weight` fills the q rows of
+  `...self_attn.qkv_proj.weight`. Ignored: rotary `inv_freq` buffers, and `lm_head.weight` when the
+  model ties its embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models.layers import MergedLinear
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FLOAT_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint or update that does not fit the model; the message names the tensor or file."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: `rows` of `param` (all of it when None)."""
+
+    param: torch.Tensor
+    rows: slice | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.param.shape if self.rows is None else self.param.data[self.rows].shape)
+
+
+# ---- the model side ------------------------------------------------------------------------
+
+
+def _targets(model: nn.Module) -> dict[str, _Target]:
+    """Checkpoint name -> target, for every tensor a full checkpoint must provide."""
+    targets: dict[str, _Target] = {}
+    for module_name, module in model.named_modules():
+        prefix = module_name.rpartition(".")[0]
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(module, MergedLinear):
+                for shard, rows in module.shards.items():
+                    name = f"{prefix}.{shard}.{param_name}" if prefix else f"{shard}.{param_name}"
+                    targets[name] = _Target(param, rows)
+            else:
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                targets[name] = _Target(param, None)
+    return targets
+
+
+def _ignored(model: nn.Module, name: str) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    config = getattr(model, "config", None)
+    return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _validate(
+    model: nn.Module,
+    targets: dict[str, _Target],
+    entries: Iterable[tuple[str, tuple[int, ...], str]],  # (name, shape, safetensors dtype)
+    require_all: bool,
+) -> None:
+    seen: set[str] = set()
+    for name, shape, dtype in entries:
+        if _ignored(model, name):
+            continue
+        target = targets.get(name)
+        if target is None:
+            raise WeightLoadError(f"unexpected tensor {name!r}: the model has no such weight")
+        if tuple(shape) != target.shape:
+            raise WeightLoadError(
+                f"tensor {name!r} has shape {list(shape)}, the model expects {list(target.shape)}"
+            )
+        if dtype not in _FLOAT_DTYPES.values():
+            raise WeightLoadError(
+                f"tensor {name!r} has dtype {dtype}; supported: {', '.join(_FLOAT_DTYPES.values())}"
+            )
+        seen.add(name)
+    if require_all:
+        missing = [name for name in targets if name not in seen]
+        if missing:
+            raise WeightLoadError(
+                f"missing tensor {missing[0]!r} ({len(missing)} of {len(targets)} missing)"
+            )
+
+
+@torch.no_grad()
+def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    for name, tensor in pairs:
+        if _ignored(model, name):
+            continue
+        target = targets[name]
+        dst = target.param.data if target.rows is None else target.param.data[target.rows]
+        dst.copy_(tensor)
+
+
+# ---- the checkpoint side -------------------------------------------------------------------
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory: those its index names, else
+    `model.safetensors`, else every `*.safetensors` in it."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        names = [SINGLE_FILE]
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not names:
+            raise WeightLoadError(f"no safetensors weights in {path!r}")
+    files = [os.path.join(path, n) for n in names]
+    for file in files:
+        if not os.path.isfile(file):
+            raise WeightLoadError(f"weight file {file!r} is missing (named by {INDEX_FILE})")
+    return files
+
+
+def checkpoint_entries(path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of every tensor, read from the file headers only."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                yield name, tuple(sl.get_shape()), sl.get_dtype()
+
+
+def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) of every tensor of the checkpoint, one file at a time."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---- entry points --------------------------------------------------------------------------
+
+
+def load_checkpoint(model: nn.Module, path: str) -> None:
+    """Load a full checkpoint directory into `model`: validate every header, then copy."""
+    targets = _targets(model)
+    _validate(model, targets, checkpoint_entries(path), require_all=True)
+    _copy(model, targets, iterate_checkpoint(path))
+
+
+def load_named_tensors(
+    model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], require_all: bool = False
+) -> None:
+    """Copy (checkpoint name, tensor) pairs into `model`: a full set, or a partial update when
+    `require_all` is False. Nothing is copied unless every pair is valid."""
+    pairs = list(pairs)
+    entries = ((name, tuple(t.shape), _FLOAT_DTYPES.get(t.dtype, str(t.dtype))) for name, t in pairs)
+    targets = _targets(model)
+    _validate(model, targets, entries, require_all)
+    _copy(model, targets, pairs)

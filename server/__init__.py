@@ -1,0 +1,1 @@
+"""Siesta's front end: the command line and (later) the HTTP server."""

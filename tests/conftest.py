@@ -1,0 +1,112 @@
+"""Tiny random Hugging Face checkpoints, saved once per session with `save_pretrained`.
+
+Every one has vocab 512, hidden 64, head_dim 16, float32 weights, a fixed seed and a tokenizer
+(engine.demo_model.save_tokenizer). Weights are drawn wider than Hugging Face's default init and
+every parameter (norms and biases included) is perturbed, so that attention is far from uniform
+and a wrong rope, mask, bias or norm shows in the logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _tiny_llama() -> PreTrainedModel:
+    # llama3 rope scaling with an original context of 32, so test prompts cross it.
+    config = LlamaConfig(
+        **TINY,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    return _randomized(LlamaForCausalLM, config, seed=0)
+
+
+def _tiny_qwen2() -> PreTrainedModel:
+    config = Qwen2Config(
+        **TINY, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+    )
+    return _randomized(Qwen2ForCausalLM, config, seed=1)
+
+
+def _tiny_qwen3() -> PreTrainedModel:
+    # 8 heads of 16: head_dim is not hidden / heads, so it must be read from the config.
+    config = Qwen3Config(
+        **TINY, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
+    )
+    return _randomized(Qwen3ForCausalLM, config, seed=2)
+
+
+def _randomized(cls: type[PreTrainedModel], config: object, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _save(model: PreTrainedModel, path: str, **kwargs: object) -> str:
+    from engine.demo_model import save_tokenizer
+
+    model.save_pretrained(path, **kwargs)
+    save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _save(_tiny_llama(), str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same weights as `llama_dir`, in several files with a `model.safetensors.index.json`."""
+    return _save(_tiny_llama(), str(tmp_path_factory.mktemp("llama_sharded")), max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _save(_tiny_qwen2(), str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _save(_tiny_qwen3(), str(tmp_path_factory.mktemp("qwen3")))
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+def arch_dir(request: pytest.FixtureRequest) -> str:
+    """Each architecture's checkpoint in turn."""
+    return request.getfixturevalue(f"{request.param}_dir")

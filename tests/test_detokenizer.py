@@ -1,0 +1,159 @@
+"""Incremental detokenization: the text equals a full decode, nothing emitted is ever taken back
+(no half characters), and no part of a stop string is ever emitted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.demo_model import build_tokenizer
+from engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! The weather is nice today.",
+    "中文：你好，世界。我们今天学习机器学习。",
+    "emoji 😀🎉🚀 and ZWJ 👨‍👩‍👧, a flag 🇫🇷 and ❤️ — done.",
+    "日本語：こんにちは、世界。한국어: 안녕하세요. Ελληνικά 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+def stream(
+    det: IncrementalDetokenizer,
+    ids: list[int],
+    rng: random.Random,
+    expected: str,
+    max_chunk: int = 3,
+) -> list[str]:
+    """Feed `ids` in random chunks; every prefix of what was emitted must be a prefix of
+    `expected` (nothing taken back, no half character, no piece of a stop string)."""
+    deltas: list[str] = []
+    i = 0
+    while i < len(ids):
+        n = rng.randint(1, max_chunk)
+        deltas.append(det.step(ids[i : i + n]))
+        i += n
+        assert "".join(deltas) == det.text and expected.startswith(det.text), (det.text, expected)
+    deltas.append(det.flush())
+    assert "".join(deltas) == det.text
+    return deltas
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_ids_match_full_decode(
+    tok: PreTrainedTokenizerFast, skip_special_tokens: bool
+) -> None:
+    rng = random.Random(0)
+    for trial in range(300):
+        prompt = tok.encode(rng.choice(TEXTS))[: rng.randint(0, 12)]
+        # Mostly multi-byte pieces (ids past 128 are byte symbols of UTF-8 lead/continuation
+        # bytes or merges of them), some specials, some ASCII.
+        output = [
+            rng.choice([rng.randint(0, 2), rng.randint(3, 130), rng.randint(131, 511)])
+            for _ in range(rng.randint(0, 40))
+        ]
+        want = tok.decode(output, skip_special_tokens=skip_special_tokens)
+        det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+        stream(det, output, rng, want, max_chunk=1 + trial % 4)
+        assert det.text == want and not det.finished_by_stop
+
+
+def test_valid_text_streams_without_replacement_chars(tok: PreTrainedTokenizerFast) -> None:
+    rng = random.Random(1)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    for text in TEXTS:
+        det = IncrementalDetokenizer(tok, tok.encode(prompt))
+        deltas = stream(det, tok.encode(text) + [2], rng, text, max_chunk=1)
+        assert det.text == text
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_text_before_an_unfinished_character_is_emitted(tok: PreTrainedTokenizerFast) -> None:
+    ids = tok.encode("ab😀")
+    # The emoji spans several tokens: "ab" plus its first piece decode to "ab" + U+FFFD.
+    cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).startswith("ab\ufffd"))
+    assert cut < len(ids)
+    det = IncrementalDetokenizer(tok, [])
+    assert det.step(ids[:cut]) == "ab"
+    assert [det.step([i]) for i in ids[cut:]] == [""] * (len(ids) - cut - 1) + ["😀"]
+
+
+def test_flush_emits_an_unfinished_character(tok: PreTrainedTokenizerFast) -> None:
+    ids = tok.encode("中")[:-1]  # "中" is 3 bytes over more than one token
+    assert ids and tok.decode(ids).endswith("\ufffd")
+    det = IncrementalDetokenizer(tok, [])
+    assert det.step(ids) == ""
+    assert det.flush() == tok.decode(ids) == det.text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stop_string_truncates_and_is_never_emitted(
+    tok: PreTrainedTokenizerFast, text: str
+) -> None:
+    rng = random.Random(hash(text) % 1000)
+    for _ in range(40):
+        start = rng.randrange(len(text))
+        stop = text[start : start + rng.randint(1, 6)]
+        want = text[: text.find(stop)]
+        det = IncrementalDetokenizer(tok, tok.encode("Q: "), stop=(stop, "never appears"))
+        stream(det, tok.encode(text), rng, want)
+        assert det.text == want and det.stop_matched == stop and det.finished_by_stop
+        assert det.step(tok.encode("more text")) == "" and det.flush() == ""
+
+
+def test_partial_stop_is_held_then_flushed(tok: PreTrainedTokenizerFast) -> None:
+    det = IncrementalDetokenizer(tok, [], stop=("abc",))
+    assert det.step(tok.encode("The answer is a")) == "The answer is "
+    assert det.step(tok.encode("b")) == ""
+    assert det.step(tok.encode("d ab")) == "abd "
+    assert det.text == "The answer is abd "
+    assert det.flush() == "ab" and det.text == "The answer is abd ab" and not det.finished_by_stop
+
+
+def test_first_completed_stop_wins(tok: PreTrainedTokenizerFast) -> None:
+    for stop in [("END", "x E"), ("x E", "END")]:
+        det = IncrementalDetokenizer(tok, [], stop=stop)
+        det.step(tok.encode("one two x END three"))  # both in one step: the earlier one wins
+        assert det.text == "one two " and det.stop_matched == "x E"
+    det = IncrementalDetokenizer(tok, [], stop=("bc", "abcd"))
+    for piece in "abcd":
+        det.step(tok.encode(piece))
+    assert det.text == "a" and det.stop_matched == "bc"
+
+
+def test_stop_on_special_token_text(tok: PreTrainedTokenizerFast) -> None:
+    det = IncrementalDetokenizer(tok, [], skip_special_tokens=False, stop=("<|im_end|>",))
+    assert det.step(tok.encode("hi ")) == "hi "
+    assert det.step([2]) == "" and det.stop_matched == "<|im_end|>" and det.text == "hi "
+
+
+def test_prefix_offset_keeps_the_space_a_leading_token_implies() -> None:
+    # A SentencePiece-style tokenizer drops the "▁" of the first token of a decode; the prompt
+    # context in front of the output keeps it.
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    words = "hello there general kenobi you are a bold one".split()
+    sp.train_from_iterator(
+        [" ".join(words)] * 3,
+        trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"], show_progress=False),
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp, clean_up_tokenization_spaces=False)
+    prompt, output = tok.encode("hello there"), tok.encode("general kenobi you are")
+    assert tok.decode(output) == "general kenobi you are"  # the leading space is gone alone
+    det = IncrementalDetokenizer(tok, prompt)
+    stream(det, output, random.Random(2), " general kenobi you are")
+    assert (
+        det.text
+        == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
+        == " general kenobi you are"
+    )

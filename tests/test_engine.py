@@ -1,0 +1,183 @@
+"""End to end through the real engine process: greedy output equals transformers token for token
+for every architecture, also with prefix-cache hits, chunked prefill and preemption; bad input
+gets a clear error while the rest of the batch completes; every KV block is free afterwards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import Engine, EngineDeadError, InvalidRequest, SamplingParams
+
+NUM_NEW = 48
+GREEDY = SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...] = (5, 17, 33, 70)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], n: int = NUM_NEW) -> list[list[int]]:
+    """transformers' own `generate`, one prompt at a time (no padding), EOS never stops it."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def assert_all_blocks_free(llm: Engine) -> None:
+    info = llm.get_server_info()
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["kv_blocks_free"] == info["kv_blocks_total"]
+
+
+@pytest.fixture(scope="module")
+def reference(arch_dir: str) -> tuple[str, list[list[int]], list[list[int]]]:
+    prompts = _prompts(1)
+    return arch_dir, prompts, hf_greedy(arch_dir, prompts)
+
+
+def test_greedy_matches_transformers(reference) -> None:
+    model_dir, prompts, expected = reference
+    with Engine(model=model_dir, device="cpu", dtype="float32") as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o.output_ids for o in outs] == expected
+        assert all(o.finish_reason == "length" for o in outs)
+        # The same prompts again come from the prefix cache (full blocks) and change nothing.
+        again = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o.output_ids for o in again] == expected
+        assert [o.cached_tokens for o in again] == [(len(p) - 1) // 16 * 16 for p in prompts]
+        assert sum(o.cached_tokens for o in again) > 0
+        assert_all_blocks_free(llm)
+
+
+def test_chunked_prefill_and_preemption_change_nothing(reference) -> None:
+    model_dir, prompts, expected = reference
+    # A 16-token budget splits every prompt over several steps; 14 blocks of 8 tokens cannot
+    # hold four requests of up to 118 tokens at once, so requests are preempted and recomputed.
+    with Engine(
+        model=model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=20,
+        max_num_batched_tokens=16, enable_prefix_caching=False,
+    ) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [o.output_ids for o in outs] == expected
+        assert llm.get_server_info()["num_preemptions"] > 0
+        assert_all_blocks_free(llm)
+
+
+def test_shared_prefixes_hit_the_cache(qwen3_dir: str) -> None:
+    base = _prompts(7, (40,))[0]
+    prompts = [base + tail for tail in _prompts(8, (3, 9, 20))]
+    expected = hf_greedy(qwen3_dir, prompts, n=16)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    with Engine(model=qwen3_dir, device="cpu", dtype="float32", block_size=16) as llm:
+        first = llm.generate(input_ids=[base], sampling_params=params)
+        assert first[0].cached_tokens == 0
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        assert [o.output_ids for o in outs] == expected
+        assert [o.cached_tokens for o in outs] == [32, 32, 32]
+        assert llm.flush_cache() is True
+        again = llm.generate(input_ids=prompts[:1], sampling_params=params)
+        assert again[0].cached_tokens == 0 and again[0].output_ids == expected[0]
+        assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def demo_engine(tmp_path_factory):
+    from engine.demo_model import create_demo_model
+
+    path = create_demo_model(str(tmp_path_factory.mktemp("demo")))
+    with Engine(model=path, device="cpu", dtype="float32", max_model_len=256) as llm:
+        yield llm
+
+
+def test_text_prompts_logprobs_and_stop(demo_engine: Engine) -> None:
+    llm = demo_engine
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs_num=3)
+    out = llm.generate(["Hello there", "Another prompt, a bit longer"], params)
+    ref = AutoModelForCausalLM.from_pretrained(llm.config.model, dtype=torch.float32).eval()
+    for o in out:
+        assert o.text == llm.tokenizer.decode(o.output_ids, skip_special_tokens=True)
+        assert [t for _, t in o.output_token_logprobs] == o.output_ids
+        with torch.no_grad():
+            full = torch.tensor([o.prompt_token_ids + o.output_ids])
+            logp = torch.log_softmax(ref(full).logits[0].float(), -1)
+        n = len(o.prompt_token_ids)
+        for i, (lp, tok) in enumerate(o.output_token_logprobs):
+            row = logp[n - 1 + i]
+            assert lp == pytest.approx(row.max().item(), abs=1e-4)
+            assert lp == pytest.approx(row[tok].item(), abs=1e-4)
+            top = o.output_top_logprobs[i]
+            assert [t for t, _ in top] == row.topk(3).indices.tolist()
+    # A stop string cuts the text before it; the request ends with finish_reason stop.
+    text = out[0].text
+    stop = text[5:8]
+    if stop.strip():
+        cut = llm.generate(["Hello there"], SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+        assert cut.finish_reason == "stop" and cut.matched_stop == stop
+        assert cut.text == text[: text.index(stop)]
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_reproducible(demo_engine: Engine) -> None:
+    llm = demo_engine
+    prompts = ["The same prompt"] * 2 + ["Something else entirely"]
+    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    a = llm.generate(prompts, seeded)
+    b = llm.generate(prompts[:1], seeded)
+    assert a[0].output_ids == a[1].output_ids == b[0].output_ids
+    other = llm.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    assert other[0].output_ids != a[0].output_ids
+
+
+def test_bad_requests_fail_alone(demo_engine: Engine) -> None:
+    llm = demo_engine
+    good = [1, 5, 9, 33, 70]
+    expected = llm.generate(input_ids=[good], sampling_params=GREEDY)[0].output_ids
+    outs = llm.generate(
+        input_ids=[good, [], [7] * 250, [3, 600], good],
+        sampling_params=GREEDY,
+    )
+    assert outs[0].output_ids == expected == outs[4].output_ids
+    errors = [o.error for o in outs[1:4]]
+    assert all(o.finish_reason == "abort" and o.output_ids == [] for o in outs[1:4])
+    assert "empty" in errors[0]
+    assert "context length of 256" in errors[1]
+    assert "600" in errors[2] and "vocabulary" in errors[2]
+    with pytest.raises(InvalidRequest, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(InvalidRequest, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    assert_all_blocks_free(llm)
+
+
+def test_startup_errors_are_clear(tmp_path, qwen3_dir: str) -> None:
+    import json
+    import shutil
+
+    bad = tmp_path / "unknown_arch"
+    shutil.copytree(qwen3_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EngineDeadError, match="GPT2LMHeadModel.*Qwen3ForCausalLM"):
+        Engine(model=str(bad), device="cpu")
+
+    missing = tmp_path / "missing_weights"
+    shutil.copytree(qwen3_dir, missing)
+    (missing / "model.safetensors").unlink()
+    with pytest.raises(EngineDeadError, match="safetensors"):
+        Engine(model=str(missing), device="cpu")

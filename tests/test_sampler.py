@@ -1,0 +1,267 @@
+"""Sampler: distributions (by counting many draws), truncation supports, greedy, seeds, penalties,
+min_new_tokens and logprobs, each against an expectation computed independently."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.request import Request, SamplingParams
+from engine.sampler import Sampler, SamplingBatch
+
+CPU = torch.device("cpu")
+N_DRAWS = 20_000
+# Standard error of a frequency is <= 0.0036 at N_DRAWS; 0.015 is over 4 of them.
+TOLERANCE = 0.015
+
+
+def make_request(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    eos: tuple[int, ...] = (),
+    **params: object,
+) -> Request:
+    r = Request("r", list(prompt or [1]), SamplingParams(**params), eos_token_ids=eos)  # type: ignore[arg-type]
+    r.token_ids += list(output or [])  # as if sampled, without finishing the request
+    return r
+
+
+def sample(logits: torch.Tensor, requests: list[Request], sampler: Sampler | None = None):
+    batch = SamplingBatch.from_requests(requests, CPU)
+    return (sampler or Sampler(seed=0))(logits, batch)
+
+
+def frequencies(probs: list[float], **params: object) -> list[float]:
+    """Empirical token frequencies of N_DRAWS rows whose logits are log(probs)."""
+    logits = torch.tensor(probs).log().repeat(N_DRAWS, 1)
+    tokens = sample(logits, [make_request(**params) for _ in range(N_DRAWS)]).token_ids
+    return [tokens.count(i) / N_DRAWS for i in range(len(probs))]
+
+
+def softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def assert_close(got: list[float], want: list[float], tol: float = TOLERANCE) -> None:
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < tol, (got, want)
+
+
+def test_temperature_sampling_matches_softmax() -> None:
+    logits = [1.0, 0.5, 0.0, -0.5, 2.0, -1.0]
+    for temperature in (1.0, 0.7, 2.0):
+        want = softmax([x / temperature for x in logits])
+        assert_close(frequencies(softmax(logits), temperature=temperature), want)
+
+
+def test_top_k_support_and_renormalisation() -> None:
+    probs = [0.05, 0.3, 0.1, 0.25, 0.2, 0.1]
+    got = frequencies(probs, top_k=3)
+    assert all(got[i] == 0 for i in (0, 2, 5))
+    assert_close(got, [0, 0.3 / 0.75, 0, 0.25 / 0.75, 0.2 / 0.75, 0])
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(0.3, [0]), (0.65, [0, 1]), (0.75, [0, 1, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])],
+)
+def test_top_p_support(top_p: float, kept: list[int]) -> None:
+    probs = [0.4, 0.3, 0.2, 0.1]
+    got = frequencies(probs, top_p=top_p)
+    mass = sum(probs[i] for i in kept)
+    assert_close(got, [probs[i] / mass if i in kept else 0.0 for i in range(4)])
+    assert all(got[i] == 0 for i in range(4) if i not in kept)
+
+
+def test_top_k_then_top_p_uses_renormalised_probs() -> None:
+    # After top_k=2 the probs are 4/7, 3/7: top_p 0.5 keeps only the best token.
+    got = frequencies([0.4, 0.3, 0.2, 0.1], top_k=2, top_p=0.5)
+    assert got == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_min_p_support() -> None:
+    probs = [0.5, 0.3, 0.12, 0.08]
+    got = frequencies(probs, min_p=0.2)  # threshold 0.1: token 3 goes
+    assert got[3] == 0
+    assert_close(got, [p / 0.92 for p in probs[:3]] + [0.0])
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(1))
+    want = [max(range(100), key=lambda j, row=row: row[j]) for row in logits.tolist()]
+    half = [make_request(temperature=0.0) for _ in range(16)]
+    top1 = [make_request(temperature=1.5, top_k=1) for _ in range(16)]
+    assert sample(logits, half + top1).token_ids == want
+
+
+def test_mixed_batch_greedy_rows_stay_greedy() -> None:
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(2))
+    reqs = [make_request(temperature=0.0 if i % 2 else 1.0, top_p=0.9) for i in range(8)]
+    tokens = sample(logits, reqs).token_ids
+    assert [tokens[i] for i in range(1, 8, 2)] == logits[1::2].argmax(-1).tolist()
+
+
+def test_unseeded_rows_follow_the_sampler_seed() -> None:
+    logits = torch.zeros(64, 1000)
+    reqs = [make_request() for _ in range(64)]
+    a = sample(logits, reqs, Sampler(seed=5)).token_ids
+    assert a == sample(logits, reqs, Sampler(seed=5)).token_ids
+    assert a != sample(logits, reqs, Sampler(seed=6)).token_ids
+
+
+def test_seeded_row_independent_of_batch_and_sampler() -> None:
+    vocab = 1000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
+    seeded = make_request(seed=1234, output=[7, 8, 9])
+    alone = [sample(logits, [seeded], Sampler(seed=s)).token_ids[0] for s in range(3)]
+    assert len(set(alone)) == 1
+    others = [make_request(), make_request(temperature=0.0), make_request(seed=99, top_k=5)]
+    big = torch.cat([torch.randn(3, vocab), logits, torch.randn(2, vocab)])
+    batch = [others[0], others[1], others[2], seeded, make_request(top_p=0.5), make_request()]
+    assert sample(big, batch, Sampler(seed=77)).token_ids[3] == alone[0]
+
+
+def test_seed_and_step_change_the_draw() -> None:
+    logits = torch.zeros(1, 1000)
+    by_seed = {sample(logits, [make_request(seed=s)]).token_ids[0] for s in range(20)}
+    by_step = {
+        sample(logits, [make_request(seed=1, output=[5] * n)]).token_ids[0] for n in range(20)
+    }
+    assert len(by_seed) > 10 and len(by_step) > 10
+
+
+def test_seeded_rows_have_the_right_distribution() -> None:
+    # Same seed, different steps: the draws across steps follow softmax.
+    probs = [0.5, 0.3, 0.2]
+    logits = torch.tensor(probs).log()[None, :]
+    n = 3000
+    tokens = [
+        sample(logits, [make_request(seed=11, output=[0] * i)]).token_ids[0] for i in range(n)
+    ]
+    assert_close([tokens.count(i) / n for i in range(3)], probs, tol=0.04)
+
+
+def penalized_by_hand(
+    logits: list[float], prompt: list[int], output: list[int], rep: float, freq: float, pres: float
+) -> list[float]:
+    out = []
+    for token, x in enumerate(logits):
+        if token in prompt or token in output:
+            x = x / rep if x > 0 else x * rep
+        x -= freq * output.count(token)
+        x -= pres * (1.0 if token in output else 0.0)
+        out.append(x)
+    return out
+
+
+def test_penalties_exact() -> None:
+    logits = [2.0, -1.0, 0.5, -0.25, 3.0, 0.0, 1.5, -2.0]
+    cases = [
+        ([0, 1], [2, 2, 3], 1.3, 0.0, 0.0),
+        ([4, 5], [1, 1, 1, 6], 1.0, 0.5, 0.0),
+        ([7], [0, 3, 3], 1.0, 0.0, 0.7),
+        ([1, 4, 6], [6, 6, 2, 7], 0.8, -0.3, 1.1),
+        ([0], [], 1.0, 0.0, 0.0),  # neutral row next to penalised ones
+    ]
+    reqs = [
+        make_request(prompt, output, repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+        for prompt, output, r, f, p in cases
+    ]
+    batch = SamplingBatch.from_requests(reqs, CPU)
+    got = Sampler().process_logits(torch.tensor([logits] * len(cases)), batch)
+    want = [penalized_by_hand(logits, *case) for case in cases]
+    assert torch.allclose(got, torch.tensor(want), atol=1e-6)
+
+
+def test_neutral_batch_skips_penalty_work() -> None:
+    batch = SamplingBatch.from_requests([make_request(output=[1, 2])], CPU)
+    assert batch.seen_pairs is None and batch.output_pairs is None and batch.banned_pairs is None
+
+
+def test_min_new_tokens_blocks_eos_and_stop_tokens() -> None:
+    logits = torch.full((4, 10), -100.0)
+    logits[:, 2] = 50.0  # eos
+    logits[:, 3] = 40.0  # stop token
+    logits[:, 5] = 1.0
+    reqs = [
+        make_request(eos=(2,), output=[5], min_new_tokens=3, stop_token_ids=[3], temperature=0.0),
+        make_request(
+            eos=(2,),
+            output=[5],
+            min_new_tokens=3,
+            ignore_eos=True,
+            stop_token_ids=[3],
+            temperature=0.0,
+        ),
+        make_request(
+            eos=(2,), output=[5, 5, 5], min_new_tokens=3, stop_token_ids=[3], temperature=0.0
+        ),
+        make_request(eos=(2,), output=[5], min_new_tokens=3, stop_token_ids=[3]),
+    ]
+    assert sample(logits, reqs).token_ids == [5, 2, 2, 5]
+
+
+def test_logprobs_are_log_softmax_of_penalised_scaled_logits() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
+    reqs = [
+        make_request(temperature=0.0, top_logprobs_num=5, repetition_penalty=1.5, output=[0, 1]),
+        make_request(temperature=0.5, top_k=3, top_logprobs_num=2),
+        make_request(temperature=1.3, top_p=0.5),
+    ]
+    out = sample(logits, reqs)
+    penalised = Sampler().process_logits(logits, SamplingBatch.from_requests(reqs, CPU))
+    for i, temperature in enumerate((1.0, 0.5, 1.3)):
+        row = torch.log_softmax(penalised[i].double() / temperature, dim=-1).tolist()
+        assert out.logprobs[i] == pytest.approx(row[out.token_ids[i]], abs=1e-5)
+        best = sorted(range(40), key=lambda j, row=row: -row[j])[
+            : reqs[i].sampling_params.top_logprobs_num
+        ]
+        assert out.top_logprobs is not None
+        assert [t for t, _ in out.top_logprobs[i]] == best
+        assert [lp for _, lp in out.top_logprobs[i]] == pytest.approx(
+            [row[j] for j in best], abs=1e-5
+        )
+    assert out.top_logprobs is not None and out.top_logprobs[2] == []
+
+
+def test_no_top_logprobs_when_none_asked() -> None:
+    out = sample(torch.randn(2, 10), [make_request(), make_request(temperature=0.0)])
+    assert out.top_logprobs is None and len(out.logprobs) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sampling_seeds_and_single_sync() -> None:
+    cuda = torch.device("cuda")
+    probs = [0.05, 0.3, 0.1, 0.25, 0.2, 0.1]
+    reqs = [make_request(top_k=4, top_p=0.85, seed=i if i % 2 else None) for i in range(N_DRAWS)]
+    batch = SamplingBatch.from_requests(reqs, cuda)
+    logits = torch.tensor(probs, device=cuda).log().repeat(N_DRAWS, 1)
+    sampler = Sampler(seed=0, device=cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(UserWarning, match="synchroniz") as syncs:
+            tokens = sampler(logits, batch).token_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len([w for w in syncs if "synchroniz" in str(w.message)]) == 1
+    # top_k 4 keeps 0.3, 0.25, 0.2 and a 0.1; renormalised, the mass before that 0.1 is
+    # 0.75 / 0.85 > top_p, so top_p cuts it.
+    got = [tokens.count(i) / N_DRAWS for i in range(6)]
+    assert got[0] == got[2] == got[5] == 0
+    assert_close([got[1], got[3], got[4]], [0.3 / 0.75, 0.25 / 0.75, 0.2 / 0.75])
+
+    seeded = make_request(seed=1234, output=[7, 8, 9])
+    vocab_logits = torch.randn(6, 1000, device=cuda)
+    alone = sampler(vocab_logits[3:4], SamplingBatch.from_requests([seeded], cuda)).token_ids[0]
+    mixed = [make_request(), make_request(temperature=0.0), make_request(seed=5)] + [seeded] * 3
+    assert (
+        sampler(
+            vocab_logits[[0, 1, 2, 3, 3, 3]], SamplingBatch.from_requests(mixed, cuda)
+        ).token_ids[3:]
+        == [alone] * 3
+    )

@@ -1,0 +1,347 @@
+"""Scheduler + BlockManager driven by a pure-Python model over a paged "KV cache".
+
+The fake model keeps one value per KV slot: a rolling hash of the sequence's tokens up to that
+position, so a slot's value depends on its whole prefix, like real KV. It reads every computed
+slot of a request back from the blocks of its `block_table` and checks it, writes only private
+blocks, and samples a token from the state it read. Any bookkeeping error (a wrong shared block,
+a lost or overwritten slot) either fails an assertion or changes the outputs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import kv_cache
+from engine.kv_cache import BlockManager
+from engine.request import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Batch,
+    Request,
+    SamplingParams,
+)
+from engine.scheduler import Scheduler
+
+VOCAB = 50
+MOD = (1 << 61) - 1
+
+
+def mix(state: int, token: int) -> int:
+    return (state * 1_000_003 + token + 1) % MOD
+
+
+def next_token(state: int) -> int:
+    return state % VOCAB
+
+
+class FakeModel:
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.kv: list[list[int | None]] = [[None] * bm.block_size for _ in range(bm.num_blocks)]
+
+    def step(self, batch: Batch) -> dict[str, int]:
+        bs = self.bm.block_size
+        sampled: dict[str, int] = {}
+        for i, r in enumerate(batch.requests):
+            start, n = r.num_computed_tokens, batch.num_new_tokens[i]
+            assert n >= 1 and start + n <= r.num_tokens
+            assert start + n <= len(r.block_table) * bs
+            state = 0
+            for pos in range(start):  # attention reads the whole cached prefix
+                state = mix(state, r.token_ids[pos])
+                assert self.kv[r.block_table[pos // bs]][pos % bs] == state, (r.request_id, pos)
+            for pos in range(start, start + n):
+                block = r.block_table[pos // bs]
+                assert self.bm.ref_count(block) == 1 and not self.bm.is_cached(block)
+                state = mix(state, r.token_ids[pos])
+                self.kv[block][pos % bs] = state
+            if batch.samples(i):
+                sampled[r.request_id] = next_token(state)
+        return sampled
+
+
+def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
+    """What one sequence generates alone, without any cache."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        state = 0
+        for t in tokens:
+            state = mix(state, t)
+        tokens.append(next_token(state))
+    return tokens[len(prompt) :]
+
+
+def make(rid: str, prompt: list[int], max_new: int = 6, eos: tuple[int, ...] = ()) -> Request:
+    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new), eos_token_ids=eos)
+
+
+def run(
+    sched: Scheduler, reqs: list[Request], model: FakeModel | None = None, max_steps: int = 10_000
+) -> tuple[list[Batch], list[Request]]:
+    """Drive the scheduler to completion; check per-step invariants. Returns batches and failures.
+    Pass the `model` of earlier steps on the same scheduler: it holds the KV they wrote."""
+    model = model or FakeModel(sched.block_manager)
+    for r in reqs:
+        sched.add(r)
+    batches: list[Batch] = []
+    failed: list[Request] = []
+    while sched.has_unfinished():
+        assert len(batches) < max_steps, "no progress"
+        batch, errors = sched.schedule()
+        failed += errors
+        ids = [r.request_id for r in batch.requests]
+        assert len(ids) == len(set(ids))
+        assert batch.num_tokens <= sched.max_num_batched_tokens
+        assert sched.num_running <= sched.max_num_seqs
+        assert batch.requests or errors or not sched.has_unfinished(), "empty step with work left"
+        sched.update(batch, model.step(batch))
+        batches.append(batch)
+    return batches, failed
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    return [[(seed + 7 * i + 3 * j * j) % VOCAB for j in range(length + i)] for i in range(n)]
+
+
+def new_sched(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 64,
+    max_seqs: int = 8,
+    max_model_len: int = 1024,
+    prefix: bool = True,
+) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    return Scheduler(bm, budget, max_seqs, max_model_len)
+
+
+def test_outputs_match_the_reference() -> None:
+    sched = new_sched()
+    reqs = [make(f"r{i}", p) for i, p in enumerate(prompts(5, 9))]
+    run(sched, reqs)
+    for r in reqs:
+        assert r.finish_reason == FINISH_LENGTH
+        assert r.output_token_ids == reference(r.prompt_token_ids, 6)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_chunked_prefill_respects_budget_and_matches_unchunked() -> None:
+    ps = prompts(4, 23)
+    big = [make(f"r{i}", p) for i, p in enumerate(ps)]
+    run(new_sched(budget=512), big)
+    small = [make(f"r{i}", p) for i, p in enumerate(ps)]
+    batches, _ = run(new_sched(budget=7), small)
+    assert all(b.num_tokens <= 7 for b in batches)
+    first = batches[0]
+    assert first.requests == [small[0]] and first.num_new_tokens == [7]  # a chunk of the prompt
+    assert not first.samples(0)
+    for a, b in zip(big, small, strict=True):
+        assert b.output_token_ids == a.output_token_ids == reference(a.prompt_token_ids, 6)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_preemption_under_a_tiny_cache_is_invisible(prefix: bool) -> None:
+    ps = prompts(6, 8, seed=3)
+    big = [make(f"r{i}", p, max_new=12) for i, p in enumerate(ps)]
+    run(new_sched(num_blocks=256, prefix=prefix), big)
+    # The longest request needs 8 + 5 + 12 = 25 tokens: 7 blocks of 4; the cache holds 8.
+    sched = new_sched(num_blocks=8, prefix=prefix)
+    tiny = [make(f"r{i}", p, max_new=12) for i, p in enumerate(ps)]
+    run(sched, tiny)
+    assert sum(r.num_preemptions for r in tiny) > 0
+    for a, b in zip(big, tiny, strict=True):
+        assert b.finish_reason == FINISH_LENGTH and b.num_output_tokens == 12
+        assert b.output_token_ids == a.output_token_ids == reference(a.prompt_token_ids, 12)
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_used_blocks == 0
+
+
+def test_every_running_request_decodes_each_step_when_blocks_allow() -> None:
+    sched = new_sched(num_blocks=64)
+    reqs = [make(f"r{i}", p, max_new=5) for i, p in enumerate(prompts(3, 4))]
+    batches, _ = run(sched, reqs)
+    assert [len(b) for b in batches] == [3] * 5  # one prefill step samples token 1, four decodes
+    assert all(b.is_decode for b in batches[1:])
+
+
+def test_request_that_can_never_fit_gets_an_error() -> None:
+    sched = new_sched(num_blocks=8, max_model_len=40)  # 32 tokens of KV
+    ok1 = make("ok1", list(range(10)), max_new=4)
+    too_big = make("big", list(range(30)), max_new=5)  # 35 tokens: 9 blocks
+    too_long = make("long", list(range(40)), max_new=1)  # 41 > max_model_len
+    ok2 = make("ok2", list(range(5, 15)), max_new=4)
+    _, failed = run(sched, [ok1, too_big, too_long, ok2])
+    assert failed == [too_big, too_long]
+    assert too_big.finish_reason == FINISH_ERROR and too_long.finish_reason == FINISH_ERROR
+    assert too_big.error is not None and too_long.error is not None
+    assert "35 tokens" in too_big.error and "9 KV blocks" in too_big.error
+    assert "only 8 blocks" in too_big.error
+    assert "41 tokens" in too_long.error and "max_model_len=40" in too_long.error
+    assert too_big.block_table == [] and too_big.num_output_tokens == 0
+    for r in (ok1, ok2):
+        assert r.finish_reason == FINISH_LENGTH
+        assert r.output_token_ids == reference(r.prompt_token_ids, 4)
+    assert sched.block_manager.num_free_blocks == 8
+
+
+def test_abort_frees_blocks() -> None:
+    sched = new_sched(num_blocks=16, max_seqs=2)
+    model = FakeModel(sched.block_manager)
+    a, b, c = (make(x, p, max_new=20) for x, p in zip("abc", prompts(3, 6), strict=True))
+    for r in (a, b, c):
+        sched.add(r)
+    for _ in range(3):
+        batch, _ = sched.schedule()
+        sched.update(batch, model.step(batch))
+    assert (sched.running, list(sched.waiting)) == ([a, b], [c])
+    assert sched.request_ids() == ["a", "b", "c"]
+    assert sched.abort("nope") is None
+    assert sched.abort("c") is c and c.finish_reason == FINISH_ABORT and sched.num_waiting == 0
+    used = sched.block_manager.num_used_blocks
+    a_blocks = len(a.block_table)
+    assert sched.abort("a") is a and a.finish_reason == FINISH_ABORT
+    assert a.block_table == [] and sched.block_manager.num_used_blocks == used - a_blocks
+    # Aborted between schedule() and update(): update skips it.
+    batch, _ = sched.schedule()
+    assert batch.requests == [b]
+    sampled = model.step(batch)
+    sched.abort("b")
+    assert sched.update(batch, sampled) == []
+    assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
+    with pytest.raises(ValueError):
+        sched.add(b)  # a finished request is not new
+
+
+def test_max_num_seqs_and_batch_order() -> None:
+    sched = new_sched(max_seqs=2)
+    model = FakeModel(sched.block_manager)
+    reqs = [make(f"r{i}", p, max_new=3) for i, p in enumerate(prompts(4, 5))]
+    sched.add(reqs[0])
+    batch, _ = sched.schedule()
+    sched.update(batch, model.step(batch))
+    for r in reqs[1:]:
+        sched.add(r)
+    batch, _ = sched.schedule()
+    assert batch.requests == [reqs[0], reqs[1]] and batch.num_new_tokens == [1, 6]
+    assert sched.num_running == 2 and sched.num_waiting == 2
+    sched.update(batch, model.step(batch))
+    batches, _ = run(sched, [], model)
+    assert all(len(b) <= 2 for b in batches)
+    assert all(r.output_token_ids == reference(r.prompt_token_ids, 3) for r in reqs)
+
+
+def test_prefix_cache_hits_through_the_scheduler() -> None:
+    system = [(5 * j + 1) % VOCAB for j in range(16)]
+    first = make("first", system + [1, 2, 3])
+    sched = new_sched()
+    model = FakeModel(sched.block_manager)
+    run(sched, [first], model)
+    later = [make(f"l{i}", system + [i, i + 1]) for i in range(3)]
+    run(sched, later, model)
+    assert first.num_cached_tokens == 0
+    assert [r.num_cached_tokens for r in later] == [16, 16, 16]
+    for r in [first, *later]:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 6)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_eos_finishes_early() -> None:
+    p = prompts(1, 7)[0]
+    expected = reference(p, 6)
+    r = make("r", p, eos=(expected[2],))
+    sched = new_sched()
+    run(sched, [r])
+    assert r.finish_reason == FINISH_STOP
+    assert r.output_token_ids == expected[: expected.index(expected[2]) + 1]
+    assert sched.block_manager.num_used_blocks == 0
+
+
+def test_empty_batch_when_idle() -> None:
+    sched = new_sched()
+    batch, failed = sched.schedule()
+    assert len(batch) == 0 and batch.num_tokens == 0 and failed == []
+    assert sched.update(batch, {}) == []
+
+
+def test_update_rejects_a_missing_sample() -> None:
+    sched = new_sched()
+    sched.add(make("r", [1, 2, 3]))
+    batch, _ = sched.schedule()
+    with pytest.raises(RuntimeError, match="no sampled token"):
+        sched.update(batch, {})
+
+
+def test_finish_all() -> None:
+    sched = new_sched(max_seqs=1)
+    reqs = [make(f"r{i}", p) for i, p in enumerate(prompts(3, 5))]
+    for r in reqs:
+        sched.add(r)
+    batch, _ = sched.schedule()
+    assert sched.finish_all() == reqs
+    assert all(r.finish_reason == FINISH_ABORT for r in reqs)
+    assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_match_the_reference(seed: int) -> None:
+    """Shared prefixes, tiny caches, small budgets, late arrivals, EOS and aborts, all at once."""
+    rng = random.Random(seed)
+    block_size = rng.randint(1, 5)
+    num_blocks = rng.randint(12, 24) // block_size + 6
+    sched = new_sched(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        budget=rng.randint(4, 24),
+        max_seqs=rng.randint(1, 6),
+        prefix=seed % 4 != 3,
+    )
+    model = FakeModel(sched.block_manager)
+    stems = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))] for _ in range(3)]
+    reqs: list[Request] = []
+    for i in range(20):
+        prompt = rng.choice(stems) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
+        eos = (rng.randrange(VOCAB),) if rng.random() < 0.3 else ()
+        reqs.append(make(f"r{i}", prompt, max_new=rng.randint(1, 10), eos=eos))
+    pending, aborted, failed = list(reqs), set(), []
+    while pending or sched.has_unfinished():
+        if pending and rng.random() < 0.5:
+            sched.add(pending.pop(0))
+        if rng.random() < 0.03 and sched.has_unfinished():
+            victim = rng.choice([*sched.running, *sched.waiting])
+            assert sched.abort(victim.request_id) is victim
+            aborted.add(victim.request_id)
+        batch, errors = sched.schedule()
+        failed += errors
+        assert batch.num_tokens <= sched.max_num_batched_tokens
+        assert sched.num_running <= sched.max_num_seqs
+        sched.update(batch, model.step(batch))
+    bm = sched.block_manager
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
+    for r in reqs:
+        fits = bm.blocks_needed(r.max_total_tokens) <= bm.num_blocks
+        if r.request_id in aborted:
+            assert r.finish_reason == FINISH_ABORT
+            continue
+        assert (r in failed) == (not fits)
+        if not fits:
+            assert r.finish_reason == FINISH_ERROR
+            continue
+        expected = reference(r.prompt_token_ids, r.sampling_params.max_new_tokens)
+        stops = [k for k, t in enumerate(expected) if t in r.eos_token_ids]
+        if stops:
+            assert r.finish_reason == FINISH_STOP
+            expected = expected[: stops[0] + 1]
+        else:
+            assert r.finish_reason == FINISH_LENGTH
+        assert r.output_token_ids == expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workloads_with_colliding_hashes(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four hash values in all: collisions everywhere must cost hits, never outputs."""
+    monkeypatch.setattr(kv_cache, "hash_block", lambda parent, tokens: bytes([sum(tokens) % 4]))
+    test_random_workloads_match_the_reference(seed)
