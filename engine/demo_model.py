@@ -9,6 +9,7 @@ their bytes. Vocabulary: 3 special tokens, the 256 byte symbols, then 253 merges
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -91,6 +92,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def save_tokenizer(path: str) -> None:
     """Write tokenizer.json and tokenizer_config.json (chat template inside) to `path`."""
     build_tokenizer().save_pretrained(path, save_jinja_files=False)
+    # transformers 5 names its own backend class; name the class every 4.x and 5.x release loads.
+    config_file = os.path.join(path, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
 
 
 def create_demo_model(path: str, seed: int = 0) -> str:

@@ -1,0 +1,101 @@
+"""`CoreProcess`: the engine process and the two IPC sockets to it, as both clients use them.
+
+The client binds both sockets, then spawns the core, which connects to them; the core says `Ready`
+(or `Failed`) once it has built everything.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core import run_engine_core
+from engine.protocol import Failed, FromCore, Ready, Shutdown, ToCore
+
+# How long a client waits for the core to build itself, and for it to exit, seconds.
+STARTUP_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 10.0
+POLL_MS = 200
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process failed to start or died; the message says why."""
+
+
+class CoreProcess:
+    """The engine process and the two sockets to it."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        self._dir = tempfile.mkdtemp(prefix="siesta-")
+        in_addr = f"ipc://{os.path.join(self._dir, 'to_core')}"
+        out_addr = f"ipc://{os.path.join(self._dir, 'from_core')}"
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(in_addr)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.LINGER, 0)
+        self._from_core.bind(out_addr)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self.process = mp.get_context("spawn").Process(
+            target=run_engine_core, args=(config, in_addr, out_addr, log_level), name="siesta-engine", daemon=True
+        )
+        self.process.start()
+        self.dead: str | None = None
+        self.info = self._wait_ready()
+
+    def _wait_ready(self) -> dict[str, Any]:
+        waited = 0.0
+        while waited < STARTUP_TIMEOUT_S:
+            msg = self.recv(timeout_ms=POLL_MS)
+            if isinstance(msg, Ready):
+                return msg.info
+            if self.dead is not None:
+                self.close()
+                raise EngineDeadError(self.dead)
+            waited += POLL_MS / 1000
+        self.close()
+        raise EngineDeadError(f"engine did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+    def send(self, msg: ToCore) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._to_core.send(self._encoder.encode(msg))
+
+    def recv(self, timeout_ms: int) -> FromCore | None:
+        """One message from the core, or None after `timeout_ms`. Notices a dead core."""
+        if self._from_core.poll(timeout_ms):
+            msg = self._decoder.decode(self._from_core.recv())
+            if isinstance(msg, Failed):
+                self.dead = msg.error
+            return msg
+        if self.dead is None and not self.process.is_alive():
+            self.dead = f"engine process exited with code {self.process.exitcode}"
+        return None
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self._to_core.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.process.join(SHUTDOWN_TIMEOUT_S)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self._to_core.close()
+        self._from_core.close()
+        self._ctx.term()
+        for name in ("to_core", "from_core"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except FileNotFoundError:
+                pass
+        os.rmdir(self._dir)
