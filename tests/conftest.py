@@ -13,6 +13,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -68,6 +70,15 @@ def _tiny_qwen3() -> PreTrainedModel:
     return _randomized(Qwen3ForCausalLM, config, seed=2)
 
 
+def _tiny_mistral() -> PreTrainedModel:
+    # Mistral-shaped: Llama layers under another name, GQA, no rope scaling, a sliding window
+    # no shorter than the context (so full attention is exact).
+    config = MistralConfig(
+        **TINY, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, sliding_window=512
+    )
+    return _randomized(MistralForCausalLM, config, seed=3)
+
+
 def _randomized(cls: type[PreTrainedModel], config: object, seed: int) -> PreTrainedModel:
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
@@ -104,6 +115,17 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(_tiny_qwen3(), str(tmp_path_factory.mktemp("qwen3")))
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _save(_tiny_mistral(), str(tmp_path_factory.mktemp("mistral")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`qwen3_dir`'s weights saved in bfloat16, so `dtype="auto"` must pick bfloat16."""
+    return _save(_tiny_qwen3().to(torch.bfloat16), str(tmp_path_factory.mktemp("qwen3_bf16")))
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])

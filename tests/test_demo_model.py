@@ -123,3 +123,19 @@ def test_seeded_and_idempotent(tmp_path: Path, model_dir: str) -> None:
     stamp = os.path.getmtime(os.path.join(again, "model.safetensors"))
     assert create_demo_model(again, seed=1) == again  # already there: nothing is rewritten
     assert os.path.getmtime(os.path.join(again, "model.safetensors")) == stamp
+
+
+def test_cli_writes_a_servable_demo_model(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from engine import Engine, SamplingParams
+
+    target = tmp_path / "cli-demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "demo-model", str(target)], capture_output=True, text=True, check=True
+    )
+    assert str(target) in done.stdout
+    with Engine(model=str(target), device="cpu") as llm:
+        out = llm.generate("Hello", SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.output_ids) == 4 and out.finish_reason == "length"

@@ -181,3 +181,49 @@ def test_startup_errors_are_clear(tmp_path, qwen3_dir: str) -> None:
     (missing / "model.safetensors").unlink()
     with pytest.raises(EngineDeadError, match="safetensors"):
         Engine(model=str(missing), device="cpu")
+
+
+def test_mistral_shaped_checkpoint_matches_transformers(mistral_dir: str) -> None:
+    prompts = _prompts(3, (9, 40))
+    expected = hf_greedy(mistral_dir, prompts, n=16)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    with Engine(model=mistral_dir, device="cpu", dtype="float32") as llm:
+        assert llm.info["architecture"] == "MistralForCausalLM"
+        assert [o.output_ids for o in llm.generate(input_ids=prompts, sampling_params=params)] == expected
+
+
+def test_dtype_auto_takes_the_checkpoints(qwen3_bf16_dir: str) -> None:
+    """A bfloat16 checkpoint runs in bfloat16; its logprobs are no further from float32
+    transformers than transformers' own bfloat16 run is (with a little slack)."""
+    prompt = _prompts(4, (20,))[0]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    with Engine(model=qwen3_bf16_dir, device="cpu", dtype="auto") as llm:
+        assert llm.info["dtype"] == "bfloat16"
+        out = llm.generate(input_ids=[prompt], sampling_params=params)[0]
+    ids = torch.tensor([prompt + out.output_ids])
+    rows = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+    toks = torch.tensor(out.output_ids)
+
+    def hf_logprobs(dtype: torch.dtype) -> torch.Tensor:
+        ref = AutoModelForCausalLM.from_pretrained(qwen3_bf16_dir, dtype=dtype).eval()
+        with torch.no_grad():
+            return torch.log_softmax(ref(ids).logits[0].float(), -1)[rows, toks]
+
+    exact, hf_bf16 = hf_logprobs(torch.float32), hf_logprobs(torch.bfloat16)
+    ours = torch.tensor([lp for lp, _ in out.output_token_logprobs])
+    assert (ours - exact).abs().max() <= 2 * (hf_bf16 - exact).abs().max() + 0.02
+
+
+def test_wrong_tensor_shape_is_named(tmp_path, qwen3_dir: str) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "wrong_shape"
+    shutil.copytree(qwen3_dir, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(EngineDeadError, match=name.replace(".", r"\.")):
+        Engine(model=str(bad), device="cpu")
