@@ -56,6 +56,13 @@ class EngineCore:
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
         )
         self.num_steps = 0
+        # Paused: no step runs; new requests queue. Set by pause_generation, cleared by
+        # continue_generation.
+        self.paused = False
+        # Names the weights in use; RL weight updates set it (SGLang's default is "default").
+        self.weight_version = "default"
+        # Deltas produced outside a step (aborts from control calls), sent by the loop.
+        self.pending: list[RequestDelta] = []
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -126,7 +133,11 @@ class EngineCore:
         return deltas
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return not self.paused and self.scheduler.has_unfinished()
+
+    def take_pending(self) -> list[RequestDelta]:
+        out, self.pending = self.pending, []
+        return out
 
     # ---- control calls (run between steps) ------------------------------------------------------
 
@@ -135,6 +146,35 @@ class EngineCore:
         if self.scheduler.has_unfinished():
             return False
         return self.block_manager.reset_prefix_cache()
+
+    def ping(self) -> bool:
+        return True
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
+        running requests' KV and requeues them (they recompute on continue); `in_place` keeps
+        everything as it is. New requests queue until `continue_generation`."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}; use abort, retract or in_place")
+        self.paused = True
+        if mode == "abort":
+            self.pending += self.abort(None)
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        return {"paused": True, "mode": mode, "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting}
+
+    def continue_generation(self) -> dict[str, Any]:
+        self.paused = False
+        # Names the weights in use; RL weight updates set it (SGLang's default is "default").
+        self.weight_version = "default"
+        return {"paused": False}
+
+    def abort_requests(self, request_ids: list[str] | None) -> int:
+        """Abort the named requests (None: all); returns how many were found."""
+        deltas = self.abort(request_ids)
+        self.pending += deltas
+        return len(deltas)
 
     def get_info(self) -> dict[str, Any]:
         mc = self.model_config
@@ -152,7 +192,9 @@ class EngineCore:
             "block_size": self.block_manager.block_size,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "weight_version": self.weight_version,
             "num_steps": self.num_steps,
+            "paused": self.paused,
             "num_preemptions": self.scheduler.num_preemptions,
             "config": msgspec.to_builtins(self.config),
         }
@@ -163,7 +205,9 @@ class EngineCore:
         return getattr(self, method)(**kwargs)
 
 
-_CONTROL_METHODS = frozenset({"flush_cache", "get_info"})
+_CONTROL_METHODS = frozenset(
+    {"flush_cache", "get_info", "ping", "pause_generation", "continue_generation", "abort_requests"}
+)
 
 
 def _final_delta(req: Request) -> RequestDelta:
@@ -237,6 +281,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
 
 
 def _handle(core: EngineCore, msg: ToCore, send: Any) -> list[RequestDelta]:
+    """Apply one message; return the deltas it produced. A control call's own deltas (aborts) are
+    sent before its reply, so a caller that sees the reply has seen them too."""
     if isinstance(msg, AddRequest):
         delta = core.add_request(msg)
         return [delta] if delta is not None else []
@@ -244,7 +290,11 @@ def _handle(core: EngineCore, msg: ToCore, send: Any) -> list[RequestDelta]:
         return core.abort(msg.request_ids)
     if isinstance(msg, ControlCall):
         try:
-            send(ControlReply(call_id=msg.call_id, ok=True, result=core.call(msg.method, msg.kwargs)))
+            reply = ControlReply(call_id=msg.call_id, ok=True, result=core.call(msg.method, msg.kwargs))
         except Exception as e:  # a bad control call is the caller's error, not the engine's death
-            send(ControlReply(call_id=msg.call_id, ok=False, error=f"{type(e).__name__}: {e}"))
+            reply = ControlReply(call_id=msg.call_id, ok=False, error=f"{type(e).__name__}: {e}")
+        deltas = core.take_pending()
+        if deltas:
+            send(StepOutputs(deltas=deltas))
+        send(reply)
     return []

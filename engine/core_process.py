@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core import run_engine_core
@@ -64,6 +65,25 @@ class CoreProcess:
         self.close()
         raise EngineDeadError(f"engine did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
 
+    def async_sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """asyncio shadows of (to core, from core), for a client inside an event loop."""
+        return zmq.asyncio.Socket.from_socket(self._to_core), zmq.asyncio.Socket.from_socket(self._from_core)
+
+    def encode(self, msg: ToCore) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes) -> FromCore:
+        msg = self._decoder.decode(data)
+        if isinstance(msg, Failed):
+            self.dead = msg.error
+        return msg
+
+    def check_alive(self) -> bool:
+        """False once the core has said it failed or its process has exited."""
+        if self.dead is None and not self.process.is_alive():
+            self.dead = f"engine process exited with code {self.process.exitcode}"
+        return self.dead is None
+
     def send(self, msg: ToCore) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -72,12 +92,8 @@ class CoreProcess:
     def recv(self, timeout_ms: int) -> FromCore | None:
         """One message from the core, or None after `timeout_ms`. Notices a dead core."""
         if self._from_core.poll(timeout_ms):
-            msg = self._decoder.decode(self._from_core.recv())
-            if isinstance(msg, Failed):
-                self.dead = msg.error
-            return msg
-        if self.dead is None and not self.process.is_alive():
-            self.dead = f"engine process exited with code {self.process.exitcode}"
+            return self.decode(self._from_core.recv())
+        self.check_alive()
         return None
 
     def close(self) -> None:

@@ -92,6 +92,15 @@ class Scheduler:
             req.finish(reason, error=error)
         return reqs
 
+    def retract_all(self) -> int:
+        """Requeue every running request without its KV (it recomputes, from the prefix cache where
+        that survives). Order is kept: they go back to the front of the queue. Returns how many."""
+        retracted = list(self.running)
+        self.running.clear()
+        for req in reversed(retracted):
+            self._preempt(req)
+        return len(retracted)
+
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self) -> tuple[Batch, list[Request]]:

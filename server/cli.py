@@ -1,9 +1,87 @@
-"""`siesta`: the command line. Subcommands: `demo-model DIR` writes the embedded tiny checkpoint."""
+"""`siesta`: the command line.
+
+- `siesta serve [--model DIR] [--host H] [--port P] [--api-key K] [every EngineConfig knob]`
+- `siesta demo-model DIR`: write the embedded tiny checkpoint.
+
+Engine flags are generated from `EngineConfig`'s fields, so defaults live in one place.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import os
 import sys
+import time
+import types
+import typing
+from typing import Any
+
+from engine.config import EngineConfig
+from server.app import ServerConfig
+
+log = logging.getLogger("siesta.server")
+
+# Where `siesta serve` with no --model keeps the demo model.
+DEMO_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "siesta", "demo-model")
+
+
+def _flag_type(hint: Any) -> tuple[type, bool]:
+    """(the scalar type of a field's hint, whether None is allowed)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        scalar = [a for a in args if a is not type(None)]
+        return scalar[0], type(None) in args
+    return hint, False
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        scalar, _ = _flag_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if scalar is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            group.add_argument(flag, type=scalar, default=f.default, help=f"{help_text} (default: {f.default})")
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_client import AsyncEngineClient
+    from server.app import build_app
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    if not args.model:
+        from engine.demo_model import create_demo_model
+
+        args.model = create_demo_model(DEMO_CACHE)
+        log.info("no --model given: serving the embedded demo model (tiny random Qwen3) from %s", args.model)
+    config = engine_config_from(args)
+    server = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
+    client = AsyncEngineClient(config, log_level=args.log_level)
+    info = client.info
+    log.info(
+        "engine ready in %.1f s: %s (%s) on %s in %s, context %d, %d KV blocks of %d tokens",
+        time.perf_counter() - t0, info["architecture"], info["model_path"], info["device"], info["dtype"],
+        info["max_context_length"], info["kv_blocks_total"], info["block_size"],
+    )
+    app = build_app(client, server)
+    log.info("serving on http://%s:%d", server.host, server.port)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    return 0
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -17,6 +95,17 @@ def _demo_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="siesta", description="Siesta: an LLM server for RL rollouts")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = ServerConfig()
+    serve.add_argument("--host", default=defaults.host)
+    serve.add_argument("--port", type=int, default=defaults.port)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
+    serve.add_argument("--served-model-name", default=None, help="model name of the /v1 routes (default: --model)")
+    serve.add_argument("--log-level", default=defaults.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_engine_flags(serve)
+    serve.set_defaults(func=_serve)
+
     demo = sub.add_parser("demo-model", help="write a tiny random Qwen3 checkpoint with a tokenizer")
     demo.add_argument("dir", help="directory to write")
     demo.add_argument("--seed", type=int, default=0)

@@ -132,3 +132,21 @@ def qwen3_bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def arch_dir(request: pytest.FixtureRequest) -> str:
     """Each architecture's checkpoint in turn."""
     return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.demo_model import create_demo_model
+
+    return create_demo_model(str(tmp_path_factory.mktemp("demo")))
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """One real server on the demo model, shared by the HTTP tests that leave it as they found it."""
+    from server_util import ServerProcess
+
+    log = str(tmp_path_factory.mktemp("logs") / "demo_server.log")
+    server = ServerProcess(demo_dir, "--max-model-len", "512", log_path=log)
+    yield server
+    server.stop()

@@ -1,0 +1,160 @@
+"""Running requests for the HTTP routes, native and OpenAI alike: prompt checks (a 400 before the
+engine sees a bad request), one request to its end with disconnect handling and metrics, and
+several requests merged into one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from engine.async_client import SAMPLE_SEP, AsyncEngineClient
+from engine.output import GenerationOutput, StepUpdate
+from engine.request import InvalidRequest, SamplingParams
+from server.metrics import Metrics
+
+# How often a non-streaming request looks for its client having gone, seconds.
+DISCONNECT_POLL_S = 0.2
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its requests were aborted in the engine."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine request: sample `index` of a prompt, with its engine id."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def check_prompt(ids: list[int], params: SamplingParams, info: dict[str, Any]) -> None:
+    """The engine's own admission rules, checked before it sees the request, so they become 400s."""
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    vocab = info["vocab_size"]
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    limit = info["max_context_length"]
+    if len(ids) + params.max_new_tokens > limit:
+        raise InvalidRequest(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+            f"context length of {limit} tokens"
+        )
+
+
+def make_jobs(
+    prompts: list[list[int]], params: SamplingParams, n: int, info: dict[str, Any], rids: list[str] | None = None
+) -> list[Job]:
+    """n jobs per prompt, prompt-major. Ids: the client's rid (or a fresh one) per prompt, and
+    f"{rid}#{i}" for the samples of an n > 1 request, so aborting the rid aborts them all."""
+    if n < 1:
+        raise InvalidRequest(f"n must be >= 1, got {n}")
+    if rids is not None and len(rids) != len(prompts):
+        raise InvalidRequest(f"{len(rids)} rids for {len(prompts)} prompts")
+    for ids in prompts:
+        check_prompt(ids, params, info)
+    jobs = []
+    for p, ids in enumerate(prompts):
+        rid = rids[p] if rids is not None else uuid.uuid4().hex
+        for i in range(n):
+            request_id = rid if n == 1 else f"{rid}{SAMPLE_SEP}{i}"
+            jobs.append(Job(index=len(jobs), request_id=request_id, prompt_token_ids=ids, params=_sample_params(params, i)))
+    return jobs
+
+
+def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Sample i of n with a seed uses seed + i: reproducible, yet the n samples differ."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i)
+
+
+async def _events(
+    client: AsyncEngineClient, metrics: Metrics, job: Job
+) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
+    """A job's updates, with its metrics recorded; an early close aborts it in the engine."""
+    tracker = metrics.tracker()
+    outcome = "disconnected"
+    try:
+        async for update, out in client.generate(job.request_id, job.prompt_token_ids, job.params):
+            tracker.on_tokens(len(update.token_ids))
+            if update.finished:
+                outcome = out.finish_reason or "abort"
+            yield update, out
+    except Exception:
+        outcome = "error"
+        raise
+    finally:
+        tracker.finish(outcome, len(job.prompt_token_ids))
+
+
+async def run_jobs(client: AsyncEngineClient, metrics: Metrics, jobs: list[Job], request: Request) -> list[GenerationOutput]:
+    """Run jobs to their ends, concurrently; if the HTTP client goes away, abort them all and
+    raise `ClientDisconnected`."""
+
+    async def one(job: Job) -> GenerationOutput:
+        last: GenerationOutput | None = None
+        async for _, output in _events(client, metrics, job):
+            last = output
+        assert last is not None  # a job always ends with a finished update
+        return last
+
+    work = asyncio.gather(*(one(j) for j in jobs))
+    watcher = asyncio.create_task(_wait_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+
+
+async def _wait_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def stream_jobs(
+    client: AsyncEngineClient, metrics: Metrics, jobs: list[Job]
+) -> AsyncIterator[tuple[Job, StepUpdate, GenerationOutput]]:
+    """Updates of all jobs, interleaved as they come. Closing the iterator (a client that went
+    away) aborts every job still running."""
+    queue: asyncio.Queue[tuple[Job, StepUpdate, GenerationOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for update, out in _events(client, metrics, job):
+                queue.put_nowait((job, update, out))
+            queue.put_nowait(None)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(j)) for j in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

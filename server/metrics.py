@@ -1,0 +1,68 @@
+"""Prometheus metrics of one server: requests by outcome, tokens, latencies, and the engine's
+queue and KV usage (read from the engine at scrape time). Each app has its own registry."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("siesta_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("siesta_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("siesta_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "siesta_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "siesta_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "siesta_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.running = Gauge("siesta_num_requests_running", "Requests running in the engine", registry=r)
+        self.waiting = Gauge("siesta_num_requests_waiting", "Requests waiting in the engine", registry=r)
+        self.kv_usage = Gauge("siesta_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self, info: dict[str, Any]) -> bytes:
+        """The text exposition, with the engine gauges set from `info` (EngineCore.get_info)."""
+        self.running.set(info["num_running"])
+        self.waiting.set(info["num_waiting"])
+        total = info["kv_blocks_total"]
+        self.kv_usage.set((total - info["kv_blocks_free"]) / total if total else 0.0)
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Latencies of one request: time to first token, then time between tokens."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = self.last = time.monotonic()
+        self.num_tokens = 0
+
+    def on_tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        (self.metrics.itl if self.num_tokens else self.metrics.ttft).observe(now - self.last)
+        self.last = now
+        self.num_tokens += n
+
+    def finish(self, outcome: str, prompt_tokens: int) -> None:
+        """`outcome`: a finish reason (stop, length, abort), or error / disconnected."""
+        m = self.metrics
+        m.requests.labels(outcome=outcome).inc()
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(self.num_tokens)
+        m.e2e.observe(time.monotonic() - self.start)

@@ -1,0 +1,179 @@
+"""SGLang-native routes: `/generate`, health, model and server info, metrics, and the control routes
+(abort, flush, pause, continue). Field names and shapes are SGLang's so RL clients work unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.async_client import AsyncEngineClient
+from engine.output import GenerationOutput
+from engine.request import InvalidRequest, SamplingParams
+from server.errors import error_body, service_unavailable
+from server.generation import Job, make_jobs, run_jobs, stream_jobs
+from server.schemas import AbortRequestIn, GenerateRequest, PauseGenerationIn
+
+router = APIRouter()
+
+# /health waits this long for the engine to answer; /health_generate this long for its token.
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def _client(request: Request) -> AsyncEngineClient:
+    return request.app.state.client
+
+
+def _prompts(client: AsyncEngineClient, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    """Token ids of each prompt, and whether the request was a batch (list in, list out)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise InvalidRequest("give exactly one of `text` and `input_ids`")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if not texts:
+            raise InvalidRequest("`text` is an empty list")
+        return [client.tokenizer.encode(t) for t in texts], not isinstance(body.text, str)
+    ids = body.input_ids
+    if ids and isinstance(ids[0], list):
+        return [list(x) for x in ids], True
+    return [list(ids)], False
+
+
+def meta_info(out: GenerationOutput, params: SamplingParams, weight_version: str) -> dict[str, Any]:
+    reason: dict[str, Any] = {"type": out.finish_reason, "matched": out.matched_stop}
+    if out.finish_reason == "length":
+        reason["length"] = len(out.output_ids)
+    if out.error is not None:
+        reason["message"] = out.error
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "finish_reason": reason if out.finish_reason is not None else None,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.cached_tokens,
+        "e2e_latency": out.e2e_latency,
+        "weight_version": weight_version,
+    }
+    if out.output_token_logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in out.output_token_logprobs]
+    if out.output_top_logprobs is not None:
+        meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in row] for row in out.output_top_logprobs]
+    return meta
+
+
+def _result(out: GenerationOutput, params: SamplingParams, weight_version: str) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, params, weight_version)}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    client = _client(request)
+    prompts, is_batch = _prompts(client, body)
+    sp = body.sampling_params
+    params = sp.to_engine(logprobs=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
+    rids = [body.rid] if isinstance(body.rid, str) else body.rid
+    jobs = make_jobs(prompts, params, sp.n, client.info, rids)
+    version = client.info.get("weight_version", "default")
+    metrics = request.app.state.metrics
+    if body.stream:
+        return StreamingResponse(_sse(client, metrics, jobs, version, len(jobs) > 1), media_type="text/event-stream")
+    outs = await run_jobs(client, metrics, jobs, request)
+    results = [_result(o, params, version) for o in outs]
+    return JSONResponse(results if is_batch or len(results) > 1 else results[0])
+
+
+async def _sse(client: AsyncEngineClient, metrics: Any, jobs: list[Job], version: str, indexed: bool) -> AsyncIterator[str]:
+    """One `data:` event per step of each job, with the text and ids so far (as SGLang streams),
+    then `data: [DONE]`. An engine failure mid-stream becomes an error event."""
+    try:
+        async for job, _, out in stream_jobs(client, metrics, jobs):
+            chunk = _result(out, job.params, version)
+            if indexed:
+                chunk["index"] = job.index
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as e:  # the status line is sent already: report in-band
+        yield f"data: {json.dumps(error_body(e))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    client = _client(request)
+    try:
+        await client.call("ping", timeout=HEALTH_TIMEOUT_S)
+    except Exception as e:
+        return service_unavailable(f"engine is not answering: {client.dead or type(e).__name__}")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    client = _client(request)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    job = Job(index=0, request_id=f"health-{uuid.uuid4().hex}", prompt_token_ids=[0], params=params)
+    try:
+        outs = await _with_timeout(run_jobs(client, request.app.state.metrics, [job], request))
+    except TimeoutError:
+        await client.abort(job.request_id)
+        return service_unavailable(f"no token within {HEALTH_GENERATE_TIMEOUT_S:.0f} s")
+    if len(outs[0].output_ids) != 1:
+        return service_unavailable(f"health generation ended with {outs[0].finish_reason}: {outs[0].error}")
+    return Response(status_code=200)
+
+
+async def _with_timeout(coro: Any) -> Any:
+    return await asyncio.wait_for(coro, HEALTH_GENERATE_TIMEOUT_S)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    info = await _client(request).call("get_info")
+    keys = ("model_path", "architecture", "dtype", "max_context_length", "weight_version")
+    return {k: info[k] for k in keys} | {"tokenizer_path": info["model_path"], "is_generation": True}
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    info = await _client(request).call("get_info")
+    return info | {"server_args": request.app.state.server_config.public()}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    info = await _client(request).call("get_info")
+    return Response(request.app.state.metrics.render(info), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequestIn, request: Request) -> dict[str, Any]:
+    if not body.abort_all and body.rid is None:
+        raise InvalidRequest("give `rid` or `abort_all: true`")
+    n = await _client(request).abort(None if body.abort_all else body.rid)
+    return {"success": True, "num_aborted": n}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    if await _client(request).call("flush_cache"):
+        return JSONResponse({"success": True, "message": "prefix cache flushed"})
+    return JSONResponse(
+        error_body(InvalidRequest("cannot flush the cache while requests are running")), status_code=400
+    )
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request, body: PauseGenerationIn | None = None) -> dict[str, Any]:
+    mode = body.mode if body is not None else "abort"
+    return {"success": True} | await _client(request).call("pause_generation", mode=mode)
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> dict[str, Any]:
+    return {"success": True} | await _client(request).call("continue_generation")

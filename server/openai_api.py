@@ -1,0 +1,5 @@
+"""OpenAI-compatible routes (being written)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()
