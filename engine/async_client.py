@@ -50,6 +50,10 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
+    def pid(self) -> int | None:
+        return self._core.process.pid
+
+    @property
     def dead(self) -> str | None:
         return self._core.dead
 

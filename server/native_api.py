@@ -141,8 +141,9 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
-    info = await _client(request).call("get_info")
-    return info | {"server_args": request.app.state.server_config.public()}
+    client = _client(request)
+    info = await client.call("get_info")
+    return info | {"server_args": request.app.state.server_config.public(), "engine_pid": client.pid}
 
 
 @router.get("/metrics")

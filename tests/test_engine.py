@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from oracle import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from engine import Engine, EngineDeadError, InvalidRequest, SamplingParams
@@ -21,21 +22,6 @@ def _prompts(seed: int, lengths: tuple[int, ...] = (5, 17, 33, 70)) -> list[list
     return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], n: int = NUM_NEW) -> list[list[int]]:
-    """transformers' own `generate`, one prompt at a time (no padding), EOS never stops it."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-            )
-            outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 def assert_all_blocks_free(llm: Engine) -> None:
     info = llm.get_server_info()
     assert info["num_running"] == 0 and info["num_waiting"] == 0
@@ -45,7 +31,7 @@ def assert_all_blocks_free(llm: Engine) -> None:
 @pytest.fixture(scope="module")
 def reference(arch_dir: str) -> tuple[str, list[list[int]], list[list[int]]]:
     prompts = _prompts(1)
-    return arch_dir, prompts, hf_greedy(arch_dir, prompts)
+    return arch_dir, prompts, hf_greedy(arch_dir, prompts, NUM_NEW)
 
 
 def test_greedy_matches_transformers(reference) -> None:

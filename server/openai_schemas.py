@@ -1,0 +1,179 @@
+"""Request bodies of the OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`).
+
+Rules:
+- OpenAI's field names, plus vLLM's sampling extensions (top_k, min_p, repetition_penalty,
+  min_tokens, ignore_eos, stop_token_ids, skip_special_tokens), which clients send at top level
+  (the `openai` client's `extra_body`).
+- `model` is accepted whatever it says: RL clients often send the checkpoint path.
+- A null field means its default, as OpenAI documents. Unknown fields are ignored (clients send
+  extras), but known fields that would change the output and that we cannot honour
+  (logit_bias, suffix, best_of, tools, response_format) are refused, never silently dropped.
+- Renamed fields (max_tokens, min_tokens, logprobs) are bounded here, so a 400 names the OpenAI
+  field; the rest are checked by `engine.request.SamplingParams`, which names them the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.request import InvalidRequest, SamplingParams
+
+# The most top logprobs a request may ask for (as vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAISampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None  # read only when streaming
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None  # ignored
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported")
+
+    def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs_num: int) -> SamplingParams:
+        """The engine's params; raises `InvalidRequest` naming a bad value."""
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1),
+            min_p=pick(self.min_p, 0.0),
+            seed=self.seed,
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            ignore_eos=self.ignore_eos,
+            stop=pick(self.stop, ()),
+            stop_token_ids=pick(self.stop_token_ids, ()),
+            logprobs=logprobs,
+            top_logprobs_num=top_logprobs_num,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's default is 16; null means "up to the context length" (as vLLM).
+    max_tokens: int | None = Field(default=16, ge=1)
+    # Legacy logprobs: an int, the number of top alternatives per token (0: the sampled one only).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is not supported (leave it unset or equal to n)")
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequest("echo with logprobs is not supported: it needs prompt logprobs, which this server does not compute")
+
+    def prompts(self, tokenizer: Any) -> tuple[list[list[int]], list[str] | None]:
+        """Token ids of each prompt, and its text when echo is on (token-id prompts decoded)."""
+        p = self.prompt
+        if isinstance(p, str):
+            texts = [p]
+        elif not p:
+            raise InvalidRequest("the prompt is empty")
+        elif isinstance(p[0], str):
+            texts = list(p)
+        else:
+            ids = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
+            texts = [tokenizer.decode(x, skip_special_tokens=False) for x in ids] if self.echo else None
+            return ids, texts
+        return [tokenizer.encode(t) for t in texts], texts if self.echo else None
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_call_id, ...) go to the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self, i: int) -> dict[str, Any]:
+        """The message as a chat template reads it: content a string; text parts are joined with
+        newlines (as vLLM does), and other part types (images, audio) are refused."""
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for j, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(
+                        f"messages[{i}].content[{j}]: only parts of type 'text' with a string 'text' "
+                        f"are supported, got type {part.get('type')!r}"
+                    )
+                texts.append(part["text"])
+            msg["content"] = "\n".join(texts)
+        elif self.content is None:
+            msg["content"] = ""
+        return msg
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # max_completion_tokens wins over the older max_tokens; neither: up to the context length.
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's chat-template extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise InvalidRequest("tools are not supported")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise InvalidRequest("response_format other than {'type': 'text'} is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template(i) for i, m in enumerate(self.messages)]

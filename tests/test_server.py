@@ -1,0 +1,205 @@
+"""The SGLang-native HTTP routes, against a real `siesta serve` process on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+from oracle import hf_greedy
+from server_util import ServerProcess
+
+from engine import Engine, SamplingParams
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+def _sse(lines: list[str]) -> list[dict]:
+    """The JSON events of an SSE body; asserts it ends with [DONE]."""
+    data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _all_blocks_free(http: httpx.Client) -> bool:
+    info = http.get("/get_server_info").json()
+    return info["kv_blocks_free"] == info["kv_blocks_total"] and info["num_running"] == 0
+
+
+def test_generate_matches_engine_and_transformers(demo_server: ServerProcess, demo_dir: str) -> None:
+    prompts = _prompts(11, (6, 21, 40))
+    expected = hf_greedy(demo_dir, prompts, 24)
+    greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with demo_server.client() as http:
+        r = http.post("/generate", json={"input_ids": prompts, "sampling_params": greedy})
+        assert r.status_code == 200
+        outs = r.json()
+        assert [o["output_ids"] for o in outs] == expected
+        single = http.post("/generate", json={"input_ids": prompts[0], "sampling_params": greedy}).json()
+        assert isinstance(single, dict) and single["output_ids"] == expected[0]
+        meta = single["meta_info"]
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["prompt_tokens"] == 6 and meta["completion_tokens"] == 24
+        assert meta["weight_version"] == "default" and meta["e2e_latency"] > 0
+    with Engine(model=demo_dir, device="cpu", dtype="float32") as llm:
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        engine_outs = llm.generate(input_ids=prompts, sampling_params=params)
+    assert [o.output_ids for o in engine_outs] == expected
+    assert [o["text"] for o in outs] == [o.text for o in engine_outs]
+
+
+def test_text_stream_logprobs_and_n(demo_server: ServerProcess) -> None:
+    body = {"text": "Hello there", "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 2}
+    with demo_server.client() as http:
+        whole = http.post("/generate", json=body).json()
+        triples = whole["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in triples] == whole["output_ids"] and all(t[2] is None for t in triples)
+        top = whole["meta_info"]["output_top_logprobs"]
+        assert [row[0][1] for row in top] == whole["output_ids"]  # greedy: the best token is chosen
+        assert all(row[0][0] >= row[1][0] for row in top)
+        with http.stream("POST", "/generate", json=body | {"stream": True}) as r:
+            events = _sse(list(r.iter_lines()))
+        assert len(events) == 12
+        assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+        assert all(events[i]["text"].startswith(events[i - 1]["text"]) for i in range(1, len(events)))
+        # n samples with a seed: reproducible, and different from each other.
+        sampled = {"text": ["Hi", "Yo"], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": 5, "n": 3, "ignore_eos": True}}
+        a, b = http.post("/generate", json=sampled).json(), http.post("/generate", json=sampled).json()
+        assert len(a) == 6 and [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+        assert len({tuple(o["output_ids"]) for o in a[:3]}) > 1
+        assert _all_blocks_free(http)
+
+
+def test_info_health_and_metrics(demo_server: ServerProcess) -> None:
+    with demo_server.client() as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/health_generate").status_code == 200
+        info = http.get("/get_model_info").json()
+        assert info["architecture"] == "Qwen3ForCausalLM" and info["max_context_length"] == 512
+        assert info["dtype"] == "float32" and info["weight_version"] == "default"
+        server = http.get("/get_server_info").json()
+        assert server["kv_blocks_total"] > 0 and server["config"]["block_size"] == 16
+        assert server["server_args"]["port"] == demo_server.port
+        http.post("/generate", json={"text": "metrics", "sampling_params": {"max_new_tokens": 3}})
+        text = http.get("/metrics").text
+        for name in ("siesta_requests_total", "siesta_prompt_tokens_total", "siesta_generation_tokens_total",
+                     "siesta_time_to_first_token_seconds_bucket", "siesta_inter_token_latency_seconds_bucket",
+                     "siesta_num_requests_running", "siesta_num_requests_waiting", "siesta_kv_cache_usage_ratio"):
+            assert name in text, name
+        done = [line for line in text.splitlines() if line.startswith('siesta_requests_total{outcome="length"}')]
+        assert float(done[0].split()[-1]) >= 1
+
+
+def test_abort_flush_pause_and_continue(demo_server: ServerProcess) -> None:
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with demo_server.client() as http, httpx.Client(base_url=demo_server.url, timeout=60) as other:
+        with http.stream("POST", "/generate", json={"input_ids": [5, 6, 7], "rid": "long-1", "sampling_params": long, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)  # the request is running
+            flush = other.post("/flush_cache")
+            assert flush.status_code == 400 and "running" in flush.json()["error"]["message"]
+            assert other.post("/abort_request", json={"rid": "long-1"}).json()["num_aborted"] == 1
+            events = _sse(list(lines))
+        assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(events[-1]["output_ids"]) < 400
+        assert http.post("/flush_cache").status_code == 200
+        # Paused: a new request waits; continue lets it finish.
+        assert http.post("/pause_generation", json={"mode": "in_place"}).json()["paused"] is True
+        with pytest.raises(httpx.ReadTimeout):
+            other.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=1.0)
+        assert http.post("/continue_generation").json()["paused"] is False
+        ok = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})
+        assert ok.status_code == 200
+        # abort_all while requests run
+        with http.stream("POST", "/generate", json={"input_ids": [8, 9], "sampling_params": long, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert other.post("/abort_request", json={"abort_all": True}).json()["success"] is True
+            assert _sse(list(lines))[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+        deadline = time.monotonic() + 10
+        while not _all_blocks_free(http) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _all_blocks_free(http)
+
+
+BAD_BODIES = [
+    ("{not json", "JSON"),
+    (json.dumps({"text": 5}), "text"),
+    (json.dumps({"text": "x", "sampling_params": {"temperatur": 1}}), "temperatur"),
+    (json.dumps({"text": "x", "sampling_params": {"temperature": -1}}), "temperature"),
+    (json.dumps({"text": "x", "sampling_params": {"top_p": 0}}), "top_p"),
+    (json.dumps({"text": "x", "sampling_params": {"top_p": 1.5}}), "top_p"),
+    (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 0}}), "max_new_tokens"),
+    (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 600}}), "context length"),
+    (json.dumps({"text": "", "sampling_params": {"max_new_tokens": 2}}), "empty"),
+    (json.dumps({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}), "empty"),
+    (json.dumps({"input_ids": [1, 99999]}), "vocabulary"),
+    (json.dumps({"text": "x", "sampling_params": {"n": 0}}), "n must be"),
+    (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": "many"}}), "max_new_tokens"),
+    (json.dumps({}), "exactly one"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD_BODIES)
+def test_bad_input_is_a_400(demo_server: ServerProcess, body: str, needle: str) -> None:
+    with demo_server.client() as http:
+        r = http.post("/generate", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert needle in err["message"] and err["type"] == "invalid_request_error"
+        assert "Traceback" not in r.text
+
+
+def test_bad_input_leaves_other_requests_running(demo_server: ServerProcess) -> None:
+    with demo_server.client() as http, httpx.Client(base_url=demo_server.url, timeout=60) as other:
+        body = {"input_ids": [4, 4, 4], "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+        expected = http.post("/generate", json=body).json()["output_ids"]
+        with http.stream("POST", "/generate", json=body | {"stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            for bad, _ in BAD_BODIES:
+                assert other.post("/generate", content=bad).status_code == 400
+            assert _sse(list(lines))[-1]["output_ids"] == expected
+
+
+def test_api_key(demo_dir: str) -> None:
+    server = ServerProcess(demo_dir, api_key="sekret")
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        for path in ("/get_model_info", "/get_server_info", "/metrics", "/v1/models"):
+            r = httpx.get(f"{server.url}{path}")
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+            wrong = httpx.get(f"{server.url}{path}", headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+        assert httpx.post(f"{server.url}/generate", json={"text": "x"}).status_code == 401
+        with server.client() as http:
+            assert http.get("/get_model_info").status_code == 200
+            assert http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_dead_engine_means_503_fast(demo_dir: str) -> None:
+    server = ServerProcess(demo_dir)
+    try:
+        with server.client() as http:
+            pid = http.get("/get_server_info").json()["engine_pid"]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while http.get("/health").status_code != 503:
+                assert time.monotonic() < deadline, "/health still 200 after the engine died"
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            r = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 2
+    finally:
+        server.stop()
