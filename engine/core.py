@@ -187,6 +187,8 @@ class EngineCore:
             "vocab_size": mc.vocab_size,
             "eos_token_ids": list(mc.eos_token_ids),
             "attention_backend": self.runner.backend_name,
+            "weights_bytes": self.runner.weights_bytes,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "block_size": self.block_manager.block_size,

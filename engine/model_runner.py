@@ -84,7 +84,11 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = self._load_model()
-        log.info("weights loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.device, self.dtype)
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        log.info(
+            "weights loaded in %.2f s: %.1f MiB (%s, %s)",
+            time.perf_counter() - t0, self.weights_bytes / (1 << 20), self.device, str(self.dtype).replace("torch.", ""),
+        )
 
         self.num_kv_blocks = self._num_kv_blocks(max_model_len)
         mc = model_config
@@ -94,12 +98,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        log.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB",
-            self.num_kv_blocks,
-            self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 20),
-        )
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.attn_backend = get_backend_class(self.backend_name)(self.kv_cache, scale=mc.head_dim**-0.5)
         self.sampler = Sampler(seed=config.seed, device=self.device)

@@ -74,9 +74,11 @@ def _serve(args: argparse.Namespace) -> int:
     client = AsyncEngineClient(config, log_level=args.log_level)
     info = client.info
     log.info(
-        "engine ready in %.1f s: %s (%s) on %s in %s, context %d, %d KV blocks of %d tokens",
+        "engine ready in %.1f s: %s (%s) on %s in %s, context %d; weights %.1f MiB, KV cache %.1f MiB "
+        "(%d blocks of %d tokens)",
         time.perf_counter() - t0, info["architecture"], info["model_path"], info["device"], info["dtype"],
-        info["max_context_length"], info["kv_blocks_total"], info["block_size"],
+        info["max_context_length"], info["weights_bytes"] / (1 << 20), info["kv_cache_bytes"] / (1 << 20),
+        info["kv_blocks_total"], info["block_size"],
     )
     app = build_app(client, server)
     log.info("serving on http://%s:%d", server.host, server.port)

@@ -22,16 +22,21 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m server.cli serve --model DIR --device cpu ...`, ready when /health says 200."""
 
-    def __init__(self, model: str, *args: str, api_key: str | None = None, log_path: str | None = None) -> None:
+    def __init__(
+        self, model: str | None, *args: str, api_key: str | None = None, log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(self.port),
-               "--device", "cpu", "--dtype", "float32", *args]
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--device", "cpu", *args]
+        if model is not None:
+            cmd += ["--model", model, "--dtype", "float32"]
         if api_key:
             cmd += ["--api-key", api_key]
+        self.log_path = log_path
         self.log = open(log_path or os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self._wait_ready()
 
     @property

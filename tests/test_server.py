@@ -203,3 +203,32 @@ def test_dead_engine_means_503_fast(demo_dir: str) -> None:
             assert time.monotonic() - t0 < 2
     finally:
         server.stop()
+
+
+def test_serve_without_model_serves_the_demo(tmp_path) -> None:
+    log = tmp_path / "serve.log"
+    server = ServerProcess(None, log_path=str(log), env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        info = httpx.get(f"{server.url}/get_model_info").json()
+        assert info["model_path"].startswith(str(tmp_path / "cache")) and info["architecture"] == "Qwen3ForCausalLM"
+        r = httpx.post(f"{server.url}/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 3}})
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "demo model" in text and "engine ready in" in text
+
+
+def test_every_engine_knob_is_a_flag() -> None:
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from server.cli import build_parser, engine_config_from
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--block-size", "32", "--no-enable-prefix-caching",
+                                      "--num-kv-blocks", "7", "--mem-fraction", "0.5"])
+    config = engine_config_from(args)
+    assert config == EngineConfig(model="m", block_size=32, enable_prefix_caching=False, num_kv_blocks=7, mem_fraction=0.5)
+    defaults = engine_config_from(build_parser().parse_args(["serve"]))
+    assert defaults == EngineConfig()
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))

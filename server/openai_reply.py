@@ -1,0 +1,166 @@
+"""`Reply`: the shapes of one OpenAI-compatible response, whole or in stream chunks: choices,
+usage, and logprobs in the legacy completions format and the chat format.
+
+Rules:
+- finish_reason is "stop" (EOS, a stop token or a stop string), "length", or "abort" (aborted by
+  /abort_request or a pause). A request the engine refused outright raises `InvalidRequest`
+  (a 400, or an error event when streaming) instead of becoming a choice.
+- `stop_reason` (vLLM's extension) is the stop string or token id that ended a choice, EOS
+  included, else null.
+- usage counts each prompt once, however many samples it has, and every generated token.
+- Logprob token strings are each token decoded alone, special tokens included; a logprob of
+  -inf is sent as -9999.0 (JSON has no infinity).
+- When streaming, each chunk carries the logprobs of the tokens that arrived since the last one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.output import GenerationOutput
+from engine.request import InvalidRequest
+from server.generation import Job
+
+_MIN_LOGPROB = -9999.0
+
+Choice = dict[str, Any]
+
+
+class TokenText:
+    """Token id -> its text alone, cached for one request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+@dataclass
+class Reply:
+    """One response: what all its chunks share, and per choice what was streamed so far.
+    `jobs` are prompt-major, `n` per prompt; choice i is job i."""
+
+    id: str
+    object: str  # "text_completion" | "chat.completion" | "chat.completion.chunk"
+    model: str
+    tokenizer: Any
+    jobs: list[Job]
+    n: int
+    logprobs: bool  # logprobs were asked for
+    include_usage: bool = False  # streaming: end with a usage chunk
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_text: TokenText = field(init=False)
+    _lp_sent: dict[int, int] = field(default_factory=dict)  # choice -> tokens whose logprobs went
+    _offset: dict[int, int] = field(default_factory=dict)  # choice -> text_offset of its next token
+
+    def __post_init__(self) -> None:
+        self._token_text = TokenText(self.tokenizer)
+
+    @property
+    def chat(self) -> bool:
+        return self.object.startswith("chat.")
+
+    # ---- whole responses and chunks -------------------------------------------------------------
+
+    def body(self, choices: list[Choice], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        """A stream chunk; with include_usage every chunk but the last has `usage: null`."""
+        return self.body(choices, **({"usage": None} if self.include_usage else {}))
+
+    def usage(self, outs: dict[int, GenerationOutput]) -> dict[str, int]:
+        prompt_tokens = sum(len(j.prompt_token_ids) for j in self.jobs[:: self.n])
+        completion_tokens = sum(len(o.output_ids) for o in outs.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def full(self, outs: list[GenerationOutput], prefix: dict[int, str] | None = None) -> dict[str, Any]:
+        """The non-streaming response; `prefix` is the echoed prompt text per choice."""
+        prefix = prefix or {}
+        choices = []
+        for i, out in enumerate(outs):
+            self._offset[i] = len(prefix.get(i, ""))
+            choices.append(self.choice(i, prefix.get(i, "") + out.text, out, finished=True))
+        return self.body(choices, usage=self.usage(dict(enumerate(outs))))
+
+    def choice(self, index: int, text: str, out: GenerationOutput | None, finished: bool) -> Choice:
+        """A choice (whole) or a delta of one (streaming): `text` is all of it, or what is new."""
+        c: Choice = {"index": index}
+        if self.object == "chat.completion":
+            c["message"] = {"role": "assistant", "content": text}
+        elif self.chat:
+            c["delta"] = {"content": text} if text else {}
+        else:
+            c["text"] = text
+        c["logprobs"] = self._logprobs(index, out) if self.logprobs and out is not None else None
+        c["finish_reason"] = None
+        if finished and out is not None:
+            if out.error is not None:
+                raise InvalidRequest(f"the engine refused the request: {out.error}")
+            c |= {"finish_reason": out.finish_reason, "stop_reason": out.matched_stop}
+        return c
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk of each choice."""
+        delta = {"role": "assistant", "content": ""}
+        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def echo_chunk(self, index: int, prompt_text: str) -> dict[str, Any]:
+        """A completions stream's first chunk of each choice when echo is on."""
+        self._offset[index] = len(prompt_text)
+        return self.chunk([self.choice(index, prompt_text, None, finished=False)])
+
+    # ---- logprobs -------------------------------------------------------------------------------
+
+    def _logprobs(self, index: int, out: GenerationOutput) -> dict[str, Any]:
+        new = self._new_logprobs(index, out)
+        return self._chat_logprobs(new) if self.chat else self._completion_logprobs(index, new)
+
+    def _new_logprobs(self, index: int, out: GenerationOutput) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """(logprob, token, top alternatives) of the tokens of choice `index` not sent yet."""
+        start = self._lp_sent.get(index, 0)
+        pairs = out.output_token_logprobs or []
+        tops = out.output_top_logprobs
+        self._lp_sent[index] = len(pairs)
+        return [(lp, tok, tops[k] if tops is not None else []) for k, (lp, tok) in enumerate(pairs) if k >= start]
+
+    def _completion_logprobs(self, index: int, new: list[tuple[float, int, list[tuple[int, float]]]]) -> dict[str, Any]:
+        """OpenAI's legacy format. Each top_logprobs entry holds the top N and the sampled token
+        (so N + 1 entries at most); text_offset is where each token starts in the choice's text,
+        token texts laid end to end after the echoed prompt, if any."""
+        lps: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp, tok, top in new:
+            text = self._token_text(tok)
+            alternatives: dict[str, float] = {}
+            for t, v in top:
+                alternatives.setdefault(self._token_text(t), _lp(v))
+            alternatives.setdefault(text, _lp(lp))
+            offset = self._offset.get(index, 0)
+            lps["tokens"].append(text)
+            lps["token_logprobs"].append(_lp(lp))
+            lps["top_logprobs"].append(alternatives)
+            lps["text_offset"].append(offset)
+            self._offset[index] = offset + len(text)
+        return lps
+
+    def _chat_logprobs(self, new: list[tuple[float, int, list[tuple[int, float]]]]) -> dict[str, Any]:
+        """OpenAI's chat format: per token its text, logprob, UTF-8 bytes, and the top N."""
+
+        def entry(tok: int, lp: float) -> dict[str, Any]:
+            text = self._token_text(tok)
+            return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [entry(tok, lp) | {"top_logprobs": [entry(t, v) for t, v in top]} for lp, tok, top in new]}
