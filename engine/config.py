@@ -176,13 +176,19 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prompt prefixes"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | sdpa"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, else sdpa) | triton | sdpa"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode eagerly (prefill always is)"})
+    cuda_graph_max_bs: int | None = field(
+        default=None, metadata={"help": "largest decode batch replayed from a CUDA graph (default: from memory)"}
+    )
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -189,6 +189,8 @@ class EngineCore:
             "attention_backend": self.runner.backend_name,
             "weights_bytes": self.runner.weights_bytes,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "cuda_graph_bytes": self.runner.graphs.graph_bytes if self.runner.graphs else 0,
+            "cuda_graph_batch_sizes": self.runner.graphs.batch_sizes if self.runner.graphs else [],
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "block_size": self.block_manager.block_size,

@@ -12,12 +12,20 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import (
+    AttentionBackend,
     AttentionMetadata,
     ForwardContext,
     get_backend_class,
     resolve_backend_name,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.cuda_graph import CudaGraphRunner
+from engine.kv_budget import (
+    GpuMemoryProfile,
+    gpu_kv_budget,
+    kv_block_bytes,
+    num_kv_blocks_for_budget,
+)
 from engine.models import get_model_class
 from engine.request import Batch
 from engine.sampler import Sampler, SamplingBatch
@@ -27,6 +35,11 @@ log = logging.getLogger("siesta.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
+# Device memory kept back for what comes after the KV cache besides the graphs' static logits
+# (the graphs' pool, cuBLAS workspaces of new shapes), bytes.
+_GRAPH_MARGIN = 256 << 20
+# Largest decode batch captured by default: fewer on a small GPU.
+_DEFAULT_GRAPH_MAX_BS = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,22 +52,6 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[model_config.torch_dtype if name == "auto" else name]
-
-
-def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers: K and V, each [block_size, num_kv_heads, head_dim]."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
-
-
-def num_kv_blocks_for_budget(budget_bytes: int, block_bytes: int, max_useful_blocks: int) -> int:
-    """Blocks that fit in `budget_bytes`, capped at what the engine could ever use. Pure."""
-    if budget_bytes < block_bytes:
-        raise ConfigError(
-            f"KV cache budget of {budget_bytes} bytes holds no block of {block_bytes} bytes; "
-            "raise the budget or lower --block-size"
-        )
-    return max(1, min(budget_bytes // block_bytes, max_useful_blocks))
 
 
 @dataclass
@@ -74,13 +71,21 @@ class SampleResult:
 
 
 class ModelRunner:
+    """Startup, in order (DESIGN.md: Startup order): 1. the model and its weights; 2. a profiling
+    forward sizes the KV cache; 3. the KV cache and the attention backend over it; 4. the decode
+    CUDA graphs with their static buffers; 5. the sampler."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
         self.config = config
         self.model_config = model_config
+        self.max_model_len = max_model_len
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.graph_max_bs = self._graph_max_bs()
         torch.manual_seed(config.seed)
+        mc = model_config
 
         t0 = time.perf_counter()
         self.model = self._load_model()
@@ -90,8 +95,7 @@ class ModelRunner:
             time.perf_counter() - t0, self.weights_bytes / (1 << 20), self.device, str(self.dtype).replace("torch.", ""),
         )
 
-        self.num_kv_blocks = self._num_kv_blocks(max_model_len)
-        mc = model_config
+        self.num_kv_blocks = self._num_kv_blocks()
         # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             (mc.num_layers, 2, self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
@@ -100,9 +104,33 @@ class ModelRunner:
         )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
-        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
-        self.attn_backend = get_backend_class(self.backend_name)(self.kv_cache, scale=mc.head_dim**-0.5)
+        self.attn_backend = self._make_backend(self.kv_cache)
+
+        self.graphs: CudaGraphRunner | None = None
+        if self.graph_max_bs > 0:
+            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device)
+            self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
+
+    def _make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
+        mc = self.model_config
+        return get_backend_class(self.backend_name)(
+            kv_cache,
+            scale=mc.head_dim**-0.5,
+            num_heads=mc.num_heads,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+
+    def _graph_max_bs(self) -> int:
+        """0 when decode runs eagerly: off on CPU, off by flag, or a backend without graphs."""
+        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or not graphs_possible:
+            return 0
+        if self.config.cuda_graph_max_bs is not None:
+            return min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
 
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.model_config.architecture)
@@ -116,73 +144,101 @@ class ModelRunner:
         load_checkpoint(model, self.model_config.path)
         return model.eval()
 
-    def _num_kv_blocks(self, max_model_len: int) -> int:
+    def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype)
         # Never more blocks than max_num_seqs requests of full context length could use.
-        max_useful = self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - self.config.mem_fraction) * total)
+            profile = self._profile()
+            budget = gpu_kv_budget(profile, self.config.mem_fraction)
+            log.info(
+                "memory profile: device %.1f GiB, outside torch %.2f GiB, peak forward %.2f GiB, reserve %.2f GiB"
+                " -> KV budget %.2f GiB at mem_fraction %.2f",
+                profile.total_bytes / _GIB, profile.non_torch_bytes / _GIB, profile.peak_torch_bytes / _GIB,
+                profile.reserve_bytes / _GIB, budget / _GIB, self.config.mem_fraction,
+            )
         else:
             budget = int(self.config.kv_cache_memory_gb * _GIB)
         return num_kv_blocks_for_budget(budget, block_bytes, max_useful)
 
+    @torch.inference_mode()
+    def _profile(self) -> GpuMemoryProfile:
+        """One forward at the largest token budget over a scratch KV cache just big enough for it;
+        torch's peak allocation, less that scratch cache, is what a step may need besides KV."""
+        budget = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+        lens = [self.max_model_len] * (budget // self.max_model_len)
+        lens += [budget % self.max_model_len] if budget % self.max_model_len else []
+        blocks = [-(-n // self.block_size) for n in lens]
+        mc = self.model_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = torch.empty(
+            (mc.num_layers, 2, sum(blocks), self.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device
+        )
+        scratch_bytes = scratch.numel() * scratch.element_size()
+        tables, first = [], 0
+        for b in blocks:
+            tables.append(list(range(first, first + b)))
+            first += b
+        meta = _metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        ids = torch.zeros(budget, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions, ForwardContext(self._make_backend(scratch), meta))
+        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
+        self.model.compute_logits(hidden[last])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        del scratch, hidden, meta
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        reserve = self.graph_max_bs * mc.vocab_size * 4 + _GRAPH_MARGIN if self.graph_max_bs else 0
+        return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
+
     def prepare(self, batch: Batch) -> StepInputs:
         """Flatten a batch into ragged tensors; built on the host, copied once to the device."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
         sample_rows: list[int] = []
         sample_indices: list[int] = []
         for i, req in enumerate(batch.requests):
-            start, n = req.num_computed_tokens, batch.num_new_tokens[i]
-            end = start + n
+            start = req.num_computed_tokens
+            end = start + batch.num_new_tokens[i]
             input_ids += req.token_ids[start:end]
             positions += range(start, end)
-            table = req.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
+            starts.append(start)
+            ends.append(end)
             if batch.samples(i):
                 sample_rows.append(i)
-                sample_indices.append(query_start[-1] - 1)
-        width = max(len(r.block_table) for r in batch.requests)
-        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in batch.requests]
-
-        def dev(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(
-            query_start_loc=dev(query_start, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            block_tables=dev(tables, torch.int32),
-            slot_mapping=dev(slots, torch.int64),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
+                sample_indices.append(len(input_ids) - 1)
+        meta = _metadata(ends, starts, [r.block_table for r in batch.requests], self.block_size, self.device)
         return StepInputs(
-            input_ids=dev(input_ids, torch.int64),
-            positions=dev(positions, torch.int64),
+            input_ids=_to_device(input_ids, torch.int64, self.device),
+            positions=_to_device(positions, torch.int64, self.device),
             meta=meta,
             sample_rows=sample_rows,
-            sample_indices=dev(sample_indices, torch.int64),
+            sample_indices=_to_device(sample_indices, torch.int64, self.device),
         )
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampleResult]:
-        """Run one step; return the sampled token of each request that samples, by request id."""
+        """Run one step; return the sampled token of each request that samples, by request id.
+        A decode step where every row samples replays a CUDA graph when one fits."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
         if not inputs.sample_rows:
+            self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
             return {}
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        every_row_samples = len(inputs.sample_rows) == len(batch)
+        if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
         reqs = [batch.requests[i] for i in inputs.sample_rows]
         out = self.sampler(logits, SamplingBatch.from_requests(reqs, self.device))
         return {
@@ -193,3 +249,30 @@ class ModelRunner:
             )
             for j, r in enumerate(reqs)
         }
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+
+def _metadata(
+    ends: list[int], starts: list[int], tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Metadata of sequences whose tokens starts[i]..ends[i] are new this step (their KV goes to
+    the slots their block tables give) and whose earlier tokens are in the cache."""
+    query_start = [0]
+    slots: list[int] = []
+    for start, end, table in zip(starts, ends, tables, strict=True):
+        query_start.append(query_start[-1] + end - start)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        query_start_loc=_to_device(query_start, torch.int32, device),
+        seq_lens=_to_device(ends, torch.int32, device),
+        block_tables=_to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
+        slot_mapping=_to_device(slots, torch.int64, device),
+        query_start_loc_cpu=query_start,
+        seq_lens_cpu=list(ends),
+        max_query_len=max(e - s for s, e in zip(starts, ends, strict=True)),
+        max_seq_len=max(ends),
+    )

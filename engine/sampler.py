@@ -152,6 +152,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # re-seeded for each seeded row
+        self._pinned: torch.Tensor | None = None  # host landing buffer of results on CUDA
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = self.process_logits(logits, batch)  # [B, V] float32
@@ -171,7 +172,7 @@ class Sampler:
         if n_top > 0:
             top_values, top_ids = logprobs.topk(n_top, dim=-1)  # [B, n_top] each
             columns += [top_values.double(), top_ids.double()]
-        rows = torch.cat(columns, dim=1).tolist()  # the one host sync; ids < 2**53 stay exact
+        rows = self._to_host(torch.cat(columns, dim=1))  # the one host sync; ids < 2**53 stay exact
         return SamplerOutput(
             token_ids=[int(row[0]) for row in rows],
             logprobs=[row[1] for row in rows],
@@ -182,6 +183,19 @@ class Sampler:
                 for row, n in zip(rows, batch.top_logprobs_nums, strict=True)
             ],
         )
+
+    def _to_host(self, packed: torch.Tensor) -> list[list[float]]:
+        """The step's results on the host. On CUDA they come back through a pinned buffer (grown,
+        never shrunk), then one stream synchronization: the step's only host sync."""
+        if packed.device.type != "cuda":
+            return packed.tolist()
+        n = packed.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 1 << 14), dtype=torch.float64, pin_memory=True)
+        host = self._pinned[:n].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        torch.cuda.current_stream(packed.device).synchronize()
+        return host.tolist()
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Penalties then min_new_tokens masking; returns a new [B, V] float32 tensor."""

@@ -61,7 +61,10 @@ class PagedRunner:
             cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=weight.dtype, device=self.device,
         )
-        self.backend = SdpaBackend(self.kv_cache, scale=cfg.head_dim**-0.5)
+        self.backend = SdpaBackend(
+            self.kv_cache, scale=cfg.head_dim**-0.5, num_heads=cfg.num_heads, max_num_seqs=8,
+            max_model_len=num_blocks * block_size,
+        )
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}

@@ -40,12 +40,32 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Reads and writes one engine's paged KV cache. `kv_cache` is the tensor described above."""
+    """Reads and writes one engine's paged KV cache. `kv_cache` is the tensor described above.
 
-    def __init__(self, kv_cache: torch.Tensor, scale: float) -> None:
+    Limits are fixed at startup so that a backend can allocate its workspaces once, at their
+    largest: at most `max_num_seqs` sequences per step, each at most `max_model_len` tokens.
+
+    CUDA graphs (decode only): a backend with `supports_cuda_graph` owns the static metadata
+    buffers that captured graphs read. `init_graph_buffers` allocates them once for the largest
+    graph batch; `graph_metadata(bs)` returns views of their first `bs` rows (used to capture and
+    replay the graph of batch size bs); `load_graph_metadata` copies a real decode step into them,
+    rows past the real ones becoming padding (slot -1: writes nothing; seq_len 0: reads nothing,
+    outputs zeros). Inside a graph, a backend may not read host-side values (`*_cpu`,
+    `max_seq_len`): they are those of the capture.
+    """
+
+    supports_cuda_graph = False
+
+    def __init__(
+        self, kv_cache: torch.Tensor, scale: float, num_heads: int, max_num_seqs: int, max_model_len: int
+    ) -> None:
         self.kv_cache = kv_cache
         self.scale = scale
+        self.num_heads = num_heads
         self.block_size = kv_cache.shape[3]
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
 
     @abstractmethod
     def forward(
@@ -58,6 +78,15 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write the new k/v into the cache at `meta.slot_mapping`, then attend causally: new token
         at position p of sequence i sees cached and new tokens 0..p of sequence i."""
+
+    def init_graph_buffers(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def graph_metadata(self, bs: int) -> AttentionMetadata:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def load_graph_metadata(self, meta: AttentionMetadata, bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
 
 @dataclass

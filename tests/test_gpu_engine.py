@@ -1,0 +1,107 @@
+"""The engine on a GPU (`pytest -m gpu` on the device machine): bf16 greedy output equals
+transformers on the GPU, CUDA-graph decode equals eager decode for every batch size of the ladder,
+and capture leaves every input as it found it while allocating nothing per batch size."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.cuda_graph import CudaGraphRunner
+from engine.protocol import AddRequest
+from engine.request import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GRAPH_MAX_BS = 16
+
+
+def _core(model_dir: str, **knobs: object) -> EngineCore:
+    knobs = {"device": "cuda", "dtype": "bfloat16", "num_kv_blocks": 512, "max_num_seqs": 64,
+             "cuda_graph_max_bs": GRAPH_MAX_BS, "max_model_len": 512} | knobs
+    return EngineCore(EngineConfig(model=model_dir, **knobs))
+
+
+def _prompts(seed: int, n: int, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _greedy(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True)
+    for i, p in enumerate(prompts):
+        assert core.add_request(AddRequest(request_id=str(i), prompt_token_ids=p, sampling_params=params)) is None
+    ids: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    lps: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_work():
+        for d in core.step():
+            ids[d.request_id] += d.new_token_ids
+            lps[d.request_id] += d.new_logprobs or []
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    return [ids[str(i)] for i in range(len(prompts))], [lps[str(i)] for i in range(len(prompts))]
+
+
+def test_bf16_greedy_matches_transformers_on_gpu(arch_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts(0, 4)
+    ref = AutoModelForCausalLM.from_pretrained(arch_dir, dtype=torch.bfloat16).cuda().eval()
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+            expected.append(gen[0, len(p):].tolist())
+    del ref
+    core = _core(arch_dir)
+    assert core.runner.backend_name == "triton" and core.runner.graphs is not None
+    got, _ = _greedy(core, prompts, 32)
+    assert got == expected
+
+
+def test_graph_decode_equals_eager_for_every_batch_size(qwen3_dir: str) -> None:
+    graphs, eager = _core(qwen3_dir), _core(qwen3_dir, disable_cuda_graph=True)
+    assert graphs.runner.graphs.batch_sizes == [1, 2, 4, 8, 16] and eager.runner.graphs is None
+    for bs in [1, 2, 3, 4, 5, 7, 8, 11, 16]:  # every ladder size, and padded sizes between
+        prompts = _prompts(bs, bs)
+        g_ids, g_lps = _greedy(graphs, prompts, 12)
+        e_ids, e_lps = _greedy(eager, prompts, 12)
+        assert g_ids == e_ids, f"batch {bs}"
+        diff = max(abs(a - b) for gl, el in zip(g_lps, e_lps, strict=True) for a, b in zip(gl, el, strict=True))
+        assert diff < 2e-2, f"batch {bs}: logprobs differ by {diff}"
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, t in tensors.items()}
+
+
+def test_capture_changes_no_input_and_allocates_nothing_per_batch_size(qwen3_dir: str) -> None:
+    core = _core(qwen3_dir, disable_cuda_graph=True)
+    runner = core.runner
+    _greedy(core, _prompts(1, 3), 4)  # leave real data in the KV cache
+    graphs = CudaGraphRunner(runner.model, runner.attn_backend, GRAPH_MAX_BS, core.model_config.vocab_size, runner.device)
+    watched = graphs.static_tensors(GRAPH_MAX_BS) | {"kv_cache": runner.kv_cache}
+    before = _digest(watched)
+    graphs.capture()
+    assert _digest(watched) == before
+    largest = graphs.static_tensors(GRAPH_MAX_BS)
+    for bs in graphs.batch_sizes:
+        for name, t in graphs.static_tensors(bs).items():
+            assert t.data_ptr() == largest[name].data_ptr(), f"{name} of bs {bs} is not a view of the largest"
+    assert graphs.graph_bytes > 0
+
+
+def test_server_info_reports_graph_memory(qwen3_dir: str) -> None:
+    info = _core(qwen3_dir).get_info()
+    assert info["cuda_graph_bytes"] > 0 and info["cuda_graph_batch_sizes"] == [1, 2, 4, 8, 16]
+    assert info["attention_backend"] == "triton"
