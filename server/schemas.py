@@ -5,31 +5,33 @@ defaults); unknown top-level fields are ignored, as SGLang does, since clients s
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+import typing
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from engine.request import SamplingParams
 
+# Set from the request's top level (`return_logprob`, `top_logprobs_num`), not sampling_params.
+_TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num"})
+# JSON shapes of fields whose engine type is a tuple: a string or a list.
+_JSON_TYPES: dict[str, Any] = {"stop": str | list[str] | None, "stop_token_ids": list[int] | None}
 
-class SamplingParamsIn(BaseModel):
+
+def _sampling_fields() -> dict[str, Any]:
+    """`sampling_params`' fields: the engine's SamplingParams (one source of defaults) plus `n`."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: dict[str, Any] = {
+        f.name: (_JSON_TYPES[f.name], None) if f.name in _JSON_TYPES else (hints[f.name], f.default)
+        for f in dataclasses.fields(SamplingParams)
+        if f.name not in _TOP_LEVEL
+    }
+    return fields | {"n": (int, Field(default=1, description="samples per prompt"))}
+
+
+class _SamplingBase(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    skip_special_tokens: bool = True
-    n: int = Field(default=1, description="samples per prompt")
 
     def to_engine(self, logprobs: bool, top_logprobs_num: int) -> SamplingParams:
         """Engine params; raises `InvalidRequest` naming the bad value."""
@@ -37,6 +39,9 @@ class SamplingParamsIn(BaseModel):
         fields["stop"] = fields["stop"] or ()
         fields["stop_token_ids"] = fields["stop_token_ids"] or ()
         return SamplingParams(**fields, logprobs=logprobs, top_logprobs_num=top_logprobs_num)
+
+
+SamplingParamsIn = create_model("SamplingParamsIn", __base__=_SamplingBase, **_sampling_fields())
 
 
 class GenerateRequest(BaseModel):

@@ -9,6 +9,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardCo
 # name -> "module:Class"
 _BACKENDS: dict[str, str] = {
     "sdpa": "engine.attention.sdpa:SdpaBackend",
+    "triton": "engine.attention.triton:TritonBackend",
 }
 
 

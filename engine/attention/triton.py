@@ -1,0 +1,143 @@
+"""`TritonBackend`: paged attention with the Triton kernels of `triton_kernels.py`, for CUDA.
+
+- Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing).
+- Prefill (any step with a sequence of more than one new token): one ragged-batch kernel, causal
+  with each sequence's cached prefix; eager only (its grid uses the host's `max_query_len`).
+- Decode (`meta.is_decode`: one new token per sequence): split-KV kernel + reduce. The number of
+  splits is a fixed function of the batch size (`num_splits`), the partial-results workspace is
+  allocated once here at its largest, and the kernels read no host-side value, so decode is
+  CUDA-graph capturable (with the static buffers of `init_graph_buffers`). Eager decode runs the
+  same kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import triton_kernels as tk
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+_MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
+_PROGRAMS_PER_SM = 4  # decode splits until batch * kv_heads * splits reaches this many per SM
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class TritonBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(
+        self, kv_cache: torch.Tensor, scale: float, num_heads: int, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        super().__init__(kv_cache, scale, num_heads, max_num_seqs, max_model_len)
+        self.num_kv_heads, self.head_dim = kv_cache.shape[4], kv_cache.shape[5]
+        if not (_is_pow2(self.head_dim) and 16 <= self.head_dim <= 256):
+            raise ValueError(f"triton attention needs a power-of-two head_dim in 16..256, got {self.head_dim}")
+        if not _is_pow2(self.block_size):
+            raise ValueError(f"triton attention needs a power-of-two block size, got {self.block_size}")
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        device = kv_cache.device
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self._target_programs = _PROGRAMS_PER_SM * num_sms
+        self._decode_block_n = tk.decode_config(self.head_dim, kv_cache.element_size())[0]
+        self._max_splits = max(1, min(_MAX_SPLITS, -(-max_model_len // self._decode_block_n)))
+        # Decode workspace, allocated once: a batch of b rows with s = num_splits(b) > 1 uses the
+        # first b * s * H * D (partial outputs) and b * s * H (their log-sum-exp) elements, viewed
+        # as [b, H, s, D] and [b, H, s]. Only small batches split, so this is a few MiB at most.
+        rows = max((b * self.num_splits(b) for b in range(1, max_num_seqs + 1) if self.num_splits(b) > 1), default=1)
+        self._part_out = torch.empty(rows * num_heads * self.head_dim, dtype=torch.float32, device=device)
+        self._part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        self._graph_max_bs = 0
+
+    def num_splits(self, batch: int) -> int:
+        """KV splits per sequence in decode: a function of the batch size alone (static per graph)."""
+        programs = batch * self.num_kv_heads
+        if programs >= self._target_programs:
+            return 1
+        return min(self._max_splits, -(-self._target_programs // programs))
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past the last sequence are zero
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        k_cache, v_cache = self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1]
+        tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_seqs = meta.seq_lens.shape[0]  # a shape, not a host value: fine inside a graph
+        if meta.is_decode:
+            # Row i is sequence i's only query; rows past num_seqs are padding.
+            splits = self.num_splits(num_seqs)
+            need = num_seqs * splits * self.num_heads * self.head_dim
+            if splits > 1 and need > self._part_out.numel():
+                raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
+            tk.decode_attention(
+                q[:num_seqs], k_cache, v_cache, meta.block_tables, meta.seq_lens, out[:num_seqs],
+                self.scale, splits, self._part_out, self._part_lse,
+            )  # fmt: skip
+            if q.shape[0] > num_seqs:
+                out[num_seqs:].zero_()
+        else:
+            end = meta.query_start_loc_cpu[-1]
+            if end < q.shape[0]:
+                out[end:].zero_()
+            tk.prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+                self.scale, meta.max_query_len,
+            )  # fmt: skip
+        return out
+
+    # ---- CUDA graphs (decode) --------------------------------------------------------------------
+
+    def init_graph_buffers(self, max_bs: int) -> None:
+        """Static metadata for decode graphs of up to max_bs rows, allocated once."""
+        if max_bs > self.max_num_seqs:
+            raise ValueError(f"graph batch {max_bs} exceeds max_num_seqs {self.max_num_seqs}")
+        device = self.kv_cache.device
+        self._graph_max_bs = max_bs
+        self._g_block_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self._g_slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        self._g_query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+
+    def graph_metadata(self, bs: int) -> AttentionMetadata:
+        """Views of the first bs rows of the static buffers. The host-side fields are placeholders
+        that only make the metadata well formed (decode reads none of them)."""
+        if not 0 < bs <= self._graph_max_bs:
+            raise ValueError(f"graph batch {bs} is outside 1..{self._graph_max_bs} (init_graph_buffers)")
+        return AttentionMetadata(
+            query_start_loc=self._g_query_start_loc[: bs + 1],
+            seq_lens=self._g_seq_lens[:bs],
+            block_tables=self._g_block_tables[:bs],
+            slot_mapping=self._g_slot_mapping[:bs],
+            query_start_loc_cpu=list(range(bs + 1)),
+            seq_lens_cpu=[0] * bs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+    def load_graph_metadata(self, meta: AttentionMetadata, bs: int) -> None:
+        """Copy a real decode step (n <= bs sequences) into the static buffers; rows n..bs-1 become
+        padding (seq_len 0, slot -1). Block-table columns past a row's width keep stale entries,
+        which are never read (they lie past seq_len)."""
+        n, width = meta.block_tables.shape
+        if not meta.is_decode:
+            raise ValueError("CUDA graphs run decode steps only")
+        if not n <= bs <= self._graph_max_bs:
+            raise ValueError(f"{n} sequences do not fit a graph batch of {bs} (max {self._graph_max_bs})")
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"block tables of width {width} exceed max_blocks_per_seq {self.max_blocks_per_seq}")
+        self._g_block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self._g_seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self._g_seq_lens[n:bs].zero_()
+        self._g_slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
+        self._g_slot_mapping[n:bs].fill_(-1)
