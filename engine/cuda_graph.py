@@ -56,7 +56,8 @@ class CudaGraphRunner:
         backend.init_graph_buffers(max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: tuple[int, int] | None = None
-        self.graph_bytes = 0  # device memory the captured ladder took (pool and graph objects)
+        self.static_bytes = sum(t.numel() * t.element_size() for t in (self.input_ids, self.positions, self.logits))
+        self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
 
     def static_tensors(self, bs: int) -> dict[str, torch.Tensor]:
         """Every input and metadata tensor a graph of batch size `bs` reads (for checks)."""
@@ -80,7 +81,6 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture the whole ladder, largest first, into one shared pool; log memory as it goes."""
         torch.cuda.synchronize(self.device)
-        free_before, _ = torch.cuda.mem_get_info(self.device)
         t0 = time.perf_counter()
         for bs in reversed(self.batch_sizes):
             self._forward(bs)  # warm-up: compiles kernels, allocates workspaces outside the graph
@@ -92,12 +92,24 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize(self.device)
-            used = free_before - torch.cuda.mem_get_info(self.device)[0]
-            log.debug("captured decode graph bs=%d; graphs hold %.1f MiB", bs, used / (1 << 20))
-        self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+            log.debug("captured decode graph bs=%d; pool %.1f MiB", bs, self._measure_pool() / (1 << 20))
+        self.pool_bytes = self._measure_pool()
         log.info(
-            "captured %d decode graphs (bs %d..%d) in %.1f s: %.1f MiB",
-            len(self.graphs), self.batch_sizes[0], self.max_bs, time.perf_counter() - t0, self.graph_bytes / (1 << 20),
+            "captured %d decode graphs (bs %d..%d) in %.1f s: pool %.1f MiB, static buffers %.1f MiB",
+            len(self.graphs), self.batch_sizes[0], self.max_bs, time.perf_counter() - t0,
+            self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
+        )
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device memory the graphs hold: their pool plus the static buffers they read and write."""
+        return self.pool_bytes + self.static_bytes
+
+    def _measure_pool(self) -> int:
+        """Bytes of the caching allocator's segments that belong to the graphs' pool."""
+        pool = tuple(self.pool or ())
+        return sum(
+            seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == pool
         )
 
     def padded_size(self, n: int) -> int:

@@ -104,7 +104,7 @@ class ModelRunner:
         )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
-        self.attn_backend = self._make_backend(self.kv_cache)
+        self.attn_backend = self.make_backend(self.kv_cache)
 
         self.graphs: CudaGraphRunner | None = None
         if self.graph_max_bs > 0:
@@ -112,7 +112,7 @@ class ModelRunner:
             self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
 
-    def _make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
+    def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
         mc = self.model_config
         return get_backend_class(self.backend_name)(
             kv_cache,
@@ -186,7 +186,7 @@ class ModelRunner:
         meta = _metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         ids = torch.zeros(budget, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, positions, ForwardContext(self._make_backend(scratch), meta))
+        hidden = self.model(ids, positions, ForwardContext(self.make_backend(scratch), meta))
         last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
         self.model.compute_logits(hidden[last])
         torch.cuda.synchronize(self.device)
