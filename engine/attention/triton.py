@@ -18,7 +18,10 @@ from engine.attention import triton_kernels as tk
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
-_PROGRAMS_PER_SM = 4  # decode splits until batch * kv_heads * splits reaches this many per SM
+# Decode programs resident per SM (the default config's registers allow 4): splits fill one wave
+# of batch * kv_heads * splits <= this * num_SMs programs. Measured on an H200 (bench/
+# attention_kernels.py): a second, partial wave or an unneeded reduce cost 10-15%.
+_PROGRAMS_PER_SM = 4
 
 
 def _is_pow2(n: int) -> bool:
@@ -55,11 +58,9 @@ class TritonBackend(AttentionBackend):
         self._graph_max_bs = 0
 
     def num_splits(self, batch: int) -> int:
-        """KV splits per sequence in decode: a function of the batch size alone (static per graph)."""
-        programs = batch * self.num_kv_heads
-        if programs >= self._target_programs:
-            return 1
-        return min(self._max_splits, -(-self._target_programs // programs))
+        """KV splits per sequence in decode: a function of the batch size alone (static per graph).
+        As many as fit one wave of programs; 1 (no reduce) once the batch fills half the GPU."""
+        return max(1, min(self._max_splits, self._target_programs // (batch * self.num_kv_heads)))
 
     def forward(
         self,

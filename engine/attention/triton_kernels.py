@@ -232,12 +232,13 @@ def prefill_attention(
     out: torch.Tensor,  # [T, H, D], written for rows inside a sequence only
     scale: float,
     max_query_len: int,  # host value: sizes the grid
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, warps, stages) override
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
         return
-    block_m, block_n, num_warps, num_stages = _prefill_config(head_dim, k_cache.element_size())
+    block_m, block_n, num_warps, num_stages = config or _prefill_config(head_dim, k_cache.element_size())
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
