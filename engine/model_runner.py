@@ -13,7 +13,6 @@ import torch
 
 from engine.attention import (
     AttentionBackend,
-    AttentionMetadata,
     ForwardContext,
     get_backend_class,
     resolve_backend_name,
@@ -29,6 +28,7 @@ from engine.kv_budget import (
 from engine.models import get_model_class
 from engine.request import Batch
 from engine.sampler import Sampler, SamplingBatch
+from engine.step_inputs import StepInputs, Uploader, build_metadata, build_step_inputs
 from engine.weights import load_checkpoint
 
 log = logging.getLogger("siesta.engine")
@@ -55,15 +55,6 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_rows: list[int]  # batch index of each request that samples this step
-    sample_indices: torch.Tensor  # [S] int64: token row of each sampling request's last token
-
-
-@dataclass
 class SampleResult:
     token_id: int
     logprob: float
@@ -84,6 +75,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.graph_max_bs = self._graph_max_bs()
+        self.upload = Uploader(self.device)
         torch.manual_seed(config.seed)
         mc = model_config
 
@@ -183,7 +175,7 @@ class ModelRunner:
         for b in blocks:
             tables.append(list(range(first, first + b)))
             first += b
-        meta = _metadata(lens, [0] * len(lens), tables, self.block_size, self.device)
+        meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.upload)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         ids = torch.zeros(budget, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, positions, ForwardContext(self.make_backend(scratch), meta))
@@ -199,31 +191,7 @@ class ModelRunner:
         return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
 
     def prepare(self, batch: Batch) -> StepInputs:
-        """Flatten a batch into ragged tensors; built on the host, copied once to the device."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        starts: list[int] = []
-        ends: list[int] = []
-        sample_rows: list[int] = []
-        sample_indices: list[int] = []
-        for i, req in enumerate(batch.requests):
-            start = req.num_computed_tokens
-            end = start + batch.num_new_tokens[i]
-            input_ids += req.token_ids[start:end]
-            positions += range(start, end)
-            starts.append(start)
-            ends.append(end)
-            if batch.samples(i):
-                sample_rows.append(i)
-                sample_indices.append(len(input_ids) - 1)
-        meta = _metadata(ends, starts, [r.block_table for r in batch.requests], self.block_size, self.device)
-        return StepInputs(
-            input_ids=_to_device(input_ids, torch.int64, self.device),
-            positions=_to_device(positions, torch.int64, self.device),
-            meta=meta,
-            sample_rows=sample_rows,
-            sample_indices=_to_device(sample_indices, torch.int64, self.device),
-        )
+        return build_step_inputs(batch, self.block_size, self.upload)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> dict[str, SampleResult]:
@@ -249,30 +217,3 @@ class ModelRunner:
             )
             for j, r in enumerate(reqs)
         }
-
-
-def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
-
-def _metadata(
-    ends: list[int], starts: list[int], tables: list[list[int]], block_size: int, device: torch.device
-) -> AttentionMetadata:
-    """Metadata of sequences whose tokens starts[i]..ends[i] are new this step (their KV goes to
-    the slots their block tables give) and whose earlier tokens are in the cache."""
-    query_start = [0]
-    slots: list[int] = []
-    for start, end, table in zip(starts, ends, tables, strict=True):
-        query_start.append(query_start[-1] + end - start)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-    width = max(len(t) for t in tables)
-    return AttentionMetadata(
-        query_start_loc=_to_device(query_start, torch.int32, device),
-        seq_lens=_to_device(ends, torch.int32, device),
-        block_tables=_to_device([t + [0] * (width - len(t)) for t in tables], torch.int32, device),
-        slot_mapping=_to_device(slots, torch.int64, device),
-        query_start_loc_cpu=query_start,
-        seq_lens_cpu=list(ends),
-        max_query_len=max(e - s for s, e in zip(starts, ends, strict=True)),
-        max_seq_len=max(ends),
-    )

@@ -109,12 +109,20 @@ class SamplingBatch:
                 ban_rows += [i] * len(ended_by)
                 ban_cols += ended_by
 
+        # The per-row scalars travel in one host-to-device copy: [5, B] float32 (top_k < 2**24 is exact).
+        rows = floats(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params]
+            + [float(g) for g in greedy]
+            + [float(max(p.top_k, 0)) for p in params]
+            + [p.top_p for p in params]
+            + [p.min_p for p in params]
+        ).view(5, len(params))
         return cls(
-            temperatures=floats([p.temperature if p.temperature > 0 else 1.0 for p in params]),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
-            top_ps=floats([p.top_p for p in params]),
-            min_ps=floats([p.min_p for p in params]),
+            temperatures=rows[0],
+            greedy=rows[1] > 0.5,
+            top_ks=rows[2].long(),
+            top_ps=rows[3],
+            min_ps=rows[4],
             repetition_penalties=floats(rep) if use_rep else None,
             frequency_penalties=floats(freq) if use_out else None,
             presence_penalties=floats(pres) if use_out else None,

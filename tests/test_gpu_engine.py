@@ -49,23 +49,59 @@ def _greedy(core: EngineCore, prompts: list[list[int]], n: int) -> tuple[list[li
     return [ids[str(i)] for i in range(len(prompts))], [lps[str(i)] for i in range(len(prompts))]
 
 
-def test_bf16_greedy_matches_transformers_on_gpu(arch_dir: str) -> None:
+def _hf(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+@torch.no_grad()
+def _hf_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:  # [len(output), V] fp32
+    logits = model(torch.tensor([prompt + output], device="cuda")).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+
+
+def test_fp32_greedy_matches_transformers_on_gpu(arch_dir: str) -> None:
+    """In float32 there are no near-ties to flip: 32 tokens equal, token for token."""
     prompts = _prompts(0, 4)
-    ref = AutoModelForCausalLM.from_pretrained(arch_dir, dtype=torch.bfloat16).cuda().eval()
-    expected = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            gen = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-            expected.append(gen[0, len(p):].tolist())
-    del ref
-    core = _core(arch_dir)
+    expected = _hf_greedy(_hf(arch_dir, torch.float32), prompts, 32)
+    core = _core(arch_dir, dtype="float32")
     assert core.runner.backend_name == "triton" and core.runner.graphs is not None
-    got, _ = _greedy(core, prompts, 32)
-    assert got == expected
+    assert _greedy(core, prompts, 32)[0] == expected
+
+
+def test_bf16_greedy_tracks_transformers_on_gpu(arch_dir: str) -> None:
+    """In bfloat16 both engines round differently, so on these random-weight checkpoints (flat
+    distributions) greedy paths may part at a near-tie. Checked: our logprobs are no further from
+    float32 transformers than transformers' own bf16 run is, and the paths agree up to a point
+    where the two candidates are within bf16 noise of each other in float32."""
+    prompts = _prompts(0, 4)
+    hf_bf16, hf_fp32 = _hf(arch_dir, torch.bfloat16), _hf(arch_dir, torch.float32)
+    expected = _hf_greedy(hf_bf16, prompts, 32)
+    ours, our_lps = _greedy(_core(arch_dir), prompts, 32)
+    for p, got, want, lps in zip(prompts, ours, expected, our_lps, strict=True):
+        exact = _hf_logprobs(hf_fp32, p, got)
+        theirs = _hf_logprobs(hf_bf16, p, got)
+        rows = torch.arange(len(got), device="cuda")
+        toks = torch.tensor(got, device="cuda")
+        our_err = (torch.tensor(lps, device="cuda") - exact[rows, toks]).abs().max().item()
+        their_err = (theirs[rows, toks] - exact[rows, toks]).abs().max().item()
+        assert our_err <= 2 * their_err + 0.02, (our_err, their_err)
+        split = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if split is not None:
+            gap = (exact[split, got[split]] - exact[split, want[split]]).abs().item()
+            assert gap < 4 * their_err + 0.02, f"paths part at token {split} with a float32 gap of {gap}"
 
 
 def test_graph_decode_equals_eager_for_every_batch_size(qwen3_dir: str) -> None:

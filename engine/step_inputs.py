@@ -1,0 +1,129 @@
+"""`StepInputs`: one step's batch as device tensors (token ids, positions, attention metadata,
+which rows sample), built on the host and sent to the device in ONE copy.
+
+Rule: every integer the step needs is packed into one int64 host buffer (an `array`, no Python
+int list of the whole), copied once (on CUDA from
+a pinned staging buffer, asynchronously), and sliced into views there; int32 fields are cast on
+the device. The staging buffer is reused: safe because each step ends with a host sync.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.request import Batch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # batch index of each request that samples this step
+    sample_indices: torch.Tensor  # [S] int64: token row of each sampling request's last token
+
+
+class Uploader:
+    """Host-to-device copies of int64 data through one staging buffer (pinned on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._staging: torch.Tensor | None = None
+
+    def __call__(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """The parts, concatenated into one int64 buffer, copied once; one device view per part."""
+        packed = array("q")
+        for part in parts:
+            packed.extend(part)
+        flat = self._copy(torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64))
+        return list(torch.split(flat, [len(p) for p in parts]))
+
+    def _copy(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        n = host.numel()
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
+        self._staging[:n].copy_(host)
+        return self._staging[:n].to(self.device, non_blocking=True)
+
+
+def build_step_inputs(batch: Batch, block_size: int, upload: Uploader) -> StepInputs:
+    """Request i runs its tokens num_computed_tokens .. + num_new_tokens[i]; its KV goes to the
+    slots its block table gives; it samples iff that chunk reaches its last token."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    sample_rows: list[int] = []
+    sample_indices: list[int] = []
+    for i, req in enumerate(batch.requests):
+        start = req.num_computed_tokens
+        end = start + batch.num_new_tokens[i]
+        input_ids += req.token_ids[start:end]
+        positions += range(start, end)
+        starts.append(start)
+        ends.append(end)
+        if batch.samples(i):
+            sample_rows.append(i)
+            sample_indices.append(len(input_ids) - 1)
+    tables = [r.block_table for r in batch.requests]
+    meta, meta_values = _metadata_values(ends, starts, tables, block_size)
+    views = upload([input_ids, positions, sample_indices, *meta_values])
+    input_ids_d, positions_d, sample_indices_d, qsl, seq_lens, slots, tables_flat = views
+    return StepInputs(
+        input_ids=input_ids_d,
+        positions=positions_d,
+        meta=AttentionMetadata(
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=tables_flat.view(len(tables), -1).to(torch.int32),
+            slot_mapping=slots,
+            **meta,
+        ),
+        sample_rows=sample_rows,
+        sample_indices=sample_indices_d,
+    )
+
+
+def build_metadata(
+    ends: list[int], starts: list[int], tables: list[list[int]], block_size: int, upload: Uploader
+) -> AttentionMetadata:
+    """Metadata of sequences whose tokens starts[i]..ends[i] are new (for a profiling forward)."""
+    meta, values = _metadata_values(ends, starts, tables, block_size)
+    qsl, seq_lens, slots, tables_flat = upload(values)
+    return AttentionMetadata(
+        query_start_loc=qsl.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        block_tables=tables_flat.view(len(tables), -1).to(torch.int32),
+        slot_mapping=slots,
+        **meta,
+    )
+
+
+def _metadata_values(
+    ends: list[int], starts: list[int], tables: list[list[int]], block_size: int
+) -> tuple[dict, list[list[int]]]:
+    """(the host-side metadata fields, the integer lists to upload: query_start_loc, seq_lens,
+    slot_mapping, block tables padded with 0 to the widest and flattened row-major)."""
+    query_start = [0]
+    slots: list[int] = []
+    for start, end, table in zip(starts, ends, tables, strict=True):
+        query_start.append(query_start[-1] + end - start)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    width = max(len(t) for t in tables)
+    padded: list[int] = []
+    for t in tables:
+        padded += t
+        padded += [0] * (width - len(t))
+    host_fields = {
+        "query_start_loc_cpu": query_start,
+        "seq_lens_cpu": list(ends),
+        "max_query_len": max(e - s for s, e in zip(starts, ends, strict=True)),
+        "max_seq_len": max(ends),
+    }
+    return host_fields, [query_start, list(ends), slots, padded]
