@@ -92,7 +92,7 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize(self.device)
-            log.debug("captured decode graph bs=%d; pool %.1f MiB", bs, self._measure_pool() / (1 << 20))
+            log.info("captured decode graph bs=%d; graph pool now %.1f MiB", bs, self._measure_pool() / (1 << 20))
         self.pool_bytes = self._measure_pool()
         log.info(
             "captured %d decode graphs (bs %d..%d) in %.1f s: pool %.1f MiB, static buffers %.1f MiB",
