@@ -8,11 +8,20 @@ Parameters are created with `torch.empty` in the current default dtype and devic
 `torch.device(...)` context and `torch.set_default_dtype`): they hold garbage until
 engine/weights.py loads a checkpoint. The rotary cache is the one tensor computed here; it is
 always float32.
+
+Fused ops: a module built with `fused=True` runs the Triton kernels of `fused_ops.py` on CUDA
+tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul) and this file's torch
+code on any other device; the torch code is the reference the kernels are tested against. The
+model resolves the flag once, at construction (`fused_ops_default`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+from types import ModuleType
+from typing import NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +29,22 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.config import ModelConfig, RopeScaling
+
+# Set to 0 to build models without the fused Triton ops (the torch ops run on CUDA too).
+FUSED_OPS_ENV = "SIESTA_FUSED_OPS"
+
+
+def fused_ops_default() -> bool:
+    """Whether a model built now uses the fused ops on CUDA: yes unless SIESTA_FUSED_OPS=0, or
+    Triton is not installed. Read at model construction, never per step."""
+    return os.environ.get(FUSED_OPS_ENV, "1") != "0" and importlib.util.find_spec("triton") is not None
+
+
+def _fused_ops() -> ModuleType:
+    # Imported on first use by a CUDA tensor, so CPU installs never import Triton.
+    from engine.models import fused_ops
+
+    return fused_ops
 
 
 class Linear(nn.Module):
@@ -64,14 +89,39 @@ class Embedding(nn.Module):
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim. The normalisation runs in float32 and is cast back
-    before the weight multiply, as in Hugging Face, so half-precision results match it."""
+    before the weight multiply, as in Hugging Face, so half-precision results match it.
 
-    def __init__(self, size: int, eps: float) -> None:
+    With a residual (the vLLM way): residual = residual + x, then (norm(residual), residual). The
+    fused CUDA kernel updates `residual` in place; callers use the returned one either way.
+    """
+
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused and x.is_cuda:
+            if residual is None:
+                return _fused_ops().rms_norm(x, self.weight, self.eps)
+            return _fused_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -80,7 +130,13 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """[..., 2I] (gate | up) -> silu(gate) * up, [..., I]."""
 
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            return _fused_ops().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -109,6 +165,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original_len / high) & (wavelen <= original_len / low)
     return torch.where(medium, blended, scaled)
+
+
+class RopeInputs(NamedTuple):
+    """What the attention layers rotate q and k with, computed once per forward."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # [max_positions, D] float32
+    cos: torch.Tensor | None  # [T, 1, D/2] float32, None when not gathered
+    sin: torch.Tensor | None
 
 
 class RotaryEmbedding(nn.Module):
@@ -143,17 +208,23 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, D/2]
         self.cos_sin_cache.copy_(torch.cat([freqs.cos(), freqs.sin()], dim=-1))
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin, each [T, 1, D/2] float32 (the 1 broadcasts over heads)."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def forward(self, positions: torch.Tensor, gather: bool = True) -> RopeInputs:
+        """positions [T] -> what the attention layers rotate with. `gather`: look up cos, sin, each
+        [T, 1, D/2] float32 (the 1 broadcasts over heads), for the torch path; the fused kernel
+        reads the cache itself and needs no lookup."""
+        cos = sin = None
+        if gather:
+            cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return RopeInputs(positions, self.cos_sin_cache, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i+D/2}) of x [T, heads, D] by its angle; math in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return rotated.to(x.dtype)
+    """Rotate each pair (x_i, x_{i+D/2}) of x [T, heads, D] by its angle, rounding as Hugging Face
+    does: cos and sin cast to x's dtype, then `x * cos + rotate_half(x) * sin` in x's dtype (each
+    product and the sum rounded). In float32 that is plain float32 rope."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class Attention(nn.Module):
@@ -164,10 +235,17 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.fused = fused
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -183,17 +261,24 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        rope: RopeInputs,
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
         T = hidden.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(hidden).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused and hidden.is_cuda:
+            # One kernel: the q/k norm (if any) and rope, in place in the qkv output.
+            qw = self.q_norm.weight if self.q_norm is not None else None
+            kw = self.k_norm.weight if self.k_norm is not None else None
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            assert rope.cos is not None and rope.sin is not None
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         out = ctx.backend.forward(self.layer_id, q, k, v, ctx.meta)  # [T, H, D]
         return self.o_proj(out.reshape(T, H * D))
 
@@ -201,12 +286,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up packed into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, fused: bool = False
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
         )
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(fused)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]

@@ -10,6 +10,10 @@ default device, so build it inside `torch.device(dev)` with `torch.set_default_d
 never `.to(dtype)` it afterwards (that would cast the float32 rotary cache too). Parameters are
 uninitialised until engine/weights.py loads them. Built on the meta device, materialise it with
 `to_empty(device=...)` and then call `init_buffers()`.
+
+`cls(config, fused=None)`: whether CUDA forwards use the fused Triton ops of fused_ops.py (see
+layers.py); None resolves it from the environment (`fused_ops_default`, SIESTA_FUSED_OPS). A CPU
+forward always runs the torch ops.
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.config import ModelConfig
-from engine.models.layers import MLP, Attention, Embedding, Linear, RMSNorm, RotaryEmbedding
+from engine.models.layers import (
+    MLP,
+    Attention,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RopeInputs,
+    RotaryEmbedding,
+    fused_ops_default,
+)
 
 
 @dataclass(frozen=True)
@@ -36,38 +49,56 @@ class DecoderOptions:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h))."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), with the residual stream carried
+    beside the block's output (the vLLM way) so that each add is fused into the next norm:
 
-    def __init__(self, config: ModelConfig, layer_id: int, options: DecoderOptions) -> None:
+        x, residual = input_layernorm(x, residual)   # residual += x; x = norm(residual)
+        x = self_attn(x)
+        x, residual = post_attention_layernorm(x, residual)
+        x = mlp(x)                                   # -> (x, residual); h = x + residual
+
+    The first layer gets residual None: the embedding is the residual and only normed.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, options: DecoderOptions, fused: bool = False
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.self_attn = Attention(
-            config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm
+            config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused)
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (the embedding for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before x; None at layer 0
+        rope: RopeInputs,
         ctx: ForwardContext,
-    ) -> torch.Tensor:  # [T, hidden]
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the stream before it)
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers and the final norm; `model.` in checkpoint names."""
 
-    def __init__(self, config: ModelConfig, options: DecoderOptions) -> None:
+    def __init__(self, config: ModelConfig, options: DecoderOptions, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, options) for i in range(config.num_layers)
+            DecoderLayer(config, i, options, fused) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         # One rotary table for all layers; cos/sin are looked up once per forward.
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -76,11 +107,16 @@ class DecoderModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, hidden]
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        x = self.embed_tokens(input_ids)
+        # The fused rope kernel reads the cos/sin cache itself; the torch path looks them up once.
+        rope = self.rotary_emb(positions, gather=not (self.fused and positions.is_cuda))
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)
-        return self.norm(hidden)
+            x, residual = layer(x, residual, rope, ctx)
+        if residual is None:  # no layers
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -90,10 +126,11 @@ class LlamaForCausalLM(nn.Module):
     logits = model.compute_logits(hidden[rows]) -> [n, vocab] float32
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.decoder_options(config))
+        self.fused = fused_ops_default() if fused is None else fused
+        self.model = DecoderModel(config, self.decoder_options(config), self.fused)
         # Tied: the logits reuse model.embed_tokens.weight and there is no lm_head parameter.
         self.lm_head = (
             None
