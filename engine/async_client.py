@@ -35,6 +35,10 @@ WATCHDOG_PERIOD_S = 0.5
 SAMPLE_SEP = "#"
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine is alive but cannot serve now (memory released, weights to update): HTTP 503."""
+
+
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         """Start the engine process and wait until it is ready (blocking: call before serving)."""
@@ -48,6 +52,8 @@ class AsyncEngineClient:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
+        # Why requests cannot run now (memory released, ...), as the last memory call answered.
+        self.unavailable: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -153,6 +159,19 @@ class AsyncEngineClient:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
+
+    async def memory_call(self, method: str, **kwargs: Any) -> dict[str, Any]:
+        """release/resume_memory_occupation; keeps `unavailable` in step with the answer, so
+        generate routes can answer 503 before they start a stream."""
+        answer = await self.call(method, **kwargs)
+        released = [t for t, state in answer["tags"].items() if state == "released"]
+        if released:
+            self.unavailable = f"memory is released ({', '.join(released)}): resume_memory_occupation first"
+        elif not answer["weights_valid"]:
+            self.unavailable = "weights were released without a host copy (--weights-backup none): update the weights first"
+        else:
+            self.unavailable = None
+        return answer
 
     async def shutdown(self) -> None:
         for task in self._tasks:

@@ -117,6 +117,16 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.call("flush_cache")
 
+    def release_memory_occupation(self, tags: list[str] | None = None, mode: str = "wait") -> dict[str, Any]:
+        """Hand the GPU memory of `tags` (None: all) back to the driver; see engine/memory.py."""
+        return self.call("release_memory_occupation", tags=tags, mode=mode)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self.call("resume_memory_occupation", tags=tags)
+
+    def memory_occupation(self) -> dict[str, Any]:
+        return self.call("memory_occupation")
+
     def get_server_info(self) -> dict[str, Any]:
         return self.call("get_info")
 

@@ -178,6 +178,12 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prompt prefixes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, else sdpa) | triton | sdpa"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode eagerly (prefill always is)"})
+    memory_saver: bool = field(
+        default=True, metadata={"help": "GPU memory in releasable regions (torch_memory_saver), on CUDA"}
+    )
+    weights_backup: str = field(
+        default="host", metadata={"help": "host (pinned copy: resume restores weights) | none (resume needs a weight update)"}
+    )
     cuda_graph_max_bs: int | None = field(
         default=None, metadata={"help": "largest decode batch replayed from a CUDA graph (default: from memory)"}
     )
@@ -193,6 +199,8 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.weights_backup not in ("host", "none"):
+            raise ConfigError(f"weights_backup must be host or none, got {self.weights_backup!r}")
         if self.dtype != "auto":
             _dtype_name(self.dtype)
 

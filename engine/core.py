@@ -6,37 +6,34 @@ Control calls run between steps, in the order they arrive.
 from __future__ import annotations
 
 import logging
-import os
 import time
-import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import zmq
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import BlockManager
+from engine.memory import check_tags
 from engine.model_runner import ModelRunner
 from engine.protocol import (
-    AbortRequests,
     AddRequest,
-    ControlCall,
-    ControlReply,
-    Failed,
-    FromCore,
-    Ready,
     RequestDelta,
-    Shutdown,
-    StepOutputs,
-    ToCore,
 )
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
 from engine.scheduler import Scheduler
 
 log = logging.getLogger("siesta.engine")
 
-# How long the idle loop blocks on its socket before it looks at its parent again, ms.
-_IDLE_POLL_MS = 100
+
+@dataclass
+class Deferred:
+    """A control call that answers later: `run()` once `ready()` (a release that lets running
+    requests finish first)."""
+
+    ready: Callable[[], bool]
+    run: Callable[[], Any]
 
 
 class EngineCore:
@@ -61,6 +58,11 @@ class EngineCore:
         self.paused = False
         # Names the weights in use; RL weight updates set it (SGLang's default is "default").
         self.weight_version = "default"
+        self.memory = self.runner.memory
+        # False after weights were released with no host copy: generation waits for an update.
+        self.weights_valid = True
+        # A release in progress: running requests finish, new ones are refused.
+        self.draining = False
         # Deltas produced outside a step (aborts from control calls), sent by the loop.
         self.pending: list[RequestDelta] = []
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
@@ -75,6 +77,10 @@ class EngineCore:
             sampling_params=msg.sampling_params,
             eos_token_ids=self.model_config.eos_token_ids,
         )
+        unavailable = self.unavailable()
+        if unavailable is not None:
+            req.finish(FINISH_ERROR, error=unavailable)
+            return _final_delta(req, unavailable=True)
         error = self._check_request(req)
         if error is not None:
             req.finish(FINISH_ERROR, error=error)
@@ -132,8 +138,19 @@ class EngineCore:
             )
         return deltas
 
+    def unavailable(self) -> str | None:
+        """Why no new request can run now (HTTP 503), or None."""
+        if self.memory.released:
+            return f"memory is released ({', '.join(self.memory.released)}): resume_memory_occupation first"
+        if self.draining:
+            return "memory is being released"
+        if not self.weights_valid:
+            return "weights were released without a host copy (--weights-backup none): update the weights first"
+        return None
+
     def has_work(self) -> bool:
-        return not self.paused and self.scheduler.has_unfinished()
+        """A step may run: not paused, every tag resident (one forward sees all of them)."""
+        return not self.paused and not self.memory.released and self.scheduler.has_unfinished()
 
     def take_pending(self) -> list[RequestDelta]:
         out, self.pending = self.pending, []
@@ -147,8 +164,9 @@ class EngineCore:
             return False
         return self.block_manager.reset_prefix_cache()
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> str:
+        """The engine answers; says whether its memory is resident or released."""
+        return "released" if self.memory.released else "resident"
 
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
@@ -168,6 +186,11 @@ class EngineCore:
         self.paused = False
         # Names the weights in use; RL weight updates set it (SGLang's default is "default").
         self.weight_version = "default"
+        self.memory = self.runner.memory
+        # False after weights were released with no host copy: generation waits for an update.
+        self.weights_valid = True
+        # A release in progress: running requests finish, new ones are refused.
+        self.draining = False
         return {"paused": False}
 
     def abort_requests(self, request_ids: list[str] | None) -> int:
@@ -175,6 +198,64 @@ class EngineCore:
         deltas = self.abort(request_ids)
         self.pending += deltas
         return len(deltas)
+
+    # ---- memory occupation ----------------------------------------------------------------------
+
+    def release_memory_occupation(self, tags: list[str] | None = None, mode: str = "wait") -> Deferred:
+        """Release `tags` (None or []: all) once no request runs. `wait` lets in-flight requests
+        finish; `abort` ends them with finish_reason abort. New requests are refused meanwhile.
+        Requests held by a paused engine are retracted (they recompute after resume)."""
+        names = check_tags(tags)
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"unknown release mode {mode!r}; use wait or abort")
+        self.draining = True
+        self.scheduler.admitting = False
+        if mode == "abort":
+            self.pending += self.abort(None)
+        elif self.paused:
+            self.scheduler.retract_all()
+        return Deferred(ready=lambda: self.scheduler.num_running == 0, run=lambda: self._release(names))
+
+    def _release(self, tags: list[str]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.draining = False
+        self.scheduler.admitting = True
+        if "kv_cache" in tags:
+            self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
+        changed, freed = self.memory.release(tags)
+        if "weights" in changed and self.memory.enabled and self.runner.host_weights is None:
+            self.weights_valid = False
+        seconds = time.perf_counter() - t0
+        log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
+        return self._memory_answer(changed) | {"bytes_freed": freed, "seconds": seconds}
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        changed, restored = self.memory.resume(check_tags(tags))
+        restore_s = 0.0
+        if "weights" in changed and self.runner.host_weights is not None:
+            restore_s = self.runner.host_weights.restore()
+        seconds = time.perf_counter() - t0
+        log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
+        return self._memory_answer(changed) | {
+            "bytes_restored": restored, "seconds": seconds, "weights_restore_seconds": restore_s,
+        }
+
+    def memory_occupation(self) -> dict[str, Any]:
+        host = self.runner.host_weights
+        return self.memory.describe() | {
+            "weights_backup": self.config.weights_backup,
+            "weights_host_copy_bytes": host.nbytes if host else 0,
+            "weights_valid": self.weights_valid,
+        }
+
+    def _memory_answer(self, changed: list[str]) -> dict[str, Any]:
+        return {
+            "tags": dict(self.memory.state),
+            "changed": changed,
+            "memory_saver": self.memory.enabled,
+            "weights_valid": self.weights_valid,
+        }
 
     def get_info(self) -> dict[str, Any]:
         mc = self.model_config
@@ -199,6 +280,8 @@ class EngineCore:
             "weight_version": self.weight_version,
             "num_steps": self.num_steps,
             "paused": self.paused,
+            "memory": "released" if self.memory.released else "resident",
+            "released_tags": self.memory.released,
             "num_preemptions": self.scheduler.num_preemptions,
             "config": msgspec.to_builtins(self.config),
         }
@@ -209,13 +292,15 @@ class EngineCore:
         return getattr(self, method)(**kwargs)
 
 
-_CONTROL_METHODS = frozenset(
-    {"flush_cache", "get_info", "ping", "pause_generation", "continue_generation", "abort_requests"}
-)
+_CONTROL_METHODS = frozenset({
+    "flush_cache", "get_info", "ping", "pause_generation", "continue_generation", "abort_requests",
+    "release_memory_occupation", "resume_memory_occupation", "memory_occupation",
+})
 
 
-def _final_delta(req: Request) -> RequestDelta:
+def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:
     return RequestDelta(
+        unavailable=unavailable,
         request_id=req.request_id,
         new_token_ids=[],
         finished=True,
@@ -225,80 +310,3 @@ def _final_delta(req: Request) -> RequestDelta:
         num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=req.num_cached_tokens,
     )
-
-
-def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level: str = "INFO") -> None:
-    """Entry point of the engine process: build the core, say Ready (or Failed), serve until told
-    to stop or until the parent process is gone."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)
-    outbox.connect(out_addr)
-    encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(ToCore)
-
-    def send(msg: FromCore) -> None:
-        outbox.send(encoder.encode(msg))
-
-    try:
-        core = EngineCore(config)
-    except Exception as e:  # the client raises this text; the process exits non-zero
-        send(Failed(error=f"{type(e).__name__}: {e}"))
-        log.error("engine core failed to start:\n%s", traceback.format_exc())
-        outbox.close()
-        ctx.term()
-        raise SystemExit(1) from None
-    send(Ready(info=core.get_info()))
-
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    try:
-        while True:
-            timeout = 0 if core.has_work() else _IDLE_POLL_MS
-            while poller.poll(timeout):
-                msg = decoder.decode(inbox.recv())
-                if isinstance(msg, Shutdown):
-                    return
-                deltas = _handle(core, msg, send)
-                if deltas:
-                    send(StepOutputs(deltas=deltas))
-                timeout = 0
-            if core.has_work():
-                deltas = core.step()
-                if deltas:
-                    send(StepOutputs(deltas=deltas))
-            elif os.getppid() != parent:
-                log.warning("parent process is gone; engine core exits")
-                return
-    except Exception as e:
-        log.error("engine core died:\n%s", traceback.format_exc())
-        send(Failed(error=f"engine core died: {type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
-    finally:
-        inbox.close()
-        outbox.close()
-        ctx.term()
-
-
-def _handle(core: EngineCore, msg: ToCore, send: Any) -> list[RequestDelta]:
-    """Apply one message; return the deltas it produced. A control call's own deltas (aborts) are
-    sent before its reply, so a caller that sees the reply has seen them too."""
-    if isinstance(msg, AddRequest):
-        delta = core.add_request(msg)
-        return [delta] if delta is not None else []
-    if isinstance(msg, AbortRequests):
-        return core.abort(msg.request_ids)
-    if isinstance(msg, ControlCall):
-        try:
-            reply = ControlReply(call_id=msg.call_id, ok=True, result=core.call(msg.method, msg.kwargs))
-        except Exception as e:  # a bad control call is the caller's error, not the engine's death
-            reply = ControlReply(call_id=msg.call_id, ok=False, error=f"{type(e).__name__}: {e}")
-        deltas = core.take_pending()
-        if deltas:
-            send(StepOutputs(deltas=deltas))
-        send(reply)
-    return []

@@ -6,6 +6,7 @@ The client binds both sockets, then spawns the core, which connects to them; the
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -16,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core import run_engine_core
+from engine.core_main import run_engine_core
 from engine.protocol import Failed, FromCore, Ready, Shutdown, ToCore
 
 # How long a client waits for the core to build itself, and for it to exit, seconds.
@@ -27,6 +28,25 @@ POLL_MS = 200
 
 class EngineDeadError(RuntimeError):
     """The engine process failed to start or died; the message says why."""
+
+
+def _memory_saver_hook(config: EngineConfig) -> contextlib.AbstractContextManager:
+    """The environment the engine process starts in: with torch_memory_saver's LD_PRELOAD hook
+    when its memory will be on CUDA in releasable regions (engine/memory.py says why preload)."""
+    on_cuda = config.device.startswith("cuda") or (config.device == "auto" and _cuda_available())
+    if not (config.memory_saver and on_cuda):
+        return contextlib.nullcontext()
+    try:
+        from torch_memory_saver import configure_subprocess
+    except ImportError:
+        return contextlib.nullcontext()  # the engine logs that regions are no-ops
+    return configure_subprocess()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class CoreProcess:
@@ -48,7 +68,8 @@ class CoreProcess:
         self.process = mp.get_context("spawn").Process(
             target=run_engine_core, args=(config, in_addr, out_addr, log_level), name="siesta-engine", daemon=True
         )
-        self.process.start()
+        with _memory_saver_hook(config):
+            self.process.start()
         self.dead: str | None = None
         self.info = self._wait_ready()
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -78,15 +80,16 @@ class CudaGraphRunner:
         self.logits[:bs] = self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture the whole ladder, largest first, into one shared pool; log memory as it goes."""
+    def capture(self, graph_context: Callable[..., AbstractContextManager] = torch.cuda.graph) -> None:
+        """Capture the whole ladder, largest first, into one shared pool; log memory as it goes.
+        `graph_context(graph, pool=...)` is `torch.cuda.graph` or a region's pausable version."""
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         for bs in reversed(self.batch_sizes):
             self._forward(bs)  # warm-up: compiles kernels, allocates workspaces outside the graph
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with graph_context(graph, pool=self.pool):
                 self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -25,6 +25,7 @@ from engine.kv_budget import (
     kv_block_bytes,
     num_kv_blocks_for_budget,
 )
+from engine.memory import HostWeights, MemoryRegions
 from engine.models import get_model_class
 from engine.request import Batch
 from engine.sampler import Sampler, SamplingBatch
@@ -62,9 +63,10 @@ class SampleResult:
 
 
 class ModelRunner:
-    """Startup, in order (DESIGN.md: Startup order): 1. the model and its weights; 2. a profiling
-    forward sizes the KV cache; 3. the KV cache and the attention backend over it; 4. the decode
-    CUDA graphs with their static buffers; 5. the sampler."""
+    """Startup, in order (DESIGN.md: Startup order): 1. the model and its weights, inside the
+    `weights` region, and their pinned host copy; 2. a profiling forward sizes the KV cache; 3. the
+    KV cache inside the `kv_cache` region; 4. the attention backend (its workspaces), the graphs'
+    static buffers and the captured decode graphs, inside the `cuda_graph` region; 5. the sampler."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
         self.config = config
@@ -76,32 +78,42 @@ class ModelRunner:
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.graph_max_bs = self._graph_max_bs()
         self.upload = Uploader(self.device)
+        self.memory = MemoryRegions(self.device, enabled=config.memory_saver)
         torch.manual_seed(config.seed)
         mc = model_config
 
         t0 = time.perf_counter()
-        self.model = self._load_model()
+        with self.memory.region("weights"):
+            self.model = self._load_model()
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.host_weights: HostWeights | None = None
+        if self.device.type == "cuda" and config.weights_backup == "host":
+            self.host_weights = HostWeights(self.model)
         log.info(
-            "weights loaded in %.2f s: %.1f MiB (%s, %s)",
+            "weights loaded in %.2f s: %.1f MiB (%s, %s), host copy %s",
             time.perf_counter() - t0, self.weights_bytes / (1 << 20), self.device, str(self.dtype).replace("torch.", ""),
+            "pinned" if self.host_weights else "none",
         )
 
         self.num_kv_blocks = self._num_kv_blocks()
-        # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            (mc.num_layers, 2, self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
+        with self.memory.region("kv_cache"):
+            # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
+            self.kv_cache = torch.zeros(
+                (mc.num_layers, 2, self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
-        self.attn_backend = self.make_backend(self.kv_cache)
 
         self.graphs: CudaGraphRunner | None = None
-        if self.graph_max_bs > 0:
-            self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device)
-            self.graphs.capture()
+        with self.memory.region("cuda_graph"):
+            self.attn_backend = self.make_backend(self.kv_cache)
+            if self.graph_max_bs > 0:
+                self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device)
+        if self.graphs is not None:
+            self.graphs.capture(self.memory.graph_capture)
+            self.memory.bytes["cuda_graph"] += self.graphs.pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:

@@ -29,6 +29,7 @@ class GenerationOutput:
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     cached_tokens: int = 0
     e2e_latency: float = 0.0
+    unavailable: bool = False  # refused because the engine cannot serve now (memory released)
 
     @property
     def finished(self) -> bool:
@@ -81,6 +82,7 @@ class RequestState:
             text += self.detok.flush()
             reason = FINISH_ABORT if delta.finish_reason == FINISH_ERROR else delta.finish_reason
             self._finish(reason, delta.stop_matched, delta.error)
+            out.unavailable = delta.unavailable
         return StepUpdate(text=text, token_ids=new_ids, finished=delta.finished)
 
     def _finish(self, reason: str | None, matched: int | str | None, error: str | None) -> None:

@@ -52,6 +52,7 @@ class RequestDelta(msgspec.Struct):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    unavailable: bool = False  # refused because the engine cannot serve now (memory released): 503
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -44,6 +44,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0  # since start, for /get_server_info and tests
+        self.admitting = True  # False while the engine drains before releasing memory
 
     @property
     def num_running(self) -> int:
@@ -132,7 +133,7 @@ class Scheduler:
             break  # `req` preempted itself: everything after it is gone too
 
         failed: list[Request] = []
-        while self.waiting:
+        while self.waiting and self.admitting:
             req = self.waiting[0]
             error = self._never_runs(req)
             if error is not None:

@@ -53,10 +53,12 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> FastAPI:
     if config.api_key:
         _require_api_key(app, config.api_key)
 
+    from server.memory_api import router as memory
     from server.native_api import router as native
     from server.openai_api import router as openai
 
     app.include_router(native)
+    app.include_router(memory)
     app.include_router(openai)
     return app
 

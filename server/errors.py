@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from engine.async_client import EngineUnavailable
 from engine.core_process import EngineDeadError
 from engine.request import InvalidRequest
 from server.generation import ClientDisconnected
@@ -23,7 +24,9 @@ CLIENT_CLOSED = 499
 
 def error_body(exc: BaseException, type_: str | None = None, code: int = 400) -> dict:
     if type_ is None:
-        type_ = "service_unavailable" if isinstance(exc, EngineDeadError) else "invalid_request_error"
+        unavailable = isinstance(exc, (EngineDeadError, EngineUnavailable))
+        type_ = "service_unavailable" if unavailable else "invalid_request_error"
+        code = 503 if unavailable else code
     return {"error": {"message": str(exc), "type": type_, "code": code}}
 
 
@@ -51,6 +54,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return service_unavailable(f"engine is dead: {exc}")
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
+        return service_unavailable(str(exc))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:

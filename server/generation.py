@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.async_client import SAMPLE_SEP, AsyncEngineClient
+from engine.async_client import SAMPLE_SEP, AsyncEngineClient, EngineUnavailable
 from engine.output import GenerationOutput, StepUpdate
 from engine.request import InvalidRequest, SamplingParams
 from server.metrics import Metrics
@@ -54,10 +54,15 @@ def check_prompt(ids: list[int], params: SamplingParams, info: dict[str, Any]) -
 
 
 def make_jobs(
-    prompts: list[list[int]], params: SamplingParams, n: int, info: dict[str, Any], rids: list[str] | None = None
+    prompts: list[list[int]], params: SamplingParams, n: int, client: AsyncEngineClient, rids: list[str] | None = None
 ) -> list[Job]:
     """n jobs per prompt, prompt-major. Ids: the client's rid (or a fresh one) per prompt, and
-    f"{rid}#{i}" for the samples of an n > 1 request, so aborting the rid aborts them all."""
+    f"{rid}#{i}" for the samples of an n > 1 request, so aborting the rid aborts them all.
+    While the engine cannot serve (memory released), raises `EngineUnavailable` (503) at once,
+    before any stream starts."""
+    if client.unavailable is not None:
+        raise EngineUnavailable(client.unavailable)
+    info = client.info
     if n < 1:
         raise InvalidRequest(f"n must be >= 1, got {n}")
     if rids is not None and len(rids) != len(prompts):
@@ -89,9 +94,14 @@ async def _events(
     try:
         async for update, out in client.generate(job.request_id, job.prompt_token_ids, job.params):
             tracker.on_tokens(len(update.token_ids))
+            if out.unavailable:
+                raise EngineUnavailable(out.error or "the engine cannot serve now")
             if update.finished:
                 outcome = out.finish_reason or "abort"
             yield update, out
+    except EngineUnavailable:
+        outcome = "unavailable"
+        raise
     except Exception:
         outcome = "error"
         raise

@@ -79,7 +79,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     sp = body.sampling_params
     params = sp.to_engine(logprobs=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
     rids = [body.rid] if isinstance(body.rid, str) else body.rid
-    jobs = make_jobs(prompts, params, sp.n, client.info, rids)
+    jobs = make_jobs(prompts, params, sp.n, client, rids)
     version = client.info.get("weight_version", "default")
     metrics = request.app.state.metrics
     if body.stream:
@@ -107,10 +107,10 @@ async def _sse(client: AsyncEngineClient, metrics: Any, jobs: list[Job], version
 async def health(request: Request) -> Response:
     client = _client(request)
     try:
-        await client.call("ping", timeout=HEALTH_TIMEOUT_S)
+        memory = await client.call("ping", timeout=HEALTH_TIMEOUT_S)
     except Exception as e:
         return service_unavailable(f"engine is not answering: {client.dead or type(e).__name__}")
-    return Response(status_code=200)
+    return JSONResponse({"status": "ok", "memory": memory})
 
 
 @router.get("/health_generate")

@@ -81,7 +81,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     want_lp = body.logprobs is not None
     params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.logprobs or 0)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    jobs = make_jobs(prompts, params, body.n, client.info, _rids(rid, len(prompts)))
+    jobs = make_jobs(prompts, params, body.n, client, _rids(rid, len(prompts)))
     reply = Reply(rid, "text_completion", request.app.state.model_name, client.tokenizer, jobs, body.n,
                   logprobs=want_lp, include_usage=body.stream and body.include_usage)
     prefix = {j.index: echo[j.index // body.n] for j in jobs} if echo is not None else {}
@@ -133,7 +133,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     want_lp = bool(body.logprobs)
     params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.top_logprobs or 0)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    jobs = make_jobs([prompt], params, body.n, client.info, [rid])
+    jobs = make_jobs([prompt], params, body.n, client, [rid])
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
     reply = Reply(rid, kind, request.app.state.model_name, client.tokenizer, jobs, body.n,
                   logprobs=want_lp, include_usage=body.stream and body.include_usage)

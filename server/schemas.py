@@ -61,3 +61,12 @@ class AbortRequestIn(BaseModel):
 
 class PauseGenerationIn(BaseModel):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ReleaseMemoryIn(BaseModel):
+    tags: list[str] | None = None  # null or []: all of weights, kv_cache, cuda_graph
+    mode: Literal["wait", "abort"] = "wait"
+
+
+class ResumeMemoryIn(BaseModel):
+    tags: list[str] | None = None

@@ -1,0 +1,182 @@
+"""`MemoryRegions`: the engine's GPU memory in three tagged regions that can be handed back to the
+driver and taken again at the same virtual addresses (torch_memory_saver), so captured CUDA graphs
+replay after a resume without recapture.
+
+Tags (the names RL clients send):
+- `weights`: parameters and persistent buffers (rotary tables included); a pinned host copy is
+  kept (`weights_backup="host"`), so release copies nothing and resume is one host-to-device pass.
+- `kv_cache`: KV blocks. Nothing is kept: the prefix cache is flushed with it.
+- `cuda_graph`: captured graphs, their pool, their static buffers and the attention workspaces.
+
+Rules:
+- Release order kv_cache, weights, cuda_graph; resume order cuda_graph, weights, kv_cache. A tag
+  already in the asked state is a no-op, reported as unchanged.
+- Release synchronizes the device before pausing (kernels still running on paused memory are an
+  illegal access), then empties torch's cache and synchronizes again before it answers, so the
+  trainer's next allocation finds the memory. Bytes freed and restored are measured, not assumed.
+- Hook mode: preload (the engine process starts with torch_memory_saver's LD_PRELOAD hook, and
+  graphs are captured with `torch_memory_saver.cuda_graph`): it is the library's documented way to
+  make graph memory pausable; torch mode would need the region's private MemPool.
+- On a CPU, or without torch_memory_saver, regions are no-ops and the answers say
+  `memory_saver: false` with 0 bytes freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger("siesta.engine")
+
+TAGS = ("weights", "kv_cache", "cuda_graph")
+RELEASE_ORDER = ("kv_cache", "weights", "cuda_graph")
+RESUME_ORDER = ("cuda_graph", "weights", "kv_cache")
+RESIDENT, RELEASED = "resident", "released"
+
+
+def check_tags(tags: list[str] | None) -> list[str]:
+    """The tags a call names; None or [] means all. Unknown tags raise, listing the valid ones."""
+    if not tags:
+        return list(TAGS)
+    unknown = [t for t in tags if t not in TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {', '.join(map(repr, unknown))}; valid tags: {', '.join(TAGS)}")
+    return list(dict.fromkeys(tags))
+
+
+def memory_saver_usable(device: torch.device) -> str | None:
+    """None when torch_memory_saver can manage this device's memory, else why not."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise RuntimeError(
+            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which torch_memory_saver cannot "
+            "manage: unset it (or pass --no-memory-saver to run without releasable memory)"
+        )
+    if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+        return "the engine process was started without torch_memory_saver's LD_PRELOAD hook"
+    try:
+        import torch_memory_saver  # noqa: F401
+    except ImportError:
+        return "torch_memory_saver is not installed"
+    return None
+
+
+class MemoryRegions:
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        why_not = memory_saver_usable(device) if enabled else "disabled by --no-memory-saver"
+        self.saver: Any = None
+        if why_not is None:
+            from torch_memory_saver import torch_memory_saver
+
+            self.saver = torch_memory_saver
+        else:
+            log.info("memory regions are no-ops: %s", why_not)
+        self.state = dict.fromkeys(TAGS, RESIDENT)
+        self.bytes = dict.fromkeys(TAGS, 0)  # device memory each region took at startup
+
+    @property
+    def enabled(self) -> bool:
+        return self.saver is not None
+
+    @property
+    def released(self) -> list[str]:
+        return [t for t in TAGS if self.state[t] == RELEASED]
+
+    @contextlib.contextmanager
+    def region(self, tag: str) -> Iterator[None]:
+        """Allocations inside belong to `tag`; its size is measured as device memory taken."""
+        before = self._free()
+        if self.saver is None:
+            yield
+        else:
+            with self.saver.region(tag=tag):
+                yield
+        self.bytes[tag] += max(before - self._free(), 0)
+
+    def graph_capture(self, graph: torch.cuda.CUDAGraph, pool: Any) -> contextlib.AbstractContextManager:
+        """`torch.cuda.graph` whose memory belongs to the cuda_graph region."""
+        if self.saver is None:
+            return torch.cuda.graph(graph, pool=pool)
+        return self.saver.cuda_graph(graph, pool=pool, tag="cuda_graph")
+
+    def release(self, tags: list[str]) -> tuple[list[str], int]:
+        """Pause `tags` (already released ones are skipped); (tags changed, bytes freed)."""
+        changed = [t for t in RELEASE_ORDER if t in tags and self.state[t] == RESIDENT]
+        self._synchronize()
+        before = self._free()
+        for tag in changed:
+            if self.saver is not None:
+                self.saver.pause(tag)
+            self.state[tag] = RELEASED
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._synchronize()
+        return changed, max(self._free() - before, 0)
+
+    def resume(self, tags: list[str]) -> tuple[list[str], int]:
+        """Take `tags` back (resident ones are skipped); (tags changed, bytes restored)."""
+        changed = [t for t in RESUME_ORDER if t in tags and self.state[t] == RELEASED]
+        before = self._free()
+        for tag in changed:
+            if self.saver is not None:
+                self.saver.resume(tag)
+            self.state[tag] = RESIDENT
+        self._synchronize()
+        return changed, max(before - self._free(), 0)
+
+    def describe(self) -> dict[str, Any]:
+        free, total = (torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0))
+        return {
+            "memory_saver": self.enabled,
+            "hook_mode": "preload" if self.enabled else None,
+            "tags": {t: {"state": self.state[t], "bytes": self.bytes[t]} for t in TAGS},
+            "device_free_bytes": free,
+            "device_total_bytes": total,
+        }
+
+    def _free(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class HostWeights:
+    """A pinned host copy of every weights-region tensor (parameters and buffers), in one pinned
+    buffer. Refreshed at load and at every weight update; copied back after a resume."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_cuda]
+        total = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            self.views.append(self.buffer[offset : offset + n].view(t.dtype).view(t.shape))
+            offset += n
+        self.nbytes = total
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Device -> host, after a load or an update."""
+        for view, t in zip(self.views, self.tensors, strict=True):
+            view.copy_(t, non_blocking=True)
+        torch.cuda.synchronize(self.tensors[0].device if self.tensors else None)
+
+    def restore(self) -> float:
+        """Host -> device into the same tensors (graphs hold their addresses); returns seconds."""
+        t0 = time.perf_counter()
+        for view, t in zip(self.views, self.tensors, strict=True):
+            t.copy_(view, non_blocking=True)
+        torch.cuda.synchronize(self.tensors[0].device if self.tensors else None)
+        return time.perf_counter() - t0
