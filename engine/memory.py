@@ -12,8 +12,9 @@ Rules:
 - Release order kv_cache, weights, cuda_graph; resume order cuda_graph, weights, kv_cache. A tag
   already in the asked state is a no-op, reported as unchanged.
 - Release synchronizes the device before pausing (kernels still running on paused memory are an
-  illegal access), then empties torch's cache and synchronizes again before it answers, so the
-  trainer's next allocation finds the memory. Bytes freed and restored are measured, not assumed.
+  illegal access) and empties torch's cache (before pausing: no cudaFree may meet paused memory),
+  then synchronizes again before it answers, so the trainer's next allocation finds the memory.
+  Bytes freed and restored are measured, not assumed.
 - Hook mode: preload (the engine process starts with torch_memory_saver's LD_PRELOAD hook, and
   graphs are captured with `torch_memory_saver.cuda_graph`): it is the library's documented way to
   make graph memory pausable; torch mode would need the region's private MemPool.
@@ -112,12 +113,13 @@ class MemoryRegions:
         changed = [t for t in RELEASE_ORDER if t in tags and self.state[t] == RESIDENT]
         self._synchronize()
         before = self._free()
+        if self.device.type == "cuda":
+            # Cached blocks go back first, so that no cudaFree ever meets paused memory.
+            torch.cuda.empty_cache()
         for tag in changed:
             if self.saver is not None:
                 self.saver.pause(tag)
             self.state[tag] = RELEASED
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
         self._synchronize()
         return changed, max(self._free() - before, 0)
 
