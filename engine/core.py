@@ -184,13 +184,6 @@ class EngineCore:
 
     def continue_generation(self) -> dict[str, Any]:
         self.paused = False
-        # Names the weights in use; RL weight updates set it (SGLang's default is "default").
-        self.weight_version = "default"
-        self.memory = self.runner.memory
-        # False after weights were released with no host copy: generation waits for an update.
-        self.weights_valid = True
-        # A release in progress: running requests finish, new ones are refused.
-        self.draining = False
         return {"paused": False}
 
     def abort_requests(self, request_ids: list[str] | None) -> int:
