@@ -1,6 +1,8 @@
-"""How torch_memory_saver's pause and resume times scale with region size (preload hook mode),
-so the memory benchmark's release/resume targets can be read against what the driver costs.
-Run under the hook: the script re-executes itself inside `configure_subprocess()`."""
+"""How torch_memory_saver's pause and resume times scale with region size and with how the region
+is split into allocations (preload hook mode), so the memory benchmark's release/resume targets can
+be read against what the driver costs. Run under the hook: the script re-executes itself inside
+`configure_subprocess()`. Arguments: layouts TOTALxCOUNT in GiB, e.g. 32x1 (one 32 GiB tensor)
+or 32x28 (28 tensors adding up to 32 GiB)."""
 
 from __future__ import annotations
 
@@ -10,41 +12,43 @@ import sys
 import time
 
 
-def child(sizes_gib: list[int]) -> None:
+def child(layouts: list[str]) -> None:
     import torch
     from torch_memory_saver import torch_memory_saver as tms
 
     torch.zeros(1, device="cuda")
-    print("| region GiB | pause ms | resume ms | pause GiB/ms | resume GiB/ms |")
-    print("| --- | --- | --- | --- | --- |")
-    for gib in sizes_gib:
-        with tms.region(tag="probe"):
-            t = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
-        t.fill_(1)
+    print("| region GiB | allocations | pause ms | resume ms |")
+    print("| --- | --- | --- | --- |")
+    for layout in layouts:
+        total, count = (int(x) for x in layout.split("x"))
+        tag = f"probe-{layout}"
+        with tms.region(tag=tag):
+            parts = [torch.empty((total << 30) // count, dtype=torch.uint8, device="cuda") for _ in range(count)]
+        for p in parts:
+            p.fill_(1)
         pauses, resumes = [], []
         for _ in range(5):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            tms.pause("probe")
+            tms.pause(tag)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            tms.resume("probe")
+            tms.resume(tag)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
             pauses.append(t1 - t0)
             resumes.append(t2 - t1)
-        p, r = sorted(pauses)[2] * 1e3, sorted(resumes)[2] * 1e3
-        print(f"| {gib} | {p:.1f} | {r:.1f} | {gib / p:.2f} | {gib / r:.2f} |", flush=True)
-        del t
-        torch.cuda.empty_cache()
+        print(f"| {total} | {count} | {sorted(pauses)[2] * 1e3:.1f} | {sorted(resumes)[2] * 1e3:.1f} |", flush=True)
+        tms.pause(tag)  # keep the device free for the next layout
+        del parts
 
 
 if __name__ == "__main__":
-    sizes = [int(x) for x in (sys.argv[1:] or ["1", "8", "32", "100"])]
+    layouts = sys.argv[1:] or ["8x1", "32x1", "32x4", "32x28", "96x28"]
     if "torch_memory_saver" in os.environ.get("LD_PRELOAD", ""):
-        child(sizes)
+        child(layouts)
     else:
         from torch_memory_saver import configure_subprocess
 
         with configure_subprocess():
-            sys.exit(subprocess.call([sys.executable, __file__, *map(str, sizes)]))
+            sys.exit(subprocess.call([sys.executable, __file__, *layouts]))
