@@ -35,6 +35,13 @@ WATCHDOG_PERIOD_S = 0.5
 SAMPLE_SEP = "#"
 
 
+def control_error(reply: ControlReply) -> Exception:
+    """The exception a refused control call raises: PermissionError (403) or InvalidRequest (400)."""
+    if reply.error_kind == "PermissionError":
+        return PermissionError(reply.error)
+    return InvalidRequest(reply.error)
+
+
 class EngineUnavailable(RuntimeError):
     """The engine is alive but cannot serve now (memory released, weights to update): HTTP 503."""
 
@@ -87,7 +94,7 @@ class AsyncEngineClient:
                     if msg.ok:
                         fut.set_result(msg.result)
                     else:
-                        fut.set_exception(InvalidRequest(msg.error))
+                        fut.set_exception(control_error(msg))
         self._fail_all()
 
     async def _watchdog(self) -> None:
@@ -161,16 +168,19 @@ class AsyncEngineClient:
             self._calls.pop(call_id, None)
 
     async def memory_call(self, method: str, **kwargs: Any) -> dict[str, Any]:
-        """release/resume_memory_occupation; keeps `unavailable` in step with the answer, so
-        generate routes can answer 503 before they start a stream."""
+        """A memory or weight-update call; keeps `unavailable` and the weight version in step with
+        the engine, so generate routes can answer 503 before they start a stream."""
         answer = await self.call(method, **kwargs)
-        released = [t for t, state in answer["tags"].items() if state == "released"]
+        state = await self.call("memory_occupation")
+        released = [t for t, v in state["tags"].items() if v["state"] == "released"]
         if released:
             self.unavailable = f"memory is released ({', '.join(released)}): resume_memory_occupation first"
-        elif not answer["weights_valid"]:
+        elif not state["weights_valid"]:
             self.unavailable = "weights were released without a host copy (--weights-backup none): update the weights first"
         else:
             self.unavailable = None
+        if "weight_version" in answer:
+            self.info["weight_version"] = answer["weight_version"]
         return answer
 
     async def shutdown(self) -> None:

@@ -111,6 +111,8 @@ class Engine:
             msg = self._recv()
             if isinstance(msg, ControlReply) and msg.call_id == call_id:
                 if not msg.ok:
+                    if msg.error_kind == "PermissionError":
+                        raise PermissionError(msg.error)
                     raise RuntimeError(msg.error)
                 return msg.result
 
@@ -126,6 +128,24 @@ class Engine:
 
     def memory_occupation(self) -> dict[str, Any]:
         return self.call("memory_occupation")
+
+    # RL weight updates (engine/weight_updater.py); each answers {"success", "message",
+    # "weight_version", "seconds"} and raises on a bad update, leaving the old weights in use.
+
+    def update_weights_from_disk(self, model_path: str, **kwargs: Any) -> dict[str, Any]:
+        return self.call("update_weights_from_disk", model_path=model_path, **kwargs)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], **kwargs: Any) -> dict[str, Any]:
+        return self.call("update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors, **kwargs)
+
+    def init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
+        return self.call("init_weights_update_group", **kwargs)
+
+    def update_weights_from_distributed(self, **kwargs: Any) -> dict[str, Any]:
+        return self.call("update_weights_from_distributed", **kwargs)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return self.call("destroy_weights_update_group", group_name=group_name)
 
     def get_server_info(self) -> dict[str, Any]:
         return self.call("get_info")

@@ -184,6 +184,9 @@ class EngineConfig:
     weights_backup: str = field(
         default="host", metadata={"help": "host (pinned copy: resume restores weights) | none (resume needs a weight update)"}
     )
+    allowed_model_dirs: str | None = field(
+        default=None, metadata={"help": "comma-separated directories weight updates may read (default: the parent of --model)"}
+    )
     cuda_graph_max_bs: int | None = field(
         default=None, metadata={"help": "largest decode batch replayed from a CUDA graph (default: from memory)"}
     )

@@ -23,6 +23,7 @@ from engine.protocol import (
 )
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
 from engine.scheduler import Scheduler
+from engine.weight_updater import WeightUpdater
 
 log = logging.getLogger("siesta.engine")
 
@@ -65,6 +66,7 @@ class EngineCore:
         self.draining = False
         # Deltas produced outside a step (aborts from control calls), sent by the loop.
         self.pending: list[RequestDelta] = []
+        self.updater = WeightUpdater(self.runner.model, config, self.runner.device)
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -250,6 +252,79 @@ class EngineCore:
             "weights_valid": self.weights_valid,
         }
 
+    # ---- weight updates -------------------------------------------------------------------------
+
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, weight_version: str | None = None,
+    ) -> Deferred:
+        self.updater.check_path(model_path)  # refuse at once, not after the wait
+        return self._update_when_idle(
+            lambda: self.updater.from_disk(model_path), abort_all_requests, flush_cache, weight_version, model_path
+        )
+
+    def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], load_format: str | None = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, weight_version: str | None = None,
+    ) -> Deferred:
+        return self._update_when_idle(
+            lambda: self.updater.from_tensor(serialized_named_tensors, load_format),
+            abort_all_requests, flush_cache, weight_version, "tensors",
+        )
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> dict[str, Any]:
+        self.updater.init_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        )
+        return {"success": True, "message": f"joined group {group_name!r} as rank {rank_offset} of {world_size}"}
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = "weight_update_group",
+        flush_cache: bool = True, abort_all_requests: bool = False, weight_version: str | None = None,
+    ) -> Deferred:
+        return self._update_when_idle(
+            lambda: self.updater.from_distributed(group_name, names, dtypes, shapes),
+            abort_all_requests, flush_cache, weight_version, f"group {group_name!r}",
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        self.updater.destroy_group(group_name)
+        return {"success": True, "message": f"left group {group_name!r}"}
+
+    def _update_when_idle(
+        self, load: Callable[[], Any], abort: bool, flush: bool, version: str | None, source: str
+    ) -> Deferred:
+        """Run `load` once no request runs (aborting them when asked; at once while paused, as RL
+        clients pause before they push). Weights must be resident; kv_cache may be released."""
+        if self.memory.state["weights"] != "resident":
+            raise ValueError("weights are released: resume_memory_occupation(['weights']) before updating them")
+        if abort:
+            self.pending += self.abort(None)
+        self.scheduler.admitting = False
+
+        def run() -> dict[str, Any]:
+            t0 = time.perf_counter()
+            load()
+            if self.runner.host_weights is not None:
+                self.runner.host_weights.refresh()
+            if flush:
+                self.block_manager.reset_prefix_cache()
+            self.weights_valid = True
+            self.weight_version = version if version is not None else _next_version(self.weight_version)
+            seconds = time.perf_counter() - t0
+            log.info("weights updated from %s in %.1f ms: version %s", source, seconds * 1e3, self.weight_version)
+            return {"success": True, "message": f"weights updated from {source}", "weight_version": self.weight_version,
+                    "seconds": seconds}
+
+        def ready() -> bool:
+            return self.paused or self.scheduler.num_running == 0
+
+        return Deferred(ready=ready, run=_restoring_admission(self.scheduler, run))
+
     def get_info(self) -> dict[str, Any]:
         mc = self.model_config
         return {
@@ -288,7 +363,26 @@ class EngineCore:
 _CONTROL_METHODS = frozenset({
     "flush_cache", "get_info", "ping", "pause_generation", "continue_generation", "abort_requests",
     "release_memory_occupation", "resume_memory_occupation", "memory_occupation",
+    "update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
+    "update_weights_from_distributed", "destroy_weights_update_group",
 })
+
+
+def _next_version(version: str) -> str:
+    """The version after `version` when an update names none: integers count up from 1."""
+    return str(int(version) + 1) if version.isdigit() else "1"
+
+
+def _restoring_admission(scheduler: Scheduler, run: Callable[[], Any]) -> Callable[[], Any]:
+    """`run`, with the scheduler admitting again whether it succeeds or fails."""
+
+    def wrapped() -> Any:
+        try:
+            return run()
+        finally:
+            scheduler.admitting = True
+
+    return wrapped
 
 
 def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:

@@ -108,7 +108,7 @@ def _handle(core: EngineCore, msg: ToCore, send: Any, waiting_calls: list[tuple[
         try:
             result = core.call(msg.method, msg.kwargs)
         except Exception as e:  # a bad control call is the caller's error, not the engine's death
-            _reply(core, send, ControlReply(call_id=msg.call_id, ok=False, error=f"{type(e).__name__}: {e}"))
+            _reply(core, send, _failure(msg.call_id, e))
             return []
         if isinstance(result, Deferred):
             _send_pending(core, send)
@@ -125,8 +125,12 @@ def _answer_ready(core: EngineCore, waiting_calls: list[tuple[int, Deferred]], s
         try:
             reply = ControlReply(call_id=call_id, ok=True, result=deferred.run())
         except Exception as e:
-            reply = ControlReply(call_id=call_id, ok=False, error=f"{type(e).__name__}: {e}")
+            reply = _failure(call_id, e)
         _reply(core, send, reply)
+
+
+def _failure(call_id: int, e: Exception) -> ControlReply:
+    return ControlReply(call_id=call_id, ok=False, error=f"{type(e).__name__}: {e}", error_kind=type(e).__name__)
 
 
 def _reply(core: EngineCore, send: Any, reply: ControlReply) -> None:

@@ -64,6 +64,7 @@ class ControlReply(msgspec.Struct, tag=True):
     ok: bool
     result: Any = None
     error: str | None = None
+    error_kind: str | None = None  # the exception's class name: PermissionError becomes HTTP 403
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -56,9 +56,11 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> FastAPI:
     from server.memory_api import router as memory
     from server.native_api import router as native
     from server.openai_api import router as openai
+    from server.weights_api import router as weights
 
     app.include_router(native)
     app.include_router(memory)
+    app.include_router(weights)
     app.include_router(openai)
     return app
 

@@ -55,6 +55,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return service_unavailable(f"engine is dead: {exc}")
 
+    @app.exception_handler(PermissionError)
+    async def _forbidden(request: Request, exc: PermissionError) -> JSONResponse:
+        return JSONResponse(error_body(exc, "forbidden", 403), status_code=403)
+
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
         return service_unavailable(str(exc))

@@ -62,12 +62,12 @@ def _tiny_qwen2() -> PreTrainedModel:
     return _randomized(Qwen2ForCausalLM, config, seed=1)
 
 
-def _tiny_qwen3() -> PreTrainedModel:
+def _tiny_qwen3(seed: int = 2) -> PreTrainedModel:
     # 8 heads of 16: head_dim is not hidden / heads, so it must be read from the config.
     config = Qwen3Config(
         **TINY, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
     )
-    return _randomized(Qwen3ForCausalLM, config, seed=2)
+    return _randomized(Qwen3ForCausalLM, config, seed=seed)
 
 
 def _tiny_mistral() -> PreTrainedModel:
@@ -115,6 +115,12 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(_tiny_qwen3(), str(tmp_path_factory.mktemp("qwen3")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`qwen3_dir`'s architecture with other weights: what a trainer pushes as an update."""
+    return _save(_tiny_qwen3(seed=7), str(tmp_path_factory.mktemp("qwen3_next")))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,85 @@
+"""Weight-update routes, as SGLang names them, for RL trainers: from disk, from tensors (CUDA IPC
+or shared memory), and over a process group the trainer broadcasts on. Each answers
+`{"success": true, "message", "weight_version", "seconds"}`; a bad update is a 400 naming the
+first bad tensor (the old weights stay in use), a path outside --allowed-model-dirs a 403."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from engine.async_client import AsyncEngineClient
+
+router = APIRouter()
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+class UpdateFromDiskIn(BaseModel):
+    model_path: str
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class UpdateFromTensorIn(BaseModel):
+    serialized_named_tensors: list[str]  # one base64 payload per tensor-parallel rank
+    load_format: str | None = None  # null | "direct" | "flattened_bucket"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitGroupIn(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str = "nccl"
+
+
+class UpdateFromDistributedIn(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyGroupIn(BaseModel):
+    group_name: str = DEFAULT_GROUP
+
+
+def _client(request: Request) -> AsyncEngineClient:
+    return request.app.state.client
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateFromDiskIn, request: Request) -> dict[str, Any]:
+    return await _client(request).memory_call("update_weights_from_disk", **body.model_dump())
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(body: UpdateFromTensorIn, request: Request) -> dict[str, Any]:
+    return await _client(request).memory_call("update_weights_from_tensor", **body.model_dump())
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(body: InitGroupIn, request: Request) -> dict[str, Any]:
+    return await _client(request).call("init_weights_update_group", **body.model_dump())
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(body: UpdateFromDistributedIn, request: Request) -> dict[str, Any]:
+    return await _client(request).memory_call("update_weights_from_distributed", **body.model_dump())
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request, body: DestroyGroupIn | None = None) -> dict[str, Any]:
+    return await _client(request).call("destroy_weights_update_group", **(body or DestroyGroupIn()).model_dump())
