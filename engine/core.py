@@ -131,6 +131,7 @@ class EngineCore:
                     new_token_ids=[s.token_id],
                     new_logprobs=[s.logprob] if want_lp else None,
                     new_top_logprobs=[s.top_logprobs or []] if want_top else None,
+                    input_logprobs=_input_logprobs(req) if req.num_output_tokens == 1 else None,
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                     stop_matched=req.stop_matched,
@@ -366,6 +367,11 @@ _CONTROL_METHODS = frozenset({
     "update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
     "update_weights_from_distributed", "destroy_weights_update_group",
 })
+
+
+def _input_logprobs(req: Request) -> list[float | None] | None:
+    start = req.sampling_params.logprob_start_len
+    return req.prompt_logprobs[start:] if req.prompt_logprobs else None
 
 
 def _next_version(version: str) -> str:

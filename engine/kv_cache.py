@@ -121,7 +121,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return blocks, chain
         bs = self.block_size
-        for i in range((req.num_tokens - 1) // bs):
+        for i in range(min(req.num_tokens - 1, req.prefix_cache_limit) // bs):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             h = hash_block(chain.hash, tokens)
             block = self._lookup(h, tokens, chain.serial)

@@ -211,13 +211,17 @@ class ModelRunner:
         A decode step where every row samples replays a CUDA graph when one fits."""
         inputs = self.prepare(batch)
         if not inputs.sample_rows:
-            self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+            if inputs.prompt_logprob_rows:
+                self._prompt_logprobs(batch, inputs, hidden)
             return {}
         every_row_samples = len(inputs.sample_rows) == len(batch)
         if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+            if inputs.prompt_logprob_rows:
+                self._prompt_logprobs(batch, inputs, hidden)
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
         reqs = [batch.requests[i] for i in inputs.sample_rows]
         out = self.sampler(logits, SamplingBatch.from_requests(reqs, self.device))
@@ -229,3 +233,14 @@ class ModelRunner:
             )
             for j, r in enumerate(reqs)
         }
+
+    def _prompt_logprobs(self, batch: Batch, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """Fill `prompt_logprobs[q]` of the requests that asked: log p(prompt token q | tokens < q),
+        from the logits of token row q - 1 (one extra host sync, in steps that need it only)."""
+        rows = inputs.prompt_logprob_rows
+        index = torch.tensor([r for _, _, r in rows], device=self.device)
+        targets = torch.tensor([batch.requests[i].token_ids[q] for i, q, _ in rows], device=self.device)
+        logits = self.model.compute_logits(hidden[index])  # [n, V] float32
+        values = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        for (i, q, _), lp in zip(rows, values, strict=True):
+            batch.requests[i].prompt_logprobs[q] = lp

@@ -27,6 +27,7 @@ class GenerationOutput:
     error: str | None = None
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None  # from logprob_start_len
     cached_tokens: int = 0
     e2e_latency: float = 0.0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released)
@@ -74,6 +75,9 @@ class RequestState:
             out.output_token_logprobs += list(zip(delta.new_logprobs, new_ids, strict=True))
         if out.output_top_logprobs is not None and delta.new_top_logprobs is not None:
             out.output_top_logprobs += [[(int(t), float(lp)) for t, lp in row] for row in delta.new_top_logprobs]
+        if delta.input_logprobs is not None:
+            start = self.params.logprob_start_len
+            out.input_token_logprobs = list(zip(delta.input_logprobs, out.prompt_token_ids[start:], strict=True))
         text = self.detok.step(new_ids) if new_ids else ""
         if self.detok.finished_by_stop:
             self._finish(FINISH_STOP, self.detok.stop_matched, None)

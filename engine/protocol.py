@@ -46,6 +46,9 @@ class RequestDelta(msgspec.Struct):
     new_token_ids: list[int]
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With the first output token, when asked: logprobs of prompt tokens logprob_start_len.. (None
+    # for token 0, which nothing predicts).
+    input_logprobs: list[float | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_matched: int | str | None = None

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: also return the logprobs of prompt tokens from this position
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class SamplingParams:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 0 <= self.top_logprobs_num <= 20:
             raise bad(f"top_logprobs_num must be in [0, 20], got {self.top_logprobs_num}")
+        if self.logprob_start_len < -1:
+            raise bad(f"logprob_start_len must be -1 (none) or >= 0, got {self.logprob_start_len}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
 
@@ -103,9 +106,14 @@ class Request:
     stop_matched: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Logprob of prompt token i given tokens < i, filled during prefill when asked for
+    # (sampling_params.logprob_start_len >= 0); None where not computed (and for token 0).
+    prompt_logprobs: list[float | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprob_start_len >= 0:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -127,6 +135,12 @@ class Request:
     def max_total_tokens(self) -> int:
         """Tokens this request may hold at most: its prompt plus every token it may generate."""
         return self.num_prompt_tokens + self.sampling_params.max_new_tokens
+
+    @property
+    def prefix_cache_limit(self) -> int:
+        """Tokens the prefix cache may serve: past them the engine needs the logits itself."""
+        start = self.sampling_params.logprob_start_len
+        return self.num_tokens if start < 0 else max(start - 1, 0)
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,9 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # batch index of each request that samples this step
     sample_indices: torch.Tensor  # [S] int64: token row of each sampling request's last token
+    # Prompt logprobs asked for: (batch index, prompt position q, token row of q - 1); the row's
+    # logits score prompt token q.
+    prompt_logprob_rows: list[tuple[int, int, int]]
 
 
 class Uploader:
@@ -61,9 +64,14 @@ def build_step_inputs(batch: Batch, block_size: int, upload: Uploader) -> StepIn
     ends: list[int] = []
     sample_rows: list[int] = []
     sample_indices: list[int] = []
+    prompt_rows: list[tuple[int, int, int]] = []
     for i, req in enumerate(batch.requests):
         start = req.num_computed_tokens
         end = start + batch.num_new_tokens[i]
+        if req.prompt_logprobs:
+            first = max(req.sampling_params.logprob_start_len, 1, start + 1)
+            last = min(end, req.num_prompt_tokens - 1)
+            prompt_rows += [(i, q, len(input_ids) + q - 1 - start) for q in range(first, last + 1)]
         input_ids += req.token_ids[start:end]
         positions += range(start, end)
         starts.append(start)
@@ -87,6 +95,7 @@ def build_step_inputs(batch: Batch, block_size: int, upload: Uploader) -> StepIn
         ),
         sample_rows=sample_rows,
         sample_indices=sample_indices_d,
+        prompt_logprob_rows=prompt_rows,
     )
 
 

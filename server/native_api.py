@@ -63,6 +63,8 @@ def meta_info(out: GenerationOutput, params: SamplingParams, weight_version: str
     }
     if out.output_token_logprobs is not None:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in out.output_token_logprobs]
+    if out.input_token_logprobs is not None:
+        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in row] for row in out.output_top_logprobs]
     return meta
@@ -77,7 +79,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     client = _client(request)
     prompts, is_batch = _prompts(client, body)
     sp = body.sampling_params
-    params = sp.to_engine(logprobs=body.return_logprob, top_logprobs_num=body.top_logprobs_num)
+    params = sp.to_engine(body.return_logprob, body.top_logprobs_num, body.logprob_start_len if body.return_logprob else -1)
     rids = [body.rid] if isinstance(body.rid, str) else body.rid
     jobs = make_jobs(prompts, params, sp.n, client, rids)
     version = client.info.get("weight_version", "default")

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from engine.request import SamplingParams
 
 # Set from the request's top level (`return_logprob`, `top_logprobs_num`), not sampling_params.
-_TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num"})
+_TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num", "logprob_start_len"})
 # JSON shapes of fields whose engine type is a tuple: a string or a list.
 _JSON_TYPES: dict[str, Any] = {"stop": str | list[str] | None, "stop_token_ids": list[int] | None}
 
@@ -33,12 +33,14 @@ def _sampling_fields() -> dict[str, Any]:
 class _SamplingBase(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    def to_engine(self, logprobs: bool, top_logprobs_num: int) -> SamplingParams:
+    def to_engine(self, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1) -> SamplingParams:
         """Engine params; raises `InvalidRequest` naming the bad value."""
         fields = self.model_dump(exclude={"n"})
         fields["stop"] = fields["stop"] or ()
         fields["stop_token_ids"] = fields["stop_token_ids"] or ()
-        return SamplingParams(**fields, logprobs=logprobs, top_logprobs_num=top_logprobs_num)
+        return SamplingParams(
+            **fields, logprobs=logprobs, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len
+        )
 
 
 SamplingParamsIn = create_model("SamplingParamsIn", __base__=_SamplingBase, **_sampling_fields())
@@ -50,6 +52,7 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: input_token_logprobs from this prompt position
     rid: str | list[str] | None = None
     stream: bool = False
 

@@ -232,3 +232,25 @@ def test_every_engine_knob_is_a_flag() -> None:
     defaults = engine_config_from(build_parser().parse_args(["serve"]))
     assert defaults == EngineConfig()
     assert {f.name for f in dataclasses.fields(EngineConfig)} <= set(vars(args))
+
+
+def test_input_token_logprobs(demo_server: ServerProcess, demo_dir: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompts(21, (40,))[0]
+    ref = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0], -1)
+    want = [None] + [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    with demo_server.client() as http:
+        for start in (0, 3, 37):
+            for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
+                body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": start,
+                        "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+                got = http.post("/generate", json=body).json()["meta_info"]["input_token_logprobs"]
+                assert [t for _, t, _ in got] == prompt[start:]
+                for (lp, _, _), w in zip(got, want[start:], strict=True):
+                    assert (lp is None) == (w is None) and (w is None or abs(lp - w) < 1e-4)
+        plain = http.post("/generate", json={"input_ids": prompt, "return_logprob": True}).json()
+        assert "input_token_logprobs" not in plain["meta_info"]
