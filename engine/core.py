@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core_memory import MemoryCalls
+from engine.core_weights import WeightUpdateCalls
 from engine.kv_cache import BlockManager
-from engine.memory import check_tags
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     AddRequest,
@@ -28,16 +27,7 @@ from engine.weight_updater import WeightUpdater
 log = logging.getLogger("siesta.engine")
 
 
-@dataclass
-class Deferred:
-    """A control call that answers later: `run()` once `ready()` (a release that lets running
-    requests finish first)."""
-
-    ready: Callable[[], bool]
-    run: Callable[[], Any]
-
-
-class EngineCore:
+class EngineCore(MemoryCalls, WeightUpdateCalls):
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
@@ -195,137 +185,6 @@ class EngineCore:
         self.pending += deltas
         return len(deltas)
 
-    # ---- memory occupation ----------------------------------------------------------------------
-
-    def release_memory_occupation(self, tags: list[str] | None = None, mode: str = "wait") -> Deferred:
-        """Release `tags` (None or []: all) once no request runs. `wait` lets in-flight requests
-        finish; `abort` ends them with finish_reason abort. New requests are refused meanwhile.
-        Requests held by a paused engine are retracted (they recompute after resume)."""
-        names = check_tags(tags)
-        if mode not in ("wait", "abort"):
-            raise ValueError(f"unknown release mode {mode!r}; use wait or abort")
-        self.draining = True
-        self.scheduler.admitting = False
-        if mode == "abort":
-            self.pending += self.abort(None)
-        elif self.paused:
-            self.scheduler.retract_all()
-        return Deferred(ready=lambda: self.scheduler.num_running == 0, run=lambda: self._release(names))
-
-    def _release(self, tags: list[str]) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        self.draining = False
-        self.scheduler.admitting = True
-        if "kv_cache" in tags:
-            self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
-        changed, freed = self.memory.release(tags)
-        if "weights" in changed and self.memory.enabled and self.runner.host_weights is None:
-            self.weights_valid = False
-        seconds = time.perf_counter() - t0
-        log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
-        return self._memory_answer(changed) | {"bytes_freed": freed, "seconds": seconds}
-
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        changed, restored = self.memory.resume(check_tags(tags))
-        restore_s = 0.0
-        if "weights" in changed and self.runner.host_weights is not None:
-            restore_s = self.runner.host_weights.restore()
-        seconds = time.perf_counter() - t0
-        log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
-        return self._memory_answer(changed) | {
-            "bytes_restored": restored, "seconds": seconds, "weights_restore_seconds": restore_s,
-        }
-
-    def memory_occupation(self) -> dict[str, Any]:
-        host = self.runner.host_weights
-        return self.memory.describe() | {
-            "weights_backup": self.config.weights_backup,
-            "weights_host_copy_bytes": host.nbytes if host else 0,
-            "weights_valid": self.weights_valid,
-        }
-
-    def _memory_answer(self, changed: list[str]) -> dict[str, Any]:
-        return {
-            "tags": dict(self.memory.state),
-            "changed": changed,
-            "memory_saver": self.memory.enabled,
-            "weights_valid": self.weights_valid,
-        }
-
-    # ---- weight updates -------------------------------------------------------------------------
-
-    def update_weights_from_disk(
-        self, model_path: str, load_format: str | None = None, flush_cache: bool = True,
-        abort_all_requests: bool = False, weight_version: str | None = None,
-    ) -> Deferred:
-        self.updater.check_path(model_path)  # refuse at once, not after the wait
-        return self._update_when_idle(
-            lambda: self.updater.from_disk(model_path), abort_all_requests, flush_cache, weight_version, model_path
-        )
-
-    def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], load_format: str | None = None, flush_cache: bool = True,
-        abort_all_requests: bool = False, weight_version: str | None = None,
-    ) -> Deferred:
-        return self._update_when_idle(
-            lambda: self.updater.from_tensor(serialized_named_tensors, load_format),
-            abort_all_requests, flush_cache, weight_version, "tensors",
-        )
-
-    def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl",
-    ) -> dict[str, Any]:
-        self.updater.init_group(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend,
-        )
-        return {"success": True, "message": f"joined group {group_name!r} as rank {rank_offset} of {world_size}"}
-
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = "weight_update_group",
-        flush_cache: bool = True, abort_all_requests: bool = False, weight_version: str | None = None,
-    ) -> Deferred:
-        return self._update_when_idle(
-            lambda: self.updater.from_distributed(group_name, names, dtypes, shapes),
-            abort_all_requests, flush_cache, weight_version, f"group {group_name!r}",
-        )
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        self.updater.destroy_group(group_name)
-        return {"success": True, "message": f"left group {group_name!r}"}
-
-    def _update_when_idle(
-        self, load: Callable[[], Any], abort: bool, flush: bool, version: str | None, source: str
-    ) -> Deferred:
-        """Run `load` once no request runs (aborting them when asked; at once while paused, as RL
-        clients pause before they push). Weights must be resident; kv_cache may be released."""
-        if self.memory.state["weights"] != "resident":
-            raise ValueError("weights are released: resume_memory_occupation(['weights']) before updating them")
-        if abort:
-            self.pending += self.abort(None)
-        self.scheduler.admitting = False
-
-        def run() -> dict[str, Any]:
-            t0 = time.perf_counter()
-            load()
-            if self.runner.host_weights is not None:
-                self.runner.host_weights.refresh()
-            if flush:
-                self.block_manager.reset_prefix_cache()
-            self.weights_valid = True
-            self.weight_version = version if version is not None else _next_version(self.weight_version)
-            seconds = time.perf_counter() - t0
-            log.info("weights updated from %s in %.1f ms: version %s", source, seconds * 1e3, self.weight_version)
-            return {"success": True, "message": f"weights updated from {source}", "weight_version": self.weight_version,
-                    "seconds": seconds}
-
-        def ready() -> bool:
-            return self.paused or self.scheduler.num_running == 0
-
-        return Deferred(ready=ready, run=_restoring_admission(self.scheduler, run))
-
     def get_info(self) -> dict[str, Any]:
         mc = self.model_config
         return {
@@ -372,23 +231,6 @@ _CONTROL_METHODS = frozenset({
 def _input_logprobs(req: Request) -> list[float | None] | None:
     start = req.sampling_params.logprob_start_len
     return req.prompt_logprobs[start:] if req.prompt_logprobs else None
-
-
-def _next_version(version: str) -> str:
-    """The version after `version` when an update names none: integers count up from 1."""
-    return str(int(version) + 1) if version.isdigit() else "1"
-
-
-def _restoring_admission(scheduler: Scheduler, run: Callable[[], Any]) -> Callable[[], Any]:
-    """`run`, with the scheduler admitting again whether it succeeds or fails."""
-
-    def wrapped() -> Any:
-        try:
-            return run()
-        finally:
-            scheduler.admitting = True
-
-    return wrapped
 
 
 def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:

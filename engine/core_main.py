@@ -14,7 +14,8 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core import Deferred, EngineCore
+from engine.core import EngineCore
+from engine.deferred import Deferred
 from engine.protocol import (
     AbortRequests,
     AddRequest,
