@@ -1,0 +1,184 @@
+"""Weight-update process groups: SGLang's `init_weights_update_group`,
+`update_weights_from_distributed` and `destroy_weights_update_group`.
+
+Rules:
+- A group is a NEW process group of `world_size` ranks whose rank 0 is the trainer; this engine
+  (tensor parallel size 1) is rank `rank_offset`. The default process group is never touched, so
+  several groups, by name, coexist.
+- Rendezvous: the trainer hosts a TCPStore at (master_address, master_port); every rank reaches
+  the backend through PrefixStore(group_name) / PrefixStore(f"{group_name}/") /
+  PrefixStore("cpu/" for gloo, "cuda/" for nccl). That is the key layout of
+  `init_custom_process_group` (torch's `_new_process_group_helper`), which SGLang, verl, slime and
+  OpenRLHF use on both sides, so a real trainer and this engine find each other; here it is built
+  from public constructors (TCPStore, PrefixStore, ProcessGroupGloo / ProcessGroupNCCL).
+- Every wait (store connection, backend rendezvous, each broadcast) is bounded by `timeout_s`: a
+  trainer that never joins costs the engine at most that long, then an error.
+- update: the trainer broadcasts each tensor from rank 0 in the order of (names, dtypes, shapes),
+  which arrive over HTTP first; every receiver allocates `torch.empty(shape, dtype)` and joins the
+  broadcast. Everything is validated before the first broadcast is joined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class _Group:
+    backend: Any  # ProcessGroupGloo or ProcessGroupNCCL (a c10d Backend)
+    store: dist.Store  # kept alive with the group
+    rank: int
+    world_size: int
+    device: torch.device
+    timeout: timedelta
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """ "bfloat16", "torch.bfloat16" or a torch.dtype -> torch.dtype; anything else: ValueError."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise ValueError(f"unknown dtype {dtype!r}; expected a torch dtype name such as 'bfloat16'")
+
+
+def _connect(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+    backend: str, device: torch.device, timeout: timedelta,
+) -> _Group:
+    """Join (rank 0: host) the store, then build the backend under the shared key layout."""
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+        multi_tenant=rank == 0,  # every rank counts itself in; rank 0 waits for all
+    )
+    prefix = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world_size, timeout)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", prefix), rank, world_size, options)
+    return _Group(pg, store, rank, world_size, device, timeout)
+
+
+def _check_common(world_size: int, backend: str, device: torch.device) -> None:
+    if not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be at least 2 (the trainer and this engine), got {world_size}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "nccl" and torch.device(device).type != "cuda":
+        raise ValueError(f"backend 'nccl' needs a CUDA device, got {device}")
+
+
+def _broadcast(group: _Group, tensors: list[torch.Tensor]) -> None:
+    """Rank 0 sends, the others receive, each tensor in order; every wait bounded by the timeout."""
+    works = [group.backend.broadcast([t], dist.BroadcastOptions()) for t in tensors]  # root 0
+    for work in works:
+        work.wait(group.timeout)
+
+
+class WeightUpdateGroups:
+    """The engine's weight-update groups, by name."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, _Group] = {}
+
+    def names(self) -> list[str]:
+        return list(self._groups)
+
+    def init(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str, backend: str, device: torch.device, timeout_s: float = 60,
+    ) -> None:
+        """Join group `group_name` as rank `rank_offset`; returns once every rank has joined."""
+        _check_common(world_size, backend, device)
+        if not isinstance(rank_offset, int) or not 0 < rank_offset < world_size:
+            raise ValueError(
+                f"rank_offset must be in [1, {world_size - 1}] (rank 0 is the trainer), got {rank_offset}"
+            )
+        if not isinstance(group_name, str) or not group_name:
+            raise ValueError("group_name must be a non-empty string")
+        if group_name in self._groups:
+            raise ValueError(f"weight update group {group_name!r} already exists; destroy it first")
+        if not 0 < master_port < 65536:
+            raise ValueError(f"master_port must be in [1, 65535], got {master_port}")
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            group = _connect(master_address, master_port, rank_offset, world_size, group_name,
+                             backend, torch.device(device), timeout)
+        except Exception as e:  # DistStoreError, gloo/nccl rendezvous errors: all mean "not joined"
+            raise TimeoutError(
+                f"weight update group {group_name!r}: could not join {master_address}:{master_port} "
+                f"as rank {rank_offset} of {world_size} within {timeout_s} s: {e}"
+            ) from e
+        self._groups[group_name] = group
+
+    def _get(self, group_name: str) -> _Group:
+        if group_name not in self._groups:
+            known = ", ".join(map(repr, self._groups)) or "none"
+            raise ValueError(f"unknown weight update group {group_name!r} (known: {known})")
+        return self._groups[group_name]
+
+    def receive(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        device: torch.device | None = None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Receive len(names) tensors broadcast by the trainer (rank 0), in order."""
+        group = self._get(group_name)
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
+            )
+        parsed = [parse_dtype(d) for d in dtypes]
+        for name, shape in zip(names, shapes, strict=True):
+            if not (isinstance(shape, (list, tuple)) and all(isinstance(s, int) and s >= 0 for s in shape)):
+                raise ValueError(f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}")
+        device = group.device if device is None else torch.device(device)
+        tensors = [torch.empty(list(s), dtype=d, device=device) for s, d in zip(shapes, parsed, strict=True)]
+        _broadcast(group, tensors)
+        return list(zip(names, tensors, strict=True))
+
+    def destroy(self, group_name: str) -> None:
+        """Leave the group; its name may then be reused."""
+        group = self._get(group_name)
+        del self._groups[group_name]
+        abort = getattr(group.backend, "abort", None)  # NCCL: free communicators now
+        if group.backend.__class__.__name__ == "ProcessGroupNCCL" and callable(abort):
+            abort()
+
+
+# ---- the trainer side (tests, examples/rl_colocate.py) -------------------------------------
+
+
+@dataclass
+class TrainerGroup:
+    """Rank 0 of a weight-update group: what a trainer holds."""
+
+    group: _Group
+
+
+def trainer_group(
+    master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+    device: torch.device | str = "cpu", timeout_s: float = 60,
+) -> TrainerGroup:
+    """Host the store and join as rank 0. Blocks until every engine has joined: call it while the
+    engines' `init_weights_update_group` requests are in flight."""
+    _check_common(world_size, backend, torch.device(device))
+    timeout = timedelta(seconds=timeout_s)
+    return TrainerGroup(_connect(master_address, master_port, 0, world_size, group_name, backend,
+                                 torch.device(device), timeout))
+
+
+def broadcast_from_trainer(handle: TrainerGroup, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """Broadcast each tensor to the engines, in order; they must be receiving the same
+    (names, dtypes, shapes), which the trainer sends them over HTTP."""
+    _broadcast(handle.group, [t.contiguous() for _, t in pairs])
