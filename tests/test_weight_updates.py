@@ -11,6 +11,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 from oracle import hf_greedy
 from server_util import ServerProcess
 
@@ -113,3 +114,73 @@ def test_update_while_a_request_streams(server: ServerProcess, qwen3_dir: str, a
         else:  # the update waited for the request, which finished on the old weights
             assert last["finish_reason"]["type"] == "length" and last["completion_tokens"] == 300
             assert last["weight_version"] != r.json()["weight_version"]
+
+
+def _trainer_pairs(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
+
+
+def test_http_update_from_tensor(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
+
+    pairs = _trainer_pairs(qwen3_next_dir)
+    name, tensor = pairs[3]
+    with server.client() as http:
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        bad_cases = [
+            ([(name, tensor[:-1])], name),  # wrong shape
+            ([("model.layers.0.mlp.nonsense.weight", tensor)], "nonsense"),  # unknown name
+            ([(name, torch.ones(tensor.shape, dtype=torch.int32))], name),  # wrong dtype
+        ]
+        for bad, needle in bad_cases:
+            r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [serialize_named_tensors(bad)]})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        garbage = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]})
+        assert garbage.status_code == 400
+        assert _generate(http) == expected["old"]  # every refused update left the old weights in use
+        ok = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [serialize_named_tensors(pairs)]})
+        assert ok.status_code == 200 and ok.json()["success"] is True
+        assert _generate(http) == expected["new"]
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        bucket = serialize_payload(flatten_bucket(pairs))
+        r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [bucket], "load_format": "flattened_bucket"})
+        assert r.status_code == 200, r.text
+        assert _generate(http) == expected["new"]
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+
+
+def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    from server_util import free_port
+
+    from engine.weight_group import broadcast_from_trainer, trainer_group
+
+    pairs = _trainer_pairs(qwen3_next_dir)
+    port = free_port()
+    group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+             "group_name": "test-group", "backend": "gloo"}
+    with server.client() as http:
+        bad = http.post("/init_weights_update_group", json=group | {"world_size": 1})
+        assert bad.status_code == 400 and "world_size" in bad.json()["error"]["message"]
+        answers: list = []
+        joiner = threading.Thread(target=lambda: answers.append(http.post("/init_weights_update_group", json=group)))
+        joiner.start()
+        handle = trainer_group("127.0.0.1", port, 2, "test-group", "gloo", timeout_s=60)
+        joiner.join(60)
+        assert answers[0].status_code == 200, answers[0].text
+        meta = {"names": [n for n, _ in pairs], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in pairs],
+                "shapes": [list(t.shape) for _, t in pairs], "group_name": "test-group", "weight_version": "dist-1"}
+        updater = threading.Thread(target=lambda: answers.append(http.post("/update_weights_from_distributed", json=meta)))
+        updater.start()
+        broadcast_from_trainer(handle, pairs)
+        updater.join(60)
+        assert answers[1].status_code == 200 and answers[1].json()["weight_version"] == "dist-1", answers[1].text
+        assert _generate(http) == expected["new"]
+        unknown = http.post("/update_weights_from_distributed", json=meta | {"group_name": "nope"})
+        assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
+        assert http.post("/destroy_weights_update_group", json={"group_name": "test-group"}).status_code == 200
+        assert http.post("/destroy_weights_update_group", json={"group_name": "test-group"}).status_code == 400
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        assert _generate(http) == expected["old"]
