@@ -142,7 +142,7 @@ class Scheduler:
                 req.finish(FINISH_ERROR, error=error)
                 failed.append(req)
                 continue
-            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs:
+            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs or self._follows_a_prefill(req):
                 break
             computed = bm.match_prefix(req)
             n = min(req.num_tokens - computed, budget)
@@ -155,6 +155,16 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch, failed
+
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """A request whose prompt a running request is still prefilling (the samples of an n > 1
+        request) waits for it: then the prefix cache hands it the prompt's full blocks."""
+        if not self.block_manager.enable_prefix_caching or req.num_prompt_tokens <= self.block_manager.block_size:
+            return False
+        return any(
+            r.num_computed_tokens < r.num_prompt_tokens and r.prompt_token_ids == req.prompt_token_ids
+            for r in self.running
+        )
 
     def _preempt(self, req: Request) -> None:
         """Drop `req`'s KV; it recomputes (from the prefix cache, where it survives) when readmitted."""

@@ -254,3 +254,14 @@ def test_input_token_logprobs(demo_server: ServerProcess, demo_dir: str) -> None
                     assert (lp is None) == (w is None) and (w is None or abs(lp - w) < 1e-4)
         plain = http.post("/generate", json={"input_ids": prompt, "return_logprob": True}).json()
         assert "input_token_logprobs" not in plain["meta_info"]
+
+
+def test_n_samples_share_the_prompt_blocks(demo_server: ServerProcess) -> None:
+    prompt = _prompts(33, (40,))[0]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "n": 4}}
+    with demo_server.client() as http:
+        http.post("/flush_cache")
+        outs = http.post("/generate", json=body).json()
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 32, 32, 32]  # 2 full blocks of 16
+        assert len({tuple(o["output_ids"]) for o in outs}) == 1  # greedy: the same output each time
+        assert _all_blocks_free(http)

@@ -184,3 +184,37 @@ def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwe
         assert http.post("/destroy_weights_update_group", json={"group_name": "test-group"}).status_code == 400
         http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
         assert _generate(http) == expected["old"]
+
+
+def test_update_while_paused_and_while_kv_released(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    """How slime and verl call it: pause (or release the KV cache), update, then go on."""
+    events: list[dict] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/generate", json=LONG | {"stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    first.set()
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert first.wait(30)
+    with server.client() as http:
+        assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        r = http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}, timeout=10)  # no wait while paused
+        assert r.status_code == 200
+        assert http.post("/continue_generation").status_code == 200
+        streamer.join(120)
+        assert events[-1]["meta_info"]["completion_tokens"] == 300
+        assert http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+        assert http.post("/update_weights_from_disk", json={"model_path": qwen3_next_dir}).status_code == 200
+        assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+        assert _generate(http) == expected["new"]
+        http.post("/release_memory_occupation", json={"tags": ["weights"]})
+        refused = http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        assert refused.status_code == 400 and "resume" in refused.json()["error"]["message"]
+        http.post("/resume_memory_occupation")
+        assert http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}).status_code == 200
+        assert _generate(http) == expected["old"]
