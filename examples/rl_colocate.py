@@ -7,9 +7,11 @@ cuda_graph -> generate again. Checked every step: the server's greedy outputs eq
 on the trainer's updated weights, and the logprobs the server returns equal the trainer's own
 log-softmax of those tokens (1e-4 in float32). Prints the time of each phase of the flip.
 
-    python examples/rl_colocate.py --model DIR [--device cpu|cuda] [--steps 3]
+    python examples/rl_colocate.py --model DIR [--device cpu|cuda] [--steps 3] [--push tensor|distributed]
 
-On CPU the weights travel as shared memory; on CUDA as CUDA IPC handles.
+`--push tensor` (default) sends update_weights_from_tensor: shared memory on CPU, CUDA IPC handles
+on CUDA. `--push distributed` joins a weight-update group (gloo on CPU, NCCL on CUDA) once and
+broadcasts the weights with update_weights_from_distributed.
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ from typing import Any
 
 import httpx
 import torch
-from engine.weight_sync import serialize_named_tensors
 from transformers import AutoModelForCausalLM
+
+from engine.weight_sync import serialize_named_tensors
 
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 12, [100, 200, 300]]
 NEW_TOKENS = 8
 TARGET = 42  # the token the trainer teaches the model to say
 
 
-def start_server(model: str, device: str, port: int) -> subprocess.Popen:
+def start_server(model: str, device: str, port: int, dtype: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--device", device,
-           "--dtype", "float32", "--port", str(port), "--max-model-len", "256", "--log-level", "WARNING"]
+           "--dtype", dtype, "--port", str(port), "--max-model-len", "256", "--log-level", "WARNING"]
     if device == "cpu":
         cmd += ["--num-kv-blocks", "256"]
     proc = subprocess.Popen(cmd)
@@ -109,6 +112,47 @@ def check(model: torch.nn.Module, outs: list[dict[str, Any]], device: str) -> fl
     return worst
 
 
+def join_group(http: httpx.Client, args: argparse.Namespace) -> Any:
+    """Rank 0 of a weight-update group with the server as rank 1."""
+    import threading
+
+    from engine.weight_group import trainer_group
+
+    port = args.port + 1
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "rl", "backend": "nccl" if args.device == "cuda" else "gloo"}
+    joined: list[Any] = []
+    thread = threading.Thread(target=lambda: joined.append(post(http, "/init_weights_update_group", body)))
+    thread.start()
+    group = trainer_group("127.0.0.1", port, 2, "rl", body["backend"], device=args.device)
+    thread.join()
+    if not joined:
+        raise RuntimeError("the server did not join the weight-update group")
+    return group
+
+
+def push(http: httpx.Client, pairs: list[tuple[str, torch.Tensor]], group: Any, version: str) -> dict[str, Any]:
+    """New weights to the server: CUDA IPC / shared memory, or a broadcast over the group."""
+    if group is None:
+        return post(http, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialize_named_tensors(pairs)], "flush_cache": True, "weight_version": version,
+        })
+    import threading
+
+    from engine.weight_group import broadcast_from_trainer
+
+    meta = {"names": [n for n, _ in pairs], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in pairs],
+            "shapes": [list(t.shape) for _, t in pairs], "group_name": "rl", "weight_version": version}
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.append(post(http, "/update_weights_from_distributed", meta)))
+    thread.start()
+    broadcast_from_trainer(group, pairs)
+    thread.join()
+    if not answers:
+        raise RuntimeError("update_weights_from_distributed failed")
+    return answers[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -116,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--port", type=int, default=30555)
+    ap.add_argument("--push", choices=["tensor", "distributed"], default="tensor")
+    ap.add_argument("--dtype", default="float32", help="server and trainer dtype")
     args = ap.parse_args(argv)
 
-    server = start_server(args.model, args.device, args.port)
-    trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    server = start_server(args.model, args.device, args.port, args.dtype)
+    trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as http:
             check(trainer, generate(http), args.device)
+            group = join_group(http, args) if args.push == "distributed" else None
             for step in range(args.steps):
                 times: dict[str, float] = {}
                 with phase(times, "generate"):
@@ -141,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     post(http, "/resume_memory_occupation", {"tags": ["weights"]})
                 with phase(times, "push_weights"):
                     pairs = [(n, p.detach()) for n, p in trainer.named_parameters()]
-                    answer = post(http, "/update_weights_from_tensor", {
-                        "serialized_named_tensors": [serialize_named_tensors(pairs)],
-                        "flush_cache": True, "weight_version": f"step-{step + 1}",
-                    })
+                    answer = push(http, pairs, group, f"step-{step + 1}")
                 with phase(times, "resume_kv_graph"):
                     post(http, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
                 outs = generate(http)
