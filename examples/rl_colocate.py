@@ -35,12 +35,13 @@ NEW_TOKENS = 8
 TARGET = 42  # the token the trainer teaches the model to say
 
 
-def start_server(model: str, device: str, port: int, dtype: str) -> subprocess.Popen:
+def start_server(model: str, device: str, port: int, dtype: str, gpu: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--device", device,
            "--dtype", dtype, "--port", str(port), "--max-model-len", "256", "--log-level", "WARNING"]
     if device == "cpu":
         cmd += ["--num-kv-blocks", "256"]
-    proc = subprocess.Popen(cmd)
+    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    proc = subprocess.Popen(cmd, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -75,10 +76,10 @@ def generate(http: httpx.Client) -> list[dict[str, Any]]:
     return post(http, "/generate", body)
 
 
-def train(model: torch.nn.Module, steps: int, device: str) -> float:
+def train(model: torch.nn.Module, steps: int, device: str, lr: float) -> float:
     """A few Adam steps raising log p(TARGET | prompt) at every prompt's last position."""
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
     loss = torch.tensor(0.0)
     for _ in range(steps):
         opt.zero_grad()
@@ -162,9 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30555)
     ap.add_argument("--push", choices=["tensor", "distributed"], default="tensor")
     ap.add_argument("--dtype", default="float32", help="server and trainer dtype")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--server-gpu", type=int, default=None,
+                    help="GPU of the server (CUDA_VISIBLE_DEVICES); NCCL refuses two ranks on one GPU, so "
+                         "--push distributed on CUDA needs the server on another GPU than the trainer")
     args = ap.parse_args(argv)
 
-    server = start_server(args.model, args.device, args.port, args.dtype)
+    server = start_server(args.model, args.device, args.port, args.dtype, args.server_gpu)
     trainer = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as http:
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                         scratch.fill_(1)
                         del scratch
                         torch.cuda.empty_cache()
-                    loss = train(trainer, args.train_steps, args.device)
+                    loss = train(trainer, args.train_steps, args.device, args.lr)
                 with phase(times, "resume_weights"):
                     post(http, "/resume_memory_occupation", {"tags": ["weights"]})
                 with phase(times, "push_weights"):
