@@ -38,6 +38,8 @@ def test_update_from_disk(qwen3_dir: str, qwen3_next_dir: str, llama_dir: str, e
         answer = llm.update_weights_from_disk(qwen3_next_dir)
         assert answer["success"] is True and answer["weight_version"] == "1" and answer["seconds"] >= 0
         assert _outputs(llm) == expected["new"]
+        with Engine(model=qwen3_next_dir, device="cpu", dtype="float32") as fresh:
+            assert _outputs(fresh) == expected["new"]  # as a fresh engine on the new weights
         assert llm.update_weights_from_disk(qwen3_dir, weight_version="v7")["weight_version"] == "v7"
         assert _outputs(llm) == expected["old"]
         # A checkpoint of another architecture: refused, naming a tensor; old weights in use.
