@@ -73,6 +73,7 @@ class AsyncEngineClient:
     async def start(self) -> None:
         """Start the reader and the watchdog in the running loop."""
         self._to_core, self._from_core = self._core.async_sockets()
+        self.died = asyncio.Event()  # set once the engine process is found dead
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
 
     async def _send(self, msg: ToCore) -> None:
@@ -102,6 +103,7 @@ class AsyncEngineClient:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
         log.error("engine process is dead: %s", self.dead)
         self._fail_all()
+        self.died.set()
 
     def _fail_all(self) -> None:
         err = EngineDeadError(self.dead or "engine is dead")

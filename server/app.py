@@ -3,8 +3,10 @@ routers (SGLang-native and OpenAI-compatible)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +21,16 @@ from server.metrics import Metrics
 
 # Routes a load balancer or supervisor probes without credentials.
 OPEN_ROUTES = frozenset({"/health"})
+# Routes that change what the engine holds or serves: with --admin-api-key, only that key.
+# (/abort_request with abort_all is checked in its route.)
+ADMIN_ROUTES = frozenset({
+    "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
+    "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
+    "/destroy_weights_update_group", "/flush_cache", "/pause_generation", "/continue_generation",
+})
+# After the engine process dies, /health answers 503 this long before the server exits (non-zero,
+# so that a supervisor restarts it).
+DEATH_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +38,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None
+    max_request_bytes: int = 64 << 20
     served_model_name: str | None = None  # the `model` of /v1 routes (default: --model)
     log_level: str = "INFO"
 
@@ -33,14 +47,22 @@ class ServerConfig:
         """Settings safe to show: keys are redacted."""
         out = dataclasses.asdict(self)
         out["api_key"] = "***" if self.api_key else None
+        out["admin_api_key"] = "***" if self.admin_api_key else None
         return out
 
 
-def build_app(client: AsyncEngineClient, config: ServerConfig) -> FastAPI:
+def build_app(
+    client: AsyncEngineClient, config: ServerConfig, on_engine_death: Callable[[], None] | None = None
+) -> FastAPI:
+    """`on_engine_death` runs DEATH_GRACE_S after the engine process is found dead (the CLI stops
+    the server with a non-zero exit)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
+        watcher = asyncio.create_task(_after_death(client, on_engine_death))
         yield
+        watcher.cancel()
         await client.shutdown()
 
     app = FastAPI(title="Siesta", lifespan=lifespan)
@@ -49,9 +71,8 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> FastAPI:
     app.state.metrics = Metrics()
     app.state.model_name = config.served_model_name or client.config.model
     install_error_handlers(app)
-    app.add_middleware(JsonBodies)
-    if config.api_key:
-        _require_api_key(app, config.api_key)
+    _check_keys(app, config.api_key, config.admin_api_key)
+    app.add_middleware(JsonBodies, max_bytes=config.max_request_bytes)
 
     from server.memory_api import router as memory
     from server.native_api import router as native
@@ -65,29 +86,101 @@ def build_app(client: AsyncEngineClient, config: ServerConfig) -> FastAPI:
     return app
 
 
+async def _after_death(client: AsyncEngineClient, on_death: Callable[[], None] | None) -> None:
+    await client.died.wait()
+    await asyncio.sleep(DEATH_GRACE_S)
+    if on_death is not None:
+        on_death()
+
+
 class JsonBodies:
     """Every body here is JSON: read it as JSON whatever the Content-Type says, so that a plain
-    `curl -d '{...}'` (which says form-urlencoded) works as users expect."""
+    `curl -d '{...}'` (which says form-urlencoded) works as users expect. Bodies over `max_bytes`
+    get 413 (by Content-Length, or once they stream past it)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT"):
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = scope | {"headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await _too_large(self.max_bytes, send)
+            return
+        scope = scope | {"headers": [*((k, v) for k, v in scope["headers"] if k != b"content-type"),
+                                     (b"content-type", b"application/json")]}
+        # Read the whole body first (bounded), then hand it to the app: a body that streams past
+        # the limit is refused before any route sees it.
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                await self.app(scope, _replay([message]), send)
+                return
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                await _too_large(self.max_bytes, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], then=receive), send)
 
 
-def _require_api_key(app: FastAPI, key: str) -> None:
-    expected = f"Bearer {key}".encode()
+def _replay(messages: list[dict], then: Any = None) -> Any:
+    """An ASGI receive that gives `messages`, then defers to `then` (disconnect notices)."""
+    pending = list(messages)
+
+    async def receive() -> dict:
+        if pending:
+            return pending.pop(0)
+        if then is not None:
+            return await then()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _too_large(max_bytes: int, send: Any) -> None:
+    body = json.dumps(error_body(ValueError(f"request body over {max_bytes} bytes (--max-request-bytes)"),
+                                 "request_too_large", 413)).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _check_keys(app: FastAPI, api_key: str | None, admin_key: str | None) -> None:
+    """--api-key: every route but /health needs a key (401). --admin-api-key: the admin routes
+    need that key; a plain key gets 403 there. The admin key opens every route. Sets
+    `request.state.is_admin` for routes that decide by body (abort_all)."""
+    plain = f"Bearer {api_key}".encode() if api_key else None
+    admin = f"Bearer {admin_key}".encode() if admin_key else None
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.url.path in OPEN_ROUTES:
-            return await call_next(request)
         given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            body = error_body(PermissionError("missing or wrong API key (Authorization: Bearer KEY)"), "unauthorized", 401)
-            return JSONResponse(body, status_code=401)
+        admin_ok = admin is not None and hmac.compare_digest(given, admin)
+        is_user = admin_ok or plain is None or hmac.compare_digest(given, plain)
+        is_admin = admin_ok or (admin is None and is_user)  # no admin key: any valid key is enough
+        request.state.is_admin = is_admin
+        path = request.url.path
+        if path in OPEN_ROUTES:
+            return await call_next(request)
+        if path in ADMIN_ROUTES and not is_admin:
+            if plain is not None and hmac.compare_digest(given, plain):
+                return _denied(403, "this route needs the admin key (--admin-api-key)")
+            return _denied(401, "missing or wrong admin key (Authorization: Bearer KEY)")
+        if not is_user:
+            return _denied(401, "missing or wrong API key (Authorization: Bearer KEY)")
         return await call_next(request)
+
+
+def _denied(status: int, message: str) -> JSONResponse:
+    kind = "forbidden" if status == 403 else "unauthorized"
+    return JSONResponse(error_body(PermissionError(message), kind, status), status_code=status)

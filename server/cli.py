@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import sys
@@ -53,6 +54,20 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
+def bind_warning(server: ServerConfig) -> str | None:
+    """A warning when the server listens beyond loopback with no key at all."""
+    if server.api_key or server.admin_api_key:
+        return None
+    host = "127.0.0.1" if server.host == "localhost" else server.host
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve anywhere
+    return (f"listening on {server.host} with no --api-key or --admin-api-key: anyone who reaches it "
+            "can release memory and replace the weights")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -68,9 +83,12 @@ def _serve(args: argparse.Namespace) -> int:
         log.info("no --model given: serving the embedded demo model (tiny random Qwen3) from %s", args.model)
     config = engine_config_from(args)
     server = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-        log_level=args.log_level,
+        host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
+        max_request_bytes=args.max_request_bytes, served_model_name=args.served_model_name, log_level=args.log_level,
     )
+    warning = bind_warning(server)
+    if warning:
+        log.warning(warning)
     client = AsyncEngineClient(config, log_level=args.log_level)
     info = client.info
     log.info(
@@ -80,9 +98,21 @@ def _serve(args: argparse.Namespace) -> int:
         info["max_context_length"], info["weights_bytes"] / (1 << 20), info["kv_cache_bytes"] / (1 << 20),
         info["kv_blocks_total"], info["block_size"],
     )
-    app = build_app(client, server)
+    engine_died = []
+
+    def on_engine_death() -> None:  # stop serving, exit non-zero: a supervisor restarts us
+        engine_died.append(True)
+        uv.should_exit = True
+
+    app = build_app(client, server, on_engine_death)
+    uv = uvicorn.Server(uvicorn.Config(
+        app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
+    ))
     log.info("serving on http://%s:%d", server.host, server.port)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+    uv.run()
+    if engine_died:
+        log.error("the engine process died: exiting with status 1")
+        return 1
     return 0
 
 
@@ -103,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=defaults.host)
     serve.add_argument("--port", type=int, default=defaults.port)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
+    serve.add_argument("--admin-api-key", default=None,
+                       help="the only key for the control routes (memory, weights, flush, pause, abort_all)")
+    serve.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                       help="larger request bodies get 413")
     serve.add_argument("--served-model-name", default=None, help="model name of the /v1 routes (default: --model)")
     serve.add_argument("--log-level", default=defaults.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_engine_flags(serve)

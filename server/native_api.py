@@ -158,6 +158,8 @@ async def metrics(request: Request) -> Response:
 async def abort_request(body: AbortRequestIn, request: Request) -> dict[str, Any]:
     if not body.abort_all and body.rid is None:
         raise InvalidRequest("give `rid` or `abort_all: true`")
+    if body.abort_all and not request.state.is_admin:
+        raise PermissionError("abort_all needs the admin key (--admin-api-key)")
     n = await _client(request).abort(None if body.abort_all else body.rid)
     return {"success": True, "num_aborted": n}
 
