@@ -7,12 +7,12 @@ import asyncio
 import dataclasses
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from engine.async_client import AsyncEngineClient
@@ -71,7 +71,7 @@ def build_app(
     app.state.metrics = Metrics()
     app.state.model_name = config.served_model_name or client.config.model
     install_error_handlers(app)
-    _check_keys(app, config.api_key, config.admin_api_key)
+    app.add_middleware(KeyCheck, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(JsonBodies, max_bytes=config.max_request_bytes)
 
     from server.memory_api import router as memory
@@ -155,30 +155,40 @@ async def _too_large(max_bytes: int, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _check_keys(app: FastAPI, api_key: str | None, admin_key: str | None) -> None:
+class KeyCheck:
     """--api-key: every route but /health needs a key (401). --admin-api-key: the admin routes
     need that key; a plain key gets 403 there. The admin key opens every route. Sets
-    `request.state.is_admin` for routes that decide by body (abort_all)."""
-    plain = f"Bearer {api_key}".encode() if api_key else None
-    admin = f"Bearer {admin_key}".encode() if admin_key else None
+    `request.state.is_admin` for routes that decide by body (abort_all). Pure ASGI (Starlette's
+    BaseHTTPMiddleware would hide client disconnects from the routes)."""
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        given = request.headers.get("authorization", "").encode()
-        admin_ok = admin is not None and hmac.compare_digest(given, admin)
-        is_user = admin_ok or plain is None or hmac.compare_digest(given, plain)
-        is_admin = admin_ok or (admin is None and is_user)  # no admin key: any valid key is enough
-        request.state.is_admin = is_admin
-        path = request.url.path
+    def __init__(self, app: Any, api_key: str | None, admin_key: str | None) -> None:
+        self.app = app
+        self.plain = f"Bearer {api_key}".encode() if api_key else None
+        self.admin = f"Bearer {admin_key}".encode() if admin_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        admin_ok = self.admin is not None and hmac.compare_digest(given, self.admin)
+        plain_ok = self.plain is not None and hmac.compare_digest(given, self.plain)
+        is_user = admin_ok or plain_ok or self.plain is None
+        is_admin = admin_ok or (self.admin is None and is_user)  # no admin key: any valid key
+        scope.setdefault("state", {})["is_admin"] = is_admin
+        path = scope["path"]
+        denied = None
         if path in OPEN_ROUTES:
-            return await call_next(request)
-        if path in ADMIN_ROUTES and not is_admin:
-            if plain is not None and hmac.compare_digest(given, plain):
-                return _denied(403, "this route needs the admin key (--admin-api-key)")
-            return _denied(401, "missing or wrong admin key (Authorization: Bearer KEY)")
-        if not is_user:
-            return _denied(401, "missing or wrong API key (Authorization: Bearer KEY)")
-        return await call_next(request)
+            pass
+        elif path in ADMIN_ROUTES and not is_admin:
+            denied = _denied(403, "this route needs the admin key (--admin-api-key)") if plain_ok else (
+                _denied(401, "missing or wrong admin key (Authorization: Bearer KEY)"))
+        elif not is_user:
+            denied = _denied(401, "missing or wrong API key (Authorization: Bearer KEY)")
+        if denied is not None:
+            await denied(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _denied(status: int, message: str) -> JSONResponse:
