@@ -163,7 +163,7 @@ def _eos_ids(path: str, hf: dict[str, Any]) -> tuple[int, ...]:
 class EngineConfig:
     """User knobs. Every field becomes a `siesta serve` flag (underscores become dashes)."""
 
-    model: str = ""
+    model: str = field(default="", metadata={"help": "Hugging Face checkpoint directory (none: the demo model)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: --model)"})
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu"})
     dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's) | float32 | bfloat16 | float16"})

@@ -47,7 +47,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if scalar is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=scalar, default=f.default, help=f"{help_text} (default: {f.default})")
+            group.add_argument(flag, type=scalar, default=f.default, help=help_text)
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:
@@ -130,23 +130,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = ServerConfig()
-    serve.add_argument("--host", default=defaults.host)
-    serve.add_argument("--port", type=int, default=defaults.port)
+    serve.add_argument("--host", default=defaults.host, help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
     serve.add_argument("--admin-api-key", default=None,
                        help="the only key for the control routes (memory, weights, flush, pause, abort_all)")
     serve.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                        help="larger request bodies get 413")
     serve.add_argument("--served-model-name", default=None, help="model name of the /v1 routes (default: --model)")
-    serve.add_argument("--log-level", default=defaults.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument("--log-level", default=defaults.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="DEBUG, INFO, WARNING or ERROR")
     add_engine_flags(serve)
     serve.set_defaults(func=_serve)
+
+    table = sub.add_parser("config-table", help="print serve's flags as a markdown table (for README.md)")
+    table.set_defaults(func=_config_table)
 
     demo = sub.add_parser("demo-model", help="write a tiny random Qwen3 checkpoint with a tokenizer")
     demo.add_argument("dir", help="directory to write")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo_model)
     return parser
+
+
+def config_table() -> str:
+    """The markdown table of `siesta serve`'s flags, as README.md shows it (a test keeps them equal)."""
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001
+    rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
+    for action in serve._actions:  # noqa: SLF001
+        if not action.option_strings or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flag = f"--[no-]{flag[2:]}"
+        text = (action.help or "").replace("|", "\\|")
+        rows.append(f"| `{flag}` | `{action.default}` | {text} |")
+    return "\n".join(rows)
+
+
+def _config_table(args: argparse.Namespace) -> int:
+    print(config_table())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,3 +86,13 @@ def test_dead_engine_means_503_then_a_non_zero_exit(demo_dir: str) -> None:
         assert server.proc.returncode not in (0, None)
     finally:
         server.stop()
+
+
+def test_readme_config_table_is_the_clis() -> None:
+    from pathlib import Path
+
+    from server.cli import config_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    shown = readme.split("<!-- config-table -->\n")[1].split("\n<!-- /config-table -->")[0]
+    assert shown == config_table(), "README's table is stale: paste `siesta config-table` into README.md"
