@@ -5,6 +5,7 @@ one step runs (`Batch`). Pure Python: the scheduler and the client import this w
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +47,9 @@ class SamplingParams:
         def bad(msg: str) -> InvalidRequest:
             return InvalidRequest(f"invalid sampling_params: {msg}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_new_tokens < 1:
             raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:

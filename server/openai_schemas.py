@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request import InvalidRequest, SamplingParams
+from server.schemas import MAX_N, Int64
 
 # The most top logprobs a request may ask for (as vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = 20
@@ -31,17 +32,19 @@ class StreamOptions(BaseModel):
 class OpenAISampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
+    model_config = ConfigDict(allow_inf_nan=False)
+
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None  # read only when streaming
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

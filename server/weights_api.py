@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from engine.async_client import AsyncEngineClient
+from server.schemas import Int64
 
 router = APIRouter()
 
@@ -35,9 +36,9 @@ class UpdateFromTensorIn(BaseModel):
 
 class InitGroupIn(BaseModel):
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: Int64
+    rank_offset: Int64
+    world_size: Int64
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
 
@@ -45,7 +46,7 @@ class InitGroupIn(BaseModel):
 class UpdateFromDistributedIn(BaseModel):
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
+    shapes: list[list[Int64]]
     group_name: str = DEFAULT_GROUP
     flush_cache: bool = True
     abort_all_requests: bool = False
