@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -69,3 +71,29 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+class BackgroundStream:
+    """A streamed `/generate` read on a thread: `events` fills as they come; `started` waits for
+    the first one (the request is running), `join` for the end."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.events: list[dict] = []
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body))
+        self._thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", f"{url}/generate", json=body | {"stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    self.events.append(json.loads(line[len("data: "):]))
+                    self._first.set()
+
+    def started(self, timeout: float = 30) -> bool:
+        return self._first.wait(timeout)
+
+    def join(self, timeout: float = 120) -> dict:
+        """The last event's meta_info."""
+        self._thread.join(timeout)
+        return self.events[-1]["meta_info"]

@@ -5,13 +5,11 @@ flight, and unchanged outputs across cycles. Real page release is tests/test_gpu
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 
-import httpx
 import pytest
-from server_util import ServerProcess
+from server_util import BackgroundStream, ServerProcess
 
 from engine import Engine, SamplingParams
 
@@ -88,14 +86,6 @@ def server(demo_dir: str, tmp_path_factory: pytest.TempPathFactory):
 LONG = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}
 
 
-def _stream_events(url: str, body: dict, first: threading.Event, out: list) -> None:
-    with httpx.stream("POST", f"{url}/generate", json=body | {"stream": True}, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                out.append(json.loads(line[6:]))
-                first.set()
-
-
 def test_http_routes_and_503_while_released(server: ServerProcess) -> None:
     with server.client() as http:
         greedy = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
@@ -124,11 +114,8 @@ def test_http_routes_and_503_while_released(server: ServerProcess) -> None:
 
 @pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_release_with_a_stream_in_flight(server: ServerProcess, mode: str) -> None:
-    events: list[dict] = []
-    first = threading.Event()
-    streamer = threading.Thread(target=_stream_events, args=(server.url, LONG, first, events))
-    streamer.start()
-    assert first.wait(30)
+    stream = BackgroundStream(server.url, LONG)
+    assert stream.started()
     with server.client() as http:
         released: list = []
         releaser = threading.Thread(
@@ -138,9 +125,8 @@ def test_release_with_a_stream_in_flight(server: ServerProcess, mode: str) -> No
         time.sleep(0.3)
         # While the release drains or after it, new requests are refused.
         assert http.post("/generate", json=LONG).status_code == 503
-        streamer.join(120)
+        last = stream.join()
         releaser.join(120)
-        last = events[-1]["meta_info"]
         if mode == "wait":
             assert last["finish_reason"]["type"] == "length" and last["completion_tokens"] == 300
         else:

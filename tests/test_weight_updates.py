@@ -5,7 +5,6 @@ directories are refused; updates wait for (or abort) requests in flight."""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 import torch
 from oracle import hf_greedy
-from server_util import ServerProcess
+from server_util import BackgroundStream, ServerProcess
 
 from engine import Engine, SamplingParams
 
@@ -93,24 +92,12 @@ LONG = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 300, "temp
 
 @pytest.mark.parametrize("abort", [False, True])
 def test_update_while_a_request_streams(server: ServerProcess, qwen3_dir: str, abort: bool) -> None:
-    events: list[dict] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", f"{server.url}/generate", json=LONG | {"stream": True}, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-                    first.set()
-
-    streamer = threading.Thread(target=stream)
-    streamer.start()
-    assert first.wait(30)
+    stream = BackgroundStream(server.url, LONG)
+    assert stream.started()
     with server.client() as http:
         r = http.post("/update_weights_from_disk", json={"model_path": qwen3_dir, "abort_all_requests": abort})
         assert r.status_code == 200
-        streamer.join(120)
-        last = events[-1]["meta_info"]
+        last = stream.join()
         if abort:
             assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 300
         else:  # the update waited for the request, which finished on the old weights
@@ -190,26 +177,14 @@ def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwe
 
 def test_update_while_paused_and_while_kv_released(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
     """How slime and verl call it: pause (or release the KV cache), update, then go on."""
-    events: list[dict] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", f"{server.url}/generate", json=LONG | {"stream": True}, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    events.append(json.loads(line[6:]))
-                    first.set()
-
-    streamer = threading.Thread(target=stream)
-    streamer.start()
-    assert first.wait(30)
+    stream = BackgroundStream(server.url, LONG)
+    assert stream.started()
     with server.client() as http:
         assert http.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         r = http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}, timeout=10)  # no wait while paused
         assert r.status_code == 200
         assert http.post("/continue_generation").status_code == 200
-        streamer.join(120)
-        assert events[-1]["meta_info"]["completion_tokens"] == 300
+        assert stream.join()["completion_tokens"] == 300
         assert http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
         assert http.post("/update_weights_from_disk", json={"model_path": qwen3_next_dir}).status_code == 200
         assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
