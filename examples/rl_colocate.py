@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -119,7 +120,9 @@ def join_group(http: httpx.Client, args: argparse.Namespace) -> Any:
 
     from engine.weight_group import trainer_group
 
-    port = args.port + 1
+    with socket.socket() as sock:  # a free port for the group's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "rl", "backend": "nccl" if args.device == "cuda" else "gloo"}
     joined: list[Any] = []
@@ -207,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         server.terminate()
-        server.wait(15)
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 if __name__ == "__main__":
