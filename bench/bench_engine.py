@@ -105,6 +105,27 @@ def write_json(path: str, results: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def run_section(
+    res: dict[str, Any], out: str, skip: Any, name: str, fn: Any, *a: Any, on_error: Any = None
+) -> Any:
+    """One benchmark section: skipped when asked; a crash is recorded under res["errors"] (and
+    `on_error()` runs), not raised; the JSON is rewritten after every section."""
+    if name in skip:
+        say(f"{name}: skipped (--skip)")
+        return None
+    try:
+        value = fn(*a)
+    except Exception:
+        res["errors"][name] = traceback.format_exc()
+        say(f"{name}: FAILED\n{res['errors'][name]}")
+        if on_error is not None:
+            on_error()
+        value = None
+    res[name] = value
+    write_json(out, res)
+    return value
+
+
 # ---- 1. checkpoint ------------------------------------------------------------------------------
 
 
@@ -505,19 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"bench: {res['meta']['device_name']}, torch {torch.__version__}, transformers {transformers.__version__}")
 
     def section(name: str, fn: Any, *a: Any) -> Any:
-        if name in args.skip:
-            say(f"{name}: skipped (--skip)")
-            return None
-        try:
-            value = fn(*a)
-        except Exception:
-            res["errors"][name] = traceback.format_exc()
-            say(f"{name}: FAILED\n{res['errors'][name]}")
-            free_memory(device)
-            value = None
-        res[name] = value
-        write_json(args.out, res)
-        return value
+        return run_section(res, args.out, args.skip, name, fn, *a, on_error=lambda: free_memory(device))
 
     shape = TINY_SHAPE if args.tiny else FULL_SHAPE
     res["meta"]["model_shape"] = shape

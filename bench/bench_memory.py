@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,13 +61,6 @@ T0 = time.perf_counter()
 
 def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def write_json(path: str, results: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 def median(xs: list[float]) -> float | None:
@@ -305,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, HERE)
     sys.path.insert(0, ROOT)
     import torch  # CPU work only in this process: the checkpoint
-    from bench_engine import FULL_DEFAULTS, FULL_SHAPE, make_checkpoint
+    from bench_engine import FULL_DEFAULTS, FULL_SHAPE, make_checkpoint, run_section, write_json
 
     if args.model_dir is None:
         args.model_dir = FULL_DEFAULTS["model_dir"]
@@ -321,18 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"bench_memory: {res['meta']['device_name']}, memory read through {meter.source}")
 
     def section(name: str, fn: Any, *a: Any) -> Any:
-        if name in args.skip:
-            say(f"{name}: skipped (--skip)")
-            return None
-        try:
-            value = fn(*a)
-        except Exception:
-            res["errors"][name] = traceback.format_exc()
-            say(f"{name}: FAILED\n{res['errors'][name]}")
-            value = None
-        res[name] = value
-        write_json(args.out, res)
-        return value
+        return run_section(res, args.out, args.skip, name, fn, *a)
 
     def checkpoint() -> dict[str, Any]:
         out = make_checkpoint(args.model_dir, FULL_SHAPE, torch.device("cpu"), args.seed)
