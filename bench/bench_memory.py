@@ -26,8 +26,14 @@ Sections, in this order:
      short greedy generate (4 prompts, one at a time): timings of each call (its own `seconds` and
      the wall time around it), weights restore bandwidth, memory drift, outputs identical to the
      same requests' before any release (run at the start of section 4).
-  7. h2d: (engine shut down) a child process times a 1 GiB pinned host-to-device copy.
-  8. tms_cpu_backup: a child process started with torch_memory_saver's LD_PRELOAD holds a
+  7. scrubbed: a few cycles that wait `--scrub-wait-s` between release and resume, as a trainer's
+     step would: the driver scrubs freed pages in the background (~400 GB/s on an H200), and a
+     resume right after a release waits for that scrub.
+  8. h2d: (engine shut down) a child process times a 1 GiB pinned host-to-device copy.
+  9. driver: a child process calls the CUDA driver's VMM functions (bench/probe_vmm_driver.py)
+     on one handle of the KV region's size: unmap + release, then create + map + set access, right
+     after and `--scrub-wait-s` after. The floor under release and resume, same run.
+ 10. tms_cpu_backup: a child process started with torch_memory_saver's LD_PRELOAD holds a
      weights-sized bf16 tensor in `region(enable_cpu_backup=True)` and times pause and resume.
 """
 
@@ -232,13 +238,45 @@ def child_tms(nbytes: int, iters: int) -> dict[str, Any]:
             "all_identical": all(c["identical"] for c in cycles)}
 
 
+def child_driver(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
+    """The driver's own cost for a region of `nbytes` in one handle (as torch_memory_saver
+    allocates it): pause = unmap + release; resume = create + map + set access; each `iters`
+    times right after the pause and `iters` times `wait_s` after it (pages scrubbed)."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from probe_vmm_driver import Driver, Region
+
+    torch.zeros(1, device="cuda")
+    drv = Driver(torch.cuda.current_device())
+    region = Region(drv, nbytes - nbytes % drv.granularity, nbytes - nbytes % drv.granularity)
+    region.resume()
+    region.touch()
+    out: dict[str, Any] = {"bytes": region.total, "wait_s": wait_s}
+    for name, gap in (("right_after", 0.0), ("after_wait", wait_s)):
+        pauses, resumes = [], []
+        for _ in range(iters):
+            time.sleep(wait_s)  # the previous resume's pages settle
+            pauses.append(sum(region.pause()))
+            time.sleep(gap)
+            resumes.append(sum(region.resume()))
+            region.touch()
+        out[name] = {"pause_median_s": statistics.median(pauses), "resume_median_s": statistics.median(resumes),
+                     "pause_s": pauses, "resume_s": resumes}
+    region.pause()
+    return out
+
+
 def run_child(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "idle":
         child_idle()
         return 0
     nbytes, iters = int(argv[1]), int(argv[2])
-    out = child_h2d(nbytes, iters) if mode == "h2d" else child_tms(nbytes, iters)
+    if mode == "driver":
+        out = child_driver(nbytes, iters, float(argv[3]))
+    else:
+        out = child_h2d(nbytes, iters) if mode == "h2d" else child_tms(nbytes, iters)
     print(json.dumps(out), flush=True)
     return 0
 
@@ -335,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             section("traffic", traffic, args, state)
             section("reclaim", reclaim, state, idle)
             section("cycles", cycles, args, state)
+            section("scrubbed", scrubbed, args, state)
     finally:
         if "llm" in state:
             base = state["baseline"]
@@ -346,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     if h2d:
         say(f"h2d: pinned host -> device, {args.h2d_mib} MiB: {h2d['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
             f"(best {h2d['bandwidth_best_bytes_per_s'] / 1e9:.1f})")
+    kv_bytes = ((res.get("engine") or {}).get("region_bytes") or {}).get("kv_cache")
+    if kv_bytes:
+        section("driver", driver_floor, kv_bytes, args.scrub_cycles, args.scrub_wait_s)
     weights_bytes = (res.get("engine") or {}).get("weights_host_copy_bytes") or weights_bytes_estimate(FULL_SHAPE)
     section("tms_cpu_backup", tms_cpu_backup, weights_bytes, args.tms_iters)
 
@@ -469,7 +511,7 @@ def cycles(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
         return answer, time.perf_counter() - t
 
     # Keep time for the sections after this one (h2d, tms_cpu_backup) within --deadline-s.
-    limit = max(10.0, min(args.cycles_time_limit_s, args.deadline_s - (time.perf_counter() - T0) - 45))
+    limit = max(10.0, min(args.cycles_time_limit_s, args.deadline_s - (time.perf_counter() - T0) - 75))
     for i in range(args.cycles):
         if time.perf_counter() - t_start > limit:
             say(f"cycles: time limit of {limit:.0f} s reached after {i} cycles (result is partial)")
@@ -525,6 +567,38 @@ def cycles(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def scrubbed(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
+    """Release all, wait as a trainer's step would, resume kv_cache + cuda_graph, then weights."""
+    llm = state["llm"]
+    rows = []
+    for _ in range(args.scrub_cycles):
+        rel = llm.release_memory_occupation()
+        time.sleep(args.scrub_wait_s)
+        kv = llm.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])
+        llm.resume_memory_occupation(tags=["weights"])
+        rows.append({"release_s": rel["seconds"], "release_by_tag": rel["seconds_by_tag"],
+                     "resume_kv_graph_s": kv["seconds"], "resume_by_tag": kv["seconds_by_tag"]})
+    if probe(llm) != state.get("reference"):
+        raise RuntimeError("outputs changed over the scrubbed cycles")
+    out = {"wait_s": args.scrub_wait_s, "cycles": rows,
+           "resume_kv_graph_median_s": median([r["resume_kv_graph_s"] for r in rows]),
+           "resume_kv_graph_max_s": max(r["resume_kv_graph_s"] for r in rows),
+           "resume_kv_median_s": median([r["resume_by_tag"]["kv_cache"] for r in rows]),
+           "release_kv_median_s": median([r["release_by_tag"]["kv_cache"] for r in rows])}
+    say(f"scrubbed: resume kv+graph {args.scrub_wait_s:.1f} s after release: {out['resume_kv_graph_median_s'] * 1e3:.1f} ms "
+        f"median (kv_cache alone {out['resume_kv_median_s'] * 1e3:.1f} ms); release's kv_cache pause "
+        f"{out['release_kv_median_s'] * 1e3:.1f} ms")
+    return out
+
+
+def driver_floor(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
+    out = spawn_child("driver", nbytes, iters, wait_s)
+    a, b = out["right_after"], out["after_wait"]
+    say(f"driver: {out['bytes'] / GIB:.1f} GiB in one handle: pause {a['pause_median_s'] * 1e3:.1f} ms; resume right "
+        f"after {a['resume_median_s'] * 1e3:.1f} ms, {wait_s:.1f} s after {b['resume_median_s'] * 1e3:.1f} ms")
+    return out
+
+
 def tms_cpu_backup(nbytes: int, iters: int) -> dict[str, Any]:
     from torch_memory_saver import configure_subprocess
 
@@ -576,6 +650,26 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             row(f"{what} (ms, median; ref = max)", s["median"] * 1e3, s["max"] * 1e3, target=f"< {limit * 1e3:.0f}",
                 ok=s["median"] < limit)
         row("resume weights: the call's seconds (ms, median)", cy["resume_weights_s"]["median"] * 1e3)
+    sc, drv = res.get("scrubbed"), res.get("driver")
+    if sc:
+        row(f"resume kv_cache + cuda_graph {sc['wait_s']:.1f} s after release (ms, median; ref = max)",
+            sc["resume_kv_graph_median_s"] * 1e3, sc["resume_kv_graph_max_s"] * 1e3,
+            target=f"< {RESUME_KV_GRAPH_TARGET_S * 1e3:.0f}", ok=sc["resume_kv_graph_median_s"] < RESUME_KV_GRAPH_TARGET_S)
+    if drv:
+        gib = drv["bytes"] / GIB
+        a, b = drv["right_after"], drv["after_wait"]
+        ours_rel = (cy or {}).get("release_s", {}).get("median")
+        ours_res = (cy or {}).get("resume_kv_graph_s", {}).get("median")
+        row(f"driver alone, {gib:.0f} GiB (the KV region): unmap + release (ms); ref = siesta release all",
+            a["pause_median_s"] * 1e3, ours_rel * 1e3 if ours_rel else None,
+            ours_rel / a["pause_median_s"] if ours_rel else None)
+        row(f"driver alone, {gib:.0f} GiB: create + map right after release (ms); ref = siesta resume kv+graph",
+            a["resume_median_s"] * 1e3, ours_res * 1e3 if ours_res else None,
+            ours_res / a["resume_median_s"] if ours_res else None)
+        ours_sc = (sc or {}).get("resume_kv_graph_median_s")
+        row(f"driver alone, {gib:.0f} GiB: create + map {drv['wait_s']:.1f} s after (ms); "
+            "ref = siesta resume kv+graph after the same wait", b["resume_median_s"] * 1e3,
+            ours_sc * 1e3 if ours_sc else None, ours_sc / b["resume_median_s"] if ours_sc else None)
     h2d_bw = h2d["bandwidth_bytes_per_s"] if h2d else None
     if h2d:
         row(f"pinned host -> device copy, {h2d['bytes'] // MIB} MiB (GB/s)", h2d_bw / 1e9)
@@ -633,11 +727,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cycles", type=int, default=100)
     p.add_argument("--cycles-time-limit-s", type=float, default=100.0, help="stop the cycles after this (partial)")
     p.add_argument("--deadline-s", type=float, default=220.0, help="whole-run budget the cycles plan against")
+    p.add_argument("--scrub-wait-s", type=float, default=1.0, help="wait between release and resume in the "
+                   "scrubbed and driver sections (a trainer's step)")
+    p.add_argument("--scrub-cycles", type=int, default=5)
     p.add_argument("--h2d-mib", type=int, default=1024)
     p.add_argument("--h2d-iters", type=int, default=10)
     p.add_argument("--tms-iters", type=int, default=5)
     p.add_argument("--engine-log-level", default="WARNING", help="the engine process's log level (INFO logs every release)")
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: idle,traffic,reclaim,cycles,h2d,tms_cpu_backup")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: idle,traffic,reclaim,cycles,scrubbed,h2d,driver,"
+                   "tms_cpu_backup")
     args = p.parse_args(argv)
     args.skip = {s for s in args.skip.split(",") if s}
     return args

@@ -37,23 +37,28 @@ class MemoryCalls:
         self.scheduler.admitting = True
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
-        changed, freed = self.memory.release(tags)
+        change = self.memory.release(tags)
+        changed, freed = change.changed, change.bytes
         if "weights" in changed and self.memory.enabled and self.runner.host_weights is None:
             self.weights_valid = False
         seconds = time.perf_counter() - t0
         log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
-        return self._memory_answer(changed) | {"bytes_freed": freed, "seconds": seconds}
+        return self._memory_answer(changed) | {
+            "bytes_freed": freed, "seconds": seconds, "seconds_by_tag": change.seconds_by_tag,
+        }
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        changed, restored = self.memory.resume(check_tags(tags))
+        change = self.memory.resume(check_tags(tags))
+        changed, restored = change.changed, change.bytes
         restore_s = 0.0
         if "weights" in changed and self.runner.host_weights is not None:
             restore_s = self.runner.host_weights.restore()
         seconds = time.perf_counter() - t0
         log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
         return self._memory_answer(changed) | {
-            "bytes_restored": restored, "seconds": seconds, "weights_restore_seconds": restore_s,
+            "bytes_restored": restored, "seconds": seconds, "seconds_by_tag": change.seconds_by_tag,
+            "weights_restore_seconds": restore_s,
         }
 
     def memory_occupation(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +68,16 @@ def memory_saver_usable(device: torch.device) -> str | None:
     except ImportError:
         return "torch_memory_saver is not installed"
     return None
+
+
+@dataclass(frozen=True)
+class RegionChange:
+    """What one release or resume did: the tags it changed (in order), the device bytes freed or
+    taken (measured), and the driver's seconds per changed tag (pause or resume alone)."""
+
+    changed: list[str]
+    bytes: int
+    seconds_by_tag: dict[str, float]
 
 
 class MemoryRegions:
@@ -108,31 +119,37 @@ class MemoryRegions:
             return torch.cuda.graph(graph, pool=pool)
         return self.saver.cuda_graph(graph, pool=pool, tag="cuda_graph")
 
-    def release(self, tags: list[str]) -> tuple[list[str], int]:
-        """Pause `tags` (already released ones are skipped); (tags changed, bytes freed)."""
+    def release(self, tags: list[str]) -> RegionChange:
+        """Pause `tags` (already released ones are skipped)."""
         changed = [t for t in RELEASE_ORDER if t in tags and self.state[t] == RESIDENT]
         self._synchronize()
         before = self._free()
         if self.device.type == "cuda":
             # Cached blocks go back first, so that no cudaFree ever meets paused memory.
             torch.cuda.empty_cache()
+        seconds: dict[str, float] = {}
         for tag in changed:
+            t0 = time.perf_counter()
             if self.saver is not None:
                 self.saver.pause(tag)
+            seconds[tag] = time.perf_counter() - t0
             self.state[tag] = RELEASED
         self._synchronize()
-        return changed, max(self._free() - before, 0)
+        return RegionChange(changed, max(self._free() - before, 0), seconds)
 
-    def resume(self, tags: list[str]) -> tuple[list[str], int]:
-        """Take `tags` back (resident ones are skipped); (tags changed, bytes restored)."""
+    def resume(self, tags: list[str]) -> RegionChange:
+        """Take `tags` back (resident ones are skipped)."""
         changed = [t for t in RESUME_ORDER if t in tags and self.state[t] == RELEASED]
         before = self._free()
+        seconds: dict[str, float] = {}
         for tag in changed:
+            t0 = time.perf_counter()
             if self.saver is not None:
                 self.saver.resume(tag)
+            seconds[tag] = time.perf_counter() - t0
             self.state[tag] = RESIDENT
         self._synchronize()
-        return changed, max(before - self._free(), 0)
+        return RegionChange(changed, max(before - self._free(), 0), seconds)
 
     def describe(self) -> dict[str, Any]:
         free, total = (torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0))

@@ -251,12 +251,14 @@ def test_release_and_resume_each_tag_frees_and_restores_its_region(served: Serve
         assert llm.memory_occupation()["tags"][tag]["state"] == "released"
         _assert_near(used0 - used1, sizes[tag], tol, f"device memory freed by releasing {tag}")
         _assert_near(rel["bytes_freed"], used0 - used1, ANSWER_SLACK, f"bytes_freed of {tag} vs seen from here")
+        assert list(rel["seconds_by_tag"]) == [tag] and 0 < rel["seconds_by_tag"][tag] <= rel["seconds"], rel
 
         res = llm.resume_memory_occupation(tags=[tag])
         used2 = _device_used()
         assert res["changed"] == [tag] and set(res["tags"].values()) == {"resident"}, res
         _assert_near(used2 - used1, sizes[tag], tol, f"device memory taken back by resuming {tag}")
         _assert_near(res["bytes_restored"], used2 - used1, ANSWER_SLACK, f"bytes_restored of {tag} vs seen from here")
+        assert list(res["seconds_by_tag"]) == [tag] and 0 < res["seconds_by_tag"][tag] <= res["seconds"], res
         _assert_near(used2, used0, tol, f"device memory after the {tag} cycle vs before it")
         if tag == "weights":
             assert res["weights_restore_seconds"] > 0

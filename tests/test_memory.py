@@ -36,18 +36,20 @@ def test_every_order_of_release_and_resume(llm: Engine) -> None:
                 answer = llm.release_memory_occupation([tag])
                 assert answer["changed"] == [tag] and answer["tags"][tag] == "released"
                 assert answer["memory_saver"] is False and answer["bytes_freed"] == 0
+                assert list(answer["seconds_by_tag"]) == [tag] and 0 <= answer["seconds_by_tag"][tag] <= answer["seconds"]
                 assert sorted(t for t, s in answer["tags"].items() if s == "released") == sorted(release_order[: i + 1])
             for i, tag in enumerate(resume_order):
                 answer = llm.resume_memory_occupation([tag])
                 assert answer["changed"] == [tag] and answer["tags"][tag] == "resident"
-                assert answer["bytes_restored"] == 0
+                assert answer["bytes_restored"] == 0 and list(answer["seconds_by_tag"]) == [tag]
                 still = sorted(resume_order[i + 1 :])
                 assert sorted(t for t, s in answer["tags"].items() if s == "released") == still
         assert _outputs(llm) == expected
 
 
 def test_double_calls_are_no_ops_and_unknown_tags_are_refused(llm: Engine) -> None:
-    assert llm.resume_memory_occupation(None)["changed"] == []  # all resident already
+    noop = llm.resume_memory_occupation(None)
+    assert noop["changed"] == [] and noop["seconds_by_tag"] == {}  # all resident already
     first = llm.release_memory_occupation(None)
     assert first["changed"] == ["kv_cache", "weights", "cuda_graph"]  # release order
     again = llm.release_memory_occupation([])
