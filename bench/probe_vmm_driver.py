@@ -311,8 +311,8 @@ def section_copy(drv: Driver, total: int) -> None:
     import torch
 
     print(f"\n### copy: 1 GiB pinned host -> device, idle and right after pausing {total // GIB} GiB (GB/s)")
-    print("| when | copy engine GB/s | SM kernel GB/s |")
-    print("| --- | --- | --- |")
+    print("| when | copy engine GB/s | SM kernel (torch elementwise) GB/s | SM kernel (engine/host_copy.py) GB/s |")
+    print("| --- | --- | --- | --- |")
     n = GIB // 4
     src = torch.ones(n, dtype=torch.int32, pin_memory=True)
     dst = torch.empty(n, dtype=torch.int32, device="cuda")
@@ -339,24 +339,27 @@ def section_copy(drv: Driver, total: int) -> None:
         if view is not None:
             torch.bitwise_or(view, 0, out=dst)
 
+    from engine.host_copy import copy_from_host, device_alias
+
+    alias = device_alias(src, dst.device)
+
+    def engine_copy() -> None:
+        copy_from_host(dst, alias)
+
     for _ in range(2):
-        ce(), sm()
+        ce(), sm(), engine_copy()
     assert torch.equal(dst, torch.ones_like(dst))
     for when in ("idle", "after pause", "idle", "after pause"):
-        if when == "after pause":
-            r.pause()
-            a = timed(ce)
-            r.resume()
-            time.sleep(1.5)
+        speeds = []
+        for fn in (ce, sm, engine_copy):
+            time.sleep(1.5)  # the last pause's scrub is over
             r.touch()
-            r.pause()
-            b = timed(sm)
-            r.resume()
-        else:
-            time.sleep(1.5)
-            a, b = timed(ce), timed(sm)
-        r.touch()
-        print(f"| {when} | {a:.1f} | {b:.1f} |", flush=True)
+            if when == "after pause":
+                r.pause()
+            speeds.append(timed(fn))
+            if when == "after pause":
+                r.resume()
+        print(f"| {when} | " + " | ".join(f"{x:.1f}" for x in speeds) + " |", flush=True)
     r.pause()
 
 

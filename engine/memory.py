@@ -171,19 +171,30 @@ class MemoryRegions:
 
 class HostWeights:
     """A pinned host copy of every weights-region tensor (parameters and buffers), in one pinned
-    buffer. Refreshed at load and at every weight update; copied back after a resume."""
+    buffer (each tensor at a 256-byte boundary). Refreshed at load and at every weight update;
+    copied back after a resume by the SMs (engine/host_copy.py says why not a copy engine)."""
+
+    ALIGN = 256
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from engine.host_copy import device_alias
+
         self.tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_cuda]
-        total = sum(t.numel() * t.element_size() for t in self.tensors)
-        self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        self.views: list[torch.Tensor] = []
-        offset = 0
+        spans: list[tuple[int, int]] = []  # (offset, bytes) of each tensor in the buffer
+        end = 0
         for t in self.tensors:
-            n = t.numel() * t.element_size()
-            self.views.append(self.buffer[offset : offset + n].view(t.dtype).view(t.shape))
-            offset += n
-        self.nbytes = total
+            if not t.is_contiguous():
+                raise ValueError(f"weights must be contiguous to be restored byte for byte; got strides {t.stride()}")
+            offset = -(-end // self.ALIGN) * self.ALIGN
+            spans.append((offset, t.numel() * t.element_size()))
+            end = offset + spans[-1][1]
+        self.buffer = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
+        self.nbytes = sum(n for _, n in spans)
+        self.views = [self.buffer[o : o + n].view(t.dtype).view(t.shape) for (o, n), t in zip(spans, self.tensors, strict=True)]
+        self.sources: list[torch.Tensor] = []  # the same bytes as the device sees them (zero-copy)
+        if self.tensors:
+            alias = device_alias(self.buffer, self.tensors[0].device)
+            self.sources = [alias[o : o + n] for o, n in spans]
         self.refresh()
 
     def refresh(self) -> None:
@@ -193,20 +204,14 @@ class HostWeights:
         torch.cuda.synchronize(self.tensors[0].device if self.tensors else None)
 
     def restore(self) -> float:
-        """Host -> device into the same tensors (graphs hold their addresses), alternating over
-        two copy streams (one stream leaves PCIe idle between copies); returns seconds."""
+        """Host -> device into the same tensors (graphs hold their addresses); returns seconds."""
+        from engine.host_copy import copy_from_host
+
         if not self.tensors:
             return 0.0
         device = self.tensors[0].device
         t0 = time.perf_counter()
-        main = torch.cuda.current_stream(device)
-        streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
-        for s in streams:
-            s.wait_stream(main)
-        for i, (view, t) in enumerate(zip(self.views, self.tensors, strict=True)):
-            with torch.cuda.stream(streams[i % 2]):
-                t.copy_(view, non_blocking=True)
-        for s in streams:
-            main.wait_stream(s)
+        for src, t in zip(self.sources, self.tensors, strict=True):
+            copy_from_host(t, src)
         torch.cuda.synchronize(device)
         return time.perf_counter() - t0

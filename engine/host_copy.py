@@ -1,0 +1,62 @@
+"""Host -> device copies run by the SMs, reading pinned host memory over PCIe (zero-copy).
+
+Why not `cudaMemcpy`: a copy engine moves pinned memory at the PCIe peak (~55 GB/s on an H200)
+only while nothing else uses the copy engines, and right after any large free the driver scrubs
+the freed pages with them. A weights restore right after a release, or right after a trainer's
+`empty_cache()`, then runs at half speed (27 GB/s measured; `bench/probe_vmm_driver.py`, section
+copy). A kernel on the SMs that reads the pinned buffer runs at ~51 GB/s either way.
+
+Rules:
+- The source is pinned host memory (page-locked and, under UVA, mapped into the device's address
+  space at the same address); `device_alias` shows it to kernels as a CUDA uint8 tensor.
+- Source and destination are contiguous byte ranges of equal length; ranges whose addresses and
+  lengths are multiples of 16 move 16 bytes per load (Triton specializes on that).
+- Copies run on the current stream, like `Tensor.copy_`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 16384  # bytes per program: 128 threads x 8 loads of 16 B in flight each
+
+
+class _CudaArray:
+    """`__cuda_array_interface__` of a pinned host buffer, as bytes at its own (UVA) address."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (host.numel() * host.element_size(),),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA uint8 tensor at the address of the pinned, contiguous host tensor `host` (no copy).
+    Kernels that read it read host memory over PCIe; it lives as long as `host` does."""
+    if not (host.is_pinned() and host.is_contiguous()):
+        raise ValueError("device_alias needs a pinned, contiguous host tensor")
+    with torch.cuda.device(device):
+        return torch.as_tensor(_CudaArray(host), device=device)
+
+
+@triton.jit
+def _copy_bytes(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[:] = src, byte for byte, by the SMs. dst: a contiguous CUDA tensor; src: a uint8 slice
+    of a `device_alias` with dst's byte length."""
+    dst_bytes = dst.view(-1).view(torch.uint8)
+    n = dst_bytes.numel()
+    if src.dtype != torch.uint8 or src.numel() != n:
+        raise ValueError(f"copy_from_host: {src.numel()} source bytes ({src.dtype}) for {n} destination bytes")
+    if n:
+        _copy_bytes[(triton.cdiv(n, _BLOCK),)](src, dst_bytes, n, BLOCK=_BLOCK, num_warps=4)
