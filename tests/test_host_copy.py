@@ -53,7 +53,6 @@ def test_host_weights_restore_wiped_weights_bit_for_bit() -> None:
     before = [t.clone() for t in [*model.parameters(), *model.buffers()]]
     host = HostWeights(model)
     assert host.nbytes == sum(t.numel() * t.element_size() for t in before)
-    assert any(host.by_sms) and not all(host.by_sms), "both paths (copy engine and SMs) carry a share"
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             t.fill_(float("nan"))
