@@ -12,6 +12,9 @@ Rules:
 - Source and destination are contiguous byte ranges of equal length; ranges whose addresses and
   lengths are multiples of 16 move 16 bytes per load (Triton specializes on that).
 - Copies run on the current stream, like `Tensor.copy_`.
+- `HostCopyPlan` moves many tensors in one launch (a launch per tensor leaves the link idle
+  between small kernels): its table of chunks lives in pinned host memory too, so it needs no
+  device memory that a release could take away.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 16384  # bytes per program: 128 threads x 8 loads of 16 B in flight each
+_BLOCK = 16384  # bytes per program step: 128 threads x 8 loads of 16 B in flight each
+_PLAN_STEPS = 16  # steps per program of a plan: chunks of 256 KiB
 
 
 class _CudaArray:
@@ -60,3 +64,46 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError(f"copy_from_host: {src.numel()} source bytes ({src.dtype}) for {n} destination bytes")
     if n:
         _copy_bytes[(triton.cdiv(n, _BLOCK),)](src, dst_bytes, n, BLOCK=_BLOCK, num_warps=4)
+
+
+@triton.jit
+def _copy_chunks(table, base, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    # table: int64 [chunks, 3] = (source offset from base, destination address, bytes); every
+    # source offset, destination address and length is a multiple of 16.
+    row = table + tl.program_id(0).to(tl.int64) * 3
+    src = base + tl.multiple_of(tl.load(row), 16)
+    dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.uint8))
+    n = tl.multiple_of(tl.load(row + 2), 16)
+    for i in tl.static_range(STEPS):
+        offs = i * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+class HostCopyPlan:
+    """Copies of fixed (source bytes of one `device_alias`, destination tensor) pairs, made once
+    and run after every resume. Pairs whose addresses and lengths are multiples of 16 go in one
+    launch over chunks of 256 KiB; the rest (rare: odd lengths) get a launch each."""
+
+    def __init__(self, base: torch.Tensor, offsets: list[int], dsts: list[torch.Tensor]) -> None:
+        self.base = base
+        chunk = _BLOCK * _PLAN_STEPS
+        rows: list[tuple[int, int, int]] = []
+        self.odd: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for offset, dst in zip(offsets, dsts, strict=True):
+            n = dst.numel() * dst.element_size()
+            if (offset | dst.data_ptr() | n | base.data_ptr()) % 16:
+                self.odd.append((dst, base[offset : offset + n]))
+                continue
+            rows += [(offset + i, dst.data_ptr() + i, min(chunk, n - i)) for i in range(0, n, chunk)]
+        self.chunks = len(rows)
+        self.table = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).pin_memory()
+        self.table_on_device = device_alias(self.table, base.device).view(torch.int64)
+
+    def run(self) -> None:
+        """Every copy of the plan, on the current stream (destinations must still be where they
+        were: the weights region keeps its addresses across release and resume)."""
+        if self.chunks:
+            _copy_chunks[(self.chunks,)](self.table_on_device, self.base, BLOCK=_BLOCK, STEPS=_PLAN_STEPS, num_warps=4)
+        for dst, src in self.odd:
+            copy_from_host(dst, src)

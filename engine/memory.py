@@ -180,7 +180,7 @@ class HostWeights:
     ALIGN = 256
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from engine.host_copy import device_alias
+        from engine.host_copy import HostCopyPlan, device_alias
 
         self.tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_cuda]
         spans: list[tuple[int, int]] = []  # (offset, bytes) of each tensor in the buffer
@@ -194,12 +194,10 @@ class HostWeights:
         self.buffer = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
         self.nbytes = sum(n for _, n in spans)
         self.views = [self.buffer[o : o + n].view(t.dtype).view(t.shape) for (o, n), t in zip(spans, self.tensors, strict=True)]
-        self.sources: list[torch.Tensor] = []  # the same bytes as the device sees them (zero-copy)
+        self.plan: HostCopyPlan | None = None  # the buffer -> the tensors, by the SMs in one launch
         if self.tensors:
             alias = device_alias(self.buffer, self.tensors[0].device)
-            self.sources = [alias[o : o + n] for o, n in spans]
-        # Largest first: the device copies the big tensors while the host still launches the small.
-        self.order = sorted(range(len(spans)), key=lambda i: -spans[i][1])
+            self.plan = HostCopyPlan(alias, [o for o, _ in spans], self.tensors)
         self.refresh()
 
     @torch.no_grad()
@@ -211,12 +209,9 @@ class HostWeights:
 
     def restore(self) -> float:
         """Host -> device into the same tensors (graphs hold their addresses); returns seconds."""
-        from engine.host_copy import copy_from_host
-
-        if not self.tensors:
+        if self.plan is None:
             return 0.0
         t0 = time.perf_counter()
-        for i in self.order:
-            copy_from_host(self.tensors[i], self.sources[i])
+        self.plan.run()
         torch.cuda.synchronize(self.tensors[0].device)
         return time.perf_counter() - t0

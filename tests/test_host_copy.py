@@ -44,6 +44,26 @@ def test_copy_from_host_refuses_mismatches() -> None:
         copy_from_host(torch.zeros(4, dtype=torch.float32, device=device), alias[:15])
 
 
+def test_a_plan_moves_many_tensors_in_one_launch_and_odd_ones_alone() -> None:
+    from engine.host_copy import HostCopyPlan, device_alias
+
+    device = torch.device("cuda")
+    sizes = [16, 4096, 262144, 262144 + 16, 3 * 262144 + 4080, 5, 1000, 7 << 20]  # bytes; 5 and 1000 are odd
+    host = torch.randint(0, 256, (sum(sizes) + 256 * len(sizes),), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(1)).pin_memory()
+    offsets, dsts, at = [], [], 0
+    for n in sizes:
+        offsets.append(at)
+        dsts.append(torch.zeros(n, dtype=torch.uint8, device=device))
+        at += -(-n // 256) * 256
+    plan = HostCopyPlan(device_alias(host, device), offsets, dsts)
+    assert len(plan.odd) == 2 and plan.chunks == sum(-(-n // 262144) for n in sizes if n % 16 == 0)
+    plan.run()
+    torch.cuda.synchronize()
+    for o, n, d in zip(offsets, sizes, dsts, strict=True):
+        assert torch.equal(d.cpu(), host[o : o + n]), f"{n} bytes at {o}"
+
+
 def test_host_weights_restore_wiped_weights_bit_for_bit() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
