@@ -74,7 +74,7 @@ def _copy_chunks(table, base, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     src = base + tl.multiple_of(tl.load(row), 16)
     dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.uint8))
     n = tl.multiple_of(tl.load(row + 2), 16)
-    for i in tl.static_range(STEPS):
+    for i in range(STEPS):
         offs = i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
