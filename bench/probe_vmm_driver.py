@@ -8,10 +8,14 @@ region and times each, to answer:
 - chunks: one handle vs many handles of the same total;
 - threads: pause and resume spread over threads;
 - trainer: a trainer-like cuMemAlloc/memset/cuMemFree of the same bytes between pause and resume;
-- touch: the first memset after a resume against a steady one (is the cost only deferred?).
+- touch: the first memset after a resume against a steady one (is the cost only deferred?);
+- sizes: pause and resume per GiB by handle size, with clean pages;
+- first: after a wait, does the first create of any size pay, or the bytes?
+- copy: pinned host -> device by a copy engine and by the SMs, idle and during the scrub.
 
-Usage: python3 bench/probe_vmm_driver.py [--gib 100] [--sections gap,chunks,threads,trainer]
-Prints one markdown table per section.
+Usage: python3 bench/probe_vmm_driver.py [--gib 100] [--sections copy,first,sizes,gap,chunks,threads,trainer]
+Prints one markdown table per section; bench_memory.py imports `Driver` and `Region` for its
+driver section. Results: bench/RESULTS.md.
 """
 
 from __future__ import annotations
