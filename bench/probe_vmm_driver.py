@@ -173,35 +173,50 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.1f}"
 
 
-def section_gap(drv: Driver, total: int) -> None:
-    print(f"\n### gap: one {total // GIB} GiB handle; pause, sleep, resume, first touch, steady touch")
-    print("| gap ms | unmap ms | release ms | create ms | map ms | access ms | first touch ms | steady touch ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    r = Region(drv, total, total)
+def table(title: str, *columns: str) -> None:
+    print(f"\n### {title}")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "|".join(" --- " for _ in columns) + "|")
+
+
+def cycle(r: Region, gap: float) -> tuple[float, ...]:
+    """Pause, wait `gap`, resume: (unmap, release, create, map, access) seconds."""
+    unmap, release = r.pause()
+    time.sleep(gap)
+    return (unmap, release, *r.resume())
+
+
+def mapped(drv: Driver, total: int, chunk: int) -> Region:
+    """A region backed and touched once (its pages really exist before the first pause)."""
+    r = Region(drv, total, chunk)
     r.resume()
     r.touch()
+    return r
+
+
+def section_gap(drv: Driver, total: int) -> None:
+    table(
+        f"gap: one {total // GIB} GiB handle; pause, sleep, resume, first touch, steady touch",
+        "gap ms", "unmap ms", "release ms", "create ms", "map ms", "access ms", "first touch ms", "steady touch ms",
+    )
+    r = mapped(drv, total, total)
     for gap in (0.0, 0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 0.0):
-        un, rel = r.pause()
-        time.sleep(gap)
-        cr, mp, ac = r.resume()
+        un, rel, cr, mp, ac = cycle(r, gap)
         first, steady = r.touch(), r.touch()
-        print(f"| {gap * 1e3:.0f} | {ms(un)} | {ms(rel)} | {ms(cr)} | {ms(mp)} | {ms(ac)} | {ms(first)} | {ms(steady)} |",
-              flush=True)
+        cells = [f"{gap * 1e3:.0f}", *map(ms, (un, rel, cr, mp, ac, first, steady))]
+        print("| " + " | ".join(cells) + " |", flush=True)
     r.pause()
 
 
 def section_chunks(drv: Driver, total: int) -> None:
-    print(f"\n### chunks: {total // GIB} GiB as handles of a given size; gap 0 and 1 s")
-    print("| chunk MiB | handles | gap s | unmap ms | release ms | create ms | map ms | access ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    table(
+        f"chunks: {total // GIB} GiB as handles of a given size; gap 0 and 1 s",
+        "chunk MiB", "handles", "gap s", "unmap ms", "release ms", "create ms", "map ms", "access ms",
+    )
     for chunk in (total, 8 * GIB, GIB, 64 << 20):
-        r = Region(drv, total, chunk)
-        r.resume()
-        r.touch()
+        r = mapped(drv, total, chunk)
         for gap in (0.0, 1.0):
-            un, rel = r.pause()
-            time.sleep(gap)
-            cr, mp, ac = r.resume()
+            un, rel, cr, mp, ac = cycle(r, gap)
             r.touch()
             print(f"| {chunk >> 20} | {r.count} | {gap:.0f} | {ms(un)} | {ms(rel)} | {ms(cr)} | {ms(mp)} | {ms(ac)} |",
                   flush=True)
@@ -209,12 +224,11 @@ def section_chunks(drv: Driver, total: int) -> None:
 
 
 def section_threads(drv: Driver, total: int) -> None:
-    print(f"\n### threads: {total // GIB} GiB as 1 GiB handles, pause and resume over threads; gap 0 and 1 s")
-    print("| threads | gap s | pause ms | resume ms |")
-    print("| --- | --- | --- | --- |")
-    r = Region(drv, total, GIB)
-    r.resume()
-    r.touch()
+    table(
+        f"threads: {total // GIB} GiB as 1 GiB handles, pause and resume over threads; gap 0 and 1 s",
+        "threads", "gap s", "pause ms", "resume ms",
+    )
+    r = mapped(drv, total, GIB)
     for threads in (1, 4, 16):
         for gap in (0.0, 1.0):
             p = r.threaded(r.pause, threads)
@@ -226,12 +240,11 @@ def section_threads(drv: Driver, total: int) -> None:
 
 
 def section_trainer(drv: Driver, total: int) -> None:
-    print(f"\n### trainer: pause {total // GIB} GiB, a trainer allocates/fills/frees it, sleep, resume")
-    print("| gap ms | pause ms | trainer alloc ms | trainer fill ms | trainer free ms | resume ms | first touch ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    r = Region(drv, total, total)
-    r.resume()
-    r.touch()
+    table(
+        f"trainer: pause {total // GIB} GiB, a trainer allocates/fills/frees it, sleep, resume",
+        "gap ms", "pause ms", "trainer alloc ms", "trainer fill ms", "trainer free ms", "resume ms", "first touch ms",
+    )
+    r = mapped(drv, total, total)
     for gap in (0.0, 0.1, 0.3, 1.0, 0.0):
         p = sum(r.pause())
         t0 = time.perf_counter()
@@ -250,20 +263,18 @@ def section_trainer(drv: Driver, total: int) -> None:
 
 
 def section_sizes(drv: Driver, total: int) -> None:
-    print(f"\n### sizes: {total // GIB} GiB as handles of a given size, 5 cycles each with 1 s between pause "
-          "and resume (clean pages); medians")
-    print("| chunk MiB | handles | unmap ms | release ms | create ms | map ms | access ms | pause ms/GiB | resume ms/GiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    table(
+        f"sizes: {total // GIB} GiB as handles of a given size, 5 cycles each with 1 s between pause and resume "
+        "(clean pages); medians",
+        "chunk MiB", "handles", "unmap ms", "release ms", "create ms", "map ms", "access ms", "pause ms/GiB",
+        "resume ms/GiB",
+    )
     for chunk in (total, 16 * GIB, 4 * GIB, 2 * GIB, GIB, 512 << 20):
-        r = Region(drv, total, chunk)
-        r.resume()
-        r.touch()
+        r = mapped(drv, total, chunk)
         rows = []
         for _ in range(5):
             time.sleep(1.0)
-            un, rel = r.pause()
-            time.sleep(1.0)
-            rows.append((un, rel, *r.resume()))
+            rows.append(cycle(r, 1.0))
             r.touch()
         med = [sorted(col)[2] for col in zip(*rows, strict=True)]
         gib = r.total / GIB
@@ -273,13 +284,12 @@ def section_sizes(drv: Driver, total: int) -> None:
 
 
 def section_first(drv: Driver, total: int) -> None:
-    print(f"\n### first: pause {total // GIB} GiB, wait, then a 2 MiB create before resuming the region: "
-          "who pays after a wait, the first create or the bytes?")
-    print("| wait s | pause ms | 2 MiB create ms | region resume ms | region resume, no 2 MiB create first ms |")
-    print("| --- | --- | --- | --- | --- |")
-    r = Region(drv, total, total)
-    r.resume()
-    r.touch()
+    table(
+        f"first: pause {total // GIB} GiB, wait, then a 2 MiB create before resuming the region: who pays after "
+        "a wait, the first create or the bytes?",
+        "wait s", "pause ms", "2 MiB create ms", "region resume ms", "region resume, no 2 MiB create first ms",
+    )
+    r = mapped(drv, total, total)
     small = drv.granularity
     for wait in (0.0, 0.5, 1.0, 2.0):
         p = sum(r.pause())
@@ -314,9 +324,10 @@ def section_copy(drv: Driver, total: int) -> None:
     `total` bytes (while the driver scrubs them)."""
     import torch
 
-    print(f"\n### copy: 1 GiB pinned host -> device, idle and right after pausing {total // GIB} GiB (GB/s)")
-    print("| when | copy engine GB/s | SM kernel (torch elementwise) GB/s | SM kernel (engine/host_copy.py) GB/s |")
-    print("| --- | --- | --- | --- |")
+    table(
+        f"copy: 1 GiB pinned host -> device, idle and right after pausing {total // GIB} GiB (GB/s)",
+        "when", "copy engine GB/s", "SM kernel (torch elementwise) GB/s", "SM kernel (engine/host_copy.py) GB/s",
+    )
     n = GIB // 4
     src = torch.ones(n, dtype=torch.int32, pin_memory=True)
     dst = torch.empty(n, dtype=torch.int32, device="cuda")
@@ -325,9 +336,7 @@ def section_copy(drv: Driver, total: int) -> None:
     except Exception as e:  # noqa: BLE001 - a probe: say why and measure what can be
         print(f"(no SM path: {e})")
         view = None
-    r = Region(drv, total, total)
-    r.resume()
-    r.touch()
+    r = mapped(drv, total, total)
 
     def timed(fn: Callable[[], object]) -> float:
         torch.cuda.synchronize()
@@ -367,7 +376,10 @@ def section_copy(drv: Driver, total: int) -> None:
     r.pause()
 
 
-SECTIONS = {"copy": section_copy, "first": section_first, "sizes": section_sizes, "gap": section_gap, "chunks": section_chunks, "threads": section_threads, "trainer": section_trainer}
+SECTIONS = {
+    "copy": section_copy, "first": section_first, "sizes": section_sizes, "gap": section_gap,
+    "chunks": section_chunks, "threads": section_threads, "trainer": section_trainer,
+}
 
 
 def main() -> None:
