@@ -213,7 +213,7 @@ def section_chunks(drv: Driver, total: int) -> None:
         f"chunks: {total // GIB} GiB as handles of a given size; gap 0 and 1 s",
         "chunk MiB", "handles", "gap s", "unmap ms", "release ms", "create ms", "map ms", "access ms",
     )
-    for chunk in (total, 8 * GIB, GIB, 64 << 20):
+    for chunk in [c for c in (total, 8 * GIB, GIB, 64 << 20) if c <= total]:
         r = mapped(drv, total, chunk)
         for gap in (0.0, 1.0):
             un, rel, cr, mp, ac = cycle(r, gap)
@@ -269,7 +269,7 @@ def section_sizes(drv: Driver, total: int) -> None:
         "chunk MiB", "handles", "unmap ms", "release ms", "create ms", "map ms", "access ms", "pause ms/GiB",
         "resume ms/GiB",
     )
-    for chunk in (total, 16 * GIB, 4 * GIB, 2 * GIB, GIB, 512 << 20):
+    for chunk in [c for c in (total, 16 * GIB, 4 * GIB, 2 * GIB, GIB, 512 << 20) if c <= total]:
         r = mapped(drv, total, chunk)
         rows = []
         for _ in range(5):
