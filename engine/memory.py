@@ -127,13 +127,7 @@ class MemoryRegions:
         if self.device.type == "cuda":
             # Cached blocks go back first, so that no cudaFree ever meets paused memory.
             torch.cuda.empty_cache()
-        seconds: dict[str, float] = {}
-        for tag in changed:
-            t0 = time.perf_counter()
-            if self.saver is not None:
-                self.saver.pause(tag)
-            seconds[tag] = time.perf_counter() - t0
-            self.state[tag] = RELEASED
+        seconds = self._switch(changed, "pause", RELEASED)
         self._synchronize()
         return RegionChange(changed, max(self._free() - before, 0), seconds)
 
@@ -141,15 +135,20 @@ class MemoryRegions:
         """Take `tags` back (resident ones are skipped)."""
         changed = [t for t in RESUME_ORDER if t in tags and self.state[t] == RELEASED]
         before = self._free()
-        seconds: dict[str, float] = {}
-        for tag in changed:
-            t0 = time.perf_counter()
-            if self.saver is not None:
-                self.saver.resume(tag)
-            seconds[tag] = time.perf_counter() - t0
-            self.state[tag] = RESIDENT
+        seconds = self._switch(changed, "resume", RESIDENT)
         self._synchronize()
         return RegionChange(changed, max(before - self._free(), 0), seconds)
+
+    def _switch(self, tags: list[str], action: str, state: str) -> dict[str, float]:
+        """torch_memory_saver's `pause` or `resume` of each tag, in order; seconds per tag."""
+        seconds: dict[str, float] = {}
+        for tag in tags:
+            t0 = time.perf_counter()
+            if self.saver is not None:
+                getattr(self.saver, action)(tag)
+            seconds[tag] = time.perf_counter() - t0
+            self.state[tag] = state
+        return seconds
 
     def describe(self) -> dict[str, Any]:
         free, total = (torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else (0, 0))
