@@ -10,9 +10,10 @@ anywhere.
 
 This process never opens a CUDA context of its own (one costs hundreds of MiB and would blur the
 readings): the engine runs in its own process (`engine.Engine`, started with torch_memory_saver's
-LD_PRELOAD hook), the reference measurements run in child processes, and device memory is read
-through NVML (`pynvml`, else `nvidia-smi`): per process where the driver lists the engine's pid,
-else device-wide (total - free) against a baseline read before the engine started.
+LD_PRELOAD hook), the reference measurements run in child processes (memory_children.py), and
+device memory is read through NVML (`pynvml`, else `nvidia-smi`; memory_meter.py): per process
+where the driver lists the engine's pid, else device-wide (total - free) against a baseline read
+before the engine started.
 
 Sections, in this order:
   1. checkpoint: the Qwen3-0.6B-shaped checkpoint of bench_engine.py (random bf16 weights, made on
@@ -40,14 +41,15 @@ Sections, in this order:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from memory_children import CHILD, spawn_child
+from memory_meter import EngineMemory, GpuMeter, gpu_index, pick
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -73,228 +75,12 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-# ---- device memory, read without a CUDA context ----------------------------------------------
-
-
-def gpu_index() -> int:
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return int(first) if first.isdigit() else 0
-
-
-class GpuMeter:
-    """The driver's view of device memory: NVML through pynvml, else nvidia-smi (MiB steps)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.nvml: Any = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            self.nvml = pynvml
-            self.source = "nvml"
-        except Exception as e:
-            if shutil.which("nvidia-smi") is None:
-                raise RuntimeError(f"neither NVML ({type(e).__name__}: {e}) nor nvidia-smi: no NVIDIA GPU here?") from None
-            self.source = "nvidia-smi"
-
-    def _smi(self, *query: str) -> list[list[str]]:
-        out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return [[s.strip() for s in line.split(",")] for line in out.splitlines() if line.strip()]
-
-    def name(self) -> str:
-        if self.nvml is not None:
-            name = self.nvml.nvmlDeviceGetName(self.handle)
-            return name.decode() if isinstance(name, bytes) else str(name)
-        return self._smi("--query-gpu=name", "-i", str(self.index))[0][0]
-
-    def used_total(self) -> tuple[int, int]:
-        """(used, total) bytes, used = total - free: every process's memory and the driver's."""
-        if self.nvml is not None:
-            info = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
-            return int(info.total - info.free), int(info.total)
-        total, free = self._smi("--query-gpu=memory.total,memory.free", "-i", str(self.index))[0]
-        return (int(total) - int(free)) * MIB, int(total) * MIB
-
-    def used(self) -> int:
-        return self.used_total()[0]
-
-    def process_used(self, pid: int) -> int | None:
-        """One process's device memory; None when the driver does not list the pid."""
-        try:
-            if self.nvml is not None:
-                for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
-                    if p.pid == pid:
-                        return int(p.usedGpuMemory) if isinstance(p.usedGpuMemory, int) else None
-                return None
-            for row in self._smi("--query-compute-apps=pid,used_memory"):
-                if len(row) == 2 and row[0] == str(pid) and row[1].isdigit():
-                    return int(row[1]) * MIB
-        except Exception:
-            return None
-        return None
-
-    def wait_used_at_most(self, limit: int, timeout_s: float = 30.0) -> int:
-        """Memory of a process that exited comes back as the driver tears it down: wait for it."""
-        deadline = time.monotonic() + timeout_s
-        used = self.used()
-        while used > limit and time.monotonic() < deadline:
-            time.sleep(0.1)
-            used = self.used()
-        return used
-
-
-class EngineMemory:
-    """Readings of the engine process's device memory: per process (NVML) and device-wide
-    against the baseline read before it started."""
-
-    def __init__(self, meter: GpuMeter, pid: int, baseline_used: int) -> None:
-        self.meter, self.pid, self.baseline = meter, pid, baseline_used
-
-    def read(self) -> dict[str, int | None]:
-        return {"per_pid": self.meter.process_used(self.pid), "device": self.meter.used() - self.baseline}
-
-
-def pick(readings: list[dict[str, int | None]]) -> str:
-    """Per process where every reading has it, else device-wide for all."""
-    return "per_pid" if all(r.get("per_pid") is not None for r in readings) else "device"
-
-
-# ---- child processes (each a fresh CUDA process; this one never opens a context) --------------
-
-
-def child_idle() -> None:
-    import torch
-
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    print("ready", flush=True)
-    sys.stdin.read()  # until the parent closes our stdin
-
-
-def child_h2d(nbytes: int, iters: int) -> dict[str, Any]:
-    """A pinned host buffer copied to the device `iters` times, timed with CUDA events."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    src.fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    med = statistics.median(times)
-    return {"bytes": nbytes, "iters": iters, "median_s": med, "min_s": min(times),
-            "bandwidth_bytes_per_s": nbytes / med, "bandwidth_best_bytes_per_s": nbytes / min(times)}
-
-
-def child_tms(nbytes: int, iters: int) -> dict[str, Any]:
-    """torch_memory_saver's own weight offload: a bf16 tensor of `nbytes` in a region with
-    `enable_cpu_backup=True`; pause (device -> host, then unmap) and resume (map, host -> device)
-    timed `iters` times, the content checked against a copy outside the region each time."""
-    import torch
-    from torch_memory_saver import torch_memory_saver as tms
-
-    kwargs: dict[str, Any] = {"tag": "w", "enable_cpu_backup": True, "cpu_backup_backend": "pinned"}
-    try:
-        with tms.region(**kwargs):
-            w = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    except TypeError:  # an older torch_memory_saver without cpu_backup_backend
-        kwargs.pop("cpu_backup_backend")
-        with tms.region(**kwargs):
-            w = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    w.normal_(generator=torch.Generator(device="cuda").manual_seed(0))
-    ref = w.clone()  # outside the region: never paused
-    torch.cuda.synchronize()
-    cycles = []
-    for _ in range(iters):
-        f0 = torch.cuda.mem_get_info()[0]
-        t = time.perf_counter()
-        tms.pause("w")
-        torch.cuda.synchronize()
-        pause_s = time.perf_counter() - t
-        f1 = torch.cuda.mem_get_info()[0]
-        t = time.perf_counter()
-        tms.resume("w")
-        torch.cuda.synchronize()
-        resume_s = time.perf_counter() - t
-        f2 = torch.cuda.mem_get_info()[0]
-        cycles.append({"pause_s": pause_s, "resume_s": resume_s, "bytes_freed": f1 - f0, "bytes_restored": f1 - f2,
-                       "identical": bool(torch.equal(w, ref))})
-    steady = cycles[1:] or cycles
-    resume_med = statistics.median(c["resume_s"] for c in steady)
-    return {"bytes": w.numel() * w.element_size(), "iters": iters, "region_kwargs": {k: v for k, v in kwargs.items() if k != "tag"},
-            "cycles": cycles, "pause_median_s": statistics.median(c["pause_s"] for c in steady),
-            "resume_median_s": resume_med, "restore_bandwidth_bytes_per_s": w.numel() * w.element_size() / resume_med,
-            "all_identical": all(c["identical"] for c in cycles)}
-
-
-def child_driver(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
-    """The driver's own cost for a region of `nbytes` in one handle (as torch_memory_saver
-    allocates it): pause = unmap + release; resume = create + map + set access; each `iters`
-    times right after the pause and `iters` times `wait_s` after it (pages scrubbed)."""
-    import torch
-
-    sys.path.insert(0, HERE)
-    from probe_vmm_driver import Driver, Region
-
-    torch.zeros(1, device="cuda")
-    drv = Driver(torch.cuda.current_device())
-    region = Region(drv, nbytes - nbytes % drv.granularity, nbytes - nbytes % drv.granularity)
-    region.resume()
-    region.touch()
-    out: dict[str, Any] = {"bytes": region.total, "wait_s": wait_s}
-    for name, gap in (("right_after", 0.0), ("after_wait", wait_s)):
-        pauses, resumes = [], []
-        for _ in range(iters):
-            time.sleep(wait_s)  # the previous resume's pages settle
-            pauses.append(sum(region.pause()))
-            time.sleep(gap)
-            resumes.append(sum(region.resume()))
-            region.touch()
-        out[name] = {"pause_median_s": statistics.median(pauses), "resume_median_s": statistics.median(resumes),
-                     "pause_s": pauses, "resume_s": resumes}
-    region.pause()
-    return out
-
-
-def run_child(argv: list[str]) -> int:
-    mode = argv[0]
-    if mode == "idle":
-        child_idle()
-        return 0
-    nbytes, iters = int(argv[1]), int(argv[2])
-    if mode == "driver":
-        out = child_driver(nbytes, iters, float(argv[3]))
-    else:
-        out = child_h2d(nbytes, iters) if mode == "h2d" else child_tms(nbytes, iters)
-    print(json.dumps(out), flush=True)
-    return 0
-
-
-def spawn_child(mode: str, *args: Any, env: dict[str, str] | None = None, timeout: float = 240) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"child {mode} exited with {p.returncode}:\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 # ---- sections ---------------------------------------------------------------------------------
 
 
 def idle_footprint(meter: GpuMeter) -> dict[str, Any]:
     before = meter.used()
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "idle"],
+    proc = subprocess.Popen([sys.executable, CHILD, "idle"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -328,8 +114,6 @@ def mib(x: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        return run_child(argv[1:])
     args = parse_args(argv)
 
     sys.path.insert(0, HERE)
