@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 
@@ -71,6 +72,15 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream, in order, up to `[DONE]`."""
+    async for line in response.aiter_lines():
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield line[len("data: "):]
 
 
 class BackgroundStream:

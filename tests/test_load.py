@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from server_util import ServerProcess
+from server_util import ServerProcess, sse_data
 
 NUM_REQUESTS = 1000
 CONCURRENCY = 64
@@ -125,13 +125,9 @@ def test_load_with_disconnects_aborts_and_release(load_server: ServerProcess) ->
                     return outcome
                 assert r.status_code == 200, (await r.aread()).decode()
                 seen, last = 0, None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        break
+                async for data in sse_data(r):
                     seen += 1
-                    last = json.loads(line[len("data: "):])
+                    last = json.loads(data)
                     if "error" in last:
                         continue
                     if kind == "stream-leave" and seen == leave_after:

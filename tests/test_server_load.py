@@ -12,7 +12,7 @@ import re
 import time
 
 import httpx
-from server_util import ServerProcess
+from server_util import ServerProcess, sse_data
 
 NUM_REQUESTS = 200
 LONG = {"max_new_tokens": 380, "temperature": 0, "ignore_eos": True}
@@ -55,17 +55,13 @@ def test_concurrent_requests_with_disconnects(demo_server: ServerProcess) -> Non
         async with http.stream("POST", "/generate", json=req | {"stream": True}) as r:
             assert r.status_code == 200, (await r.aread()).decode()
             seen, last = 0, None
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    break
+            async for data in sse_data(r):
                 seen += 1
                 if kind == "stream-leave" and seen == 2:
                     return kind, None  # leaving the block closes the connection mid-stream
-                last = line
+                last = data
         assert last is not None and '"error"' not in last, last
-        return kind, json.loads(last[len("data: "):])["output_ids"]
+        return kind, json.loads(last)["output_ids"]
 
     async def run_all() -> list[tuple[str, list[int] | None]]:
         limits = httpx.Limits(max_connections=NUM_REQUESTS, max_keepalive_connections=0)
