@@ -98,21 +98,20 @@ def child_driver(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, HERE)
-    from probe_vmm_driver import Driver, Region
+    from probe_vmm_driver import Driver, cycle, mapped
 
     torch.zeros(1, device="cuda")
     drv = Driver(torch.cuda.current_device())
-    region = Region(drv, nbytes - nbytes % drv.granularity, nbytes - nbytes % drv.granularity)
-    region.resume()
-    region.touch()
+    size = nbytes - nbytes % drv.granularity
+    region = mapped(drv, size, size)
     out: dict[str, Any] = {"bytes": region.total, "wait_s": wait_s}
     for name, gap in (("right_after", 0.0), ("after_wait", wait_s)):
         pauses, resumes = [], []
         for _ in range(iters):
             time.sleep(wait_s)  # the previous resume's pages settle
-            pauses.append(sum(region.pause()))
-            time.sleep(gap)
-            resumes.append(sum(region.resume()))
+            unmap, release, *resume = cycle(region, gap)
+            pauses.append(unmap + release)
+            resumes.append(sum(resume))
             region.touch()
         out[name] = {"pause_median_s": statistics.median(pauses), "resume_median_s": statistics.median(resumes),
                      "pause_s": pauses, "resume_s": resumes}
