@@ -439,21 +439,21 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         row(f"resume kv_cache + cuda_graph {sc['wait_s']:.1f} s after release (ms, median; ref = max)",
             sc["resume_kv_graph_median_s"] * 1e3, sc["resume_kv_graph_max_s"] * 1e3,
             target=f"< {RESUME_KV_GRAPH_TARGET_S * 1e3:.0f}", ok=sc["resume_kv_graph_median_s"] < RESUME_KV_GRAPH_TARGET_S)
+    ours_release = (cy or {}).get("release_s", {}).get("median")
     if drv:
         gib = drv["bytes"] / GIB
         a, b = drv["right_after"], drv["after_wait"]
-        ours_rel = (cy or {}).get("release_s", {}).get("median")
-        ours_res = (cy or {}).get("resume_kv_graph_s", {}).get("median")
-        row(f"driver alone, {gib:.0f} GiB (the KV region): unmap + release (ms); ref = siesta release all",
-            a["pause_median_s"] * 1e3, ours_rel * 1e3 if ours_rel else None,
-            ours_rel / a["pause_median_s"] if ours_rel else None)
-        row(f"driver alone, {gib:.0f} GiB: create + map right after release (ms); ref = siesta resume kv+graph",
-            a["resume_median_s"] * 1e3, ours_res * 1e3 if ours_res else None,
-            ours_res / a["resume_median_s"] if ours_res else None)
-        ours_sc = (sc or {}).get("resume_kv_graph_median_s")
-        row(f"driver alone, {gib:.0f} GiB: create + map {drv['wait_s']:.1f} s after (ms); "
-            "ref = siesta resume kv+graph after the same wait", b["resume_median_s"] * 1e3,
-            ours_sc * 1e3 if ours_sc else None, ours_sc / b["resume_median_s"] if ours_sc else None)
+
+        def against_driver(metric: str, driver_s: float, ours_s: float | None) -> None:
+            row(metric, driver_s * 1e3, ours_s * 1e3 if ours_s else None, ours_s / driver_s if ours_s else None)
+
+        against_driver(f"driver alone, {gib:.0f} GiB (the KV region): unmap + release (ms); ref = siesta release all",
+                       a["pause_median_s"], ours_release)
+        against_driver(f"driver alone, {gib:.0f} GiB: create + map right after release (ms); ref = siesta resume kv+graph",
+                       a["resume_median_s"], (cy or {}).get("resume_kv_graph_s", {}).get("median"))
+        against_driver(f"driver alone, {gib:.0f} GiB: create + map {drv['wait_s']:.1f} s after (ms); "
+                       "ref = siesta resume kv+graph after the same wait",
+                       b["resume_median_s"], (sc or {}).get("resume_kv_graph_median_s"))
     h2d_bw = h2d["bandwidth_bytes_per_s"] if h2d else None
     if h2d:
         row(f"pinned host -> device copy, {h2d['bytes'] // MIB} MiB (GB/s)", h2d_bw / 1e9)
@@ -467,9 +467,8 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         ratio = bw / h2d_bw if h2d_bw else None
         row("torch_memory_saver enable_cpu_backup restore (GB/s); ref = pinned H2D", bw / 1e9,
             h2d_bw / 1e9 if h2d_bw else None, ratio)
-        ours = (cy or {}).get("release_s", {}).get("median")
         row("torch_memory_saver enable_cpu_backup pause, weights only (ms); ref = siesta release all",
-            tms["pause_median_s"] * 1e3, ours * 1e3 if ours is not None else None)
+            tms["pause_median_s"] * 1e3, ours_release * 1e3 if ours_release is not None else None)
         row("torch_memory_saver enable_cpu_backup content identical after resume", float(tms["all_identical"]),
             target="= 1", ok=tms["all_identical"])
     return rows
