@@ -211,18 +211,13 @@ class ModelRunner:
         A decode step where every row samples replays a CUDA graph when one fits."""
         inputs = self.prepare(batch)
         if not inputs.sample_rows:
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
-            if inputs.prompt_logprob_rows:
-                self._prompt_logprobs(batch, inputs, hidden)
+            self._eager(batch, inputs)
             return {}
         every_row_samples = len(inputs.sample_rows) == len(batch)
         if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
-            if inputs.prompt_logprob_rows:
-                self._prompt_logprobs(batch, inputs, hidden)
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            logits = self.model.compute_logits(self._eager(batch, inputs)[inputs.sample_indices])
         reqs = [batch.requests[i] for i in inputs.sample_rows]
         out = self.sampler(logits, SamplingBatch.from_requests(reqs, self.device))
         return {
@@ -233,6 +228,13 @@ class ModelRunner:
             )
             for j, r in enumerate(reqs)
         }
+
+    def _eager(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:
+        """The forward without a graph: hidden states [T, hidden]; prompt logprobs filled in."""
+        hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+        if inputs.prompt_logprob_rows:
+            self._prompt_logprobs(batch, inputs, hidden)
+        return hidden
 
     def _prompt_logprobs(self, batch: Batch, inputs: StepInputs, hidden: torch.Tensor) -> None:
         """Fill `prompt_logprobs[q]` of the requests that asked: log p(prompt token q | tokens < q),
