@@ -15,6 +15,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core_memory import MemoryCalls
 from engine.core_weights import WeightUpdateCalls
 from engine.kv_cache import BlockManager
+from engine.memory import RELEASED, RESIDENT
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     AddRequest,
@@ -159,7 +160,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
 
     def ping(self) -> str:
         """The engine answers; says whether its memory is resident or released."""
-        return "released" if self.memory.released else "resident"
+        return RELEASED if self.memory.released else RESIDENT
 
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
@@ -208,7 +209,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
             "weight_version": self.weight_version,
             "num_steps": self.num_steps,
             "paused": self.paused,
-            "memory": "released" if self.memory.released else "resident",
+            "memory": self.ping(),
             "released_tags": self.memory.released,
             "num_preemptions": self.scheduler.num_preemptions,
             "config": msgspec.to_builtins(self.config),

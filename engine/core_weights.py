@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.deferred import Deferred
+from engine.memory import RESIDENT
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
@@ -66,7 +67,7 @@ class WeightUpdateCalls:
     ) -> Deferred:
         """Run `load` once no request runs (aborting them when asked; at once while paused, as RL
         clients pause before they push). Weights must be resident; kv_cache may be released."""
-        if self.memory.state["weights"] != "resident":
+        if self.memory.state["weights"] != RESIDENT:
             raise ValueError("weights are released: resume_memory_occupation(['weights']) before updating them")
         if abort:
             self.pending += self.abort(None)
