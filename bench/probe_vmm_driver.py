@@ -27,45 +27,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from engine.vmm import CudaDriver
+
 GIB = 1 << 30
 
 
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocProp(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", Location),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", ctypes.c_ubyte * 8),
-    ]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
-
-class Driver:
-    """The few libcuda calls the probe needs; every call is checked."""
-
-    def __init__(self, device: int) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self.device = device
-        self.ctx = ctypes.c_void_p()
-        self.check("cuCtxGetCurrent", ctypes.byref(self.ctx))
-        self.prop = AllocProp(type=1, requestedHandleTypes=0, location=Location(type=1, id=device))
-        self.access = AccessDesc(location=Location(type=1, id=device), flags=3)
-        gran = ctypes.c_size_t()
-        self.check("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(self.prop), 0)
-        self.granularity = gran.value
-
-    def check(self, name: str, *args: object) -> None:
-        rc = getattr(self.lib, name)(*args)
-        if rc != 0:
-            raise RuntimeError(f"{name} failed with CUresult {rc}")
+class Driver(CudaDriver):
+    """engine.vmm's driver calls plus the ones the probe times; every call is checked."""
 
     def bind_thread(self) -> None:
         self.check("cuCtxSetCurrent", self.ctx)
@@ -75,12 +43,6 @@ class Driver:
         self.check("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
                    ctypes.c_uint64(0), ctypes.c_ulonglong(0))
         return ptr.value
-
-    def create(self, size: int) -> int:
-        handle = ctypes.c_uint64()
-        self.check("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(self.prop),
-                   ctypes.c_ulonglong(0))
-        return handle.value
 
     def map(self, ptr: int, size: int, handle: int) -> None:
         self.check("cuMemMap", ctypes.c_uint64(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
@@ -93,9 +55,6 @@ class Driver:
     def unmap(self, ptr: int, size: int) -> None:
         self.check("cuMemUnmap", ctypes.c_uint64(ptr), ctypes.c_size_t(size))
 
-    def release(self, handle: int) -> None:
-        self.check("cuMemRelease", ctypes.c_uint64(handle))
-
     def memset(self, ptr: int, size: int) -> None:
         self.check("cuMemsetD32_v2", ctypes.c_uint64(ptr), ctypes.c_uint(0x01010101), ctypes.c_size_t(size // 4))
         self.check("cuCtxSynchronize")
@@ -107,11 +66,6 @@ class Driver:
 
     def free(self, ptr: int) -> None:
         self.check("cuMemFree_v2", ctypes.c_uint64(ptr))
-
-    def free_bytes(self) -> int:
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        self.check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
-        return free.value
 
 
 class Region:

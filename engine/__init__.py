@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "Engine": "engine.client",
     "EngineDeadError": "engine.client",
+    "MemoryNotAvailable": "engine.client",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "GenerationOutput": "engine.output",

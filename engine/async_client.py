@@ -8,10 +8,13 @@ on it with `EngineDeadError`, so no HTTP request hangs on a dead engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
+
+import zmq
 
 from engine.config import EngineConfig
 from engine.core_process import CoreProcess, EngineDeadError
@@ -30,7 +33,7 @@ from engine.request import InvalidRequest, SamplingParams
 log = logging.getLogger("siesta.client")
 
 # How often the watchdog looks at the engine process, seconds.
-WATCHDOG_PERIOD_S = 0.5
+WATCHDOG_PERIOD_S = 0.2
 # Sample i of a request with n > 1 has id f"{rid}{SAMPLE_SEP}{i}"; aborting rid aborts them all.
 SAMPLE_SEP = "#"
 
@@ -76,10 +79,35 @@ class AsyncEngineClient:
         self.died = asyncio.Event()  # set once the engine process is found dead
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
 
-    async def _send(self, msg: ToCore) -> None:
-        if self.dead is not None:
+    def check_alive(self) -> None:
+        """Raise `EngineDeadError` at once if the engine process has died (a cheap waitpid), so no
+        caller waits for the watchdog's next look."""
+        if not self._core.check_alive():
+            self._fail_all()
+            self.died.set()
             raise EngineDeadError(self.dead)
-        await self._to_core.send(self._core.encode(msg))
+
+    async def _send(self, msg: ToCore) -> None:
+        """Send without ever blocking on a dead engine: a PUSH socket whose peer is gone (or full)
+        would wait forever, so a send that cannot go at once races the engine's death."""
+        self.check_alive()
+        data = self._core.encode(msg)
+        try:
+            await self._to_core.send(data, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
+        sending = asyncio.ensure_future(self._to_core.send(data))
+        death = asyncio.ensure_future(self.died.wait())
+        try:
+            await asyncio.wait({sending, death}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+            if not sending.done():
+                sending.cancel()
+        if not sending.done() or sending.cancelled():
+            raise EngineDeadError(self.dead or "engine is dead")
+        sending.result()
 
     async def _read_loop(self) -> None:
         while self.dead is None:
@@ -121,6 +149,7 @@ class AsyncEngineClient:
     ) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
         """Yield (what changed, the output so far) per engine step until the request finishes.
         Closing the iterator early (a client that went away) aborts the request in the engine."""
+        self.check_alive()
         if request_id in self._queues:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         state = RequestState(request_id, prompt_token_ids, params, self.tokenizer)
@@ -141,7 +170,8 @@ class AsyncEngineClient:
         finally:
             del self._queues[request_id]
             if not finished and self.dead is None:
-                await self._to_core.send(self._core.encode(AbortRequests(request_ids=[request_id])))
+                with contextlib.suppress(zmq.Again):  # a full queue: the engine is stuck anyway
+                    await self._to_core.send(self._core.encode(AbortRequests(request_ids=[request_id])), flags=zmq.NOBLOCK)
 
     def active_ids(self, rid: str) -> list[str]:
         """The engine ids of `rid`: itself and its samples when it was sent with n > 1."""
@@ -151,6 +181,7 @@ class AsyncEngineClient:
     async def abort(self, rid: str | None) -> int:
         """Abort a request (and its samples), or every request when `rid` is None; returns how
         many the engine found."""
+        self.check_alive()
         ids = None if rid is None else self.active_ids(rid)
         if ids == []:
             return 0
@@ -164,7 +195,7 @@ class AsyncEngineClient:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            await self._send(ControlCall(call_id=call_id, method=method, kwargs=kwargs))
+            await asyncio.wait_for(self._send(ControlCall(call_id=call_id, method=method, kwargs=kwargs)), timeout)
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)

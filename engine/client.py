@@ -23,6 +23,15 @@ from engine.request import InvalidRequest, SamplingParams
 
 log = logging.getLogger("siesta.client")
 
+
+class MemoryNotAvailable(RuntimeError):
+    """A resume found too little free device memory for some tags; `answer["refused"]` names
+    them with the bytes needed and free. The engine is unharmed: resume again later."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        super().__init__(f"not enough free device memory to resume {sorted(answer['refused'])}: {answer['refused']}")
+        self.answer = answer
+
 class Engine:
     """Blocking Python API: `Engine(model=DIR, device="cpu", dtype="float32", **engine_knobs)`."""
 
@@ -123,8 +132,14 @@ class Engine:
         """Hand the GPU memory of `tags` (None: all) back to the driver; see engine/memory.py."""
         return self.call("release_memory_occupation", tags=tags, mode=mode)
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
-        return self.call("resume_memory_occupation", tags=tags)
+    def resume_memory_occupation(self, tags: list[str] | None = None, wait_for_memory_s: float = 0.0) -> dict[str, Any]:
+        """Map `tags` (None: all) back. Raises `MemoryNotAvailable` (its `answer` says per tag the
+        bytes needed and free) when the device had no room for some: those stay released, the
+        others resumed, and a later call succeeds once the memory is free."""
+        answer = self.call("resume_memory_occupation", tags=tags, wait_for_memory_s=wait_for_memory_s)
+        if answer["refused"]:
+            raise MemoryNotAvailable(answer)
+        return answer
 
     def memory_occupation(self) -> dict[str, Any]:
         return self.call("memory_occupation")

@@ -12,6 +12,9 @@ from engine.memory import check_tags
 
 log = logging.getLogger("siesta.engine")
 
+# The longest a resume may wait for a trainer to free the device (`wait_for_memory_s`).
+MAX_WAIT_FOR_MEMORY_S = 600.0
+
 
 class MemoryCalls:
     """Mixed into EngineCore; uses its memory, scheduler, block_manager, runner and pending."""
@@ -47,16 +50,35 @@ class MemoryCalls:
             "bytes_freed": freed, "seconds": seconds, "seconds_by_tag": change.seconds_by_tag,
         }
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+    def resume_memory_occupation(self, tags: list[str] | None = None, wait_for_memory_s: float = 0.0) -> dict[str, Any] | Deferred:
+        """Map `tags` (None or []: all) back. A tag the device has no room for (a trainer still
+        holds the memory) stays released and is listed in `refused` with the bytes it needs and
+        the bytes free; the others resume. With `wait_for_memory_s`, wait up to that long for
+        every tag to fit before resuming (other calls are answered meanwhile)."""
+        names = check_tags(tags)
+        if not 0.0 <= wait_for_memory_s <= MAX_WAIT_FOR_MEMORY_S:
+            raise ValueError(f"wait_for_memory_s must be in [0, {MAX_WAIT_FOR_MEMORY_S:.0f}], got {wait_for_memory_s}")
+        if wait_for_memory_s > 0 and self.memory.plan_resume(names)[1]:
+            deadline = time.monotonic() + wait_for_memory_s
+            return Deferred(
+                ready=lambda: time.monotonic() >= deadline or not self.memory.plan_resume(names)[1],
+                run=lambda: self._resume(names),
+            )
+        return self._resume(names)
+
+    def _resume(self, tags: list[str]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        change = self.memory.resume(check_tags(tags))
+        change = self.memory.resume(tags)
         changed, restored = change.changed, change.bytes
         restore_s = 0.0
         if "weights" in changed and self.runner.host_weights is not None:
             restore_s = self.runner.host_weights.restore()
         seconds = time.perf_counter() - t0
         log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
+        if change.refused:
+            log.warning("resume left %s released: not enough free device memory %s", list(change.refused), change.refused)
         return self._memory_answer(changed) | {
+            "success": not change.refused, "refused": change.refused,
             "bytes_restored": restored, "seconds": seconds, "seconds_by_tag": change.seconds_by_tag,
             "weights_restore_seconds": restore_s,
         }

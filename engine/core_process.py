@@ -106,9 +106,16 @@ class CoreProcess:
         return self.dead is None
 
     def send(self, msg: ToCore) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
-        self._to_core.send(self._encoder.encode(msg))
+        """Send, waiting while the core's queue is full, but never on a dead core (a PUSH socket
+        whose peer is gone would block forever)."""
+        data = self._encoder.encode(msg)
+        while self.check_alive():
+            try:
+                self._to_core.send(data, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self._to_core.poll(POLL_MS, zmq.POLLOUT)
+        raise EngineDeadError(self.dead)
 
     def recv(self, timeout_ms: int) -> FromCore | None:
         """One message from the core, or None after `timeout_ms`. Notices a dead core."""

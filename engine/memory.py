@@ -18,6 +18,13 @@ Rules:
 - Hook mode: preload (the engine process starts with torch_memory_saver's LD_PRELOAD hook, and
   graphs are captured with `torch_memory_saver.cuda_graph`): it is the library's documented way to
   make graph memory pausable; torch mode would need the region's private MemPool.
+- A resume never kills the engine. torch_memory_saver exits the process when cuMemCreate fails,
+  so each tag is checked before it is mapped: its bytes plus RESUME_HEADROOM must be free on the
+  device (a trainer may still hold memory). A fit with less than RESUME_PROBE_BELOW to spare is
+  probed first with a real allocation of its bytes that fails softly (engine/vmm.py). A tag that
+  does not fit stays released and is reported with the bytes it needs and the bytes free; the
+  others resume. Left open: a trainer that allocates in the microseconds between the probe's
+  release and torch_memory_saver's own create.
 - On a CPU, or without torch_memory_saver, regions are no-ops and the answers say
   `memory_saver: false` with 0 bytes freed.
 """
@@ -25,6 +32,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -40,6 +48,11 @@ TAGS = ("weights", "kv_cache", "cuda_graph")
 RELEASE_ORDER = ("kv_cache", "weights", "cuda_graph")
 RESUME_ORDER = ("cuda_graph", "weights", "kv_cache")
 RESIDENT, RELEASED = "resident", "released"
+# Device bytes that must stay free beyond a tag's own for it to resume (the driver's page tables
+# and torch's next small allocations).
+RESUME_HEADROOM = 64 << 20
+# A fit with less than this to spare is probed with a real allocation before it is mapped.
+RESUME_PROBE_BELOW = 1 << 30
 
 
 def check_tags(tags: list[str] | None) -> list[str]:
@@ -78,6 +91,26 @@ class RegionChange:
     changed: list[str]
     bytes: int
     seconds_by_tag: dict[str, float]
+    # Tags a resume left released because the device had too little free memory:
+    # {tag: {"bytes_needed", "bytes_free"}}.
+    refused: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+
+def resume_plan(needed: dict[str, int], free: int, headroom: int = RESUME_HEADROOM) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """Which released tags fit in `free` device bytes, taken in resume order: (fitting tags,
+    {refused tag: {"bytes_needed", "bytes_free"}}). Each fitting tag uses up its bytes; a tag that
+    does not fit is skipped and the next may still fit (weights fit, the KV cache does not)."""
+    fitting: list[str] = []
+    refused: dict[str, dict[str, int]] = {}
+    for tag in RESUME_ORDER:
+        if tag not in needed:
+            continue
+        if needed[tag] + headroom <= free:
+            fitting.append(tag)
+            free -= needed[tag]
+        else:
+            refused[tag] = {"bytes_needed": needed[tag], "bytes_free": max(free, 0)}
+    return fitting, refused
 
 
 class MemoryRegions:
@@ -132,12 +165,40 @@ class MemoryRegions:
         return RegionChange(changed, max(self._free() - before, 0), seconds)
 
     def resume(self, tags: list[str]) -> RegionChange:
-        """Take `tags` back (resident ones are skipped)."""
-        changed = [t for t in RESUME_ORDER if t in tags and self.state[t] == RELEASED]
+        """Take `tags` back (resident ones are skipped); a tag the device has no room for stays
+        released and is reported in `refused`."""
         before = self._free()
-        seconds = self._switch(changed, "resume", RESIDENT)
+        fitting, refused = self.plan_resume(tags)
+        changed: list[str] = []
+        seconds: dict[str, float] = {}
+        for tag in fitting:
+            if self._probe(tag, refused):
+                seconds |= self._switch([tag], "resume", RESIDENT)
+                changed.append(tag)
         self._synchronize()
-        return RegionChange(changed, max(before - self._free(), 0), seconds)
+        return RegionChange(changed, max(before - self._free(), 0), seconds, refused)
+
+    def plan_resume(self, tags: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:
+        """`resume_plan` for the released ones of `tags` against the device's free memory now."""
+        needed = {t: self.bytes[t] for t in tags if self.state[t] == RELEASED}
+        if self.saver is None:  # nothing is really mapped: everything fits
+            return [t for t in RESUME_ORDER if t in needed], {}
+        return resume_plan(needed, self._free())
+
+    def _probe(self, tag: str, refused: dict[str, dict[str, int]]) -> bool:
+        """For a tight fit: can the driver really create the tag's bytes now? (A failed
+        create inside torch_memory_saver would exit the process.)"""
+        free = self._free()
+        need = self.bytes[tag]
+        if free - need - RESUME_HEADROOM >= RESUME_PROBE_BELOW:
+            return True
+        from engine.vmm import CudaDriver
+
+        if need == 0 or CudaDriver(self.device.index or 0).can_allocate(need):
+            return True
+        refused[tag] = {"bytes_needed": need, "bytes_free": free}
+        log.warning("resume of %s refused: the driver could not create %d bytes (%d free)", tag, need, free)
+        return False
 
     def _switch(self, tags: list[str], action: str, state: str) -> dict[str, float]:
         """torch_memory_saver's `pause` or `resume` of each tag, in order; seconds per tag."""

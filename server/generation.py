@@ -59,7 +59,8 @@ def make_jobs(
     """n jobs per prompt, prompt-major. Ids: the client's rid (or a fresh one) per prompt, and
     f"{rid}#{i}" for the samples of an n > 1 request, so aborting the rid aborts them all.
     While the engine cannot serve (memory released), raises `EngineUnavailable` (503) at once,
-    before any stream starts."""
+    before any stream starts; a dead engine raises `EngineDeadError` (503) the same way."""
+    client.check_alive()
     if client.unavailable is not None:
         raise EngineUnavailable(client.unavailable)
     info = client.info

@@ -6,11 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_client import AsyncEngineClient
+from server.errors import error_body
 from server.schemas import ReleaseMemoryIn, ResumeMemoryIn
 
 router = APIRouter()
+
+GIB = 1 << 30
 
 
 def _client(request: Request) -> AsyncEngineClient:
@@ -32,9 +36,25 @@ async def release_memory_occupation(request: Request, body: ReleaseMemoryIn | No
 
 
 @router.post("/resume_memory_occupation")
-async def resume_memory_occupation(request: Request, body: ResumeMemoryIn | None = None) -> dict[str, Any]:
+async def resume_memory_occupation(request: Request, body: ResumeMemoryIn | None = None) -> Response:
+    """200 once every asked tag is resident. 503 when the device had no room for some (a trainer
+    still holds the memory): those stay released, the others resumed, and the body says per tag
+    the bytes needed and free; a later resume (or `wait_for_memory_s`) succeeds."""
     body = body or ResumeMemoryIn()
-    return await _client(request).memory_call("resume_memory_occupation", tags=body.tags)
+    answer = await _client(request).memory_call(
+        "resume_memory_occupation", tags=body.tags, wait_for_memory_s=body.wait_for_memory_s
+    )
+    if not answer["refused"]:
+        return JSONResponse(answer)
+    return JSONResponse(error_body(RuntimeError(not_enough_memory(answer["refused"])), "service_unavailable", 503) | answer,
+                        status_code=503)
+
+
+def not_enough_memory(refused: dict[str, dict[str, int]]) -> str:
+    parts = [f"{tag} needs {r['bytes_needed'] / GIB:.2f} GiB, {r['bytes_free'] / GIB:.2f} GiB free"
+             for tag, r in refused.items()]
+    return ("not enough free device memory to resume (" + "; ".join(parts) + "): those tags stay released; "
+            "free the memory (torch.cuda.empty_cache() in the trainer) and resume again, or pass wait_for_memory_s")
 
 
 @router.get("/memory_occupation")

@@ -79,3 +79,5 @@ class ReleaseMemoryIn(BaseModel):
 
 class ResumeMemoryIn(BaseModel):
     tags: list[str] | None = None
+    # Wait up to this long for a trainer to free the device before answering 503.
+    wait_for_memory_s: float = Field(default=0.0, ge=0.0, le=600.0)
