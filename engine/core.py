@@ -12,7 +12,10 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core_checks import WeightCheckCalls
+from engine.core_load import LoadCalls, LoadStats
 from engine.core_memory import MemoryCalls
+from engine.core_profile import ProfileCalls, StepProfiler
 from engine.core_weights import WeightUpdateCalls
 from engine.kv_cache import BlockManager
 from engine.memory import RELEASED, RESIDENT
@@ -28,7 +31,7 @@ from engine.weight_updater import WeightUpdater
 log = logging.getLogger("siesta.engine")
 
 
-class EngineCore(MemoryCalls, WeightUpdateCalls):
+class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
         self.config = config
@@ -58,6 +61,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
         # Deltas produced outside a step (aborts from control calls), sent by the loop.
         self.pending: list[RequestDelta] = []
         self.updater = WeightUpdater(self.runner.model, config, self.runner.device)
+        self.profiler = StepProfiler(self.runner.device)
+        self.load_stats = LoadStats()
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -89,6 +94,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
         bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             return f"token id {bad} is outside the vocabulary [0, {vocab})"
+        bad = next((t for t, _ in req.sampling_params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})"
         if req.max_total_tokens > self.max_model_len:
             return (
                 f"prompt ({n} tokens) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
@@ -114,15 +122,20 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
             s = sampled.get(req.request_id)
             if s is None:
                 continue
+            # A prefill-only request (max_new_tokens 0) keeps no token: its one delta is empty.
+            kept = req.sampling_params.max_new_tokens > 0
+            first = req.num_output_tokens == int(kept)
+            if first:
+                self.load_stats.on_prefilled(req.num_prompt_tokens, req.num_cached_tokens)
             want_lp = req.sampling_params.logprobs
             want_top = req.sampling_params.top_logprobs_num > 0
             deltas.append(
                 RequestDelta(
                     request_id=req.request_id,
-                    new_token_ids=[s.token_id],
-                    new_logprobs=[s.logprob] if want_lp else None,
-                    new_top_logprobs=[s.top_logprobs or []] if want_top else None,
-                    input_logprobs=_input_logprobs(req) if req.num_output_tokens == 1 else None,
+                    new_token_ids=[s.token_id] if kept else [],
+                    new_logprobs=([s.logprob] if kept else []) if want_lp else None,
+                    new_top_logprobs=([s.top_logprobs or []] if kept else []) if want_top else None,
+                    input_logprobs=_input_logprobs(req) if first else None,
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                     stop_matched=req.stop_matched,
@@ -130,6 +143,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
                     num_cached_tokens=req.num_cached_tokens,
                 )
             )
+        self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
+        self.profiler.after_step(self.num_steps)
         return deltas
 
     def unavailable(self) -> str | None:
@@ -212,6 +227,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls):
             "memory": self.ping(),
             "released_tags": self.memory.released,
             "num_preemptions": self.scheduler.num_preemptions,
+            "memory_saver": self.memory.enabled,
             "config": msgspec.to_builtins(self.config),
         }
 
@@ -226,6 +242,7 @@ _CONTROL_METHODS = frozenset({
     "release_memory_occupation", "resume_memory_occupation", "memory_occupation",
     "update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
     "update_weights_from_distributed", "destroy_weights_update_group",
+    "check_weights", "start_profile", "stop_profile", "get_load",
 })
 
 

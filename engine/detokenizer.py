@@ -10,7 +10,10 @@ string:
   U+FFFD. Text up to that trailing run of U+FFFD is final and is emitted; the run waits for the
   bytes that complete it (or for `flush`).
 - Stop strings: the first occurrence of any ends the text right before it. Until then, a tail that
-  could still grow into a stop string is held back.
+  could still grow into a stop string is held back. With `no_stop_trim` (SGLang's field) the text
+  is not cut: it ends with everything decoded up to the token that completed the stop string.
+- `spaces_between_special_tokens` goes to the tokenizer's decode: Python ("slow") tokenizers
+  honour it, fast ones accept and ignore it.
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         stop: tuple[str, ...] = (),
+        no_stop_trim: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.no_stop_trim = no_stop_trim
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.text = ""
         self.stop_matched: str | None = None
@@ -72,7 +79,10 @@ class IncrementalDetokenizer:
         return self._emit(self._decode_new(final=True), final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def _decode_new(self, final: bool) -> str:
         """Text of the window not returned before; moves the window on at a character boundary."""
@@ -102,7 +112,7 @@ class IncrementalDetokenizer:
             index, matched = min(found, key=lambda f: f[0])
             self.stop_matched = matched
             self._held = ""
-            return self._append(pending[:index])
+            return self._append(pending if self.no_stop_trim else pending[:index])
         hold = 0 if final else self._stop_prefix_len(pending)
         self._held = pending[len(pending) - hold :]
         return self._append(pending[: len(pending) - hold])

@@ -15,7 +15,8 @@ from engine.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingPara
 
 @dataclass
 class GenerationOutput:
-    """A request's result. `finish_reason` is "stop" | "length" | "abort"; a request the engine
+    """A request's result, or its state so far while it runs (`text` grows with the tokens, as
+    SGLang streams it). `finish_reason` is "stop" | "length" | "abort"; a request the engine
     refused is an "abort" with `error` saying why (as SGLang reports it)."""
 
     request_id: str
@@ -55,7 +56,8 @@ class RequestState:
         self.params = params
         self.started = time.monotonic()
         self.detok = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            no_stop_trim=params.no_stop_trim, spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         self.output = GenerationOutput(
             request_id=request_id,
@@ -78,7 +80,11 @@ class RequestState:
         if delta.input_logprobs is not None:
             start = self.params.logprob_start_len
             out.input_token_logprobs = list(zip(delta.input_logprobs, out.prompt_token_ids[start:], strict=True))
-        text = self.detok.step(new_ids) if new_ids else ""
+        shown = new_ids
+        if delta.finish_reason == FINISH_STOP and isinstance(delta.stop_matched, int) and not self.params.no_stop_trim:
+            shown = new_ids[:-1]  # the stop token's text is cut (SGLang's trim), its id stays
+        text = self.detok.step(shown) if shown else ""
+        out.text = self.detok.text
         if self.detok.finished_by_stop:
             self._finish(FINISH_STOP, self.detok.stop_matched, None)
             return StepUpdate(text=text, token_ids=new_ids, finished=True, abort=not delta.finished)

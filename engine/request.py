@@ -16,7 +16,18 @@ class InvalidRequest(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Field names as SGLang's `sampling_params`. `top_k` -1 (or 0) means off."""
+    """Field names as SGLang's `sampling_params`. `top_k` -1 (or 0) means off.
+
+    - `max_new_tokens` 0: prefill only (a teacher scoring a sequence): the request finishes with
+      finish_reason length and no output token; its prompt logprobs come back when asked.
+    - `no_stop_trim`: the text keeps what ended the request (a stop string, or a stop token's
+      text when it is not skipped as special); by default both are cut from the text. Output ids
+      always hold the stop token.
+    - `spaces_between_special_tokens`: passed to the tokenizer's decode. Python ("slow")
+      tokenizers honour it; fast tokenizers (every `tokenizer.json` checkpoint) ignore it.
+    - `logit_bias`: (token id, bias) pairs added to the logits after the penalties; a dict is
+      accepted too. Token ids are checked against the vocabulary when the request is added.
+    """
 
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -35,12 +46,17 @@ class SamplingParams:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: also return the logprobs of prompt tokens from this position
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for `stop`; store tuples so the object stays hashable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         self._check()
 
     def _check(self) -> None:
@@ -50,8 +66,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.max_new_tokens < 1:
-            raise bad(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise bad(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise bad(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}")
         if self.temperature < 0:
@@ -74,6 +90,10 @@ class SamplingParams:
             raise bad(f"logprob_start_len must be -1 (none) or >= 0, got {self.logprob_start_len}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise bad("logit_bias values must be finite numbers")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias names a token id twice")
 
     @property
     def greedy(self) -> bool:
@@ -152,9 +172,13 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         """Append a sampled token and finish the request if it hit a stop condition.
-        String stops are the client's job: it sees text, and aborts the request on a match."""
-        self.token_ids.append(token_id)
+        String stops are the client's job: it sees text, and aborts the request on a match.
+        A prefill-only request (max_new_tokens 0) keeps no token and finishes with length."""
         sp = self.sampling_params
+        if sp.max_new_tokens == 0:
+            self.finish(FINISH_LENGTH)
+            return
+        self.token_ids.append(token_id)
         n_out = self.num_output_tokens
         if n_out >= sp.min_new_tokens:
             if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):

@@ -1,13 +1,13 @@
-"""Turning one step's logits into tokens: penalties, min_new_tokens, logprobs, greedy, temperature,
-top-k, top-p, min-p and per-request seeds.
+"""Turning one step's logits into tokens: penalties, logit bias, min_new_tokens, logprobs, greedy,
+temperature, top-k, top-p, min-p and per-request seeds.
 
 Everything runs on the logits' device with batched tensor ops; the only host sync is the one
 transfer of the results at the end of `Sampler.__call__`. Per-row choices that change the work done
 (any penalties? any sampled rows? any top-k?) are Python flags on `SamplingBatch`, known without
 looking at a tensor.
 
-Order, per row: penalties, then min_new_tokens masking, then logprobs = log_softmax(logits / T)
-(T 0 counts as 1), then greedy rows take the argmax and the others divide by T, truncate (top-k,
+Order, per row: penalties, then logit_bias (added, as SGLang), then min_new_tokens masking, then
+logprobs = log_softmax(logits / T) (T 0 counts as 1), then greedy rows take the argmax and the others divide by T, truncate (top-k,
 top-p, min-p) and sample with an exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks
 token i with probability probs[i] / sum(probs), and lets a row draw q from its own generator.
 """
@@ -54,6 +54,8 @@ class SamplingBatch:
     output_pairs: torch.Tensor | None  # [2, O] int64: unique (row, token) in output
     output_counts: torch.Tensor | None  # [O] float32: occurrences of output_pairs[:, j] in output
     banned_pairs: torch.Tensor | None  # [2, N] int64: (row, token) masked by min_new_tokens
+    bias_pairs: torch.Tensor | None  # [2, K] int64: (row, token) with a logit_bias
+    bias_values: torch.Tensor | None  # [K] float32: the bias added to logits[bias_pairs]
     seeds: list[tuple[int, int]]  # (row, generator seed) of every sampled (non-greedy) seeded row
     top_logprobs_nums: list[int]  # [B]
     all_greedy: bool
@@ -109,6 +111,9 @@ class SamplingBatch:
                 ban_rows += [i] * len(ended_by)
                 ban_cols += ended_by
 
+        bias_rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+        bias = [pair for p in params for pair in p.logit_bias]
+
         # The per-row scalars travel in one host-to-device copy: [5, B] float32 (top_k < 2**24 is exact).
         rows = floats(
             [p.temperature if p.temperature > 0 else 1.0 for p in params]
@@ -130,6 +135,8 @@ class SamplingBatch:
             output_pairs=output_pairs,
             output_counts=output_counts,
             banned_pairs=_pairs_tensor(ban_rows, ban_cols, device) if ban_rows else None,
+            bias_pairs=_pairs_tensor(bias_rows, [t for t, _ in bias], device) if bias else None,
+            bias_values=floats([b for _, b in bias]) if bias else None,
             seeds=seeds,
             top_logprobs_nums=[p.top_logprobs_num for p in params],
             all_greedy=all(greedy),
@@ -206,7 +213,7 @@ class Sampler:
         return host.tolist()
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Penalties then min_new_tokens masking; returns a new [B, V] float32 tensor."""
+        """Penalties, logit bias, then min_new_tokens masking; returns a new [B, V] float32 tensor."""
         logits = logits.to(torch.float32, copy=True)
         batch_size, vocab_size = logits.shape
         if batch.repetition_penalties is not None and batch.seen_pairs is not None:
@@ -226,6 +233,8 @@ class Sampler:
             counts[batch.output_pairs[0], batch.output_pairs[1]] = batch.output_counts
             logits -= batch.frequency_penalties[:, None] * counts
             logits -= batch.presence_penalties[:, None] * (counts > 0).float()
+        if batch.bias_pairs is not None and batch.bias_values is not None:
+            logits[batch.bias_pairs[0], batch.bias_pairs[1]] += batch.bias_values  # pairs are unique
         if batch.banned_pairs is not None:
             logits[batch.banned_pairs[0], batch.banned_pairs[1]] = float("-inf")
         return logits

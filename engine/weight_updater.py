@@ -44,8 +44,8 @@ class WeightUpdater:
         real = os.path.realpath(model_path)
         if not any(os.path.commonpath([real, d]) == d for d in self.allowed):
             raise PermissionError(
-                f"{model_path!r} is outside the directories updates may read ({', '.join(self.allowed)}); "
-                "see --allowed-model-dirs"
+                f"{model_path!r} is outside the directories weight updates may read ({', '.join(self.allowed)}); "
+                "start the server with --allowed-model-dirs DIR[,DIR...] naming a directory above it to allow it"
             )
         if not os.path.isdir(real):
             raise ValueError(f"model_path {model_path!r} is not a directory")

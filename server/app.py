@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from engine.async_client import AsyncEngineClient
 from server.errors import error_body, install_error_handlers
+from server.json_bodies import JsonBodies
 from server.metrics import Metrics
 
 # Routes a load balancer or supervisor probes without credentials.
@@ -27,6 +27,7 @@ ADMIN_ROUTES = frozenset({
     "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
     "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
     "/destroy_weights_update_group", "/flush_cache", "/pause_generation", "/continue_generation",
+    "/weights_checker", "/post_process_weights", "/start_profile", "/stop_profile",
 })
 # After the engine process dies, /health answers 503 this long before the server exits (non-zero,
 # so that a supervisor restarts it).
@@ -74,14 +75,20 @@ def build_app(
     app.add_middleware(KeyCheck, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(JsonBodies, max_bytes=config.max_request_bytes)
 
+    from server.info_api import router as info
     from server.memory_api import router as memory
     from server.native_api import router as native
     from server.openai_api import router as openai
+    from server.profile_api import router as profile
+    from server.weight_checks_api import router as weight_checks
     from server.weights_api import router as weights
 
     app.include_router(native)
+    app.include_router(info)
     app.include_router(memory)
     app.include_router(weights)
+    app.include_router(weight_checks)
+    app.include_router(profile)
     app.include_router(openai)
     return app
 
@@ -91,68 +98,6 @@ async def _after_death(client: AsyncEngineClient, on_death: Callable[[], None] |
     await asyncio.sleep(DEATH_GRACE_S)
     if on_death is not None:
         on_death()
-
-
-class JsonBodies:
-    """Every body here is JSON: read it as JSON whatever the Content-Type says, so that a plain
-    `curl -d '{...}'` (which says form-urlencoded) works as users expect. Bodies over `max_bytes`
-    get 413 (by Content-Length, or once they stream past it)."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT"):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await _too_large(self.max_bytes, send)
-            return
-        scope = scope | {"headers": [*((k, v) for k, v in scope["headers"] if k != b"content-type"),
-                                     (b"content-type", b"application/json")]}
-        # Read the whole body first (bounded), then hand it to the app: a body that streams past
-        # the limit is refused before any route sees it.
-        chunks: list[bytes] = []
-        seen = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                await self.app(scope, _replay([message]), send)
-                return
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                await _too_large(self.max_bytes, send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([body], then=receive), send)
-
-
-def _replay(messages: list[dict], then: Any = None) -> Any:
-    """An ASGI receive that gives `messages`, then defers to `then` (disconnect notices)."""
-    pending = list(messages)
-
-    async def receive() -> dict:
-        if pending:
-            return pending.pop(0)
-        if then is not None:
-            return await then()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
-async def _too_large(max_bytes: int, send: Any) -> None:
-    body = json.dumps(error_body(ValueError(f"request body over {max_bytes} bytes (--max-request-bytes)"),
-                                 "request_too_large", 413)).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class KeyCheck:

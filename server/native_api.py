@@ -19,6 +19,7 @@ from engine.request import InvalidRequest, SamplingParams
 from server.errors import error_body, service_unavailable
 from server.generation import Job, make_jobs, run_jobs, stream_jobs
 from server.schemas import AbortRequestIn, GenerateRequest, PauseGenerationIn
+from server.text_input import encode_text
 
 router = APIRouter()
 
@@ -39,7 +40,7 @@ def _prompts(client: AsyncEngineClient, body: GenerateRequest) -> tuple[list[lis
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
             raise InvalidRequest("`text` is an empty list")
-        return [client.tokenizer.encode(t) for t in texts], not isinstance(body.text, str)
+        return [encode_text(client.tokenizer, t, client.info["max_context_length"]) for t in texts], not isinstance(body.text, str)
     ids = body.input_ids
     if ids and isinstance(ids[0], list):
         return [list(x) for x in ids], True
@@ -85,17 +86,26 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     version = client.info.get("weight_version", "default")
     metrics = request.app.state.metrics
     if body.stream:
-        return StreamingResponse(_sse(client, metrics, jobs, version, len(jobs) > 1), media_type="text/event-stream")
+        events = _sse(client, metrics, jobs, version, len(jobs) > 1, sp.stream_interval or 1)
+        return StreamingResponse(events, media_type="text/event-stream")
     outs = await run_jobs(client, metrics, jobs, request)
     results = [_result(o, params, version) for o in outs]
     return JSONResponse(results if is_batch or len(results) > 1 else results[0])
 
 
-async def _sse(client: AsyncEngineClient, metrics: Any, jobs: list[Job], version: str, indexed: bool) -> AsyncIterator[str]:
-    """One `data:` event per step of each job, with the text and ids so far (as SGLang streams),
-    then `data: [DONE]`. An engine failure mid-stream becomes an error event."""
+async def _sse(
+    client: AsyncEngineClient, metrics: Any, jobs: list[Job], version: str, indexed: bool, interval: int = 1
+) -> AsyncIterator[str]:
+    """One `data:` event per `interval` tokens of each job (and at its end), with the text and ids
+    so far (as SGLang streams), then `data: [DONE]`. An engine failure mid-stream becomes an error
+    event."""
+    unsent: dict[int, int] = {}  # job index -> tokens since its last event
     try:
-        async for job, _, out in stream_jobs(client, metrics, jobs):
+        async for job, update, out in stream_jobs(client, metrics, jobs):
+            unsent[job.index] = unsent.get(job.index, 0) + len(update.token_ids)
+            if not update.finished and unsent[job.index] < interval:
+                continue
+            unsent[job.index] = 0
             chunk = _result(out, job.params, version)
             if indexed:
                 chunk["index"] = job.index
@@ -139,13 +149,6 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     info = await _client(request).call("get_info")
     keys = ("model_path", "architecture", "dtype", "max_context_length", "weight_version")
     return {k: info[k] for k in keys} | {"tokenizer_path": info["model_path"], "is_generation": True}
-
-
-@router.get("/get_server_info")
-async def get_server_info(request: Request) -> dict[str, Any]:
-    client = _client(request)
-    info = await client.call("get_info")
-    return info | {"server_args": request.app.state.server_config.public(), "engine_pid": client.pid}
 
 
 @router.get("/metrics")

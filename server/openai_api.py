@@ -75,7 +75,7 @@ def _fill_context(prompts: list[list[int]], limit: int) -> int:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     client = _client(request)
     body.check_supported()
-    prompts, echo = body.prompts(client.tokenizer)
+    prompts, echo = body.prompts(client.tokenizer, client.info)
     limit = client.info["max_context_length"]
     max_new = body.max_tokens if body.max_tokens is not None else _fill_context(prompts, limit)
     want_lp = body.logprobs is not None

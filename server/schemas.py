@@ -1,6 +1,20 @@
 """Request bodies of the SGLang-native routes, with SGLang's field names so RL clients work
-unchanged. Unknown fields in `sampling_params` are refused (a typo must not silently sample with
-defaults); unknown top-level fields are ignored, as SGLang does, since clients send extras.
+unchanged.
+
+Rules:
+- `sampling_params` takes every field of SGLang's SamplingParams. Unknown fields are refused (a
+  typo must not silently sample with defaults); unknown top-level fields are ignored, as SGLang
+  does, since clients send extras.
+- An explicit JSON `null` means the field's default, in `sampling_params` and at the top level
+  (slime sends `"stop": null, "stop_token_ids": null`).
+- `sampling_seed` is SGLang's name for `seed`: either may be given; both with different values is
+  a 400. `custom_params` is accepted and has no effect (no custom logit processors here).
+- Constrained decoding (`json_schema`, `regex`, `ebnf`, `structural_tag`, `stop_regex`) is not
+  implemented: any non-null value is a 400 saying so. So are the top-level `image_data`,
+  `lora_path`, `custom_logit_processor` and `return_routed_experts: true`.
+- `stream_interval`: a streamed request sends an event every that many tokens (and the last).
+- `logit_bias`: {"token id": bias}, added to the logits (engine/sampler.py).
+- `weight_version` fields take a string or an integer, kept as a string.
 """
 
 from __future__ import annotations
@@ -9,9 +23,17 @@ import dataclasses
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    create_model,
+    model_validator,
+)
 
-from engine.request import SamplingParams
+from engine.request import InvalidRequest, SamplingParams
 
 # Set from the request's top level (`return_logprob`, `top_logprobs_num`), not sampling_params.
 _TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num", "logprob_start_len"})
@@ -20,12 +42,39 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # The most samples per prompt (`n`): make_jobs builds them all at once.
 MAX_N = 1024
 # JSON shapes of fields whose engine type is a tuple: a string or a list.
-_JSON_TYPES: dict[str, Any] = {"stop": str | list[str] | None, "stop_token_ids": list[Int64] | None}
+_JSON_TYPES: dict[str, Any] = {
+    "stop": str | list[str] | None, "stop_token_ids": list[Int64] | None, "logit_bias": dict[str, float] | None,
+}
 _INT_TYPES: dict[Any, Any] = {int: Int64, int | None: Int64 | None}
+# SGLang's constrained decoding fields: not implemented here, so only null is accepted.
+UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+# sampling_params fields SGLang has and the engine does not: handled (or refused) here.
+_SERVER_ONLY: dict[str, Any] = {
+    "n": (int, Field(default=1, le=MAX_N, description="samples per prompt")),
+    "sampling_seed": (Int64 | None, Field(default=None, description="SGLang's name for `seed`")),
+    "custom_params": (dict[str, Any] | None, Field(default=None, description="accepted; no effect here")),
+    "stream_interval": (Int64 | None, Field(default=None, ge=1, description="tokens per streamed event")),
+    **{name: (Any, Field(default=None, description="constrained decoding: not supported, null only"))
+       for name in UNSUPPORTED_SAMPLING},
+}
+
+
+def _version_str(v: str | int | None) -> str | None:
+    return None if v is None else str(v)
+
+
+# A weight version as clients send it (slime: "3" or 3); kept as a string.
+WeightVersion = Annotated[str | StrictInt | None, AfterValidator(_version_str)]
+
+
+def _without_nulls(data: Any) -> Any:
+    """A JSON object with its null fields left out, so that they take their defaults."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def _sampling_fields() -> dict[str, Any]:
-    """`sampling_params`' fields: the engine's SamplingParams (one source of defaults) plus `n`."""
+    """`sampling_params`' fields: the engine's SamplingParams (one source of defaults) plus the
+    fields of SGLang's that only the server reads."""
     hints = typing.get_type_hints(SamplingParams)
     fields: dict[str, Any] = {
         f.name: (_JSON_TYPES[f.name], None) if f.name in _JSON_TYPES
@@ -33,26 +82,56 @@ def _sampling_fields() -> dict[str, Any]:
         for f in dataclasses.fields(SamplingParams)
         if f.name not in _TOP_LEVEL
     }
-    return fields | {"n": (int, Field(default=1, le=MAX_N, description="samples per prompt"))}
+    return fields | _SERVER_ONLY
 
 
 class _SamplingBase(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return _without_nulls(data)
+
     def to_engine(self, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1) -> SamplingParams:
         """Engine params; raises `InvalidRequest` naming the bad value."""
-        fields = self.model_dump(exclude={"n"})
+        server_only = self.model_dump(include=set(_SERVER_ONLY))
+        unsupported = [name for name in UNSUPPORTED_SAMPLING if server_only[name] is not None]
+        if unsupported:
+            raise InvalidRequest(f"sampling_params.{unsupported[0]}: constrained decoding is not supported here")
+        fields = self.model_dump(exclude=set(_SERVER_ONLY))
+        seed, alias = fields["seed"], server_only["sampling_seed"]
+        if seed is not None and alias is not None and seed != alias:
+            raise InvalidRequest(f"sampling_params: seed ({seed}) and sampling_seed ({alias}) differ; give one")
+        fields["seed"] = seed if seed is not None else alias
         fields["stop"] = fields["stop"] or ()
         fields["stop_token_ids"] = fields["stop_token_ids"] or ()
+        fields["logit_bias"] = _logit_bias(fields["logit_bias"])
         return SamplingParams(
             **fields, logprobs=logprobs, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len
         )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """SGLang's {"token id": bias} as (id, bias) pairs; a key that is not an integer is a 400."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), value))
+        except ValueError:
+            raise InvalidRequest(f"sampling_params.logit_bias: key {key!r} is not a token id") from None
+    return tuple(pairs)
 
 
 SamplingParamsIn = create_model("SamplingParamsIn", __base__=_SamplingBase, **_sampling_fields())
 
 
 class GenerateRequest(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return _without_nulls(data)
+
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
@@ -61,6 +140,18 @@ class GenerateRequest(BaseModel):
     logprob_start_len: Int64 = -1  # with return_logprob: input_token_logprobs from this prompt position
     rid: str | list[str] | None = None
     stream: bool = False
+    # SGLang's, not served here: null (or false) only.
+    image_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    return_routed_experts: bool = False
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> GenerateRequest:
+        for name in ("image_data", "lora_path", "custom_logit_processor", "return_routed_experts"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported here (text-only models, no LoRA, no MoE routing)")
+        return self
 
 
 class AbortRequestIn(BaseModel):

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from engine.async_client import AsyncEngineClient
-from server.schemas import Int64
+from server.schemas import Int64, WeightVersion
 
 router = APIRouter()
 
@@ -23,7 +23,7 @@ class UpdateFromDiskIn(BaseModel):
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string
 
 
 class UpdateFromTensorIn(BaseModel):
@@ -31,7 +31,7 @@ class UpdateFromTensorIn(BaseModel):
     load_format: str | None = None  # null | "direct" | "flattened_bucket"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string
 
 
 class InitGroupIn(BaseModel):
@@ -50,7 +50,7 @@ class UpdateFromDistributedIn(BaseModel):
     group_name: str = DEFAULT_GROUP
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string
 
 
 class DestroyGroupIn(BaseModel):

@@ -136,6 +136,17 @@ def test_stop_on_special_token_text(tok: PreTrainedTokenizerFast) -> None:
     assert det.step([2]) == "" and det.stop_matched == "<|im_end|>" and det.text == "hi "
 
 
+def test_no_stop_trim_keeps_the_stop_string(tok: PreTrainedTokenizerFast) -> None:
+    det = IncrementalDetokenizer(tok, [], stop=("x E",), no_stop_trim=True)
+    det.step(tok.encode("one two x"))
+    det.step(tok.encode(" END three"))
+    assert det.stop_matched == "x E" and det.text.startswith("one two x E") and det.step([5]) == ""
+    det = IncrementalDetokenizer(tok, [], skip_special_tokens=False, stop=("<|im_end|>",), no_stop_trim=True,
+                                 spaces_between_special_tokens=False)
+    det.step(tok.encode("hi "))
+    assert det.step([2]) == "<|im_end|>" and det.text == "hi <|im_end|>"
+
+
 def test_prefix_offset_keeps_the_space_a_leading_token_implies() -> None:
     # A SentencePiece-style tokenizer drops the "▁" of the first token of a decode; the prompt
     # context in front of the output keeps it.

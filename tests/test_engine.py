@@ -116,6 +116,23 @@ def test_text_prompts_logprobs_and_stop(demo_engine: Engine) -> None:
     assert_all_blocks_free(llm)
 
 
+def test_prefill_only_requests(demo_engine: Engine) -> None:
+    """max_new_tokens 0 (a teacher scoring sequences): no output token, finish_reason length, the
+    prompt's logprobs as a one-token request computes them; batched with generating requests."""
+    llm = demo_engine
+    prompt = _prompts(5, (40,))[0]
+    score = SamplingParams(max_new_tokens=0, logprobs=True, logprob_start_len=0)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=True, logprob_start_len=0)
+    gen = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(input_ids=[prompt, prompt, prompt[:20]], sampling_params=[score, one, gen])
+    assert outs[0].output_ids == [] and outs[0].finish_reason == "length" and outs[0].text == ""
+    assert outs[0].input_token_logprobs == outs[1].input_token_logprobs and outs[0].input_token_logprobs[0][0] is None
+    assert len(outs[2].output_ids) == 8
+    again = llm.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=0))[0]  # prefix cached
+    assert again.output_ids == [] and again.finish_reason == "length"
+    assert_all_blocks_free(llm)
+
+
 def test_seeded_sampling_is_reproducible(demo_engine: Engine) -> None:
     llm = demo_engine
     prompts = ["The same prompt"] * 2 + ["Something else entirely"]
@@ -146,7 +163,7 @@ def test_bad_requests_fail_alone(demo_engine: Engine) -> None:
     with pytest.raises(InvalidRequest, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
-        SamplingParams(max_new_tokens=0)
+        SamplingParams(max_new_tokens=-1)
     assert_all_blocks_free(llm)
 
 

@@ -64,6 +64,11 @@ class Holder:
             self.proc.stdin.flush()
             self.proc.wait(60)
 
+    def kill(self) -> None:
+        """A trainer killed mid-step: the driver takes its memory back as the process ends."""
+        self.proc.kill()
+        self.proc.wait(60)
+
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
@@ -128,7 +133,7 @@ def test_resume_while_a_trainer_holds_the_memory(server: ServerProcess) -> None:
             assert body["changed"] == ["cuda_graph", "weights"] and list(body["refused"]) == ["kv_cache"], body
             assert body["tags"] == {"weights": "resident", "kv_cache": "released", "cuda_graph": "resident"}
             assert http.get("/health").json()["memory"] == "released"
-            # 3. A resume that waits: the trainer lets go while it waits, and it succeeds.
+            # 3. A resume that waits: the trainer is killed mid-step while it waits, and it succeeds.
             answers: list[httpx.Response] = []
             waiter = threading.Thread(target=lambda: answers.append(
                 http.post("/resume_memory_occupation", json={"tags": ["kv_cache"], "wait_for_memory_s": 60})))
@@ -137,7 +142,7 @@ def test_resume_while_a_trainer_holds_the_memory(server: ServerProcess) -> None:
             assert http.get("/health").status_code == 200  # other calls are answered while it waits
             assert waiter.is_alive()
         finally:
-            holder.release()
+            holder.kill()
         waiter.join(60)
         assert answers and answers[0].status_code == 200, answers
         assert answers[0].json()["changed"] == ["kv_cache"] and answers[0].json()["refused"] == {}

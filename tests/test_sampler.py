@@ -204,6 +204,21 @@ def test_min_new_tokens_blocks_eos_and_stop_tokens() -> None:
     assert sample(logits, reqs).token_ids == [5, 2, 2, 5]
 
 
+def test_logit_bias_is_added_after_penalties() -> None:
+    logits = [2.0, -1.0, 0.5, -0.25]
+    reqs = [
+        make_request([0], [], repetition_penalty=2.0, logit_bias={0: 1.5, 3: -0.5}),
+        make_request(logit_bias=((1, 10.0),)),
+        make_request(),
+    ]
+    got = Sampler().process_logits(torch.tensor([logits] * 3), SamplingBatch.from_requests(reqs, CPU))
+    want = [[2.0 / 2.0 + 1.5, -1.0, 0.5, -0.75], [2.0, 9.0, 0.5, -0.25], logits]
+    assert torch.allclose(got, torch.tensor(want))
+    assert sample(torch.tensor([logits] * 3), [make_request(temperature=0.0, logit_bias={2: 5.0})] * 3).token_ids == [2] * 3
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: float("nan")})
+
+
 def test_logprobs_are_log_softmax_of_penalised_scaled_logits() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
     reqs = [

@@ -35,7 +35,9 @@ def test_admin_routes_need_the_admin_key(keyed: ServerProcess) -> None:
     admin_calls = [("/release_memory_occupation", {"tags": ["kv_cache"]}), ("/resume_memory_occupation", {}),
                    ("/flush_cache", {}), ("/pause_generation", {"mode": "in_place"}), ("/continue_generation", {}),
                    ("/update_weights_from_disk", {"model_path": "/nowhere"}),
-                   ("/destroy_weights_update_group", {"group_name": "g"})]
+                   ("/destroy_weights_update_group", {"group_name": "g"}),
+                   ("/weights_checker", {"action": "checksum"}), ("/post_process_weights", {}),
+                   ("/start_profile", {}), ("/stop_profile", {})]
     for path, body in admin_calls:
         user = _post(keyed, path, body, "user")
         assert user.status_code == 403 and "admin" in user.json()["error"]["message"], path

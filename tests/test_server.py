@@ -137,7 +137,7 @@ BAD_BODIES = [
     (json.dumps({"text": "x", "sampling_params": {"temperature": -1}}), "temperature"),
     (json.dumps({"text": "x", "sampling_params": {"top_p": 0}}), "top_p"),
     (json.dumps({"text": "x", "sampling_params": {"top_p": 1.5}}), "top_p"),
-    (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 0}}), "max_new_tokens"),
+    (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": -1}}), "max_new_tokens"),
     (json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 600}}), "context length"),
     (json.dumps({"text": "", "sampling_params": {"max_new_tokens": 2}}), "empty"),
     (json.dumps({"input_ids": [], "sampling_params": {"max_new_tokens": 2}}), "empty"),
