@@ -7,9 +7,10 @@ transfer of the results at the end of `Sampler.__call__`. Per-row choices that c
 looking at a tensor.
 
 Order, per row: penalties, then logit_bias (added, as SGLang), then min_new_tokens masking, then
-logprobs = log_softmax(logits / T) (T 0 counts as 1), then greedy rows take the argmax and the others divide by T, truncate (top-k,
-top-p, min-p) and sample with an exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks
-token i with probability probs[i] / sum(probs), and lets a row draw q from its own generator.
+logprobs = log_softmax(logits / T) (T 0 counts as 1), then greedy rows take the argmax and the
+others divide by T, truncate (top-k, top-p, min-p) and sample with an exponential race:
+argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i] / sum(probs), and
+lets a row draw q from its own generator.
 """
 
 from __future__ import annotations
