@@ -1,13 +1,16 @@
-"""A resume while a trainer still holds the GPU (`pytest -m gpu` on the device machine), through
-the real HTTP server: the trainer (another process) keeps part of the device, the server answers
+"""A colocated trainer's calls on a GPU (`pytest -m gpu` on the device machine), through the real
+HTTP server. A resume while a trainer still holds the GPU: the trainer (another process) keeps part of the device, the server answers
 503 naming what does not fit and stays alive and healthy, resumes what fits, and once the
 trainer lets go a resume succeeds (at once, or by waiting with `wait_for_memory_s`) with outputs
 identical to before. Without the check, torch_memory_saver's failed cuMemCreate exits the engine.
+And slime's profiling calls, with GPU kernels and CUDA allocations in the trace.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -158,3 +161,23 @@ def test_resume_while_a_trainer_holds_the_memory(server: ServerProcess) -> None:
         finally:
             holder.release()
         assert _outputs(http) == expected
+
+
+def test_profile_records_gpu_kernels_and_memory(server: ServerProcess, tmp_path) -> None:
+    """slime's SGLangEngine.start_profile body (sglang_engine.py) with GPU and MEM activities."""
+    body = {"output_dir": str(tmp_path), "start_step": None, "num_steps": 4, "activities": ["CPU", "GPU", "MEM"],
+            "profile_by_stage": False, "with_stack": None, "record_shapes": None}
+    with server.client() as http:
+        started = http.post("/start_profile", json=body)
+        assert started.status_code == 200, started.text
+        for prompt in PROMPTS:
+            assert http.post("/generate", json=GREEDY | {"input_ids": prompt}).status_code == 200
+        stopped = http.post("/stop_profile")
+        assert stopped.status_code == 200, stopped.text
+    files = stopped.json()["files"]
+    assert {os.path.dirname(f) for f in files} == {str(tmp_path)}
+    trace = next(f for f in files if f.endswith(".trace.json.gz"))
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events), "no GPU kernel in the trace"
+    assert any(f.endswith(".pickle") for f in files), files  # the CUDA memory snapshot
