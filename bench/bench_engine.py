@@ -4,11 +4,17 @@
 One run, one table; every number also goes to the JSON file named by `--out` (rewritten after each
 section, so a run cut short still leaves what it measured). See bench/README.md.
 
-    python bench/bench_engine.py --model-dir /tmp/qwen3-0.6b --out $OUT/bench.json   # GPU
-    python bench/bench_engine.py --tiny --out /tmp/b.json                            # CPU smoke test
+    python bench/bench_engine.py --shape 0.6b --out $OUT/bench.json   # GPU; --shape 8b or DIR
+    python bench/bench_engine.py --tiny --out /tmp/b.json               # CPU smoke test
+
+Rules of the shape: `--shape 0.6b|8b` builds a random checkpoint of Qwen3-0.6B's or Qwen3-8B's
+shape into `--model-dir`; `--shape DIR` measures DIR itself when it holds weights, else builds DIR's
+config.json shape into `--model-dir`. Every byte count (roofline, KV) and every label comes from
+the config.json of the checkpoint actually loaded, never from these constants. A directory that
+this script did not build (no BUILT_MARKER file in it) is never overwritten.
 
 Sections, in this order (cheapest first, each engine freed before the next is built):
-  1. checkpoint: a Qwen3-0.6B-shaped checkpoint with random bf16 weights, made here (no download).
+  1. checkpoint: a checkpoint of the chosen shape with random bf16 weights, made here (no download).
   2. copy: device-to-device copy bandwidth; the roofline's bandwidth.
   3. graph_memory: the ladder of decode graphs captured into one pool vs the largest graph alone.
   4. decode: one engine with CUDA graphs; step time at each batch size vs
@@ -47,28 +53,44 @@ from engine.request import SamplingParams  # noqa: E402
 _GIB = 1 << 30
 _MIB = 1 << 20
 
-# Qwen3-0.6B's shape (random weights); `--tiny` swaps in the small one.
-FULL_SHAPE = dict(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645,
-)
-TINY_SHAPE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-    rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
-)
+# Shapes `--shape` names (random weights); `--tiny` uses "tiny". max_position_embeddings is kept
+# at 4096 (the real models have 40960): the workloads here are short.
+SHAPES: dict[str, dict[str, Any]] = {
+    "0.6b": dict(  # Qwen3-0.6B
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(  # Qwen3-8B
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    ),
+}
+# Names bench_memory.py and bench_fused_ops.py import: the 0.6B shape, and the tiny one.
+FULL_SHAPE, TINY_SHAPE = SHAPES["0.6b"], SHAPES["tiny"]
+# The config.json keys a shape is made of (and compared on, when a built checkpoint is reused).
+SHAPE_KEYS = tuple(SHAPES["0.6b"])
+# A file written into every checkpoint this script builds: only such a directory is rebuilt.
+BUILT_MARKER = "siesta_bench_checkpoint.json"
 
 # Defaults of the full run; `--tiny` replaces them with TINY_DEFAULTS where a flag is not given.
-FULL_DEFAULTS = dict(
-    model_dir="/tmp/siesta-bench-qwen3-0.6b", device="cuda", max_model_len=2048, mem_fraction=0.8,
+FULL_DEFAULTS = dict(  # model_dir: the 0.6B shape's, for bench_memory.py; this script's is per shape
+    shape="0.6b", model_dir="/tmp/siesta-bench-qwen3-0.6b", device="cuda", max_model_len=2048, mem_fraction=0.8,
     copy_mib=1024, copy_iters=20, graph_max_bs=256, graph_kv_blocks=2048,
     decode_batch_sizes="1,8,64,256", decode_context=512, decode_steps=30, decode_warmup=3,
     tp_requests=256, tp_min_len=100, tp_max_len=1024, hf_requests=16, hf_max_new_tokens=256,
     kv_cache_memory_gb=1.0,
 )
 TINY_DEFAULTS = dict(
-    model_dir="/tmp/siesta-bench-tiny", device="cpu", max_model_len=256, mem_fraction=0.8,
+    shape="tiny", model_dir="/tmp/siesta-bench-tiny", device="cpu", max_model_len=256, mem_fraction=0.8,
     copy_mib=64, copy_iters=5, graph_max_bs=16, graph_kv_blocks=256,
     decode_batch_sizes="1,4,8", decode_context=32, decode_steps=5, decode_warmup=1,
     tp_requests=16, tp_min_len=8, tp_max_len=64, hf_requests=4, hf_max_new_tokens=16,
@@ -129,24 +151,74 @@ def run_section(
 # ---- 1. checkpoint ------------------------------------------------------------------------------
 
 
+def read_shape(path: str) -> dict[str, Any]:
+    """The SHAPE_KEYS of a checkpoint's config.json, with head_dim and the KV heads filled in as
+    the engine fills them (hidden / heads; as many KV heads as heads) and rope_theta found where
+    transformers 5 puts it."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    shape = {k: hf.get(k) for k in SHAPE_KEYS}
+    shape["head_dim"] = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    shape["num_key_value_heads"] = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    shape["rope_theta"] = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    shape["rms_norm_eps"] = hf.get("rms_norm_eps", 1e-6)
+    shape["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    return shape
+
+
+def has_weights(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "model.safetensors")) or os.path.isfile(
+        os.path.join(path, "model.safetensors.index.json"))
+
+
+def resolve_checkpoint(spec: str, model_dir: str | None) -> tuple[dict[str, Any], str, bool]:
+    """`--shape` and `--model-dir` -> (shape, checkpoint directory, whether to build it there).
+    A named shape is built into `model_dir` (default /tmp/siesta-bench-qwen3-<name>); a directory
+    with weights is measured as it is; a directory with only a config.json lends its shape."""
+    if spec in SHAPES:
+        return dict(SHAPES[spec]), model_dir or f"/tmp/siesta-bench-qwen3-{spec}", True
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise ValueError(f"--shape {spec!r}: neither one of {sorted(SHAPES)} nor a directory with a config.json")
+    shape = read_shape(spec)
+    if has_weights(spec):
+        return shape, os.path.abspath(spec), False
+    name = os.path.basename(os.path.abspath(spec))
+    return shape, model_dir or f"/tmp/siesta-bench-{name}", True
+
+
+def shape_label(shape: dict[str, Any]) -> str:
+    """One line naming a shape, for logs and table titles."""
+    return (f"hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, {shape['num_attention_heads']} "
+            f"heads, {shape['num_key_value_heads']} KV heads, head_dim {shape['head_dim']}, intermediate "
+            f"{shape['intermediate_size']}, vocab {shape['vocab_size']}, "
+            f"{'tied' if shape['tie_word_embeddings'] else 'untied'}")
+
+
 def make_checkpoint(path: str, shape: dict[str, Any], device: torch.device, seed: int) -> dict[str, Any]:
-    """Random bf16 Qwen3 with tied embeddings, saved with save_pretrained; kept if already there."""
-    cfg_file = os.path.join(path, "config.json")
-    if os.path.isfile(cfg_file) and os.path.isfile(os.path.join(path, "model.safetensors")):
-        with open(cfg_file) as f:
-            have = json.load(f)
-        if all(have.get(k) == v for k, v in shape.items() if k not in ("rope_theta",)):
+    """Random bf16 Qwen3 of `shape` (tied embeddings when it says so), saved with save_pretrained
+    and marked with BUILT_MARKER; kept if `path` already holds that shape. Refuses to overwrite a
+    non-empty directory it did not build."""
+    if has_weights(path) and os.path.isfile(os.path.join(path, "config.json")):
+        have = read_shape(path)
+        if all(have.get(k) == v for k, v in shape.items() if k != "rope_theta"):
             say(f"checkpoint: reusing {path}")
             return {"path": path, "created": False}
+        if not os.path.isfile(os.path.join(path, BUILT_MARKER)):
+            raise RuntimeError(f"{path} holds another shape and was not built here: not overwriting it "
+                               "(give another --model-dir)")
         say(f"checkpoint: {path} holds another shape; recreating it")
+    elif os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, BUILT_MARKER)):
+        raise RuntimeError(f"{path} is not empty and was not built here: not writing into it")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     t0 = time.perf_counter()
-    config = Qwen3Config(**shape, tie_word_embeddings=True)
+    tied = bool(shape.get("tie_word_embeddings", True))
+    config = Qwen3Config(**(shape | {"tie_word_embeddings": tied}))
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model = model.to_empty(device=device)
-    model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties them
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -160,9 +232,21 @@ def make_checkpoint(path: str, shape: dict[str, Any], device: torch.device, seed
     n_params = sum(p.numel() for p in model.parameters())
     del model
     free_memory(device)
+    with open(os.path.join(path, BUILT_MARKER), "w") as f:
+        json.dump({"shape": shape, "seed": seed}, f)
     dt = time.perf_counter() - t0
     say(f"checkpoint: created {path} ({n_params / 1e6:.1f} M params, bf16) in {dt:.1f} s")
     return {"path": path, "created": True, "num_params": n_params, "seconds": dt}
+
+
+def checkpoint(spec: str, model_dir: str | None, device: torch.device, seed: int) -> dict[str, Any]:
+    """The checkpoint section: resolve `--shape`, build if needed; the result names the directory
+    loaded (`path`) and the shape read back from its config.json (`shape`)."""
+    shape, path, build = resolve_checkpoint(spec, model_dir)
+    out = make_checkpoint(path, shape, device, seed) if build else {"path": path, "created": False}
+    out["shape"] = read_shape(path)
+    say(f"checkpoint: {path}: {shape_label(out['shape'])}")
+    return out
 
 
 # ---- 2. copy bandwidth --------------------------------------------------------------------------
@@ -205,7 +289,7 @@ def graph_memory(args: argparse.Namespace) -> dict[str, Any]:
     """Capture the ladder, then the largest graph alone, each with a fresh backend, on an engine
     that captured nothing itself; compare the memory of each capture's graph pool (`pool_bytes`)."""
     core = EngineCore(EngineConfig(
-        model=args.model_dir, device=args.device, dtype="bfloat16", disable_cuda_graph=True,
+        model=args.model_path, device=args.device, dtype="bfloat16", disable_cuda_graph=True,
         attention_backend=args.attention_backend,
         num_kv_blocks=args.graph_kv_blocks, max_num_seqs=args.graph_max_bs,
         max_model_len=args.max_model_len,
@@ -262,6 +346,17 @@ def count_graph_replays(core: EngineCore) -> list[int]:
 
         graphs.run = counted  # type: ignore[method-assign]
     return counter
+
+
+def decode_weight_bytes(core: EngineCore) -> int:
+    """Weight bytes one decode step reads: every parameter once (a tied embedding is one
+    parameter), less an untied input embedding, of which a step reads only its batch's rows."""
+    model = core.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if core.model_config.tie_word_embeddings:
+        return total
+    embed = model.model.embed_tokens.weight
+    return total - embed.numel() * embed.element_size()
 
 
 def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: random.Random,
@@ -382,7 +477,7 @@ def hf_generate(args: argparse.Namespace, work: list[tuple[list[int], int]], dev
     import transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.bfloat16).to(device).eval()
     prompts = [p for p, _ in work[: args.hf_requests]]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -459,7 +554,8 @@ def print_table(rows: list[dict[str, Any]], res: dict[str, Any]) -> None:
               "-" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")] for r in rows]
     meta = res["meta"]
     print(f"\n## siesta engine benchmark: {meta['device_name']}, backend {meta.get('attention_backend')}, "
-          f"{'TINY smoke run (numbers mean nothing)' if meta['tiny'] else 'Qwen3-0.6B shape, random bf16 weights'}")
+          f"{'TINY smoke run (numbers mean nothing): ' if meta['tiny'] else ''}"
+          f"{shape_label(meta['model_shape']) if meta.get('model_shape') else 'no checkpoint'}")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join(" --- " for _ in head) + "|")
     for line in lines:
@@ -477,7 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON results file")
     p.add_argument("--tiny", action="store_true", help="tiny Qwen3 on the CPU, small workloads: a smoke test")
-    p.add_argument("--model-dir", help="checkpoint directory; created if missing")
+    p.add_argument("--shape", help="0.6b | 8b (Qwen3 shapes, random weights) | DIR (its config.json; measured as "
+                   "it is if it holds weights)")
+    p.add_argument("--model-dir", help="where a built checkpoint goes (default /tmp/siesta-bench-qwen3-<shape>)")
     p.add_argument("--device")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default="auto", help="EngineConfig.attention_backend")
@@ -504,7 +602,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma-separated sections to skip: copy,graph_memory,decode,throughput,hf")
     args = p.parse_args(argv)
     for k, v in (TINY_DEFAULTS if args.tiny else FULL_DEFAULTS).items():
-        if getattr(args, k) is None:
+        if getattr(args, k) is None and (k != "model_dir" or args.tiny):  # else resolve_checkpoint's, per shape
             setattr(args, k, v)
     args.skip = {s for s in args.skip.split(",") if s}
     return args
@@ -528,11 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     def section(name: str, fn: Any, *a: Any) -> Any:
         return run_section(res, args.out, args.skip, name, fn, *a, on_error=lambda: free_memory(device))
 
-    shape = TINY_SHAPE if args.tiny else FULL_SHAPE
-    res["meta"]["model_shape"] = shape
-    if section("checkpoint", make_checkpoint, args.model_dir, shape, device, args.seed) is None:
+    ckpt = section("checkpoint", checkpoint, args.shape, args.model_dir, device, args.seed)
+    if ckpt is None:
         print_table([], res)
         return 1
+    args.model_path = ckpt["path"]
+    shape = res["meta"]["model_shape"] = ckpt["shape"]  # what is loaded, read from its config.json
     copy = section("copy", copy_bandwidth, device, args.copy_mib, args.copy_iters)
     if device.type == "cuda":
         section("graph_memory", graph_memory, args)
@@ -544,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     def engine_sections() -> dict[str, Any]:
         """Decode and throughput share one engine with CUDA graphs, freed at the end."""
         core = EngineCore(EngineConfig(
-            model=args.model_dir, device=args.device, dtype="bfloat16", max_model_len=args.max_model_len,
+            model=args.model_path, device=args.device, dtype="bfloat16", max_model_len=args.max_model_len,
             attention_backend=args.attention_backend,
             max_num_seqs=args.graph_max_bs, cuda_graph_max_bs=args.graph_max_bs, mem_fraction=args.mem_fraction,
             kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
@@ -557,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{info['cuda_graph_bytes'] / _MIB:.0f} MiB for bs {info['cuda_graph_batch_sizes'][-1:] or 'none'}")
         try:
             work.extend(workload(args, core.model_config.vocab_size))
-            weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+            weight_bytes = decode_weight_bytes(core)
             kv_token_bytes = kv_block_bytes(core.model_config, 1, core.runner.dtype)
             bandwidth = copy["bandwidth_bytes_per_s"] if copy else float("nan")
             replays = count_graph_replays(core)

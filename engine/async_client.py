@@ -1,8 +1,11 @@
 """`AsyncEngineClient`: the server's client of the engine process, inside its asyncio loop.
 
-One reader task routes the core's messages: token deltas to the queue of their request, control
-replies to the future of their call. A watchdog notices a dead core and fails everything waiting
-on it with `EngineDeadError`, so no HTTP request hangs on a dead engine.
+One reader task routes the core's messages: it applies each token delta to its request's state
+(detokenization, stop strings, logprobs) at once, and control replies go to the future of their
+call. A request's consumer is woken once per batch of updates, not once per delta: a stream that
+reads slowly gets the updates merged, and a whole (non-streamed) response wakes only at its end
+and, without stop strings, is detokenized once there. A watchdog notices a dead core and fails
+everything waiting on it with `EngineDeadError`, so no HTTP request hangs on a dead engine.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -24,7 +28,6 @@ from engine.protocol import (
     AddRequest,
     ControlCall,
     ControlReply,
-    RequestDelta,
     StepOutputs,
     ToCore,
 )
@@ -49,6 +52,27 @@ class EngineUnavailable(RuntimeError):
     """The engine is alive but cannot serve now (memory released, weights to update): HTTP 503."""
 
 
+@dataclass(eq=False)
+class LiveRequest:
+    """A request in flight as the reader sees it: its state, the updates its consumer has not
+    taken yet, and the event that wakes the consumer."""
+
+    state: RequestState
+    every_step: bool  # wake per step (streams); else only at the end
+    on_tokens: Callable[[int], None] | None = None  # told each step's new token count (metrics)
+    updates: list[StepUpdate] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    error: EngineDeadError | None = None
+
+    def take(self) -> StepUpdate:
+        """Every update since the last take, merged into one."""
+        updates, self.updates = self.updates, []
+        if len(updates) == 1:
+            return updates[0]
+        return StepUpdate(text="".join(u.text for u in updates), token_ids=[t for u in updates for t in u.token_ids],
+                          finished=any(u.finished for u in updates))
+
+
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         """Start the engine process and wait until it is ready (blocking: call before serving)."""
@@ -58,7 +82,7 @@ class AsyncEngineClient:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self._core = CoreProcess(config, log_level=log_level)
         self.info = self._core.info
-        self._queues: dict[str, asyncio.Queue[RequestDelta | EngineDeadError]] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -113,10 +137,7 @@ class AsyncEngineClient:
         while self.dead is None:
             msg = self._core.decode(await self._from_core.recv())
             if isinstance(msg, StepOutputs):
-                for delta in msg.deltas:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
+                await self._apply(msg)
             elif isinstance(msg, ControlReply):
                 fut = self._calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
@@ -125,6 +146,24 @@ class AsyncEngineClient:
                     else:
                         fut.set_exception(control_error(msg))
         self._fail_all()
+
+    async def _apply(self, msg: StepOutputs) -> None:
+        """Apply a step's deltas to their requests; wake the consumers that have something."""
+        stopped: list[str] = []  # a stop string matched here: the core must stop the request
+        for delta in msg.deltas:
+            live = self._live.get(delta.request_id)
+            if live is None:
+                continue
+            update = live.state.apply(delta)
+            if live.on_tokens is not None and update.token_ids:
+                live.on_tokens(len(update.token_ids))
+            if update.abort:
+                stopped.append(delta.request_id)
+            if live.every_step or update.finished:
+                live.updates.append(update)
+                live.wake.set()
+        if stopped:
+            await self._send(AbortRequests(request_ids=stopped))
 
     async def _watchdog(self) -> None:
         while self._core.check_alive():
@@ -135,8 +174,9 @@ class AsyncEngineClient:
 
     def _fail_all(self) -> None:
         err = EngineDeadError(self.dead or "engine is dead")
-        for queue in self._queues.values():
-            queue.put_nowait(err)
+        for live in self._live.values():
+            live.error = err
+            live.wake.set()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -145,30 +185,34 @@ class AsyncEngineClient:
     # ---- generation -----------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, every_step: bool = True,
+        on_tokens: Callable[[int], None] | None = None,
     ) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
-        """Yield (what changed, the output so far) per engine step until the request finishes.
-        Closing the iterator early (a client that went away) aborts the request in the engine."""
+        """Yield (what changed, the output so far) until the request finishes: per engine step, or
+        per batch of steps when the consumer is slower than the engine; with `every_step` False,
+        once, at the end. Closing the iterator early (a client that went away) aborts the request
+        in the engine."""
         self.check_alive()
-        if request_id in self._queues:
+        if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already running")
-        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer)
-        queue: asyncio.Queue[RequestDelta | EngineDeadError] = asyncio.Queue()
-        self._queues[request_id] = queue
+        # A whole response without stop strings needs its text only at the end: decode once there.
+        incremental = every_step or bool(params.stop)
+        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer, incremental=incremental)
+        live = LiveRequest(state, every_step, on_tokens)
+        self._live[request_id] = live
         finished = False
         try:
             await self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params))
             while not finished:
-                item = await queue.get()
-                if isinstance(item, EngineDeadError):
-                    raise item
-                update = state.apply(item)
+                await live.wake.wait()
+                live.wake.clear()
+                if live.error is not None:
+                    raise live.error
+                update = live.take()
                 finished = update.finished
-                if update.abort:
-                    await self._send(AbortRequests(request_ids=[request_id]))
                 yield update, state.output
         finally:
-            del self._queues[request_id]
+            del self._live[request_id]
             if not finished and self.dead is None:
                 with contextlib.suppress(zmq.Again):  # a full queue: the engine is stuck anyway
                     await self._to_core.send(self._core.encode(AbortRequests(request_ids=[request_id])), flags=zmq.NOBLOCK)
@@ -176,7 +220,7 @@ class AsyncEngineClient:
     def active_ids(self, rid: str) -> list[str]:
         """The engine ids of `rid`: itself and its samples when it was sent with n > 1."""
         prefix = rid + SAMPLE_SEP
-        return [i for i in self._queues if i == rid or i.startswith(prefix)]
+        return [i for i in self._live if i == rid or i.startswith(prefix)]
 
     async def abort(self, rid: str | None) -> int:
         """Abort a request (and its samples), or every request when `rid` is None; returns how

@@ -58,7 +58,7 @@ class Engine:
         states: dict[str, RequestState] = {}
         for ids, sp in zip(prompt_ids, params, strict=True):
             rid = f"gen-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-            states[rid] = RequestState(rid, ids, sp, self.tokenizer)
+            states[rid] = RequestState(rid, ids, sp, self.tokenizer, incremental=bool(sp.stop))  # text once, at the end
             self._core.send(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
         pending = set(states)
         try:

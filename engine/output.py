@@ -50,10 +50,19 @@ class StepUpdate:
 
 
 class RequestState:
+    """One request's output as its deltas arrive. `incremental` False (a whole response with no
+    stop strings: nothing needs the text before the end) keeps the ids to show and decodes them
+    once, at the end, through the same detokenizer: the text is the same, the work one decode."""
+
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any,
+        incremental: bool = True,
     ) -> None:
+        if not incremental and params.stop:
+            raise ValueError("stop strings are matched as text arrives: they need incremental decoding")
         self.params = params
+        self.incremental = incremental
+        self._unshown: list[int] = []  # ids not decoded yet (incremental False)
         self.started = time.monotonic()
         self.detok = IncrementalDetokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
@@ -83,6 +92,9 @@ class RequestState:
         shown = new_ids
         if delta.finish_reason == FINISH_STOP and isinstance(delta.stop_matched, int) and not self.params.no_stop_trim:
             shown = new_ids[:-1]  # the stop token's text is cut (SGLang's trim), its id stays
+        if not self.incremental:
+            self._unshown += shown
+            shown = self._unshown if delta.finished else []
         text = self.detok.step(shown) if shown else ""
         out.text = self.detok.text
         if self.detok.finished_by_stop:

@@ -38,9 +38,10 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-class RequestDelta(msgspec.Struct):
+class RequestDelta(msgspec.Struct, array_like=True):
     """What one step produced for one request. Token lists hold 0 tokens (a request finished with
-    no new token, e.g. aborted) or 1 per step; a client concatenates them."""
+    no new token, e.g. aborted) or 1 per step; a client concatenates them. Encoded as an array
+    (no field names): a step carries one per running request, and the server decodes them all."""
 
     request_id: str
     new_token_ids: list[int]

@@ -19,9 +19,6 @@ from engine.output import GenerationOutput, StepUpdate
 from engine.request import InvalidRequest, SamplingParams
 from server.metrics import Metrics
 
-# How often a non-streaming request looks for its client having gone, seconds.
-DISCONNECT_POLL_S = 0.2
-
 
 class ClientDisconnected(Exception):
     """The HTTP client went away; its requests were aborted in the engine."""
@@ -87,14 +84,15 @@ def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 async def _events(
-    client: AsyncEngineClient, metrics: Metrics, job: Job
+    client: AsyncEngineClient, metrics: Metrics, job: Job, every_step: bool
 ) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
-    """A job's updates, with its metrics recorded; an early close aborts it in the engine."""
+    """A job's updates (per step, or only the last: `every_step`), with its metrics recorded; an
+    early close aborts it in the engine."""
     tracker = metrics.tracker()
     outcome = "disconnected"
     try:
-        async for update, out in client.generate(job.request_id, job.prompt_token_ids, job.params):
-            tracker.on_tokens(len(update.token_ids))
+        updates = client.generate(job.request_id, job.prompt_token_ids, job.params, every_step, tracker.on_tokens)
+        async for update, out in updates:
             if out.unavailable:
                 raise EngineUnavailable(out.error or "the engine cannot serve now")
             if update.finished:
@@ -116,7 +114,7 @@ async def run_jobs(client: AsyncEngineClient, metrics: Metrics, jobs: list[Job],
 
     async def one(job: Job) -> GenerationOutput:
         last: GenerationOutput | None = None
-        async for _, output in _events(client, metrics, job):
+        async for _, output in _events(client, metrics, job, every_step=False):
             last = output
         assert last is not None  # a job always ends with a finished update
         return last
@@ -135,8 +133,10 @@ async def run_jobs(client: AsyncEngineClient, metrics: Metrics, jobs: list[Job],
 
 
 async def _wait_disconnected(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
+    """Returns when the client goes away. The body is read by now, so the next ASGI message is
+    the disconnect: wait for it (no polling)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def stream_jobs(
@@ -148,7 +148,7 @@ async def stream_jobs(
 
     async def pump(job: Job) -> None:
         try:
-            async for update, out in _events(client, metrics, job):
+            async for update, out in _events(client, metrics, job, every_step=True):
                 queue.put_nowait((job, update, out))
             queue.put_nowait(None)
         except Exception as e:

@@ -1,6 +1,7 @@
 """The benchmark scripts run on the device machine only, so CI checks what it can of them: each
-parses its arguments (`--help`) without a GPU, and bench_memory.py without a GPU exits 2 with a
-JSON file that says why, instead of a traceback."""
+parses its arguments (`--help`) without a GPU, bench_memory.py without a GPU exits 2 with a JSON
+file that says why, instead of a traceback, and bench_engine.py and bench_serving.py run every code
+path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("script", ["bench_engine.py", "bench_memory.py", "bench_fused_ops.py", "probe_vmm_driver.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_engine.py", "bench_memory.py", "bench_fused_ops.py", "probe_vmm_driver.py", "bench_serving.py"]
+)
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
     p = _run(os.path.join("bench", script), "--help")
     assert p.returncode == 0, p.stderr
@@ -34,3 +37,49 @@ def test_bench_memory_without_a_gpu_says_why(tmp_path: str) -> None:
     assert "needs an NVIDIA GPU" in p.stdout
     with open(out) as f:
         assert "gpu" in json.load(f)["errors"]
+
+
+def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
+    out, ckpt = os.path.join(tmp_path, "engine.json"), os.path.join(tmp_path, "ckpt")
+    p = _run(os.path.join("bench", "bench_engine.py"), "--tiny", "--model-dir", ckpt, "--skip", "hf", "--out", out)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["errors"] == {} and res["checkpoint"]["path"] == ckpt
+    shape = res["meta"]["model_shape"]
+    with open(os.path.join(ckpt, "config.json")) as f:
+        assert shape["hidden_size"] == json.load(f)["hidden_size"]
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2  # bf16
+    assert res["decode"]["kv_bytes_per_token"] == kv_per_token
+    assert [d["batch_size"] for d in res["decode"]["batches"]] == [1, 4, 8]
+    assert res["throughput"]["output_tokens"] == res["throughput"]["expected_output_tokens"]
+
+
+def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
+    out = os.path.join(tmp_path, "serving.json")
+    args = ["--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out]
+    p = _run(os.path.join("bench", "bench_serving.py"), *args, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["errors"] == {}
+    assert res["checkpoint"]["shape"]["vocab_size"] == 512
+    assert res["server"]["engine_pid"] > 0
+    sections = res["rl"]["8"]
+    assert set(sections) == {"engine", "batched", "singles", "streams", "n8"}
+    requests = {"engine": 8, "batched": 1, "singles": 8, "streams": 8, "n8": 1}
+    for mode, r in sections.items():
+        assert r["requests"] == requests[mode] and r["ok"] == requests[mode] and r["failed"] == 0, (mode, r)
+        assert r["output_tokens"] == r["expected_output_tokens"] == 8 * 8, (mode, r)
+        assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
+        assert r["engine_cpu_pct"] is not None and r["client_cpu_pct_max"] >= 0
+        if mode != "engine":
+            assert r["server_cpu_pct"] is not None and len(r["client_cpu_pct"]) == 2
+    assert sections["streams"]["ttft_ms"]["p50"] > 0
+    online = res["online"]
+    assert online["requests"] == online["ok"] == 6 and online["failed"] == 0
+    assert online["output_tokens"] == online["expected_output_tokens"] > 0
+    assert online["ttft_ms"]["p99"] >= online["ttft_ms"]["p50"] > 0 and online["itl_ms"]["p50"] is not None
+    metrics = [row["metric"] for row in res["table"]]
+    assert any("batched" in m and "Engine" in m for m in metrics) and any("online" in m for m in metrics)
+    assert "| N=8 one batched /generate" in p.stdout

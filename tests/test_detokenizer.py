@@ -168,3 +168,30 @@ def test_prefix_offset_keeps_the_space_a_leading_token_implies() -> None:
         == tok.decode(prompt + output)[len(tok.decode(prompt)) :]
         == " general kenobi you are"
     )
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_whole_response_decoded_once_equals_the_streamed_text(tok: PreTrainedTokenizerFast, skip_special_tokens: bool) -> None:
+    """A whole response decoded once at the end (RequestState with incremental False, as the
+    server does for non-streamed requests without stop strings) has the text of the token-by-token
+    path, for random ids (half characters, specials) and for real text, with any prompt."""
+    from engine.output import RequestState
+    from engine.protocol import RequestDelta
+    from engine.request import SamplingParams
+
+    rng = random.Random(5)
+    cases = [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(150)]
+    cases += [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for ids in cases:
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 8))]
+        states = [RequestState("r", prompt, params, tok, incremental=inc) for inc in (True, False)]
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            delta = RequestDelta(request_id="r", new_token_ids=[t], finished=last, finish_reason="length" if last else None)
+            updates = [s.apply(delta) for s in states]
+        assert updates[0].finished and updates[1].finished
+        assert states[1].output.text == states[0].output.text, (prompt, ids)
+        assert states[1].output.output_ids == states[0].output.output_ids == ids
+    with pytest.raises(ValueError, match="stop strings"):
+        RequestState("r", [1], SamplingParams(stop=("x",)), tok, incremental=False)

@@ -134,7 +134,8 @@ def _sse_events(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]
 def test_slime_streaming_is_cumulative(http: httpx.Client) -> None:
     events = _sse_events(http, slime_payload(64, sampling_seed=1))
     final = events[-1]
-    assert len(events) == len(final["output_ids"]) > 8
+    # One event per step while the client keeps up; updates merge when it lags (never more).
+    assert 2 <= len(events) <= len(final["output_ids"]) == 64
     _check_slime_output(final)
     texts = [e["text"] for e in events]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
@@ -143,9 +144,11 @@ def test_slime_streaming_is_cumulative(http: httpx.Client) -> None:
         assert len(e["meta_info"]["output_token_logprobs"]) == len(e["output_ids"])
         assert final["output_ids"][: len(e["output_ids"])] == e["output_ids"]
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1]) and final["meta_info"]["finish_reason"]
-    # stream_interval: one event per that many tokens (and the last).
+    # stream_interval: an event once that many more tokens are in (and the last).
     sparse = _sse_events(http, slime_payload(16, stream_interval=4, sampling_seed=1))
-    assert len(sparse) == 4 and len(sparse[-1]["output_ids"]) == 16
+    counts = [len(e["output_ids"]) for e in sparse]
+    assert 1 <= len(sparse) <= 4 and counts[-1] == 16
+    assert all(b - a >= 4 for a, b in zip([0, *counts[:-2]], counts[:-1], strict=True)), counts
 
 
 def test_opd_teacher_prefill_only(http: httpx.Client, qwen3_dir: str) -> None:

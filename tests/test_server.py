@@ -67,7 +67,7 @@ def test_text_stream_logprobs_and_n(demo_server: ServerProcess) -> None:
         assert all(row[0][0] >= row[1][0] for row in top)
         with http.stream("POST", "/generate", json=body | {"stream": True}) as r:
             events = _sse(list(r.iter_lines()))
-        assert len(events) == 12
+        assert 2 <= len(events) <= 12  # one per step while the client keeps up, merged when it lags
         assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
         assert all(events[i]["text"].startswith(events[i - 1]["text"]) for i in range(1, len(events)))
         # n samples with a seed: reproducible, and different from each other.
