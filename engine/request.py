@@ -5,6 +5,7 @@ one step runs (`Batch`). Pure Python: the scheduler and the client import this w
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @functools.cached_property
+    def prompt_key(self) -> int:
+        """A hash of the prompt (computed once): requests with equal prompts have equal keys."""
+        return hash(tuple(self.prompt_token_ids))
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,10 @@ Order of a step:
      admitted running request is preempted (blocks freed, to recompute later) until it can.
   2. Waiting requests, first in first out, while budget, `max_num_seqs` and blocks allow. The
      first that does not fit stops admission: nothing overtakes it. No admission in a step that
-     preempted.
+     preempted. One exception: a request whose prompt another request is prefilling (the
+     samples of an n > 1 request) is passed over for this step and keeps its place in the queue:
+     once the prefill is done, the prefix cache hands it the prompt's full blocks. The requests
+     behind it are admitted meanwhile (one prompt's samples must not hold back every prompt).
 A request that could never run (longer than `max_model_len`, or more blocks than the whole cache)
 is finished with FINISH_ERROR instead of waiting forever. Since the oldest running request can
 always preempt all the others, it always progresses, so every request finishes eventually.
@@ -133,6 +136,8 @@ class Scheduler:
             break  # `req` preempted itself: everything after it is gone too
 
         failed: list[Request] = []
+        prefilling = self._prompts_in_prefill()
+        passed_over: list[Request] = []  # samples waiting for their prompt's prefill, in order
         while self.waiting and self.admitting:
             req = self.waiting[0]
             error = self._never_runs(req)
@@ -142,9 +147,13 @@ class Scheduler:
                 req.finish(FINISH_ERROR, error=error)
                 failed.append(req)
                 continue
-            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs or self._follows_a_prefill(req):
+            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs:
                 break
             computed = bm.match_prefix(req)
+            shares_more = computed < _shareable(req, bm.block_size)
+            if shares_more and _in_prefill(req, prefilling):
+                passed_over.append(self.waiting.popleft())
+                continue
             n = min(req.num_tokens - computed, budget)
             if not bm.allocate(req, computed + n):
                 break
@@ -154,17 +163,21 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            if prefilling is not None and shares_more:  # its prefill makes blocks others can share
+                prefilling.setdefault(req.prompt_key, []).append(req)
+        self.waiting.extendleft(reversed(passed_over))
         return batch, failed
 
-    def _follows_a_prefill(self, req: Request) -> bool:
-        """A request whose prompt a running request is still prefilling (the samples of an n > 1
-        request) waits for it: then the prefix cache hands it the prompt's full blocks."""
-        if not self.block_manager.enable_prefix_caching or req.num_prompt_tokens <= self.block_manager.block_size:
-            return False
-        return any(
-            r.num_computed_tokens < r.num_prompt_tokens and r.prompt_token_ids == req.prompt_token_ids
-            for r in self.running
-        )
+    def _prompts_in_prefill(self) -> dict[int, list[Request]] | None:
+        """Running requests whose prompt is not computed yet, by prompt key; None when the prefix
+        cache is off (nothing would be shared by waiting)."""
+        if not self.block_manager.enable_prefix_caching:
+            return None
+        prefilling: dict[int, list[Request]] = {}
+        for r in self.running:
+            if r.num_computed_tokens < _shareable(r, self.block_manager.block_size):
+                prefilling.setdefault(r.prompt_key, []).append(r)
+        return prefilling
 
     def _preempt(self, req: Request) -> None:
         """Drop `req`'s KV; it recomputes (from the prefix cache, where it survives) when readmitted."""
@@ -220,3 +233,16 @@ class Scheduler:
                 self.block_manager.free(req)
                 del self._requests[req.request_id]
         return finished
+
+
+def _shareable(req: Request, block_size: int) -> int:
+    """The prompt tokens of `req` the prefix cache can ever hold: whole blocks, at most
+    num_tokens - 1 (one token is always computed)."""
+    limit = min(req.num_prompt_tokens, req.num_tokens - 1, req.prefix_cache_limit)
+    return limit // block_size * block_size
+
+
+def _in_prefill(req: Request, prefilling: dict[int, list[Request]] | None) -> bool:
+    """Another request is prefilling `req`'s prompt."""
+    others = prefilling.get(req.prompt_key) if prefilling else None
+    return bool(others) and any(r.prompt_token_ids == req.prompt_token_ids for r in others)

@@ -13,11 +13,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from engine.async_client import SAMPLE_SEP, AsyncEngineClient, EngineUnavailable
 from engine.output import GenerationOutput, StepUpdate
 from engine.request import InvalidRequest, SamplingParams
 from server.metrics import Metrics
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that closes its event generator as soon as the response ends, however it
+    ends. Starlette leaves a generator suspended at a `yield` when the client goes away mid-send,
+    to be closed whenever it is garbage-collected; until then its requests would run on in the
+    engine. Closing it at once aborts them."""
+
+    def __init__(self, events: AsyncIterator[Any]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
 class ClientDisconnected(Exception):

@@ -22,13 +22,13 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.async_client import AsyncEngineClient
 from engine.output import GenerationOutput
 from engine.request import InvalidRequest
 from server.errors import error_body
-from server.generation import make_jobs, run_jobs, stream_jobs
+from server.generation import EventStream, make_jobs, run_jobs, stream_jobs
 from server.metrics import Metrics
 from server.openai_reply import Reply
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -166,8 +166,8 @@ async def _choice_chunks(reply: Reply, client: AsyncEngineClient, metrics: Metri
         yield reply.body([], usage=reply.usage(outs))
 
 
-def _streaming(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+def _streaming(chunks: AsyncIterator[dict[str, Any]]) -> EventStream:
+    return EventStream(_sse(chunks))
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

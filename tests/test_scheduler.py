@@ -345,3 +345,42 @@ def test_random_workloads_with_colliding_hashes(seed: int, monkeypatch: pytest.M
     """Four hash values in all: collisions everywhere must cost hits, never outputs."""
     monkeypatch.setattr(kv_cache, "hash_block", lambda parent, tokens: bytes([sum(tokens) % 4]))
     test_random_workloads_match_the_reference(seed)
+
+
+def test_samples_wait_for_their_prompts_prefill_without_holding_back_other_prompts() -> None:
+    """n > 1 requests queue as A0..A3, B0..B3, C0..C3. Step 1 admits the first sample of each
+    prompt (the others are passed over, keeping their places); step 2 admits every other sample
+    with the prompt's full blocks from the prefix cache. Outputs equal the reference."""
+    sched = new_sched(num_blocks=128, block_size=4, budget=256, max_seqs=16)
+    groups = prompts(3, 10)  # 10-12 tokens: 2-3 full blocks each
+    reqs = [make(f"{g}#{i}", p) for g, p in zip("ABC", groups, strict=True) for i in range(4)]
+    model = FakeModel(sched.block_manager)
+    for r in reqs:
+        sched.add(r)
+    first, _ = sched.schedule()
+    assert [r.request_id for r in first.requests] == ["A#0", "B#0", "C#0"]
+    assert [r.request_id for r in sched.waiting] == [f"{g}#{i}" for g in "ABC" for i in range(1, 4)]
+    sched.update(first, model.step(first))
+    second, _ = sched.schedule()
+    assert [r.request_id for r in second.requests] == [r.request_id for r in first.requests] + [
+        f"{g}#{i}" for g in "ABC" for i in range(1, 4)]
+    for r in second.requests[3:]:
+        full = (r.num_prompt_tokens // 4) * 4
+        assert r.num_cached_tokens == (full if full < r.num_prompt_tokens else full - 4), r.request_id
+    sched.update(second, model.step(second))
+    run(sched, [], model)
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 6)
+
+
+def test_a_sample_does_not_overtake_a_request_that_does_not_fit() -> None:
+    """Passing over waiting samples never lets a later request overtake one that does not fit."""
+    sched = new_sched(num_blocks=128, block_size=4, budget=24, max_seqs=16)
+    a, big, small = prompts(1, 10, seed=1)[0], prompts(1, 30, seed=2)[0], prompts(1, 5, seed=3)[0]
+    for r in (make("A#0", a), make("A#1", a), make("big", big), make("small", small)):
+        sched.add(r)
+    batch, _ = sched.schedule()
+    # A#0 (10 tokens) runs; A#1 is passed over; "big" (30 tokens) gets a 14-token chunk; the budget
+    # is then spent, so "small" waits behind it.
+    assert [r.request_id for r in batch.requests] == ["A#0", "big"]
+    assert [r.request_id for r in sched.waiting] == ["A#1", "small"]
