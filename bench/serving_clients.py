@@ -38,7 +38,7 @@ import httpx
 MAX_IDLE_S = 3600
 PER_CLIENT = 16
 _JSON = {"content-type": "application/json"}
-_COUNT_KEY = b'"completion_tokens": '
+_COUNT_KEY = b'"completion_tokens":'  # then optional spaces, then the count (any JSON writer)
 
 
 # ---- what is sent -------------------------------------------------------------------------------
@@ -114,6 +114,8 @@ def _count(event: bytes) -> int | None:
     if i < 0:
         return None
     j = i + len(_COUNT_KEY)
+    while j < len(event) and event[j] == 32:  # json.dumps writes ": ", compact writers ":"
+        j += 1
     k = j
     while k < len(event) and 48 <= event[k] <= 57:
         k += 1
