@@ -192,7 +192,6 @@ class AsyncEngineClient:
         per batch of steps when the consumer is slower than the engine; with `every_step` False,
         once, at the end. Closing the iterator early (a client that went away) aborts the request
         in the engine."""
-        self.check_alive()
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         # A whole response without stop strings needs its text only at the end: decode once there.

@@ -114,6 +114,11 @@ class BlockManager:
         blocks, _ = self._match(req)
         return len(blocks) * self.block_size
 
+    def max_cached_tokens(self, req: Request) -> int:
+        """The most tokens of `req` the prefix cache can serve: whole blocks, at most num_tokens - 1
+        (one token is always computed) and none past `req.prefix_cache_limit`."""
+        return min(req.num_tokens - 1, req.prefix_cache_limit) // self.block_size * self.block_size
+
     def _match(self, req: Request) -> tuple[list[int], _Chain]:
         """The cached blocks holding the longest matching prefix, and the chain they end."""
         chain = _Chain()
@@ -121,7 +126,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return blocks, chain
         bs = self.block_size
-        for i in range(min(req.num_tokens - 1, req.prefix_cache_limit) // bs):
+        for i in range(self.max_cached_tokens(req) // bs):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             h = hash_block(chain.hash, tokens)
             block = self._lookup(h, tokens, chain.serial)

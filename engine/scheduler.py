@@ -150,7 +150,7 @@ class Scheduler:
             if preempted or budget < 1 or len(self.running) >= self.max_num_seqs:
                 break
             computed = bm.match_prefix(req)
-            shares_more = computed < _shareable(req, bm.block_size)
+            shares_more = computed < _shareable(req, bm)
             if shares_more and _in_prefill(req, prefilling):
                 passed_over.append(self.waiting.popleft())
                 continue
@@ -175,7 +175,7 @@ class Scheduler:
             return None
         prefilling: dict[int, list[Request]] = {}
         for r in self.running:
-            if r.num_computed_tokens < _shareable(r, self.block_manager.block_size):
+            if r.num_computed_tokens < _shareable(r, self.block_manager):
                 prefilling.setdefault(r.prompt_key, []).append(r)
         return prefilling
 
@@ -235,11 +235,10 @@ class Scheduler:
         return finished
 
 
-def _shareable(req: Request, block_size: int) -> int:
-    """The prompt tokens of `req` the prefix cache can ever hold: whole blocks, at most
-    num_tokens - 1 (one token is always computed)."""
-    limit = min(req.num_prompt_tokens, req.num_tokens - 1, req.prefix_cache_limit)
-    return limit // block_size * block_size
+def _shareable(req: Request, bm: BlockManager) -> int:
+    """The prompt tokens of `req` the prefix cache can ever hold for others: its whole prompt
+    blocks, within what the cache may serve for `req` itself."""
+    return min(bm.max_cached_tokens(req), req.num_prompt_tokens // bm.block_size * bm.block_size)
 
 
 def _in_prefill(req: Request, prefilling: dict[int, list[Request]] | None) -> bool:

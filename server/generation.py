@@ -55,16 +55,20 @@ def check_prompt(ids: list[int], params: SamplingParams, info: dict[str, Any]) -
     """The engine's own admission rules, checked before it sees the request, so they become 400s."""
     if not ids:
         raise InvalidRequest("the prompt is empty")
-    vocab = info["vocab_size"]
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    check_vocab(ids, info["vocab_size"])
     limit = info["max_context_length"]
     if len(ids) + params.max_new_tokens > limit:
         raise InvalidRequest(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
             f"context length of {limit} tokens"
         )
+
+
+def check_vocab(ids: list[int], vocab: int) -> None:
+    """Every token id in [0, vocab), else `InvalidRequest` naming the first that is not."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def make_jobs(

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.request import InvalidRequest, SamplingParams
+from server.generation import check_vocab
 from server.schemas import MAX_N, Int64
 from server.text_input import encode_text
 
@@ -109,13 +110,13 @@ class CompletionRequest(OpenAISampling):
         if self.echo and self.logprobs is not None:
             raise InvalidRequest("echo with logprobs is not supported: it needs prompt logprobs, which this server does not compute")
 
-    def prompts(self, tokenizer: Any, info: Mapping[str, Any] | None = None) -> tuple[list[list[int]], list[str] | None]:
+    def prompts(self, tokenizer: Any, info: Mapping[str, Any]) -> tuple[list[list[int]], list[str] | None]:
         """Token ids of each prompt, and its text when echo is on (token-id prompts decoded).
 
-        `info` is the engine's (`vocab_size`, `max_context_length`). With it, a text prompt surely
-        over the context is refused before tokenizing (server.text_input). Token-id prompts are
+        `info` is the engine's (`vocab_size`, `max_context_length`): a text prompt surely over the
+        context is refused before tokenizing (server.text_input). Token-id prompts are
         range-checked here only when echo decodes them (the tokenizer cannot decode an id outside
-        its range), with check_prompt's message; without `info` the range is the tokenizer's."""
+        its range); check_prompt checks them all later."""
         p = self.prompt
         if isinstance(p, str):
             texts = [p]
@@ -127,21 +128,11 @@ class CompletionRequest(OpenAISampling):
             ids = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
             if not self.echo:
                 return ids, None
-            vocab = info["vocab_size"] if info is not None else len(tokenizer)
             for x in ids:
-                _check_vocab(x, vocab)
+                check_vocab(x, info["vocab_size"])
             return ids, [tokenizer.decode(x, skip_special_tokens=False) for x in ids]
-        if info is None:
-            return [tokenizer.encode(t) for t in texts], texts if self.echo else None
         limit = info["max_context_length"]
         return [encode_text(tokenizer, t, limit) for t in texts], texts if self.echo else None
-
-
-def _check_vocab(ids: list[int], vocab: int) -> None:
-    """As server.generation.check_prompt: every id in [0, vocab)."""
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 class ChatMessage(BaseModel):
