@@ -177,7 +177,10 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prompt prefixes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, else sdpa) | triton | sdpa"})
-    disable_cuda_graph: bool = field(default=False, metadata={"help": "run decode eagerly (prefill always is)"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run every step eagerly (no decode or piecewise graphs)"})
+    disable_overlap_schedule: bool = field(
+        default=False, metadata={"help": "read each step's tokens before scheduling the next (default: overlap them)"}
+    )
     memory_saver: bool = field(
         default=True, metadata={"help": "GPU memory in releasable regions (torch_memory_saver), on CUDA"}
     )
@@ -190,6 +193,10 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = field(
         default=None, metadata={"help": "largest decode batch replayed from a CUDA graph (default: from memory)"}
     )
+    piecewise_cuda_graph_max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "largest step with prefill replayed from piecewise CUDA graphs (default: max-num-batched-tokens; 0: off)"},
+    )
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
@@ -198,6 +205,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 0:
+            raise ConfigError(f"piecewise_cuda_graph_max_tokens must be >= 0, got {self.piecewise_cuda_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -18,6 +18,7 @@ from engine.core_memory import MemoryCalls
 from engine.core_profile import ProfileCalls, StepProfiler
 from engine.core_weights import WeightUpdateCalls
 from engine.kv_cache import BlockManager
+from engine.launched_step import LaunchedStep
 from engine.memory import RELEASED, RESIDENT
 from engine.model_runner import ModelRunner
 from engine.protocol import (
@@ -60,6 +61,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.draining = False
         # Deltas produced outside a step (aborts from control calls), sent by the loop.
         self.pending: list[RequestDelta] = []
+        # The step launched last and not read yet (overlap scheduling); None between steps
+        # when overlap is off, and always before a control call runs.
+        self.in_flight: LaunchedStep | None = None
         self.updater = WeightUpdater(self.runner.model, config, self.runner.device)
         self.profiler = StepProfiler(self.runner.device)
         self.load_stats = LoadStats()
@@ -110,21 +114,44 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         return [_final_delta(r) for r in aborted if r is not None]
 
     def step(self) -> list[RequestDelta]:
-        """Schedule and run one step; return what it produced."""
+        """Schedule and launch one step, then read the step launched before it: the host packs
+        step k+1 while the device runs step k, and step k's tokens come back while k+1 runs.
+        Returns the deltas of the step read (and of requests refused). With overlap off, or
+        when a step needs the previous tokens on the host (penalties count them), the previous
+        step is read first."""
+        deltas: list[RequestDelta] = []
+        step = self.in_flight
+        if step is not None and (self.config.disable_overlap_schedule or step.needs_host_tokens):
+            deltas += self.drain()
         batch, refused = self.scheduler.schedule()
-        deltas = [_final_delta(r) for r in refused]
-        if len(batch) == 0:
-            return deltas
-        sampled = self.runner.execute(batch)
-        self.scheduler.update(batch, {rid: s.token_id for rid, s in sampled.items()})
-        self.num_steps += 1
-        for req in batch.requests:
-            s = sampled.get(req.request_id)
-            if s is None:
-                continue
+        deltas += [_final_delta(r) for r in refused]
+        previous, self.in_flight = self.in_flight, None
+        if len(batch) > 0:
+            self.in_flight = self.runner.launch(batch, previous)
+            self.scheduler.advance(batch)
+            self.num_steps += 1
+        if previous is not None:
+            deltas += self._read(previous)
+        if self.config.disable_overlap_schedule:
+            deltas += self.drain()
+        self.profiler.after_step(self.num_steps)
+        return deltas
+
+    def drain(self) -> list[RequestDelta]:
+        """Read the step in flight, if any: afterwards every token is known on the host."""
+        step, self.in_flight = self.in_flight, None
+        return self._read(step) if step is not None else []
+
+    def _read(self, step: LaunchedStep) -> list[RequestDelta]:
+        """Wait for a launched step's tokens; apply them; one delta per request still running."""
+        results = step.results()
+        live = [(r, s) for r, s in zip(step.requests, results, strict=True) if not r.finished]
+        self.scheduler.resolve(step.batch, [(r, s.token_id) for r, s in live])
+        deltas: list[RequestDelta] = []
+        for req, s in live:
             # A prefill-only request (max_new_tokens 0) keeps no token: its one delta is empty.
             kept = req.sampling_params.max_new_tokens > 0
-            first = req.num_output_tokens == int(kept)
+            first = req.num_known_tokens - req.num_prompt_tokens == int(kept)
             if first:
                 self.load_stats.on_prefilled(req.num_prompt_tokens, req.num_cached_tokens)
             want_lp = req.sampling_params.logprobs
@@ -143,8 +170,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
                     num_cached_tokens=req.num_cached_tokens,
                 )
             )
-        self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
-        self.profiler.after_step(self.num_steps)
+        self.load_stats.on_step(len(live))
         return deltas
 
     def unavailable(self) -> str | None:
@@ -158,7 +184,10 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         return None
 
     def has_work(self) -> bool:
-        """A step may run: not paused, every tag resident (one forward sees all of them)."""
+        """A step may run (not paused, every tag resident: one forward sees all of them), or one
+        is in flight and must be read."""
+        if self.in_flight is not None:
+            return True
         return not self.paused and not self.memory.released and self.scheduler.has_unfinished()
 
     def take_pending(self) -> list[RequestDelta]:
@@ -214,8 +243,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             "attention_backend": self.runner.backend_name,
             "weights_bytes": self.runner.weights_bytes,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
-            "cuda_graph_bytes": self.runner.graphs.graph_bytes if self.runner.graphs else 0,
+            "cuda_graph_bytes": self.runner.graph_bytes,
             "cuda_graph_batch_sizes": self.runner.graphs.batch_sizes if self.runner.graphs else [],
+            "piecewise_cuda_graph_tokens": self.runner.piecewise.token_sizes if self.runner.piecewise else [],
             "kv_blocks_total": self.block_manager.num_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "block_size": self.block_manager.block_size,
@@ -232,8 +262,13 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         }
 
     def call(self, method: str, kwargs: dict[str, Any]) -> Any:
+        """Run a control call between steps. Every call but a read-only one first reads the step
+        in flight (its deltas go out before the reply), so that it sees and changes a state
+        with no device work queued."""
         if method not in _CONTROL_METHODS:
             raise ValueError(f"unknown control method {method!r}")
+        if method not in _READ_ONLY_METHODS:
+            self.pending += self.drain()
         return getattr(self, method)(**kwargs)
 
 
@@ -244,6 +279,10 @@ _CONTROL_METHODS = frozenset({
     "update_weights_from_distributed", "destroy_weights_update_group",
     "check_weights", "start_profile", "stop_profile", "get_load",
 })
+
+
+# Control calls that only report: they run with a step in flight.
+_READ_ONLY_METHODS = frozenset({"get_info", "ping", "memory_occupation", "get_load"})
 
 
 def _input_logprobs(req: Request) -> list[float | None] | None:

@@ -65,7 +65,7 @@ class LoadCalls:
         waiting = list(sched.waiting)
         usage = used / capacity if capacity else 0.0
         max_running = self.config.max_num_seqs
-        graph_bytes = self.runner.graphs.graph_bytes if self.runner.graphs else 0
+        graph_bytes = self.runner.graph_bytes
         return {
             "dp_rank": 0,
             "num_running_reqs": sched.num_running,

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -46,6 +47,7 @@ class CudaGraphRunner:
         vocab_size: int,
         device: torch.device,
         batch_sizes: list[int] | None = None,  # default: the ladder; the benchmark captures [max_bs] alone
+        pool: Any = None,  # a graph pool to capture into (shared with other graphs); default: a new one
     ) -> None:
         self.model = model
         self.backend = backend
@@ -57,7 +59,7 @@ class CudaGraphRunner:
         self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device)  # [max_bs, V]
         backend.init_graph_buffers(max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool: tuple[int, int] | None = None
+        self.pool: Any = pool
         self.static_bytes = sum(t.numel() * t.element_size() for t in (self.input_ids, self.positions, self.logits))
         self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
 

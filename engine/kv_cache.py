@@ -211,13 +211,14 @@ class BlockManager:
     # ---- prefix registration ------------------------------------------------------------------
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register every block of `req` that is full of computed tokens. Idempotent, and
-        O(new blocks): the request's chain remembers how far it got."""
+        """Register every block of `req` that is full of computed tokens whose ids are known (a
+        pending token is not hashed). Idempotent, and O(new blocks): the request's chain
+        remembers how far it got."""
         chain = self._chains.get(req.request_id)
         if chain is None:
             return  # prefix caching is off, or the request holds no blocks
         bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(req.block_table))
+        num_full = min(min(req.num_computed_tokens, req.num_known_tokens) // bs, len(req.block_table))
         for i in range(chain.num_blocks, num_full):
             tokens = tuple(req.token_ids[i * bs : (i + 1) * bs])
             h = hash_block(chain.hash, tokens)

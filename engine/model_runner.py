@@ -1,13 +1,13 @@
 """`ModelRunner`: owns the device side of the engine. Startup is a recipe (model, weights, KV cache,
-attention backend, sampler); `execute` turns a scheduled `Batch` into tensors, runs the model and
-samples the rows that finished their tokens this step.
+attention backend, sampler); `launch` turns a scheduled `Batch` into tensors, runs the model and
+samples the rows that finished their tokens this step, all queued on the device without waiting;
+its `LaunchedStep.results()` waits for the tokens (overlap scheduling: see engine/core.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +25,18 @@ from engine.kv_budget import (
     kv_block_bytes,
     num_kv_blocks_for_budget,
 )
+from engine.launched_step import LaunchedStep
 from engine.memory import HostWeights, MemoryRegions
 from engine.models import get_model_class
+from engine.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from engine.request import Batch
 from engine.sampler import Sampler, SamplingBatch
-from engine.step_inputs import StepInputs, Uploader, build_metadata, build_step_inputs
+from engine.step_inputs import (
+    StepInputs,
+    Uploader,
+    build_metadata,
+    build_step_inputs,
+)
 from engine.weights import load_checkpoint
 
 log = logging.getLogger("siesta.engine")
@@ -53,13 +60,6 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
     return _DTYPES[model_config.torch_dtype if name == "auto" else name]
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None
 
 
 class ModelRunner:
@@ -106,14 +106,30 @@ class ModelRunner:
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
 
+        # Decode graphs and piecewise graphs share one pool: they never run at once.
         self.graphs: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseGraphRunner | None = None
+        piecewise_sizes = self._piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
+            pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:
-                self.graphs = CudaGraphRunner(self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device)
-        if self.graphs is not None:
-            self.graphs.capture(self.memory.graph_capture)
-            self.memory.bytes["cuda_graph"] += self.graphs.pool_bytes
+                self.graphs = CudaGraphRunner(
+                    self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device, pool=pool
+                )
+            if piecewise_sizes:
+                self.piecewise = PiecewiseGraphRunner(
+                    self.model, self.attn_backend, piecewise_sizes, mc.hidden_size, mc.num_heads, mc.head_dim,
+                    self.dtype, self.device, pool=pool,
+                )  # fmt: skip
+        self.graph_bytes = 0  # the shared pool and every static buffer of both runners
+        for runner in (self.graphs, self.piecewise):
+            if runner is not None:
+                runner.capture(self.memory.graph_capture)
+                self.graph_bytes += runner.static_bytes
+        pool_bytes = max((r.pool_bytes for r in (self.graphs, self.piecewise) if r is not None), default=0)
+        self.memory.bytes["cuda_graph"] += pool_bytes
+        self.graph_bytes += pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
@@ -135,6 +151,14 @@ class ModelRunner:
             return min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
         total = torch.cuda.get_device_properties(self.device).total_memory
         return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
+
+    def _piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
+        """The token counts of the piecewise graphs for steps with prefill: none on CPU or by flag."""
+        limit = self.config.piecewise_cuda_graph_max_tokens
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
+            return []
+        cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
+        return piecewise_token_sizes(cap, kv_capacity_tokens)
 
     def _load_model(self) -> torch.nn.Module:
         cls = get_model_class(self.model_config.architecture)
@@ -200,38 +224,40 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
         reserve = self.graph_max_bs * mc.vocab_size * 4 + _GRAPH_MARGIN if self.graph_max_bs else 0
+        pieces = self._piecewise_sizes(budget)
+        if pieces:  # their pool holds the activations of their largest size: at most the peak
+            itemsize = torch.finfo(self.dtype).bits // 8
+            reserve += peak + pieces[-1] * (mc.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
         return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
 
-    def prepare(self, batch: Batch) -> StepInputs:
-        return build_step_inputs(batch, self.block_size, self.upload)
-
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> dict[str, SampleResult]:
-        """Run one step; return the sampled token of each request that samples, by request id.
-        A decode step where every row samples replays a CUDA graph when one fits."""
-        inputs = self.prepare(batch)
+    def launch(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device and return without waiting for it. `previous` is the step
+        launched before this one, if its tokens are not read yet: a row whose input is one of
+        them takes it from the device. A decode step where every row samples replays a CUDA
+        graph when one fits."""
+        pending = previous.pending_tokens() if previous is not None else None
+        inputs = build_step_inputs(batch, self.block_size, self.upload, pending)
         if not inputs.sample_rows:
             self._eager(batch, inputs)
-            return {}
+            return LaunchedStep(batch, [], None)
         every_row_samples = len(inputs.sample_rows) == len(batch)
         if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
             logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             logits = self.model.compute_logits(self._eager(batch, inputs)[inputs.sample_indices])
         reqs = [batch.requests[i] for i in inputs.sample_rows]
-        out = self.sampler(logits, SamplingBatch.from_requests(reqs, self.device))
-        return {
-            r.request_id: SampleResult(
-                token_id=out.token_ids[j],
-                logprob=out.logprobs[j],
-                top_logprobs=out.top_logprobs[j] if out.top_logprobs is not None else None,
-            )
-            for j, r in enumerate(reqs)
-        }
+        sampling = SamplingBatch.from_requests(reqs, self.device, self.upload)
+        return LaunchedStep(batch, reqs, self.sampler.sample(logits, sampling))
 
     def _eager(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:
-        """The forward without a graph: hidden states [T, hidden]; prompt logprobs filled in."""
-        hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+        """The forward without a full graph: hidden states [T, hidden], replayed from the
+        piecewise graphs when T fits them; prompt logprobs filled in."""
+        num_tokens = inputs.input_ids.shape[0]
+        if self.piecewise is not None and self.piecewise.can_run(num_tokens):
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(batch, inputs, hidden)
         return hidden

@@ -111,6 +111,10 @@ class RequestStatus(enum.Enum):
 # the engine could never run, with `error` saying why).
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 
+# Stands in `Request.token_ids` for a token sampled on the device and not yet read back. Never a
+# model input: the step that consumes it takes the id from the previous step's device output.
+PENDING_TOKEN = -1
+
 
 @dataclass(eq=False)
 class Request:
@@ -131,6 +135,9 @@ class Request:
     stop_matched: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Output tokens sampled by a launched step whose ids the host does not know yet; they end
+    # `token_ids` as PENDING_TOKEN (overlap scheduling: at most one, from the step in flight).
+    num_pending: int = 0
     # Logprob of prompt token i given tokens < i, filled during prefill when asked for
     # (sampling_params.logprob_start_len >= 0); None where not computed (and for token 0).
     prompt_logprobs: list[float | None] = field(default_factory=list)
@@ -176,22 +183,52 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Append a sampled token and finish the request if it hit a stop condition.
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: all but the pending ones at the end."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def awaiting_last_token(self) -> bool:
+        """Its last token is sampled but not yet known here: nothing is left to compute for it."""
+        return self.num_pending > 0 and self.num_output_tokens >= self.sampling_params.max_new_tokens
+
+    def add_pending_token(self) -> None:
+        """A step that samples this request was launched: its token joins `token_ids` as
+        `PENDING_TOKEN` until `resolve_token` gives the id (a prefill-only request keeps none)."""
+        if self.sampling_params.max_new_tokens > 0:
+            self.token_ids.append(PENDING_TOKEN)
+            self.num_pending += 1
+
+    def resolve_token(self, token_id: int) -> None:
+        """The oldest pending token is `token_id`: set it, and finish the request if it hit a stop
+        condition, dropping the pending tokens after it (a later step sampled them in vain).
         String stops are the client's job: it sees text, and aborts the request on a match.
         A prefill-only request (max_new_tokens 0) keeps no token and finishes with length."""
         sp = self.sampling_params
         if sp.max_new_tokens == 0:
             self.finish(FINISH_LENGTH)
             return
-        self.token_ids.append(token_id)
-        n_out = self.num_output_tokens
-        if n_out >= sp.min_new_tokens:
-            if token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids):
-                self.finish(FINISH_STOP, matched=token_id)
-                return
-        if n_out >= sp.max_new_tokens:
+        if self.num_pending < 1:
+            raise RuntimeError(f"request {self.request_id} has no pending token to resolve")
+        index = len(self.token_ids) - self.num_pending
+        self.token_ids[index] = token_id
+        self.num_pending -= 1
+        n_out = index + 1 - self.num_prompt_tokens
+        if n_out >= sp.min_new_tokens and (
+            token_id in sp.stop_token_ids or (not sp.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            self.finish(FINISH_STOP, matched=token_id)
+        elif n_out >= sp.max_new_tokens:
             self.finish(FINISH_LENGTH)
+        if self.finished:
+            del self.token_ids[index + 1 :]
+            self.num_pending = 0
+
+    def append_token(self, token_id: int) -> None:
+        """Sample and resolve at once (a step whose tokens are known when the next is scheduled)."""
+        self.add_pending_token()
+        self.resolve_token(token_id)
 
     def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

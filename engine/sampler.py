@@ -1,8 +1,9 @@
 """Turning one step's logits into tokens: penalties, logit bias, min_new_tokens, logprobs, greedy,
 temperature, top-k, top-p, min-p and per-request seeds.
 
-Everything runs on the logits' device with batched tensor ops; the only host sync is the one
-transfer of the results at the end of `Sampler.__call__`. Per-row choices that change the work done
+Everything runs on the logits' device with batched tensor ops; `Sampler.sample` launches it all
+without waiting (the inputs come through the asynchronous `Uploader`), and the only host sync
+is `SampledOnDevice.wait`, which reads the results. Per-row choices that change the work done
 (any penalties? any sampled rows? any top-k?) are Python flags on `SamplingBatch`, known without
 looking at a tensor.
 
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.pinned import PinnedRing
 from engine.request import Request
+from engine.step_inputs import Uploader
 
 # A seeded row's noise at output step n comes from a generator seeded with
 # (seed * _SEED_STRIDE + n) & _SEED_MASK: the same for that (seed, n) whatever else is batched
@@ -32,10 +35,6 @@ _SEED_MASK = (1 << 63) - 1
 def step_seed(seed: int, num_output_tokens: int) -> int:
     """Generator seed of a seeded request when it samples its output token `num_output_tokens`."""
     return (seed * _SEED_STRIDE + num_output_tokens) & _SEED_MASK
-
-
-def _pairs_tensor(rows: list[int], cols: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([rows, cols], dtype=torch.long, device=device)  # [2, N]: row ids, token ids
 
 
 @dataclass
@@ -65,11 +64,19 @@ class SamplingBatch:
     use_min_p: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
+    def from_requests(
+        cls, requests: list[Request], device: torch.device, upload: Uploader | None = None
+    ) -> SamplingBatch:
+        """The step's sampling inputs, sent through `upload` (asynchronous: no host sync) when
+        given; without it each tensor is a blocking copy."""
         params = [r.sampling_params for r in requests]
+        upload = upload or Uploader(device)
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return upload.floats([values])[0]
+
+        def pairs(rows: list[int], cols: list[int]) -> torch.Tensor:  # [2, N]: row ids, token ids
+            return upload([rows + cols])[0].view(2, len(rows))
 
         greedy = [p.greedy for p in params]
         seeds = [
@@ -91,7 +98,7 @@ class SamplingBatch:
                     tokens = set(r.token_ids)
                     rows += [i] * len(tokens)
                     cols += tokens
-            seen_pairs = _pairs_tensor(rows, cols, device)
+            seen_pairs = pairs(rows, cols)
         if use_out:
             rows, cols, counts = [], [], []
             for i, r in enumerate(requests):
@@ -100,7 +107,7 @@ class SamplingBatch:
                     rows += [i] * len(counter)
                     cols += counter.keys()
                     counts += counter.values()
-            output_pairs = _pairs_tensor(rows, cols, device)
+            output_pairs = pairs(rows, cols)
             output_counts = floats(counts)
 
         # min_new_tokens: the tokens that would end the request are impossible until it has enough.
@@ -135,8 +142,8 @@ class SamplingBatch:
             seen_pairs=seen_pairs,
             output_pairs=output_pairs,
             output_counts=output_counts,
-            banned_pairs=_pairs_tensor(ban_rows, ban_cols, device) if ban_rows else None,
-            bias_pairs=_pairs_tensor(bias_rows, [t for t, _ in bias], device) if bias else None,
+            banned_pairs=pairs(ban_rows, ban_cols) if ban_rows else None,
+            bias_pairs=pairs(bias_rows, [t for t, _ in bias]) if bias else None,
             bias_values=floats([b for _, b in bias]) if bias else None,
             seeds=seeds,
             top_logprobs_nums=[p.top_logprobs_num for p in params],
@@ -160,6 +167,46 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+class SampledOnDevice:
+    """A step's samples, launched and not yet read: `token_ids` [B] int64 on the device (the next
+    step's inputs can take them from there); `wait()` reads the results on the host."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        packed: torch.Tensor,  # [B, 2 + 2 * n_top] float64: token, logprob, top values, top ids
+        top_logprobs_nums: list[int],
+        pinned: PinnedRing | None,
+    ) -> None:
+        self.token_ids = token_ids
+        self._top_nums = top_logprobs_nums
+        self._n_top = (packed.shape[1] - 2) // 2
+        self._host = packed
+        self._copied: torch.cuda.Event | None = None
+        if pinned is not None:  # on CUDA: one asynchronous copy into a pinned buffer
+            buffer, self._copied = pinned.take(packed.numel(), packed.dtype)
+            self._host = buffer.view(packed.shape)
+            self._host.copy_(packed, non_blocking=True)
+            self._copied.record()
+
+    def wait(self) -> SamplerOutput:
+        """The step's results on the host: the step's only host sync (ids < 2**53 stay exact)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._host.tolist()
+        n_top = self._n_top
+        return SamplerOutput(
+            token_ids=[int(row[0]) for row in rows],
+            logprobs=[row[1] for row in rows],
+            top_logprobs=None
+            if n_top == 0
+            else [
+                [(int(row[2 + n_top + j]), row[2 + j]) for j in range(n)]
+                for row, n in zip(rows, self._top_nums, strict=True)
+            ],
+        )
+
+
 class Sampler:
     """Samples one token per row. Rows without a seed share the generator seeded with `seed`."""
 
@@ -168,9 +215,13 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # re-seeded for each seeded row
-        self._pinned: torch.Tensor | None = None  # host landing buffer of results on CUDA
+        self._pinned = PinnedRing() if self.device.type == "cuda" else None  # results' landing
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, batch).wait()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledOnDevice:
+        """Launch the sampling of `logits` [B, V]; nothing here waits for the device."""
         logits = self.process_logits(logits, batch)  # [B, V] float32
         scaled = logits / batch.temperatures[:, None]  # [B, V]
         logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
@@ -188,30 +239,8 @@ class Sampler:
         if n_top > 0:
             top_values, top_ids = logprobs.topk(n_top, dim=-1)  # [B, n_top] each
             columns += [top_values.double(), top_ids.double()]
-        rows = self._to_host(torch.cat(columns, dim=1))  # the one host sync; ids < 2**53 stay exact
-        return SamplerOutput(
-            token_ids=[int(row[0]) for row in rows],
-            logprobs=[row[1] for row in rows],
-            top_logprobs=None
-            if n_top == 0
-            else [
-                [(int(row[2 + n_top + j]), row[2 + j]) for j in range(n)]
-                for row, n in zip(rows, batch.top_logprobs_nums, strict=True)
-            ],
-        )
-
-    def _to_host(self, packed: torch.Tensor) -> list[list[float]]:
-        """The step's results on the host. On CUDA they come back through a pinned buffer (grown,
-        never shrunk), then one stream synchronization: the step's only host sync."""
-        if packed.device.type != "cuda":
-            return packed.tolist()
-        n = packed.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 1 << 14), dtype=torch.float64, pin_memory=True)
-        host = self._pinned[:n].view(packed.shape)
-        host.copy_(packed, non_blocking=True)
-        torch.cuda.current_stream(packed.device).synchronize()
-        return host.tolist()
+        packed = torch.cat(columns, dim=1)
+        return SampledOnDevice(tokens, packed, batch.top_logprobs_nums, self._pinned)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Penalties, logit bias, then min_new_tokens masking; returns a new [B, V] float32 tensor."""

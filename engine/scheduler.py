@@ -17,6 +17,13 @@ Order of a step:
 A request that could never run (longer than `max_model_len`, or more blocks than the whole cache)
 is finished with FINISH_ERROR instead of waiting forever. Since the oldest running request can
 always preempt all the others, it always progresses, so every request finishes eventually.
+
+A step is accounted for twice (overlap scheduling): `advance` when it is launched (its chunks
+count as computed; each row that samples gets a pending token, whose id the device has and the
+host not yet) and `resolve` when its tokens are read back, after the next step was scheduled and
+launched. A decode row's input may be the pending token: the model runner takes it from the
+device. Between the two, a request whose last allowed token is pending is not scheduled, and one
+preempted with a pending token is not readmitted until it resolves.
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n < 1:
+            if n < 1 or req.awaiting_last_token:
                 i += 1
                 continue
             while not bm.allocate(req, req.num_computed_tokens + n):
@@ -147,8 +154,8 @@ class Scheduler:
                 req.finish(FINISH_ERROR, error=error)
                 failed.append(req)
                 continue
-            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs:
-                break
+            if preempted or budget < 1 or len(self.running) >= self.max_num_seqs or req.num_pending:
+                break  # (a request preempted with a token in flight waits until it is known)
             computed = bm.match_prefix(req)
             shares_more = computed < _shareable(req, bm)
             if shares_more and _in_prefill(req, prefilling):
@@ -206,32 +213,39 @@ class Scheduler:
             )
         return None
 
-    def update(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
-        """Account for a step the model ran: `sampled` maps request id -> next token for exactly the
-        requests whose chunk reached their last token (`batch.samples(i)`, judged before this call).
-        Returns the requests that finished; their blocks are freed."""
-        finished: list[Request] = []
+    def advance(self, batch: Batch) -> list[Request]:
+        """Account for a launched step, before its tokens are known: every row's chunk counts as
+        computed, and each row that samples (`batch.samples(i)`) gets a pending token. Returns
+        the sampling requests, in batch order: `resolve` takes their tokens in that order."""
+        sampling = [req for i, req in enumerate(batch.requests) if batch.samples(i)]
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            if req.finished:
-                continue  # aborted after schedule(): its blocks are already freed
             req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
-            token = sampled.get(req.request_id)
-            at_end = req.num_computed_tokens == req.num_tokens
-            if (token is not None) != at_end:
-                raise RuntimeError(
-                    f"request {req.request_id}: {'a' if token is not None else 'no'} sampled token, but "
-                    f"{req.num_computed_tokens} of {req.num_tokens} tokens are computed"
-                )
-            if token is not None:
-                req.append_token(token)
+        for req in sampling:
+            req.add_pending_token()
+        return sampling
+
+    def resolve(self, batch: Batch, tokens: list[tuple[Request, int]]) -> list[Request]:
+        """The tokens of an advanced step are known: (request, token) for each sampling request
+        still unfinished (one aborted, or finished by an earlier token, has none). Registers the
+        full blocks, frees the requests that finished. A request preempted since the launch may
+        be waiting; it resolves there. Returns the requests that finished."""
+        finished: list[Request] = []
+        finished_waiting: list[Request] = []  # preempted after the launch, finished now
+        for req, token in tokens:
+            waiting = req.status is RequestStatus.WAITING
+            req.resolve_token(token)
             if req.finished:
-                finished.append(req)
+                (finished_waiting if waiting else finished).append(req)
+        for req in batch.requests:
+            self.block_manager.cache_full_blocks(req)
         if finished:
             self.running[:] = [r for r in self.running if not r.finished]
-            for req in finished:
-                self.block_manager.free(req)
-                del self._requests[req.request_id]
+        for req in finished_waiting:
+            self.waiting.remove(req)
+        finished += finished_waiting
+        for req in finished:
+            self.block_manager.free(req)
+            del self._requests[req.request_id]
         return finished
 
 

@@ -2,9 +2,11 @@
 which rows sample), built on the host and sent to the device in ONE copy.
 
 Rule: every integer the step needs is packed into one int64 host buffer (an `array`, no Python
-int list of the whole), copied once (on CUDA from
-a pinned staging buffer, asynchronously), and sliced into views there; int32 fields are cast on
-the device. The staging buffer is reused: safe because each step ends with a host sync.
+int list of the whole), copied once (on CUDA from a pinned staging buffer, asynchronously), and
+sliced into views there; int32 fields are cast on the device. Nothing here waits for the device:
+the next step is packed while the previous one runs (overlap scheduling), so a staging buffer is
+reused only once the copy that last read it has finished, and an input token the host does not
+know yet (`PENDING_TOKEN`) is taken on the device from the previous step's sampled tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.request import Batch
+from engine.pinned import PinnedRing
+from engine.request import Batch, Request
 
 
 @dataclass
@@ -30,34 +33,55 @@ class StepInputs:
     prompt_logprob_rows: list[tuple[int, int, int]]
 
 
+@dataclass
+class PendingTokens:
+    """The tokens a launched step sampled, still on the device: `token_ids` [S] int64, row j
+    belonging to `rows[request]` = j."""
+
+    token_ids: torch.Tensor
+    rows: dict[Request, int]
+
+
 class Uploader:
-    """Host-to-device copies of int64 data through one staging buffer (pinned on CUDA)."""
+    """Host-to-device copies of int64 (`__call__`) or float32 (`floats`) data, one copy per call
+    through a ring of staging buffers (pinned on CUDA)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._staging: torch.Tensor | None = None
+        self._staging = PinnedRing() if device.type == "cuda" else None
 
     def __call__(self, parts: list[list[int]]) -> list[torch.Tensor]:
         """The parts, concatenated into one int64 buffer, copied once; one device view per part."""
-        packed = array("q")
+        return self._upload(parts, "q", torch.int64)
+
+    def floats(self, parts: list[list[float]]) -> list[torch.Tensor]:
+        """As `__call__`, in float32."""
+        return self._upload(parts, "f", torch.float32)
+
+    def _upload(self, parts: list[list], typecode: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        packed = array(typecode)
         for part in parts:
             packed.extend(part)
-        flat = self._copy(torch.frombuffer(packed, dtype=torch.int64) if packed else torch.empty(0, dtype=torch.int64))
+        host = torch.frombuffer(packed, dtype=dtype) if packed else torch.empty(0, dtype=dtype)
+        flat = self._copy(host)
         return list(torch.split(flat, [len(p) for p in parts]))
 
     def _copy(self, host: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
+        if self._staging is None:
             return host.to(self.device)
-        n = host.numel()
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True)
-        self._staging[:n].copy_(host)
-        return self._staging[:n].to(self.device, non_blocking=True)
+        staging, copied = self._staging.take(host.numel(), host.dtype)
+        staging.copy_(host)
+        device = staging.to(self.device, non_blocking=True)
+        copied.record()
+        return device
 
 
-def build_step_inputs(batch: Batch, block_size: int, upload: Uploader) -> StepInputs:
+def build_step_inputs(
+    batch: Batch, block_size: int, upload: Uploader, pending: PendingTokens | None = None
+) -> StepInputs:
     """Request i runs its tokens num_computed_tokens .. + num_new_tokens[i]; its KV goes to the
-    slots its block table gives; it samples iff that chunk reaches its last token."""
+    slots its block table gives; it samples iff that chunk reaches its last token. A chunk ending
+    in a pending token (the one decode input the host may not know) reads it from `pending`."""
     input_ids: list[int] = []
     positions: list[int] = []
     starts: list[int] = []
@@ -65,6 +89,8 @@ def build_step_inputs(batch: Batch, block_size: int, upload: Uploader) -> StepIn
     sample_rows: list[int] = []
     sample_indices: list[int] = []
     prompt_rows: list[tuple[int, int, int]] = []
+    fill_rows: list[int] = []  # token rows whose id is pending ...
+    fill_from: list[int] = []  # ... and the row of `pending.token_ids` that holds it
     for i, req in enumerate(batch.requests):
         start = req.num_computed_tokens
         end = start + batch.num_new_tokens[i]
@@ -76,13 +102,20 @@ def build_step_inputs(batch: Batch, block_size: int, upload: Uploader) -> StepIn
         positions += range(start, end)
         starts.append(start)
         ends.append(end)
+        if end > req.num_known_tokens:
+            if pending is None or req not in pending.rows or end - req.num_known_tokens != 1:
+                raise RuntimeError(f"request {req.request_id}: an input token is pending but not in flight")
+            fill_rows.append(len(input_ids) - 1)
+            fill_from.append(pending.rows[req])
         if batch.samples(i):
             sample_rows.append(i)
             sample_indices.append(len(input_ids) - 1)
     tables = [r.block_table for r in batch.requests]
     meta, meta_values = _metadata_values(ends, starts, tables, block_size)
-    views = upload([input_ids, positions, sample_indices, *meta_values])
-    input_ids_d, positions_d, sample_indices_d, qsl, seq_lens, slots, tables_flat = views
+    views = upload([input_ids, positions, sample_indices, fill_rows, fill_from, *meta_values])
+    input_ids_d, positions_d, sample_indices_d, fill_rows_d, fill_from_d, qsl, seq_lens, slots, tables_flat = views
+    if fill_rows and pending is not None:
+        input_ids_d.index_copy_(0, fill_rows_d, pending.token_ids.index_select(0, fill_from_d))
     return StepInputs(
         input_ids=input_ids_d,
         positions=positions_d,

@@ -73,6 +73,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "mem_fraction_static": cfg["mem_fraction"],
         "disable_radix_cache": not cfg["enable_prefix_caching"],
         "disable_cuda_graph": cfg["disable_cuda_graph"],
+        "disable_overlap_schedule": cfg["disable_overlap_schedule"],
         "max_total_num_tokens": capacity,
         "max_running_requests": cfg["max_num_seqs"],
         "max_req_input_len": max(min(info["max_context_length"], capacity) - 1, 1),

@@ -53,6 +53,36 @@ def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
     assert res["decode"]["kv_bytes_per_token"] == kv_per_token
     assert [d["batch_size"] for d in res["decode"]["batches"]] == [1, 4, 8]
     assert res["throughput"]["output_tokens"] == res["throughput"]["expected_output_tokens"]
+    # The mixed section: B decodes + one fresh C-token prompt in one step vs the two apart.
+    mixed, args = res["mixed"], res["meta"]["args"]
+    assert (mixed["batch_size"], mixed["chunk_tokens"], mixed["context"]) == (4, 32, args["decode_context"])
+    a, b, c = mixed["decode_step_median_s"], mixed["chunk_step_median_s"], mixed["mixed_step_median_s"]
+    assert min(a, b, c) > 0
+    for key in ("decode_step_s", "chunk_step_s", "mixed_step_s"):
+        assert len(mixed[key]) == mixed["reps"] == 3 and min(mixed[key]) > 0, key
+    assert mixed["reference_s"] == pytest.approx(a + b) and mixed["ratio"] == pytest.approx(c / (a + b))
+    reps = mixed["warmup_reps"] + mixed["reps"]
+    assert mixed["chunks_prefilled"] == 2 * reps * mixed["steps_per_rep"]  # (b) and (c), one per step
+    # Every decode ran in every (a) and (c) step: one token more each.
+    assert mixed["decode_context_end"] - mixed["decode_context_start"] == 2 * reps * mixed["steps_per_rep"]
+    rows = {r["metric"]: r for r in res["table"]}
+    row = rows["mixed step: 4 decodes + one 32-token chunk (ms); ref = decode step + chunk prefill alone"]
+    assert row["measured"] == pytest.approx(c * 1e3) and row["reference"] == pytest.approx((a + b) * 1e3)
+    assert row["ratio"] == pytest.approx(mixed["ratio"]) and row["target"] == "<= 1.30"
+    assert rows["mixed: decode step bs=4 alone (ms)"]["measured"] == pytest.approx(a * 1e3)
+    assert rows["mixed: one 32-token chunk prefill alone (ms)"]["measured"] == pytest.approx(b * 1e3)
+    assert "| mixed step: 4 decodes + one 32-token chunk (ms)" in p.stdout
+
+
+def test_bench_engine_keeps_the_names_other_scripts_import() -> None:
+    """bench_memory.py, bench_fused_ops.py and bench_serving.py import these from bench_engine,
+    whose sections now live in bench/engine_*.py."""
+    names = ("FULL_DEFAULTS", "FULL_SHAPE", "TINY_SHAPE", "BUILT_MARKER", "make_checkpoint", "checkpoint",
+             "shape_label", "copy_bandwidth", "say", "run_section", "write_json")
+    code = f"import sys; sys.path.insert(0, 'bench'); import bench_engine as b; print([n for n in {names} if "
+    code += "not hasattr(b, n)])"
+    p = _run("-c", code)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
 def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:

@@ -20,6 +20,7 @@ from engine.request import (
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
+    PENDING_TOKEN,
     Batch,
     Request,
     SamplingParams,
@@ -43,7 +44,9 @@ class FakeModel:
         self.bm = bm
         self.kv: list[list[int | None]] = [[None] * bm.block_size for _ in range(bm.num_blocks)]
 
-    def step(self, batch: Batch) -> dict[str, int]:
+    def step(self, batch: Batch, in_flight: dict[str, int] | None = None) -> dict[str, int]:
+        """Run `batch`; a pending input token (overlap) is read from `in_flight`, the tokens of
+        the step launched before, as the device would."""
         bs = self.bm.block_size
         sampled: dict[str, int] = {}
         for i, r in enumerate(batch.requests):
@@ -57,11 +60,22 @@ class FakeModel:
             for pos in range(start, start + n):
                 block = r.block_table[pos // bs]
                 assert self.bm.ref_count(block) == 1 and not self.bm.is_cached(block)
-                state = mix(state, r.token_ids[pos])
+                token = r.token_ids[pos]
+                if token == PENDING_TOKEN:
+                    assert in_flight is not None and pos == r.num_tokens - 1, (r.request_id, pos)
+                    token = in_flight[r.request_id]
+                state = mix(state, token)
                 self.kv[block][pos % bs] = state
             if batch.samples(i):
                 sampled[r.request_id] = next_token(state)
         return sampled
+
+
+def apply(sched: Scheduler, batch: Batch, model: FakeModel) -> list[Request]:
+    """One step without overlap: run, advance, resolve; returns the requests that finished."""
+    sampled = model.step(batch)
+    sampling = sched.advance(batch)
+    return sched.resolve(batch, [(r, sampled[r.request_id]) for r in sampling if not r.finished])
 
 
 def reference(prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -98,7 +112,7 @@ def run(
         assert batch.num_tokens <= sched.max_num_batched_tokens
         assert sched.num_running <= sched.max_num_seqs
         assert batch.requests or errors or not sched.has_unfinished(), "empty step with work left"
-        sched.update(batch, model.step(batch))
+        apply(sched, batch, model)
         batches.append(batch)
     return batches, failed
 
@@ -196,7 +210,7 @@ def test_abort_frees_blocks() -> None:
         sched.add(r)
     for _ in range(3):
         batch, _ = sched.schedule()
-        sched.update(batch, model.step(batch))
+        apply(sched, batch, model)
     assert (sched.running, list(sched.waiting)) == ([a, b], [c])
     assert sched.request_ids() == ["a", "b", "c"]
     assert sched.abort("nope") is None
@@ -205,12 +219,13 @@ def test_abort_frees_blocks() -> None:
     a_blocks = len(a.block_table)
     assert sched.abort("a") is a and a.finish_reason == FINISH_ABORT
     assert a.block_table == [] and sched.block_manager.num_used_blocks == used - a_blocks
-    # Aborted between schedule() and update(): update skips it.
+    # Aborted between the launch and the read of a step: its token is dropped.
     batch, _ = sched.schedule()
     assert batch.requests == [b]
-    sampled = model.step(batch)
+    model.step(batch)
+    assert sched.advance(batch) == [b] and b.num_pending == 1
     sched.abort("b")
-    assert sched.update(batch, sampled) == []
+    assert sched.resolve(batch, []) == []
     assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
     with pytest.raises(ValueError):
         sched.add(b)  # a finished request is not new
@@ -222,13 +237,13 @@ def test_max_num_seqs_and_batch_order() -> None:
     reqs = [make(f"r{i}", p, max_new=3) for i, p in enumerate(prompts(4, 5))]
     sched.add(reqs[0])
     batch, _ = sched.schedule()
-    sched.update(batch, model.step(batch))
+    apply(sched, batch, model)
     for r in reqs[1:]:
         sched.add(r)
     batch, _ = sched.schedule()
     assert batch.requests == [reqs[0], reqs[1]] and batch.num_new_tokens == [1, 6]
     assert sched.num_running == 2 and sched.num_waiting == 2
-    sched.update(batch, model.step(batch))
+    apply(sched, batch, model)
     batches, _ = run(sched, [], model)
     assert all(len(b) <= 2 for b in batches)
     assert all(r.output_token_ids == reference(r.prompt_token_ids, 3) for r in reqs)
@@ -264,15 +279,17 @@ def test_empty_batch_when_idle() -> None:
     sched = new_sched()
     batch, failed = sched.schedule()
     assert len(batch) == 0 and batch.num_tokens == 0 and failed == []
-    assert sched.update(batch, {}) == []
+    assert sched.advance(batch) == [] and sched.resolve(batch, []) == []
 
 
-def test_update_rejects_a_missing_sample() -> None:
-    sched = new_sched()
-    sched.add(make("r", [1, 2, 3]))
-    batch, _ = sched.schedule()
-    with pytest.raises(RuntimeError, match="no sampled token"):
-        sched.update(batch, {})
+def test_resolve_rejects_a_token_nobody_sampled() -> None:
+    sched = new_sched(budget=2)
+    r = make("r", [1, 2, 3])
+    sched.add(r)
+    batch, _ = sched.schedule()  # a chunk of 2 of 3 prompt tokens: samples nothing
+    assert sched.advance(batch) == [] and r.num_pending == 0
+    with pytest.raises(RuntimeError, match="no pending token"):
+        sched.resolve(batch, [(r, 7)])
 
 
 def test_finish_all() -> None:
@@ -286,9 +303,12 @@ def test_finish_all() -> None:
     assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workloads_match_the_reference(seed: int) -> None:
-    """Shared prefixes, tiny caches, small budgets, late arrivals, EOS and aborts, all at once."""
+def test_random_workloads_match_the_reference(seed: int, overlap: bool) -> None:
+    """Shared prefixes, tiny caches, small budgets, late arrivals, EOS and aborts, all at once.
+    With overlap, step k+1 is scheduled and run before step k's tokens are resolved (its pending
+    inputs come from step k's samples, as on the device); aborts land between the two."""
     rng = random.Random(seed)
     block_size = rng.randint(1, 5)
     num_blocks = rng.randint(12, 24) // block_size + 6
@@ -307,7 +327,10 @@ def test_random_workloads_match_the_reference(seed: int) -> None:
         eos = (rng.randrange(VOCAB),) if rng.random() < 0.3 else ()
         reqs.append(make(f"r{i}", prompt, max_new=rng.randint(1, 10), eos=eos))
     pending, aborted, failed = list(reqs), set(), []
-    while pending or sched.has_unfinished():
+    in_flight: tuple[Batch, list[Request], dict[str, int]] | None = None
+    for _ in range(10_000):
+        if not (pending or sched.has_unfinished() or in_flight):
+            break
         if pending and rng.random() < 0.5:
             sched.add(pending.pop(0))
         if rng.random() < 0.03 and sched.has_unfinished():
@@ -318,7 +341,19 @@ def test_random_workloads_match_the_reference(seed: int) -> None:
         failed += errors
         assert batch.num_tokens <= sched.max_num_batched_tokens
         assert sched.num_running <= sched.max_num_seqs
-        sched.update(batch, model.step(batch))
+        if not overlap:
+            apply(sched, batch, model)
+            continue
+        launched = None
+        if len(batch) > 0:
+            sampled = model.step(batch, in_flight[2] if in_flight else None)
+            launched = (batch, sched.advance(batch), sampled)
+        if in_flight is not None:
+            done, sampling, sampled = in_flight
+            sched.resolve(done, [(r, sampled[r.request_id]) for r in sampling if not r.finished])
+        in_flight = launched
+    else:
+        raise AssertionError("no progress")
     bm = sched.block_manager
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.num_blocks
     for r in reqs:
@@ -344,7 +379,7 @@ def test_random_workloads_match_the_reference(seed: int) -> None:
 def test_random_workloads_with_colliding_hashes(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four hash values in all: collisions everywhere must cost hits, never outputs."""
     monkeypatch.setattr(kv_cache, "hash_block", lambda parent, tokens: bytes([sum(tokens) % 4]))
-    test_random_workloads_match_the_reference(seed)
+    test_random_workloads_match_the_reference(seed, overlap=seed % 2 == 1)
 
 
 def test_samples_wait_for_their_prompts_prefill_without_holding_back_other_prompts() -> None:
@@ -360,14 +395,14 @@ def test_samples_wait_for_their_prompts_prefill_without_holding_back_other_promp
     first, _ = sched.schedule()
     assert [r.request_id for r in first.requests] == ["A#0", "B#0", "C#0"]
     assert [r.request_id for r in sched.waiting] == [f"{g}#{i}" for g in "ABC" for i in range(1, 4)]
-    sched.update(first, model.step(first))
+    apply(sched, first, model)
     second, _ = sched.schedule()
     assert [r.request_id for r in second.requests] == [r.request_id for r in first.requests] + [
         f"{g}#{i}" for g in "ABC" for i in range(1, 4)]
     for r in second.requests[3:]:
         full = (r.num_prompt_tokens // 4) * 4
         assert r.num_cached_tokens == (full if full < r.num_prompt_tokens else full - 4), r.request_id
-    sched.update(second, model.step(second))
+    apply(sched, second, model)
     run(sched, [], model)
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, 6)

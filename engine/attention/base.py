@@ -75,9 +75,21 @@ class AttentionBackend(ABC):
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim], q's dtype, last dim contiguous
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]: `out` when given, else a new tensor
         """Write the new k/v into the cache at `meta.slot_mapping`, then attend causally: new token
-        at position p of sequence i sees cached and new tokens 0..p of sequence i."""
+        at position p of sequence i sees cached and new tokens 0..p of sequence i. Rows past the
+        last sequence are zero. With `out`, the result is written there and nothing is allocated
+        for it (piecewise CUDA graphs read it from a static buffer)."""
+
+    @staticmethod
+    def check_out(q: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` must be shaped, typed and placed like q, with a contiguous last dim."""
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+            raise ValueError(
+                f"attention out {tuple(out.shape)} {out.dtype} {out.device} (strides {out.stride()}) does not "
+                f"match q {tuple(q.shape)} {q.dtype} {q.device} with a contiguous last dim"
+            )
 
     def init_graph_buffers(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

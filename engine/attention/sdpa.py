@@ -20,12 +20,17 @@ class SdpaBackend(AttentionBackend):
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: written instead of a new one
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         k_cache, v_cache = self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1]
         self._write(k_cache, v_cache, k, v, meta.slot_mapping)
-        # Rows past the last sequence (padding) stay zero.
-        out = torch.zeros_like(q)
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        # Rows past the last sequence (padding) are zero.
+        if out is None:
+            out = torch.zeros_like(q)
+        else:
+            self.check_out(q, out)
+            out[qsl[-1] :].zero_()
         for i in range(meta.num_seqs):
             start, end = qsl[i], qsl[i + 1]
             if end == start:

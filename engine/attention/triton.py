@@ -69,11 +69,15 @@ class TritonBackend(AttentionBackend):
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: written instead of a new one
     ) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past the last sequence are zero
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        else:
+            self.check_out(q, out)
         k_cache, v_cache = self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1]
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_seqs = meta.seq_lens.shape[0]  # a shape, not a host value: fine inside a graph
         if meta.is_decode:
             # Row i is sequence i's only query; rows past num_seqs are padding.

@@ -1,0 +1,41 @@
+"""`PinnedRing`: pinned host buffers taken in turn for asynchronous copies between host and device.
+
+Rule: a buffer is handed out again only after the copy recorded on it last has finished. The
+engine packs step k+1's inputs and reads step k-1's tokens while step k still runs, so one buffer
+per direction and dtype is not enough; a ring of two is, since the loop waits for step k-1 before
+it launches step k+1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_RING = 2
+_MIN_ELEMENTS = 1 << 16
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+
+class PinnedRing:
+    """CUDA only: host buffers of any dtype, grown on demand and never shrunk."""
+
+    def __init__(self) -> None:
+        self._slots: dict[torch.dtype, list[_Slot]] = {}
+        self._turns: dict[torch.dtype, int] = {}
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned buffer [numel] free to fill or to copy into, and the event to record on the
+        current stream right after the copy that uses it is enqueued."""
+        slots = self._slots.setdefault(dtype, [_Slot() for _ in range(_RING)])
+        turn = self._turns[dtype] = self._turns.get(dtype, 0) + 1
+        slot = slots[turn % _RING]
+        if slot.event is not None:
+            slot.event.synchronize()  # the copy of two turns ago: long done in a running loop
+        if slot.buffer is None or slot.buffer.numel() < numel:
+            slot.buffer = torch.empty(max(numel, _MIN_ELEMENTS), dtype=dtype, pin_memory=True)
+        slot.event = torch.cuda.Event()
+        return slot.buffer[:numel], slot.event
