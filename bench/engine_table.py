@@ -9,8 +9,17 @@ from bench_runtime import MIB, elapsed
 from engine_shapes import shape_label
 
 
+def decode_targets(shape: dict[str, Any] | None) -> tuple[float, float, tuple[int, ...]]:
+    """(bs=1 measured / roofline at most, roofline fraction at least, the batch sizes held to it):
+    a model of hidden size >= 4096 (the 8B shape) is held closer to the roofline than a small
+    one, whose step is launch-bound, at batch 64; a small one at 64 and 256."""
+    big = bool(shape) and shape.get("hidden_size", 0) >= 4096
+    return (1.3, 0.75, (64,)) if big else (2.5, 0.65, (64, 256))
+
+
 def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    max_bs1, min_fraction, held = decode_targets(res["meta"].get("model_shape"))
     copy = res.get("copy")
     if copy:
         rows.append(dict(metric="copy bandwidth, read + write (GB/s)", measured=copy["bandwidth_bytes_per_s"] / 1e9,
@@ -20,14 +29,14 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         if bs == 1:
             rows.append(dict(metric="decode step bs=1 (ms); ratio = measured / roofline",
                              measured=d["step_mean_s"] * 1e3, reference=d["roofline_s"] * 1e3,
-                             ratio=d["measured_over_roofline"], target="<= 2.00",
-                             ok=d["measured_over_roofline"] <= 2.0))
+                             ratio=d["measured_over_roofline"], target=f"<= {max_bs1:.2f}",
+                             ok=d["measured_over_roofline"] <= max_bs1))
         else:
-            target = bs >= 64
+            target = bs in held
             rows.append(dict(metric=f"decode step bs={bs} (ms); ratio = roofline / measured",
                              measured=d["step_mean_s"] * 1e3, reference=d["roofline_s"] * 1e3,
-                             ratio=d["roofline_bandwidth_fraction"], target=">= 0.50" if target else "-",
-                             ok=d["roofline_bandwidth_fraction"] >= 0.5 if target else None))
+                             ratio=d["roofline_bandwidth_fraction"], target=f">= {min_fraction:.2f}" if target else "-",
+                             ok=d["roofline_bandwidth_fraction"] >= min_fraction if target else None))
     rows += mixed_rows(res.get("mixed"))
     tp, hf = res.get("throughput"), res.get("hf")
     if tp:

@@ -4,12 +4,14 @@ min_new_tokens and logprobs, each against an expectation computed independently.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler, SamplingBatch
+from engine.step_inputs import Uploader
 
 CPU = torch.device("cpu")
 N_DRAWS = 20_000
@@ -249,21 +251,25 @@ def test_no_top_logprobs_when_none_asked() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_sampling_seeds_and_single_sync() -> None:
+def test_cuda_sampling_seeds_and_no_sync_before_the_read() -> None:
+    """Building the sampling inputs and launching the sampling never synchronize (the engine
+    packs step k+1 while step k runs); reading the results is the one wait."""
     cuda = torch.device("cuda")
     probs = [0.05, 0.3, 0.1, 0.25, 0.2, 0.1]
     reqs = [make_request(top_k=4, top_p=0.85, seed=i if i % 2 else None) for i in range(N_DRAWS)]
-    batch = SamplingBatch.from_requests(reqs, cuda)
     logits = torch.tensor(probs, device=cuda).log().repeat(N_DRAWS, 1)
-    sampler = Sampler(seed=0, device=cuda)
+    sampler, upload = Sampler(seed=0, device=cuda), Uploader(cuda)
+    SamplingBatch.from_requests(reqs, cuda, upload)  # the first call allocates the pinned buffers
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with pytest.warns(UserWarning, match="synchroniz") as syncs:
-            tokens = sampler(logits, batch).token_ids
+        with warnings.catch_warnings(record=True) as syncs:
+            warnings.simplefilter("always")
+            launched = sampler.sample(logits, SamplingBatch.from_requests(reqs, cuda, upload))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len([w for w in syncs if "synchroniz" in str(w.message)]) == 1
+    assert [str(w.message) for w in syncs if "synchroniz" in str(w.message)] == []
+    tokens = launched.wait().token_ids
     # top_k 4 keeps 0.3, 0.25, 0.2 and a 0.1; renormalised, the mass before that 0.1 is
     # 0.75 / 0.85 > top_p, so top_p cuts it.
     got = [tokens.count(i) / N_DRAWS for i in range(6)]

@@ -1,0 +1,99 @@
+"""Where a decode step's device time goes: torch.profiler over whole engine steps (`core.step()`,
+CUDA graphs on, overlap on) of B running decodes, kernels grouped by name. Prints, per batch
+size, one table: kernel | launches per step | device us per step | share, plus the step's wall
+time and the sum of its kernels' time (the gap between them is idle device time).
+
+    python3 bench/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from typing import Any
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import torch
+from bench_runtime import say, write_json
+from engine_shapes import checkpoint
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.protocol import AddRequest
+from engine.request import SamplingParams
+
+
+def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> dict[str, Any]:
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        prompt = [rng.randrange(vocab) for _ in range(context)]
+        assert core.add_request(AddRequest(request_id=f"p{bs}-{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+    started: set[str] = set()
+    for _ in range(10_000):  # until every request decodes, then a few more steps
+        started |= {d.request_id for d in core.step() if d.new_token_ids}
+        if len(started) == bs:
+            break
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[e.name[:90]]
+            k[0] += 1
+            k[1] += e.device_time
+    core.abort(None)
+    while core.has_work():
+        core.step()
+    busy = sum(us for _, us in kernels.values()) / steps
+    rows = sorted(((name, n / steps, us / steps) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
+    return {"batch_size": bs, "context": context, "steps": steps, "wall_us_per_step": wall * 1e6,
+            "kernel_us_per_step": busy, "kernels_per_step": sum(n for _, n, _ in rows),
+            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows]}
+
+
+def print_table(r: dict[str, Any], top: int) -> None:
+    print(f"\n### decode bs={r['batch_size']}, context {r['context']}: step wall {r['wall_us_per_step']:.0f} us, "
+          f"kernels {r['kernel_us_per_step']:.0f} us ({r['kernels_per_step']:.0f} launches per step)\n")
+    print("| kernel | launches per step | device us per step | share |")
+    print("| --- | --- | --- | --- |")
+    for k in r["kernels"][:top]:
+        print(f"| `{k['name']}` | {k['launches_per_step']:.1f} | {k['us_per_step']:.1f} | "
+              f"{k['us_per_step'] / r['kernel_us_per_step']:.3f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py)")
+    p.add_argument("--model-dir")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    ckpt = checkpoint(args.shape, args.model_dir, device, seed=0)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.8, max_model_len=2048,
+                                   max_num_seqs=max(sizes), cuda_graph_max_bs=max(sizes)))
+    rng = random.Random(0)
+    results = []
+    for bs in sizes:
+        say(f"profiling decode bs={bs}")
+        results.append(profile_batch(core, bs, args.context, args.steps, rng))
+        print_table(results[-1], args.top)
+    write_json(args.out, {"shape": ckpt["shape"], "batches": results})
+
+
+if __name__ == "__main__":
+    main()
