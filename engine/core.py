@@ -1,6 +1,7 @@
 """`EngineCore`: the engine process. It builds its parts in the order DESIGN.md gives, then loops:
-take new requests and control calls, schedule one step, run the model, send token deltas back.
-Control calls run between steps, in the order they arrive.
+take new requests and control calls, schedule and launch step k+1, read step k's tokens (overlap
+scheduling: the host works while the device runs), send token deltas back. Control calls run
+between steps, in the order they arrive, with no step in flight (read-only ones excepted).
 """
 
 from __future__ import annotations

@@ -123,6 +123,7 @@ def _answer_ready(core: EngineCore, waiting_calls: list[tuple[int, Deferred]], s
     """Answer, in order of arrival, the waiting calls that are ready now."""
     while waiting_calls and waiting_calls[0][1].ready():
         call_id, deferred = waiting_calls.pop(0)
+        core.pending += core.drain()  # as every control call: it runs with no step in flight
         try:
             reply = ControlReply(call_id=call_id, ok=True, result=deferred.run())
         except Exception as e:
