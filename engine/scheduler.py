@@ -215,11 +215,15 @@ class Scheduler:
 
     def advance(self, batch: Batch) -> list[Request]:
         """Account for a launched step, before its tokens are known: every row's chunk counts as
-        computed, and each row that samples (`batch.samples(i)`) gets a pending token. Returns
+        computed (its full blocks of known tokens join the prefix cache), and each row that samples
+        (`batch.samples(i)`) gets a pending token. Returns
         the sampling requests, in batch order: `resolve` takes their tokens in that order."""
         sampling = [req for i, req in enumerate(batch.requests) if batch.samples(i)]
         for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
+            # Registered now, not when the tokens come back: a request scheduled next (a sample
+            # of the same prompt) shares them; its step runs after this one on the device.
+            self.block_manager.cache_full_blocks(req)
         for req in sampling:
             req.add_pending_token()
         return sampling
