@@ -105,11 +105,6 @@ class CudaGraphRunner:
             self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
         )
 
-    @property
-    def graph_bytes(self) -> int:
-        """Device memory the graphs hold: their pool plus the static buffers they read and write."""
-        return self.pool_bytes + self.static_bytes
-
     def _measure_pool(self) -> int:
         """Bytes of the caching allocator's segments that belong to the graphs' pool."""
         pool = tuple(self.pool or ())

@@ -187,11 +187,6 @@ class PiecewiseGraphRunner:
         self.pool_bytes_by_size: dict[int, int] = {}  # the pool after capturing each size
         self.num_attention_calls = 0  # per forward: the model's layer count, as seen in warm-up
 
-    @property
-    def graph_bytes(self) -> int:
-        """Device memory the graphs hold: their pool plus the static buffers they read and write."""
-        return self.pool_bytes + self.static_bytes
-
     def _forward(self, size: int) -> None:
         """The model on the first `size` rows of the static inputs, attention answered by the
         splitter as it is set; the output copied into the static hidden buffer."""

@@ -225,11 +225,6 @@ class Request:
             del self.token_ids[index + 1 :]
             self.num_pending = 0
 
-    def append_token(self, token_id: int) -> None:
-        """Sample and resolve at once (a step whose tokens are known when the next is scheduled)."""
-        self.add_pending_token()
-        self.resolve_token(token_id)
-
     def finish(self, reason: str, matched: int | str | None = None, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
