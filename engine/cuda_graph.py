@@ -31,6 +31,12 @@ log = logging.getLogger("siesta.engine")
 LADDER_STEP = 8
 
 
+def graph_pool_bytes(pool: Any) -> int:
+    """Bytes of the caching allocator's segments that belong to the graph pool `pool`."""
+    key = tuple(pool or ())
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == key)
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """The capture ladder up to `max_bs` (which is always included)."""
     sizes = [bs for bs in (1, 2, 4) if bs < max_bs]
@@ -97,19 +103,12 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize(self.device)
-            log.info("captured decode graph bs=%d; graph pool now %.1f MiB", bs, self._measure_pool() / (1 << 20))
-        self.pool_bytes = self._measure_pool()
+            log.info("captured decode graph bs=%d; graph pool now %.1f MiB", bs, graph_pool_bytes(self.pool) / (1 << 20))
+        self.pool_bytes = graph_pool_bytes(self.pool)
         log.info(
             "captured %d decode graphs (bs %d..%d) in %.1f s: pool %.1f MiB, static buffers %.1f MiB",
             len(self.graphs), self.batch_sizes[0], self.max_bs, time.perf_counter() - t0,
             self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
-        )
-
-    def _measure_pool(self) -> int:
-        """Bytes of the caching allocator's segments that belong to the graphs' pool."""
-        pool = tuple(self.pool or ())
-        return sum(
-            seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == pool
         )
 
     def padded_size(self, n: int) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.cuda_graph import graph_pool_bytes
 
 log = logging.getLogger("siesta.engine")
 
@@ -231,24 +232,17 @@ class PiecewiseGraphRunner:
                 raise RuntimeError(f"capture of {size} tokens made {len(attention)} attention calls, not {calls}")
             self.graphs[size], self.attention[size] = chain.graphs, attention
             torch.cuda.synchronize(self.device)
-            self.pool_bytes_by_size[size] = self._measure_pool()
+            self.pool_bytes_by_size[size] = graph_pool_bytes(self.pool)
             log.info(
                 "captured piecewise graphs T=%d (%d pieces); graph pool now %.1f MiB",
                 size, len(chain.graphs), self.pool_bytes_by_size[size] / (1 << 20),
             )
-        self.pool_bytes = self._measure_pool()
+        self.pool_bytes = graph_pool_bytes(self.pool)
         log.info(
             "captured piecewise graphs for %d token sizes (%d..%d, %d pieces each) in %.1f s: pool %.1f MiB,"
             " static buffers %.1f MiB",
             len(self.graphs), self.token_sizes[0], self.max_tokens, self.num_attention_calls + 1,
             time.perf_counter() - t0, self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
-        )
-
-    def _measure_pool(self) -> int:
-        """Bytes of the caching allocator's segments that belong to the graphs' pool."""
-        pool = tuple(self.pool or ())
-        return sum(
-            seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == pool
         )
 
     def can_run(self, num_tokens: int) -> bool:
