@@ -171,7 +171,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
                     num_cached_tokens=req.num_cached_tokens,
                 )
             )
-        self.load_stats.on_step(len(live))
+        self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
         return deltas
 
     def unavailable(self) -> str | None:
