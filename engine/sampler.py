@@ -67,8 +67,8 @@ class SamplingBatch:
     def from_requests(
         cls, requests: list[Request], device: torch.device, upload: Uploader | None = None
     ) -> SamplingBatch:
-        """The step's sampling inputs, sent through `upload` (asynchronous: no host sync) when
-        given; without it each tensor is a blocking copy."""
+        """The step's sampling inputs, sent through `upload` (asynchronous: no host sync). The
+        engine passes its own; without one, a fresh `Uploader` (new pinned buffers) serves the call."""
         params = [r.sampling_params for r in requests]
         upload = upload or Uploader(device)
 
