@@ -42,6 +42,10 @@ class PendingTokens:
     rows: dict[Request, int]
 
 
+# Alignment of every part of an upload on the device, bytes.
+_ALIGN_BYTES = 16
+
+
 class Uploader:
     """Host-to-device copies of int64 (`__call__`) or float32 (`floats`) data, one copy per call
     through a ring of staging buffers (pinned on CUDA)."""
@@ -59,12 +63,19 @@ class Uploader:
         return self._upload(parts, "f", torch.float32)
 
     def _upload(self, parts: list[list], typecode: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        # Each part starts on a 16-byte boundary: Triton specializes a kernel on whether each
+        # pointer argument is 16-byte aligned, so views at arbitrary offsets would compile a new
+        # kernel variant for some batch shapes in the middle of serving (a cold-cache TTFT spike).
+        per = _ALIGN_BYTES // dtype.itemsize
         packed = array(typecode)
+        offsets = []
         for part in parts:
+            offsets.append(len(packed))
             packed.extend(part)
+            packed.extend([0] * (-len(part) % per))
         host = torch.frombuffer(packed, dtype=dtype) if packed else torch.empty(0, dtype=dtype)
         flat = self._copy(host)
-        return list(torch.split(flat, [len(p) for p in parts]))
+        return [flat[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
 
     def _copy(self, host: torch.Tensor) -> torch.Tensor:
         if self._staging is None:

@@ -273,6 +273,8 @@ for m in model.modules():
         m.fused = True
 PagedRunner(model, 16).step({{0: [5, 6, 7]}})
 assert "engine.models.fused_ops" not in sys.modules, "fused_ops imported on a CPU forward"
+assert "engine.models.skinny_linear" not in sys.modules, "skinny_linear imported on a CPU forward"
+assert "triton" not in sys.modules, "Triton imported on a CPU forward"
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")]), "CUDA_VISIBLE_DEVICES": ""}

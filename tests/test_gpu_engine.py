@@ -141,3 +141,36 @@ def test_server_info_reports_graph_memory(qwen3_dir: str) -> None:
     info = _core(qwen3_dir).get_info()
     assert info["cuda_graph_bytes"] > 0 and info["cuda_graph_batch_sizes"] == [1, 2, 4, 8, 16]
     assert info["attention_backend"] == "triton"
+
+
+def _compiled_variants() -> dict[str, int]:
+    """How many compiled variants of each of the engine's Triton kernels this process holds."""
+    import triton
+
+    from engine.attention import triton_kernels
+    from engine.models import fused_ops, skinny_linear
+
+    counts = {}
+    for module in (triton_kernels, fused_ops, skinny_linear):
+        for name, fn in vars(module).items():
+            if isinstance(fn, triton.runtime.JITFunction):
+                counts[name] = sum(len(cache[0]) for cache in fn.device_caches.values())
+    return counts
+
+
+def test_no_kernel_compiles_after_the_first_request(qwen3_dir: str) -> None:
+    """Triton compiles a kernel variant per specialization of its arguments (an int == 1 or
+    divisible by 16, a pointer 16-byte aligned or not); a variant first met while serving costs
+    its request a compile (~1 s). After startup and one request, prompts of every length class,
+    batches above and below the graph ladder, chunked prefills and prefix hits compile nothing."""
+    core = _core(qwen3_dir, max_num_batched_tokens=96, max_num_seqs=64)
+    _greedy(core, _prompts(0, 1, 20, 20), 3)
+    before = _compiled_variants()
+    assert before["_prefill_kernel"] >= 1 and before["_skinny_kernel"] >= 1
+    rng = random.Random(5)
+    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 257, 300]
+    for bs in (1, 3, 7, 17, 24):
+        prompts = [[rng.randrange(3, 512) for _ in range(rng.choice(lengths))] for _ in range(bs)]
+        _greedy(core, prompts + prompts[:2], rng.choice([1, 5, 40]))  # repeats hit the prefix cache
+    grown = {k: (before.get(k, 0), v) for k, v in _compiled_variants().items() if v != before.get(k, 0)}
+    assert not grown, f"kernels compiled while serving (before, after): {grown}"

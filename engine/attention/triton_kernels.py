@@ -19,6 +19,13 @@ Kernels:
   row's seq_len, so grid and workspace are static and the pair is CUDA-graph capturable. Splits
   past the row's end exit at once. With S == 1 the decode kernel writes the output directly and
   no reduce runs. Rows with seq_len 0 (graph padding) output zeros.
+
+Compiled variants: Triton specializes a kernel on each integer argument (== 1, divisible by 16)
+and on each pointer's 16-byte alignment. The block-table row stride follows the widest table of
+the batch and the decode split count the batch size, so neither is specialized
+(`do_not_specialize`), and the step's uploads start every
+tensor 16-byte aligned (engine/step_inputs.py): one variant per kernel and model serves every
+batch, compiled at startup, never while a request waits.
 """
 
 from __future__ import annotations
@@ -150,7 +157,7 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -260,7 +267,7 @@ def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr,  # [B, H, D]: one query per sequence
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -330,7 +337,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [B, H, num_splits, D] fp32
     part_lse_ptr,  # [B, H, num_splits] fp32

@@ -10,9 +10,10 @@ engine/weights.py loads a checkpoint. The rotary cache is the one tensor compute
 always float32.
 
 Fused ops: a module built with `fused=True` runs the Triton kernels of `fused_ops.py` on CUDA
-tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul) and this file's torch
-code on any other device; the torch code is the reference the kernels are tested against. The
-model resolves the flag once, at construction (`fused_ops_default`).
+tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul), and its linears run
+the few-rows matmul of `skinny_linear.py` on half-precision CUDA inputs of few rows (decode
+steps; the MLP's gate_up then applies SiLU-and-mul in the same kernel); any other device runs this file's torch code, the reference the kernels are tested
+against. The model resolves the flag once, at construction (`fused_ops_default`).
 """
 
 from __future__ import annotations
@@ -47,15 +48,30 @@ def _fused_ops() -> ModuleType:
     return fused_ops
 
 
-class Linear(nn.Module):
-    """y = x @ weight.T (+ bias); weight [out_features, in_features]; uninitialised until loaded."""
+def _skinny(x: torch.Tensor, silu_mul: bool = False) -> ModuleType | None:
+    """The few-rows matmul module (skinny_linear.py) when it applies to x [M, K], else None.
+    Checked cheaply first, so a CPU forward never imports it."""
+    if not x.is_cuda or x.dtype == torch.float32:
+        return None
+    from engine.models import skinny_linear
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    return skinny_linear if skinny_linear.applies(x, silu_mul) else None
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias); weight [out_features, in_features]; uninitialised until loaded.
+    `fused`: a CUDA forward of few rows (decode) runs the skinny Triton matmul."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skinny = _skinny(x) if self.fused else None
+        if skinny is not None:
+            return skinny.skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -66,9 +82,9 @@ class MergedLinear(Linear):
     those rows."""
 
     def __init__(
-        self, in_features: int, shards: dict[str, int], bias: bool = False
+        self, in_features: int, shards: dict[str, int], bias: bool = False, fused: bool = False
     ) -> None:  # shards: checkpoint name -> output features, in packing order
-        super().__init__(in_features, sum(shards.values()), bias)
+        super().__init__(in_features, sum(shards.values()), bias, fused)
         self.shards: dict[str, slice] = {}
         start = 0
         for name, size in shards.items():
@@ -252,9 +268,9 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias
+            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias, fused
         )
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias, fused)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
@@ -284,17 +300,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up packed into one matmul."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up packed into one matmul. A fused
+    CUDA forward of few rows computes gate_up and the activation in one skinny kernel."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, bias: bool, fused: bool = False
     ) -> None:
         super().__init__()
+        self.fused = fused
         self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias, fused
         )
         self.act = SiluAndMul(fused)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        skinny = _skinny(x, silu_mul=True) if self.fused else None
+        if skinny is not None:
+            w = self.gate_up_proj
+            return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True))
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -1,0 +1,149 @@
+"""Linear layers for few rows (decode steps): a Triton matmul that reads each weight once at
+close to the copy bandwidth, where cuBLAS's kernels for small M reach a third of it (profile of
+the 0.6B decode step at batch 1: the per-layer GEMVs at 1.0-1.5 TB/s of 4.2). Only the CUDA path
+of `engine.models.layers` imports this module.
+
+    y [M, N] = x [M, K] @ weight [N, K].T (+ bias [N])              skinny_linear(x, w, b)
+    y [M, I] = silu(x @ w[:I].T) * (x @ w[I:].T)   (w = gate | up)    skinny_linear(x, w, b, silu_mul=True)
+
+Rules:
+- For few rows of a half-precision x (bf16/fp16); `applies` says whether a call may use it. fp32
+  models keep cuBLAS (a tensor-core dot would round fp32 inputs to tf32).
+- One program per BLOCK_N output columns over all of K (no split-K: no second kernel, no
+  atomics), K in BLOCK_K = 128 steps, 5 stages in flight (the best of bench_linear.py's sweep). Accumulation in fp32,
+  bias added in fp32, one rounding to the model dtype: the result is cuBLAS's up to the order of
+  the sum.
+- `silu_mul`: the gate and up columns of a packed gate_up weight are computed by the same
+  program and the activation is applied in the epilogue with the rounding of the unfused ops
+  (gate and up rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE
+  division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
+- Grid and output are fixed by the shapes: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Rows up to which the skinny kernel runs (bench/bench_linear.py, H200, 0.6B and 8B layer
+# shapes in CUDA graphs): a plain linear is as fast as cuBLAS or faster up to 16 rows (2x on
+# 0.6B's o_proj at one row), slower at 32-64; gate_up with its SiLU-and-mul epilogue beats
+# cuBLAS + the separate activation kernel up to 64.
+MAX_ROWS = 16
+MAX_ROWS_SILU_MUL = 64
+
+
+def applies(x: torch.Tensor, silu_mul: bool = False) -> bool:
+    """Whether `skinny_linear` may run on x [M, K]: CUDA, half precision, 1 <= M <= MAX_ROWS
+    (MAX_ROWS_SILU_MUL with the activation epilogue)."""
+    limit = MAX_ROWS_SILU_MUL if silu_mul else MAX_ROWS
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 0 < x.shape[0] <= limit
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _block_m(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())  # tl.dot needs at least 16 rows
+
+
+def _block_n(n: int, sms: int) -> int:
+    """32 columns per program while that keeps half the SMs busy, else 16 (the sweep's best)."""
+    return 32 if triton.cdiv(n, 32) >= sms // 2 else 16
+
+
+@triton.jit
+def _silu_mul(gate, up, DTYPE: tl.constexpr):
+    # gate, up: fp32 accumulators; rounds as layers.SiluAndMul on the rounded matmul outputs.
+    g = gate.to(DTYPE).to(tl.float32)
+    u = up.to(DTYPE).to(tl.float32)
+    act = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(DTYPE).to(tl.float32)
+    return act * u
+
+
+@triton.jit(do_not_specialize=["M"])  # one variant per BLOCK_M, whatever the batch
+def _skinny_kernel(
+    x_ptr,  # [M, K], unit last stride
+    w_ptr,  # [N_W, K], contiguous: N_W = N, or 2N (gate | up) with SILU_MUL
+    b_ptr,  # [N_W] (read only when HAS_BIAS)
+    out_ptr,  # [M, N]
+    M, N, K, stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows_n = offs_n.to(tl.int64)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    up_ptrs = w_ptrs + N.to(tl.int64) * K  # the up half of a gate | up weight
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if SILU_MUL:
+            if EVEN_K:
+                u = tl.load(up_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                u = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up = tl.dot(x, tl.trans(u), acc_up)
+            up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        acc = _silu_mul(acc, acc_up, dtype)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS_SILU_MUL, bf16/fp16
+    weight: torch.Tensor,  # [N, K] ([2I, K] gate | up with silu_mul), contiguous
+    bias: torch.Tensor | None = None,  # [N] ([2I])
+    silu_mul: bool = False,
+    block_n: int | None = None,  # tuning overrides (bench); None: the rule above
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [M, N] ([M, I] with silu_mul)
+    if x.dim() != 2 or not applies(x, silu_mul=True):  # the kernel's own limit; `applies` is the policy
+        raise ValueError(f"skinny_linear: x must be a CUDA bf16/fp16 [M, K] with 1 <= M <= {MAX_ROWS_SILU_MUL}, got {tuple(x.shape)} {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {weight.dtype} for x {tuple(x.shape)} {x.dtype}")
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n = block_n or _block_n(n, _num_sms(x.device.index or 0))
+    block_k = block_k or (128 if k >= 128 else max(16, 1 << (k - 1).bit_length()))
+    _skinny_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        m, n, k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
+        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps or 4, num_stages=num_stages or 5,
+    )  # fmt: skip
+    return out

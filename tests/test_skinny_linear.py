@@ -1,0 +1,113 @@
+"""The few-rows matmul of engine/models/skinny_linear.py on a GPU (`pytest -m gpu`), against fp32
+math on the same half-precision inputs and against cuBLAS (F.linear) on them:
+
+- its error from the fp32 result is within bf16/fp16 rounding of cuBLAS's own (both accumulate in
+  fp32, in different orders, and round once);
+- with `silu_mul` it equals the unfused ops applied to its own plain output (gate | up rounded,
+  then layers.SiluAndMul's torch code) bit for bit: the epilogue rounds where they round;
+- a row's result does not depend on how many rows run with it (a graph padded to 64 rows gives
+  the rows of an eager forward of 5 the same bits), and a CUDA-graph replay equals the eager call;
+- bias, K and N that are not multiples of the blocks, fp16; bad inputs are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers import SiluAndMul
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# (N, K): a 0.6B layer shape, and one whose N and K are multiples of no block.
+SHAPES = [(4096, 1024), (1000, 200)]
+ROWS = [1, 5, 16]  # plain: up to MAX_ROWS
+ROWS_SILU_MUL = [1, 5, 16, 33, 64]  # up to MAX_ROWS_SILU_MUL
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) * k**-0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    return x, w, b
+
+
+def _fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_fp32_as_closely_as_cublas(dtype: torch.dtype, shape: tuple[int, int], m: int, bias: bool) -> None:
+    from engine.models.skinny_linear import skinny_linear
+
+    n, k = shape
+    x, w, b = _inputs(m, n, k, dtype, bias)
+    exact = _fp32(x, w, b)
+    ours = skinny_linear(x, w, b)
+    theirs = F.linear(x, w, b)
+    assert ours.shape == (m, n) and ours.dtype == dtype
+    err_ours = (ours.float() - exact).abs().max().item()
+    err_cublas = (theirs.float() - exact).abs().max().item()
+    ulp = exact.abs().max().item() * (2**-8 if dtype == torch.bfloat16 else 2**-11)
+    assert err_ours <= max(1.5 * err_cublas, ulp), (err_ours, err_cublas)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", ROWS_SILU_MUL)
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_mul_epilogue_rounds_as_the_unfused_ops(dtype: torch.dtype, m: int, bias: bool) -> None:
+    from engine.models.skinny_linear import skinny_linear
+
+    x, w, b = _inputs(m, 2 * 3072, 1024, dtype, bias, seed=1)
+    # The same column blocks both ways, so each accumulator sums in the same order.
+    fused = skinny_linear(x, w, b, silu_mul=True, block_n=32)
+    plain = torch.cat([skinny_linear(x[i : i + 16], w, b, block_n=32) for i in range(0, m, 16)])
+    unfused = SiluAndMul(fused=False)(plain)
+    assert fused.shape == (m, 3072)
+    assert torch.equal(fused, unfused)
+
+
+def test_rows_are_independent_and_a_graph_replays_the_same_bits() -> None:
+    from engine.models.skinny_linear import MAX_ROWS, MAX_ROWS_SILU_MUL, skinny_linear
+
+    for rows, silu_mul in ((MAX_ROWS, False), (MAX_ROWS_SILU_MUL, True)):
+        x, w, b = _inputs(rows, 4096, 1024, torch.bfloat16, True, seed=2)
+        full = skinny_linear(x, w, b, silu_mul=silu_mul)
+        for m in (1, 5, 15, 17, 63):
+            if m <= rows:
+                assert torch.equal(skinny_linear(x[:m].clone(), w, b, silu_mul=silu_mul), full[:m]), (m, silu_mul)
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = skinny_linear(static_x, w, b, silu_mul=silu_mul)
+        static_x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, skinny_linear(static_x, w, b, silu_mul=silu_mul))
+
+
+def test_refuses_what_it_does_not_run() -> None:
+    from engine.models.skinny_linear import MAX_ROWS, MAX_ROWS_SILU_MUL, applies, skinny_linear
+
+    x, w, _ = _inputs(4, 256, 128, torch.bfloat16, False)
+    assert applies(x)
+    assert not applies(x.float()) and not applies(x.cpu())
+    more = torch.empty(MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16)
+    assert not applies(more) and applies(more, silu_mul=True)
+    assert not applies(torch.empty(MAX_ROWS_SILU_MUL + 1, 128, device="cuda", dtype=torch.bfloat16), silu_mul=True)
+    with pytest.raises(ValueError, match="M <= 64"):
+        skinny_linear(torch.empty(MAX_ROWS_SILU_MUL + 1, 256, device="cuda", dtype=torch.bfloat16), w)
+    assert not applies(x[:0])
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        skinny_linear(x.float(), w.float())
+    with pytest.raises(ValueError, match="weight"):
+        skinny_linear(x, w[:, :64].contiguous())
+    with pytest.raises(ValueError, match="weight"):
+        skinny_linear(x, w.half())
