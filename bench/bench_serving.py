@@ -167,13 +167,39 @@ class Server:
         say(f"server: stopped (exit {self.proc.returncode})")
 
 
-def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, Any]]], expected: int) -> dict[str, Any]:
-    """Flush, open connections, then run with the server's and the engine's CPU read around it."""
+def py_spy(binary: str | None, pids: dict[str, int | None], prefix: str) -> list[subprocess.Popen]:
+    """Sample each process (idle time too) into `{prefix}.{name}.txt`, py-spy's raw (collapsed
+    stack) format, until `stop_py_spy`. None: no profile."""
+    if binary is None:
+        return []
+    procs = [subprocess.Popen([binary, "record", "--pid", str(pid), "--idle", "--nonblocking", "-r", "250", "-f", "raw",
+                               "-o", f"{prefix}.{name}.txt"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, pid in pids.items() if pid is not None]
+    time.sleep(1.0)  # attached before the section starts
+    return procs
+
+
+def stop_py_spy(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, Any]]], expected: int,
+                 profile: tuple[str | None, str] = (None, "")) -> dict[str, Any]:
+    """Flush, open connections, then run with the server's and the engine's CPU read around it
+    (and sampled by py-spy when `profile` = (binary, file prefix) names one)."""
     server.flush()
     pool.warm([min(len(s), 1024) for s in shares])
+    spies = py_spy(profile[0], {"server": server.proc.pid, "engine": server.engine_pid}, profile[1])
     before = (cpu_s(server.proc.pid), cpu_s(server.engine_pid))
     start_at, results = pool.run(shares)
     after = (cpu_s(server.proc.pid), cpu_s(server.engine_pid))
+    stop_py_spy(spies)
     out = summarize(start_at, results, expected)
     out["server_cpu_pct"] = cpu_pct(before[0], after[0], out["wall_s"])
     if before[0] is not None and after[0] is not None and out["output_tokens"]:  # predicts the % at other rates
@@ -234,7 +260,8 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
                 prompts = batched_prompts if mode == "batched" else random_prompts(
                     random.Random(args.seed * 7919 + n * 10 + i), n, args.input_len, vocab)
                 shares = rl_specs(mode, prompts, sampling, args.client_procs, SAMPLES)
-                r = res["rl"].setdefault(str(n), {})[mode] = http_section(server, pool, *shares)
+                profile = (args.py_spy, f"{os.path.splitext(args.out)[0]}.{mode}.{n}")
+                r = res["rl"].setdefault(str(n), {})[mode] = http_section(server, pool, *shares, profile=profile)
                 say(f"{mode} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
                     f"{r['tokens_per_s']:.0f} tok/s; {r['failed']} failed; CPU server {r['server_cpu_pct'] or 0:.0f} % "
                     f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
@@ -333,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument("--deadline-s", type=float, help="no section starts after this, seconds from the start (default 480)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--py-spy", help="py-spy binary: sample the server and the engine during each RL section "
+                   "(files beside --out: <out>.<mode>.<N>.<server|engine>.txt, collapsed stacks)")
     p.add_argument("--skip", default="", help="comma-separated: engine,serve (all server sections),batched,singles,streams,n8,online")
     args = p.parse_args(argv)
     for k, v in (TINY if args.tiny else FULL).items():
