@@ -25,8 +25,7 @@ pytestmark = [
 
 # (N, K): a 0.6B layer shape, and one whose N and K are multiples of no block.
 SHAPES = [(4096, 1024), (1000, 200)]
-ROWS = [1, 5, 16]  # plain: up to MAX_ROWS
-ROWS_SILU_MUL = [1, 5, 16, 33, 64]  # up to MAX_ROWS_SILU_MUL
+ROWS = [1, 5, 16, 33, 64]  # up to KERNEL_MAX_ROWS (layers use it up to MAX_ROWS)
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -61,7 +60,7 @@ def test_matches_fp32_as_closely_as_cublas(dtype: torch.dtype, shape: tuple[int,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", ROWS_SILU_MUL)
+@pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_mul_epilogue_rounds_as_the_unfused_ops(dtype: torch.dtype, m: int, bias: bool) -> None:
     from engine.models.skinny_linear import skinny_linear
@@ -76,9 +75,9 @@ def test_silu_mul_epilogue_rounds_as_the_unfused_ops(dtype: torch.dtype, m: int,
 
 
 def test_rows_are_independent_and_a_graph_replays_the_same_bits() -> None:
-    from engine.models.skinny_linear import MAX_ROWS, MAX_ROWS_SILU_MUL, skinny_linear
+    from engine.models.skinny_linear import KERNEL_MAX_ROWS, skinny_linear
 
-    for rows, silu_mul in ((MAX_ROWS, False), (MAX_ROWS_SILU_MUL, True)):
+    for rows, silu_mul in ((KERNEL_MAX_ROWS, False), (KERNEL_MAX_ROWS, True)):
         x, w, b = _inputs(rows, 4096, 1024, torch.bfloat16, True, seed=2)
         full = skinny_linear(x, w, b, silu_mul=silu_mul)
         for m in (1, 5, 15, 17, 63):
@@ -94,17 +93,14 @@ def test_rows_are_independent_and_a_graph_replays_the_same_bits() -> None:
 
 
 def test_refuses_what_it_does_not_run() -> None:
-    from engine.models.skinny_linear import MAX_ROWS, MAX_ROWS_SILU_MUL, applies, skinny_linear
+    from engine.models.skinny_linear import KERNEL_MAX_ROWS, MAX_ROWS, applies, skinny_linear
 
     x, w, _ = _inputs(4, 256, 128, torch.bfloat16, False)
     assert applies(x)
-    assert not applies(x.float()) and not applies(x.cpu())
-    more = torch.empty(MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16)
-    assert not applies(more) and applies(more, silu_mul=True)
-    assert not applies(torch.empty(MAX_ROWS_SILU_MUL + 1, 128, device="cuda", dtype=torch.bfloat16), silu_mul=True)
-    with pytest.raises(ValueError, match="M <= 64"):
-        skinny_linear(torch.empty(MAX_ROWS_SILU_MUL + 1, 256, device="cuda", dtype=torch.bfloat16), w)
-    assert not applies(x[:0])
+    assert not applies(x.float()) and not applies(x.cpu()) and not applies(x[:0])
+    assert not applies(torch.empty(MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=f"M <= {KERNEL_MAX_ROWS}"):
+        skinny_linear(torch.empty(KERNEL_MAX_ROWS + 1, 128, device="cuda", dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="bf16/fp16"):
         skinny_linear(x.float(), w.float())
     with pytest.raises(ValueError, match="weight"):

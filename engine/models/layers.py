@@ -48,14 +48,14 @@ def _fused_ops() -> ModuleType:
     return fused_ops
 
 
-def _skinny(x: torch.Tensor, silu_mul: bool = False) -> ModuleType | None:
+def _skinny(x: torch.Tensor) -> ModuleType | None:
     """The few-rows matmul module (skinny_linear.py) when it applies to x [M, K], else None.
     Checked cheaply first, so a CPU forward never imports it."""
     if not x.is_cuda or x.dtype == torch.float32:
         return None
     from engine.models import skinny_linear
 
-    return skinny_linear if skinny_linear.applies(x, silu_mul) else None
+    return skinny_linear if skinny_linear.applies(x) else None
 
 
 class Linear(nn.Module):
@@ -315,7 +315,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        skinny = _skinny(x, silu_mul=True) if self.fused else None
+        skinny = _skinny(x) if self.fused else None
         if skinny is not None:
             w = self.gate_up_proj
             return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True))
