@@ -12,8 +12,8 @@ always float32.
 Fused ops: a module built with `fused=True` runs the Triton kernels of `fused_ops.py` on CUDA
 tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul), and its linears run
 the few-rows matmul of `skinny_linear.py` on half-precision CUDA inputs of few rows (decode
-steps; the MLP's gate_up then applies SiLU-and-mul in the same kernel); any other device runs this file's torch code, the reference the kernels are tested
-against. The model resolves the flag once, at construction (`fused_ops_default`).
+steps; the MLP's gate_up then applies SiLU-and-mul in the same kernel); any other device runs
+this file's torch code, the reference the kernels are tested against. The model resolves the flag once, at construction (`fused_ops_default`).
 """
 
 from __future__ import annotations
