@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -17,7 +16,8 @@ from engine.async_client import AsyncEngineClient
 from engine.output import GenerationOutput
 from engine.request import InvalidRequest, SamplingParams
 from server.errors import error_body, service_unavailable
-from server.generation import EventStream, Job, make_jobs, run_jobs, stream_jobs
+from server.event_stream import Batch, EventStream
+from server.generation import Job, make_jobs, run_jobs
 from server.schemas import AbortRequestIn, GenerateRequest, PauseGenerationIn
 from server.text_input import encode_text
 
@@ -66,10 +66,12 @@ def meta_info(out: GenerationOutput, params: SamplingParams, weight_version: str
         "e2e_latency": out.e2e_latency,
         "weight_version": weight_version,
     }
+    # Tuples, not lists: msgspec writes both as JSON arrays, and a tuple of atoms costs the
+    # allocator and the collector less (a 1024 x 256-token batch's response builds in half the time).
     if out.output_token_logprobs is not None:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in out.output_token_logprobs]
+        meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in out.output_token_logprobs]
     if out.input_token_logprobs is not None:
-        meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in out.input_token_logprobs]
+        meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in row] for row in out.output_top_logprobs]
     return meta
@@ -90,33 +92,81 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     version = client.info.get("weight_version", "default")
     metrics = request.app.state.metrics
     if body.stream:
-        events = _sse(client, metrics, jobs, version, len(jobs) > 1, sp.stream_interval or 1)
-        return EventStream(events)
+        return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, sp.stream_interval or 1))
     outs = await run_jobs(client, metrics, jobs, request)
     results = [_result(o, params, version) for o in outs]
     return Response(_JSON.encode(results if is_batch or len(results) > 1 else results[0]), media_type="application/json")
 
 
-async def _sse(
-    client: AsyncEngineClient, metrics: Any, jobs: list[Job], version: str, indexed: bool, interval: int = 1
-) -> AsyncIterator[bytes]:
-    """One `data:` event per `interval` tokens of each job (and at its end), with the text and ids
-    so far (as SGLang streams), then `data: [DONE]`. An engine failure mid-stream becomes an error
-    event."""
-    unsent: dict[int, int] = {}  # job index -> tokens since its last event
-    try:
-        async for job, update, out in stream_jobs(client, metrics, jobs):
-            unsent[job.index] = unsent.get(job.index, 0) + len(update.token_ids)
-            if not update.finished and unsent[job.index] < interval:
+class _NativeEvents:
+    """/generate's stream: one `data:` event per `interval` tokens of each job (and at its end),
+    with the text and ids so far (as SGLang streams them), "index" when there are several jobs."""
+
+    def __init__(self, jobs: list[Job], version: str, indexed: bool, interval: int) -> None:
+        self.writers = [_EventWriter(job, version, indexed) for job in jobs]
+        self.interval = interval
+        self.unsent = [0] * len(jobs)  # job index -> tokens since its last event
+
+    def first(self) -> bytes:
+        return b""
+
+    def render(self, batch: Batch) -> bytes:
+        events = []
+        for job, update, out in batch:
+            writer = self.writers[job.index]
+            if update.finished:
+                events.append(writer.whole(out))
                 continue
-            unsent[job.index] = 0
-            chunk = _result(out, job.params, version)
-            if indexed:
-                chunk["index"] = job.index
-            yield b"data: " + _JSON.encode(chunk) + b"\n\n"
-    except Exception as e:  # the status line is sent already: report in-band
-        yield b"data: " + _JSON.encode(error_body(e)) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+            writer.add(out)
+            n = self.unsent[job.index] + len(update.token_ids)
+            if n >= self.interval:
+                n = 0
+                events.append(writer.event(out))
+            self.unsent[job.index] = n
+        return b"".join(events)
+
+    def end(self, outs: dict[int, GenerationOutput]) -> bytes:
+        return b""
+
+
+class _EventWriter:
+    """The events of one streamed job, byte for byte `data: ` + the JSON of `_result` (+ "index").
+    Its text and ids so far are kept JSON-encoded and grow by what each update adds, so an event
+    costs about what it adds, not all it holds. Events with logprobs, and the last, are encoded
+    whole."""
+
+    def __init__(self, job: Job, version: str, indexed: bool) -> None:
+        self.job, self.version, self.indexed = job, version, indexed
+        self.text, self.ids = bytearray(), bytearray()  # JSON of the text (unquoted), of the ids (no brackets)
+        self.num_chars = self.num_ids = 0
+        self.meta = b'],"meta_info":{"id":%s,"finish_reason":null,"prompt_tokens":%d,"completion_tokens":' % (
+            _JSON.encode(job.request_id), len(job.prompt_token_ids))
+        self.tail = b',"weight_version":' + _JSON.encode(version) + b"}" + (b',"index":%d' % job.index if indexed else b"") + b"}\n\n"
+
+    def add(self, out: GenerationOutput) -> None:
+        """Take in what `out` gained (its text and ids only grow), sent or not."""
+        text, ids = out.text, out.output_ids
+        if len(text) > self.num_chars:
+            self.text += _JSON.encode(text[self.num_chars :])[1:-1]
+            self.num_chars = len(text)
+        if len(ids) > self.num_ids:
+            if self.num_ids:
+                self.ids += b","
+            self.ids += _JSON.encode(ids[self.num_ids :])[1:-1]
+            self.num_ids = len(ids)
+
+    def event(self, out: GenerationOutput) -> bytes:
+        if out.output_token_logprobs is not None or out.output_top_logprobs is not None or out.input_token_logprobs is not None:
+            return self.whole(out)
+        counts = b'%d,"cached_tokens":%d,"e2e_latency":' % (self.num_ids, out.cached_tokens)
+        return b"".join((b'data: {"text":"', self.text, b'","output_ids":[', self.ids, self.meta, counts,
+                         _JSON.encode(out.e2e_latency), self.tail))
+
+    def whole(self, out: GenerationOutput) -> bytes:
+        chunk = _result(out, self.job.params, self.version)
+        if self.indexed:
+            chunk["index"] = self.job.index
+        return b"data: " + _JSON.encode(chunk) + b"\n\n"
 
 
 @router.get("/health")
