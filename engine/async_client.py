@@ -6,23 +6,32 @@ call. A request's consumer is woken once per batch of updates, not once per delt
 reads slowly gets the updates merged, and a whole (non-streamed) response wakes only at its end
 and, without stop strings, is detokenized once there. A watchdog notices a dead core and fails
 everything waiting on it with `EngineDeadError`, so no HTTP request hangs on a dead engine.
+
+Rules of the per-token path (it runs for every request on every step):
+- A request's consumer is anything with `set()`, called on each change; several requests may
+  share one (all the samples of a stream). `Waker` wakes a task that waits on it; a push
+  consumer (a stream response) instead asks, with `after_drain`, to be called back once the
+  reader has applied every message queued so far, and sends its events from there, in the
+  reader: no task switch per event, and one event per drain however many steps it applied.
+- The consumer `take`s what changed since its last take, straight from the request's output.
+- `open` registers a request, `submit` sends it, `close` forgets it and aborts it in the engine
+  if it has not finished: a consumer that stops early (its HTTP client went away) must close.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import gc
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from engine.config import EngineConfig
 from engine.core_process import CoreProcess, EngineDeadError
-from engine.output import GenerationOutput, RequestState, StepUpdate
+from engine.output import Consumer, GenerationOutput, LiveRequest, RequestState, StepUpdate, Waker
 from engine.protocol import (
     AbortRequests,
     AddRequest,
@@ -39,6 +48,14 @@ log = logging.getLogger("siesta.client")
 WATCHDOG_PERIOD_S = 0.2
 # Sample i of a request with n > 1 has id f"{rid}{SAMPLE_SEP}{i}"; aborting rid aborts them all.
 SAMPLE_SEP = "#"
+# The reader calls its push consumers back once the queued engine messages are applied, or after
+# this many in a row: a reader that the engine outruns still sends every MAX_DRAIN steps.
+MAX_DRAIN = 32
+
+
+def _ignore_outcome(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def control_error(reply: ControlReply) -> Exception:
@@ -50,27 +67,6 @@ def control_error(reply: ControlReply) -> Exception:
 
 class EngineUnavailable(RuntimeError):
     """The engine is alive but cannot serve now (memory released, weights to update): HTTP 503."""
-
-
-@dataclass(eq=False)
-class LiveRequest:
-    """A request in flight as the reader sees it: its state, the updates its consumer has not
-    taken yet, and the event that wakes the consumer."""
-
-    state: RequestState
-    every_step: bool  # wake per step (streams); else only at the end
-    on_tokens: Callable[[int], None] | None = None  # told each step's new token count (metrics)
-    updates: list[StepUpdate] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    error: EngineDeadError | None = None
-
-    def take(self) -> StepUpdate:
-        """Every update since the last take, merged into one."""
-        updates, self.updates = self.updates, []
-        if len(updates) == 1:
-            return updates[0]
-        return StepUpdate(text="".join(u.text for u in updates), token_ids=[t for u in updates for t in u.token_ids],
-                          finished=any(u.finished for u in updates))
 
 
 class AsyncEngineClient:
@@ -86,6 +82,7 @@ class AsyncEngineClient:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
+        self._after_drain: list[Callable[[], None]] = []
         # Why requests cannot run now (memory released, ...), as the last memory call answered.
         self.unavailable: str | None = None
 
@@ -98,7 +95,12 @@ class AsyncEngineClient:
         return self._core.dead
 
     async def start(self) -> None:
-        """Start the reader and the watchdog in the running loop."""
+        """Start the reader and the watchdog in the running loop. What the server has loaded by
+        now (torch, transformers, the tokenizer: a few hundred thousand objects) lives as long as
+        it does: frozen, the collector's full passes skip it (each took 0.1-0.2 s, every few
+        thousand streamed tokens, stalling every stream)."""
+        gc.collect()
+        gc.freeze()
         self._to_core, self._from_core = self._core.async_sockets()
         self.died = asyncio.Event()  # set once the engine process is found dead
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watchdog())]
@@ -134,8 +136,11 @@ class AsyncEngineClient:
         sending.result()
 
     async def _read_loop(self) -> None:
+        sock = self._from_core
+        applied = 0  # messages since the consumers were last called back
         while self.dead is None:
-            msg = self._core.decode(await self._from_core.recv())
+            msg = self._core.decode(await sock.recv())
+            applied += 1
             if isinstance(msg, StepOutputs):
                 await self._apply(msg)
             elif isinstance(msg, ControlReply):
@@ -145,13 +150,30 @@ class AsyncEngineClient:
                         fut.set_result(msg.result)
                     else:
                         fut.set_exception(control_error(msg))
+            if self._after_drain and (applied >= MAX_DRAIN or not sock.get(zmq.EVENTS) & zmq.POLLIN):
+                applied = 0
+                self._run_after_drain()
         self._fail_all()
+
+    def after_drain(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the reader has applied every engine message queued by then (or at
+        once if the engine is found dead). It runs in the reader: it must not block or raise."""
+        self._after_drain.append(callback)
+
+    def _run_after_drain(self) -> None:
+        callbacks, self._after_drain = self._after_drain, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a consumer's bug must not stop the reader
+                log.exception("a stream failed while sending its events")
 
     async def _apply(self, msg: StepOutputs) -> None:
         """Apply a step's deltas to their requests; wake the consumers that have something."""
         stopped: list[str] = []  # a stop string matched here: the core must stop the request
+        live_requests = self._live
         for delta in msg.deltas:
-            live = self._live.get(delta.request_id)
+            live = live_requests.get(delta.request_id)
             if live is None:
                 continue
             update = live.state.apply(delta)
@@ -160,8 +182,8 @@ class AsyncEngineClient:
             if update.abort:
                 stopped.append(delta.request_id)
             if live.every_step or update.finished:
-                live.updates.append(update)
-                live.wake.set()
+                live.ready = True
+                live.waker.set()
         if stopped:
             await self._send(AbortRequests(request_ids=stopped))
 
@@ -176,13 +198,43 @@ class AsyncEngineClient:
         err = EngineDeadError(self.dead or "engine is dead")
         for live in self._live.values():
             live.error = err
-            live.wake.set()
+            live.waker.set()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
+        self._run_after_drain()
 
     # ---- generation -----------------------------------------------------------------------------
+
+    def open(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, every_step: bool, waker: Consumer,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> LiveRequest:
+        """Register a request (not sent yet: `submit`); its updates will wake `waker`: per engine
+        step with `every_step`, else only at its end. The caller must `close` it."""
+        if request_id in self._live:
+            raise InvalidRequest(f"request id {request_id!r} is already running")
+        # A whole response without stop strings needs its text only at the end: decode once there.
+        incremental = every_step or bool(params.stop)
+        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer, incremental=incremental)
+        live = self._live[request_id] = LiveRequest(state, every_step, waker, on_tokens)
+        return live
+
+    async def submit(self, live: LiveRequest) -> None:
+        """Send an opened request to the engine."""
+        out = live.state.output
+        await self._send(AddRequest(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
+                                    sampling_params=live.state.params))
+
+    def close(self, live: LiveRequest) -> None:
+        """Forget a request; abort it in the engine if it has not finished (never blocks)."""
+        rid = live.request_id
+        if self._live.get(rid) is live:
+            del self._live[rid]
+        if not live.state.output.finished and self.dead is None:
+            sent = self._to_core.send(self._core.encode(AbortRequests(request_ids=[rid])), flags=zmq.NOBLOCK)
+            sent.add_done_callback(_ignore_outcome)  # zmq.Again, a full queue: the engine is stuck anyway
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, every_step: bool = True,
@@ -192,29 +244,22 @@ class AsyncEngineClient:
         per batch of steps when the consumer is slower than the engine; with `every_step` False,
         once, at the end. Closing the iterator early (a client that went away) aborts the request
         in the engine."""
-        if request_id in self._live:
-            raise InvalidRequest(f"request id {request_id!r} is already running")
-        # A whole response without stop strings needs its text only at the end: decode once there.
-        incremental = every_step or bool(params.stop)
-        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer, incremental=incremental)
-        live = LiveRequest(state, every_step, on_tokens)
-        self._live[request_id] = live
-        finished = False
+        waker = Waker()
+        live = self.open(request_id, prompt_token_ids, params, every_step, waker, on_tokens)
         try:
-            await self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params))
+            await self.submit(live)
+            finished = False
             while not finished:
-                await live.wake.wait()
-                live.wake.clear()
+                await waker.wait()
                 if live.error is not None:
                     raise live.error
+                if not live.ready:
+                    continue
                 update = live.take()
                 finished = update.finished
-                yield update, state.output
+                yield update, live.state.output
         finally:
-            del self._live[request_id]
-            if not finished and self.dead is None:
-                with contextlib.suppress(zmq.Again):  # a full queue: the engine is stuck anyway
-                    await self._to_core.send(self._core.encode(AbortRequests(request_ids=[request_id])), flags=zmq.NOBLOCK)
+            self.close(live)
 
     def active_ids(self, rid: str) -> list[str]:
         """The engine ids of `rid`: itself and its samples when it was sent with n > 1."""

@@ -14,15 +14,26 @@ string:
   is not cut: it ends with everything decoded up to the token that completed the stop string.
 - `spaces_between_special_tokens` goes to the tokenizer's decode: Python ("slow") tokenizers
   honour it, fast ones accept and ignore it.
+- A fast (Rust) tokenizer whose decode is transformers' own and does no clean-up is called
+  directly: the same text, without transformers' per-call argument conversion (most of a
+  decode's cost on the streaming path, which decodes every token).
+- The next window's prefix is most often one token: its decoded length is cached per tokenizer
+  (a token decodes alone the same way every time), so a step costs one decode, not two.
+- Without stop strings, decoded text is emitted as it comes.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded in front of the first output tokens, as context for the prefix offset.
 PROMPT_CONTEXT_TOKENS = 5
+# tokenizer -> (skip_special_tokens, spaces_between_special_tokens) -> token id -> its length alone.
+_ALONE_LENGTHS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool], dict[int, int]]] = weakref.WeakKeyDictionary()
 
 
 class IncrementalDetokenizer:
@@ -39,6 +50,10 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self._decode = direct_decoder(tokenizer, skip_special_tokens) or partial(
+            tokenizer.decode, skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens)
+        self._alone_lengths = _alone_lengths(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self.skip_special_tokens = skip_special_tokens
         self.no_stop_trim = no_stop_trim
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -78,12 +93,6 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(self._decode_new(final=True), final=True)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-        )
-
     def _decode_new(self, final: bool) -> str:
         """Text of the window not returned before; moves the window on at a character boundary."""
         window = self._decode(self._ids[self._prefix_offset :])
@@ -99,12 +108,24 @@ class IncrementalDetokenizer:
         if len(window) > self._prefix_len:
             # The whole window is emitted: its tail becomes the next prefix.
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._prefix_len = len(self._decode(self._ids[self._prefix_offset : self._read_offset]))
+            self._prefix_len = self._decoded_length(self._ids[self._prefix_offset : self._read_offset])
             self._extra = 0
         return delta
 
+    def _decoded_length(self, ids: list[int]) -> int:
+        if len(ids) != 1:
+            return len(self._decode(ids))
+        lengths, token = self._alone_lengths, ids[0]
+        n = lengths.get(token)
+        if n is None:
+            n = lengths[token] = len(self._decode(ids))
+        return n
+
     def _emit(self, new_text: str, final: bool) -> str:
         """Stop-string handling on top of decoded text: return what may be shown now."""
+        if not self.stop:
+            self.text += new_text
+            return new_text
         pending = self._held + new_text
         # A match cannot start in emitted text: every tail that could start one was held.
         found = [(pending.find(s), s) for s in self.stop if s in pending]
@@ -129,3 +150,35 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> str:
         self.text += delta
         return delta
+
+
+def direct_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The Rust tokenizer's own decode when `tokenizer.decode` would give the same text: a
+    transformers fast tokenizer whose `decode` and `_decode` are not overridden (they only convert
+    the ids, call it, then clean up spaces) and whose clean-up is off. Else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True) or backend is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend as Fast
+        except ImportError:  # transformers 4
+            from transformers import PreTrainedTokenizerFast as Fast
+    except ImportError:
+        return None
+    kind = type(tokenizer)
+    if not isinstance(backend, Tokenizer) or kind.decode is not PreTrainedTokenizerBase.decode or kind._decode is not Fast._decode:
+        return None
+    return partial(backend.decode, skip_special_tokens=skip_special_tokens)
+
+
+def _alone_lengths(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict[int, int]:
+    """The shared cache of single-token decoded lengths for these decode settings (a private one
+    when the tokenizer cannot be weakly referenced)."""
+    try:
+        per_setting = _ALONE_LENGTHS.setdefault(tokenizer, {})
+    except TypeError:
+        return {}
+    return per_setting.setdefault((skip_special_tokens, spaces_between_special_tokens), {})

@@ -1,6 +1,6 @@
 """Running requests for the HTTP routes, native and OpenAI alike: prompt checks (a 400 before the
-engine sees a bad request), one request to its end with disconnect handling and metrics, and
-several requests merged into one stream.
+engine sees a bad request), and whole requests to their ends with disconnect handling and
+metrics. Streams are `server.event_stream.EventStream`'s.
 """
 
 from __future__ import annotations
@@ -13,28 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from engine.async_client import SAMPLE_SEP, AsyncEngineClient, EngineUnavailable
 from engine.output import GenerationOutput, StepUpdate
 from engine.request import InvalidRequest, SamplingParams
 from server.metrics import Metrics
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that closes its event generator as soon as the response ends, however it
-    ends. Starlette leaves a generator suspended at a `yield` when the client goes away mid-send,
-    to be closed whenever it is garbage-collected; until then its requests would run on in the
-    engine. Closing it at once aborts them."""
-
-    def __init__(self, events: AsyncIterator[Any]) -> None:
-        super().__init__(events, media_type="text/event-stream")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
 
 
 class ClientDisconnected(Exception):
@@ -158,35 +141,3 @@ async def _wait_disconnected(request: Request) -> None:
     the disconnect: wait for it (no polling)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def stream_jobs(
-    client: AsyncEngineClient, metrics: Metrics, jobs: list[Job]
-) -> AsyncIterator[tuple[Job, StepUpdate, GenerationOutput]]:
-    """Updates of all jobs, interleaved as they come. Closing the iterator (a client that went
-    away) aborts every job still running."""
-    queue: asyncio.Queue[tuple[Job, StepUpdate, GenerationOutput] | BaseException | None] = asyncio.Queue()
-
-    async def pump(job: Job) -> None:
-        try:
-            async for update, out in _events(client, metrics, job, every_step=True):
-                queue.put_nowait((job, update, out))
-            queue.put_nowait(None)
-        except Exception as e:
-            queue.put_nowait(e)
-
-    tasks = [asyncio.create_task(pump(j)) for j in jobs]
-    try:
-        remaining = len(jobs)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

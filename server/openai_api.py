@@ -14,11 +14,9 @@ Response shapes (choices, usage, logprobs) are `server.openai_reply.Reply`'s.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -27,9 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from engine.async_client import AsyncEngineClient
 from engine.output import GenerationOutput
 from engine.request import InvalidRequest
-from server.errors import error_body
-from server.generation import EventStream, make_jobs, run_jobs, stream_jobs
-from server.metrics import Metrics
+from server.event_stream import Batch, EventStream, event
+from server.generation import make_jobs, run_jobs
 from server.openai_reply import Reply
 from server.openai_schemas import ChatCompletionRequest, CompletionRequest
 
@@ -87,18 +84,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prefix = {j.index: echo[j.index // body.n] for j in jobs} if echo is not None else {}
     metrics = request.app.state.metrics
     if body.stream:
-        return _streaming(_completion_chunks(reply, client, metrics, prefix))
+        return EventStream(client, metrics, jobs, _ChoiceEvents(reply, prefix))
     outs = await run_jobs(client, metrics, jobs, request)
     return JSONResponse(reply.full(outs, prefix))
-
-
-async def _completion_chunks(
-    reply: Reply, client: AsyncEngineClient, metrics: Metrics, prefix: dict[int, str]
-) -> AsyncIterator[dict[str, Any]]:
-    for index, text in prefix.items():  # echo: the prompt comes first
-        yield reply.echo_chunk(index, text)
-    async for chunk in _choice_chunks(reply, client, metrics):
-        yield chunk
 
 
 # ---- chat completions ---------------------------------------------------------------------------
@@ -139,45 +127,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                   logprobs=want_lp, include_usage=body.stream and body.include_usage)
     metrics = request.app.state.metrics
     if body.stream:
-        return _streaming(_chat_chunks(reply, client, metrics))
+        return EventStream(client, metrics, jobs, _ChoiceEvents(reply, {}))
     outs = await run_jobs(client, metrics, jobs, request)
     return JSONResponse(reply.full(outs))
-
-
-async def _chat_chunks(reply: Reply, client: AsyncEngineClient, metrics: Metrics) -> AsyncIterator[dict[str, Any]]:
-    for job in reply.jobs:  # each choice opens with the assistant's role
-        yield reply.role_chunk(job.index)
-    async for chunk in _choice_chunks(reply, client, metrics):
-        yield chunk
 
 
 # ---- streaming ----------------------------------------------------------------------------------
 
 
-async def _choice_chunks(reply: Reply, client: AsyncEngineClient, metrics: Metrics) -> AsyncIterator[dict[str, Any]]:
-    """A chunk per update that has new text, new logprobs, or ends its choice; then usage."""
-    outs: dict[int, GenerationOutput] = {}
-    async with aclosing(stream_jobs(client, metrics, reply.jobs)) as updates:
-        async for job, update, out in updates:
-            outs[job.index] = out
+class _ChoiceEvents:
+    """A stream's chunks: each choice opens with the assistant's role (chat) or its echoed
+    prompt (completions with echo); then a chunk per update that has new text, new logprobs, or
+    ends its choice; then usage when asked for."""
+
+    def __init__(self, reply: Reply, prefix: dict[int, str]) -> None:
+        self.reply, self.prefix = reply, prefix
+
+    def first(self) -> bytes:
+        reply = self.reply
+        if reply.chat:
+            return b"".join(event(reply.role_chunk(job.index)) for job in reply.jobs)
+        return b"".join(event(reply.echo_chunk(index, text)) for index, text in self.prefix.items())
+
+    def render(self, batch: Batch) -> bytes:
+        reply, events = self.reply, []
+        for job, update, out in batch:
             if update.text or update.finished or (reply.logprobs and update.token_ids):
-                yield reply.chunk([reply.choice(job.index, update.text, out, update.finished)])
-    if reply.include_usage:
-        yield reply.body([], usage=reply.usage(outs))
+                events.append(event(reply.chunk([reply.choice(job.index, update.text, out, update.finished)])))
+        return b"".join(events)
 
-
-def _streaming(chunks: AsyncIterator[dict[str, Any]]) -> EventStream:
-    return EventStream(_sse(chunks))
-
-
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """SSE events, then [DONE]. A client gone away closes this, which closes `chunks` and so
-    aborts its jobs."""
-    async with aclosing(chunks):
-        try:
-            async for data in chunks:
-                yield f"data: {json.dumps(data)}\n\n"
-        except Exception as e:  # the status line is sent already: report in-band
-            yield f"data: {json.dumps(error_body(e))}\n\n"
-    yield "data: [DONE]\n\n"
-
+    def end(self, outs: dict[int, GenerationOutput]) -> bytes:
+        return event(self.reply.body([], usage=self.reply.usage(outs))) if self.reply.include_usage else b""

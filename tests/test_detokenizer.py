@@ -195,3 +195,47 @@ def test_whole_response_decoded_once_equals_the_streamed_text(tok: PreTrainedTok
         assert states[1].output.output_ids == states[0].output.output_ids == ids
     with pytest.raises(ValueError, match="stop strings"):
         RequestState("r", [1], SamplingParams(stop=("x",)), tok, incremental=False)
+
+
+class _Wrapped:
+    """A tokenizer that only forwards `decode`: the detokenizer must take its slow, general path."""
+
+    def __init__(self, tok: PreTrainedTokenizerFast) -> None:
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_direct_decoding_emits_what_transformers_decoding_emits(
+    tok: PreTrainedTokenizerFast, skip_special_tokens: bool
+) -> None:
+    """The fast path (the Rust decode called directly, single-token lengths cached) gives the same
+    deltas, step by step, as decoding through transformers every time."""
+    from engine.detokenizer import direct_decoder
+
+    assert direct_decoder(tok, skip_special_tokens) is not None and direct_decoder(_Wrapped(tok), True) is None
+    rng = random.Random(7)
+    for _ in range(200):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 8))]
+        output = [rng.choice([rng.randint(0, 2), rng.randint(3, 130), rng.randint(131, 511)]) for _ in range(rng.randint(1, 40))]
+        fast, slow = (IncrementalDetokenizer(t, prompt, skip_special_tokens=skip_special_tokens) for t in (tok, _Wrapped(tok)))
+        i = 0
+        while i < len(output):
+            n = rng.randint(1, 3)
+            assert fast.step(output[i : i + n]) == slow.step(output[i : i + n])
+            i += n
+        assert fast.flush() == slow.flush() and fast.text == slow.text
+
+
+def test_no_direct_decoding_where_transformers_would_change_the_text(tok: PreTrainedTokenizerFast) -> None:
+    from engine.detokenizer import direct_decoder
+
+    cleaned = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, clean_up_tokenization_spaces=True)
+    assert direct_decoder(cleaned, True) is None
+
+    class Custom(PreTrainedTokenizerFast):
+        def decode(self, *args: object, **kwargs: object) -> str:
+            return super().decode(*args, **kwargs).upper()
+
+    custom = Custom(tokenizer_object=tok.backend_tokenizer, clean_up_tokenization_spaces=False)
+    assert direct_decoder(custom, True) is None
+    assert IncrementalDetokenizer(custom, []).step(tok.encode("hello")) == "HELLO"

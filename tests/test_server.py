@@ -265,3 +265,88 @@ def test_n_samples_share_the_prompt_blocks(demo_server: ServerProcess) -> None:
         assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 32, 32, 32]  # 2 full blocks of 16
         assert len({tuple(o["output_ids"]) for o in outs}) == 1  # greedy: the same output each time
         assert _all_blocks_free(http)
+
+
+def _without_timing(result: dict) -> dict:
+    """A result less what differs between two runs of the same request (latency, prefix cache)."""
+    meta = {k: v for k, v in result["meta_info"].items() if k not in ("e2e_latency", "cached_tokens", "id")}
+    return result | {"meta_info": meta}
+
+
+def test_stream_ends_with_the_whole_result(demo_server: ServerProcess) -> None:
+    """A stream's last event per job is the non-streamed result, field for field (same seed):
+    sampled, n > 1, a stop string, logprobs, a stream interval; the text only ever grows."""
+    prompt = _prompts(41, (12,))[0]
+    cases = [
+        {"sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": True}},
+        {"sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+                             "stream_interval": 3}, "return_logprob": True, "top_logprobs_num": 2},
+    ]
+    sampled = {"max_new_tokens": 60, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    with demo_server.client() as http:
+        text = http.post("/generate", json={"input_ids": prompt, "sampling_params": sampled}).json()["text"]
+        stop = next(text[i : i + 2] for i in range(len(text) // 3, len(text) - 1)
+                    if text[i : i + 2].isprintable() and text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2])
+        cases.append({"sampling_params": sampled | {"stop": ["\x00never", stop]}})
+        for case in cases:
+            body = {"input_ids": prompt} | case
+            whole = http.post("/generate", json=body).json()
+            whole = whole if isinstance(whole, list) else [whole]
+            with http.stream("POST", "/generate", json=body | {"stream": True}) as r:
+                events = _sse(list(r.iter_lines()))
+            last: dict[int, dict] = {}
+            for e in events:
+                i = e.pop("index", 0)
+                if i in last:
+                    assert e["text"].startswith(last[i]["text"]) and e["output_ids"][: len(last[i]["output_ids"])] == last[i]["output_ids"]
+                last[i] = e
+            assert sorted(last) == list(range(len(whole)))
+            for i, w in enumerate(whole):
+                assert _without_timing(last[i]) == _without_timing(w), case
+            if "stop" in case["sampling_params"]:
+                assert whole[0]["meta_info"]["finish_reason"]["type"] == "stop"
+            interval = case["sampling_params"].get("stream_interval", 1)
+            if interval > 1:
+                counts = [e["meta_info"]["completion_tokens"] for e in events]
+                assert all(b - a >= interval for a, b in zip(counts, counts[1:-1], strict=False)), counts
+
+
+def test_engine_death_mid_stream_is_an_error_event(demo_dir: str) -> None:
+    server = ServerProcess(demo_dir)
+    try:
+        with server.client() as http:
+            pid = http.get("/get_server_info").json()["engine_pid"]
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
+            with http.stream("POST", "/generate", json=body) as r:
+                lines = r.iter_lines()
+                next(lines)  # running
+                os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+            assert time.monotonic() - t0 < 5
+            assert data[-1] == "[DONE]" and "engine" in json.loads(data[-2])["error"]["message"]
+    finally:
+        server.stop()
+
+
+def test_stream_events_are_the_json_of_the_result() -> None:
+    """/generate's incremental event writer gives, byte for byte, `data: ` + the JSON of the whole
+    result so far (what the events were before it kept their JSON as it grows)."""
+    from engine.output import GenerationOutput
+    from engine.request import SamplingParams
+    from server.generation import Job
+    from server.native_api import _JSON, _EventWriter, _result
+
+    rng = random.Random(3)
+    pieces = ["", "a", ' "q" ', "\\", "\n\t\x01", "é中😀", "\u2028", "</script>", "\ufffd"]
+    for indexed in (False, True):
+        job = Job(index=3, request_id='r"1', prompt_token_ids=[1, 2, 3], params=SamplingParams())
+        writer, out = _EventWriter(job, "v\\1", indexed), GenerationOutput(request_id='r"1', prompt_token_ids=[1, 2, 3])
+        for step in range(60):
+            out.text += rng.choice(pieces)
+            out.output_ids += [rng.randrange(200000) for _ in range(rng.choice([0, 1, 1, 2]))]
+            out.cached_tokens = step // 10
+            writer.add(out)
+            if rng.random() < 0.7:
+                want = _result(out, job.params, "v\\1") | ({"index": 3} if indexed else {})
+                assert writer.event(out) == b"data: " + _JSON.encode(want) + b"\n\n"

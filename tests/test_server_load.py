@@ -96,3 +96,79 @@ def test_concurrent_requests_with_disconnects(demo_server: ServerProcess) -> Non
         # The 380-token requests were cut short: no request finished by length that long.
         finished = _counter(metrics, "length") - _counter(before, "length")
         assert finished == NUM_REQUESTS - num_left
+
+
+def test_a_stalled_reader_holds_up_no_other_stream(demo_server: ServerProcess) -> None:
+    """A client that reads nothing until its request has finished in the engine has the server
+    hold megabytes of events (each repeats every logprob so far), more than the socket buffers
+    take: the server's sends to it wait (HTTP flow control), other streams go on meanwhile, and
+    once it reads, it gets every event, in order, then [DONE]."""
+    import socket
+
+    import h11
+
+    body = json.dumps({"input_ids": list(range(3, 103)), "return_logprob": True, "top_logprobs_num": 5, "stream": True,
+                       "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}).encode()
+    sock = socket.create_connection(("127.0.0.1", demo_server.port), timeout=60)
+    conn = h11.Connection(h11.CLIENT)
+    headers = [("host", "x"), ("content-type", "application/json"), ("content-length", str(len(body)))]
+    sock.sendall(conn.send(h11.Request(method="POST", target="/generate", headers=headers)) + conn.send(h11.Data(data=body)))
+    try:
+        with demo_server.client() as http:
+            other = {"input_ids": [9, 9, 9], "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}, "stream": True}
+            with http.stream("POST", "/generate", json=other) as r:
+                lines = [line for line in r.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["meta_info"]["completion_tokens"] == 50
+            deadline = time.monotonic() + 60
+            while http.get("/get_server_info").json()["num_running"]:  # the stalled request runs to its end
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        chunks = []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(1 << 20))
+            elif isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                break
+    finally:
+        sock.close()
+    data = b"".join(chunks)
+    assert len(data) > 8 << 20
+    events = [e[len(b"data: "):] for e in data.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    counts = [json.loads(e)["meta_info"]["completion_tokens"] for e in events[:-1]]
+    assert counts == sorted(set(counts)) and counts[-1] == 400
+
+
+def test_sends_that_wait_keep_their_order() -> None:
+    """EventStream's sending, alone: a send the server takes at once goes out from the caller; one
+    that waits (flow control) is finished by a task, later ones queue behind it, in order, and the
+    stream is done only once its last message is out."""
+    from server.event_stream import EventStream
+
+    async def run() -> list[bytes]:
+        out: list[bytes] = []
+        writable = asyncio.Event()
+        writable.set()
+
+        async def send(message: dict) -> None:
+            await writable.wait()
+            out.append(message["body"])
+
+        stream = EventStream(None, None, [], None)  # type: ignore[arg-type]
+        stream._send, stream._done = send, asyncio.get_running_loop().create_future()
+        stream._write(b"a")
+        assert out == [b"a"] and stream._sending is None  # sent at once, no task
+        writable.clear()
+        stream._write(b"b")
+        stream._write(b"c")
+        stream._end(b"d")
+        await asyncio.sleep(0.01)
+        assert out == [b"a"] and not stream._done.done()
+        writable.set()
+        await asyncio.wait_for(stream._done, 5)
+        return out
+
+    assert asyncio.run(run()) == [b"a", b"b", b"c", b"d"]
