@@ -57,7 +57,7 @@ TARGETS = {"singles": 0.95, "streams": 0.85, "n8": 0.95, "engine": 0.95}
 SERVER_CPU_TARGET_PCT, CLIENT_CPU_LIMIT_PCT, SAMPLES = 60.0, 90.0, 8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 FULL = dict(shape="0.6b", server_args="", num_prompts="64,256,1024", input_len=256, output_len=256,
-            num_online=256, request_rate=16.0, client_procs=4, deadline_s=480.0, startup_timeout_s=600.0)
+            num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
 TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompts="8", input_len=16,
             output_len=8, server_args="--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256",
             num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0)
@@ -355,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-online", type=int, help="requests of the online shape (default 256)")
     p.add_argument("--request-rate", type=float, help="online arrivals per second, Poisson; inf: all at once (default 16)")
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="online lengths uniform in [ratio*len, len]")
-    p.add_argument("--client-procs", type=int, help="client processes (default 4)")
+    p.add_argument("--client-procs", type=int, help="client processes (default 8)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument("--deadline-s", type=float, help="no section starts after this, seconds from the start (default 480)")
