@@ -32,7 +32,8 @@ from engine.attention import AttentionMetadata  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.kv_budget import kv_block_bytes  # noqa: E402
-from engine.models.layers import FUSED_OPS_ENV, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary  # noqa: E402
+from engine.models.layers import FUSED_OPS_ENV, RMSNorm, SiluAndMul  # noqa: E402
+from engine.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 
 def decode_metadata(bs: int, context: int, block_size: int, num_blocks: int, device: torch.device) -> AttentionMetadata:

@@ -1,4 +1,4 @@
-"""The fused Triton ops of engine/models/fused_ops.py against the torch code of layers.py run on the
+"""The fused Triton ops of engine/models/fused_ops.py against the torch code of layers.py and rotary.py run on the
 same CUDA tensors (the reference), on fresh random inputs; a CUDA-graph capture and replay of all of
 them; whole models with the fused ops against the same models without them. GPU only, except the
 two tests at the end (the switch, and that a CPU forward never imports the kernels).
@@ -25,7 +25,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models import get_model_class
-from engine.models.layers import FUSED_OPS_ENV, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from engine.models.layers import FUSED_OPS_ENV, RMSNorm, SiluAndMul
+from engine.models.rotary import RotaryEmbedding, apply_rotary
 from engine.weights import load_checkpoint
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,7 +18,7 @@ from engine.attention import AttentionMetadata, ForwardContext
 from engine.attention.sdpa import SdpaBackend
 from engine.config import ModelConfig, RopeScaling
 from engine.models import get_model_class
-from engine.models.layers import rope_inv_freq
+from engine.models.rotary import rope_inv_freq
 from engine.weights import WeightLoadError, iterate_checkpoint, load_checkpoint, load_named_tensors
 
 RTOL = 1e-4

@@ -2,7 +2,7 @@
 `engine.models.layers` imports this module (lazily, on the first CUDA tensor a fused layer sees),
 so a CPU install never imports Triton.
 
-Each kernel computes what the torch code in layers.py computes, rounding where it rounds, so the
+Each kernel computes what the torch code in layers.py and rotary.py computes, rounding where it rounds, so the
 results are the same bits or within one bfloat16 ULP of them (reduction order differs):
 - `rms_norm`: x / rms(x) with the normalisation in fp32, cast to the model dtype, then times the
   weight in the model dtype (Hugging Face's `weight * x.to(dtype)`). One program per row.

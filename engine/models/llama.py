@@ -32,10 +32,9 @@ from engine.models.layers import (
     Embedding,
     Linear,
     RMSNorm,
-    RopeInputs,
-    RotaryEmbedding,
     fused_ops_default,
 )
+from engine.models.rotary import RopeInputs, RotaryEmbedding
 
 
 @dataclass(frozen=True)
