@@ -3,7 +3,8 @@ against engine/models/skinny_linear.py, on the layer shapes of Qwen3-0.6B and Qw
 
 Each op is timed as the decode step runs it: inside a CUDA graph, over as many distinct weight
 copies as make 512 MiB (so every call reads its weight from HBM, not from L2, as consecutive
-layers do), median of `--reps` replays. Columns: microseconds per call, the weight-read bandwidth
+layers do), median of `--reps` replays; `--rotate-mib 0` times one copy, resident in L2 after the
+first call (what an L2 prefetch of the next layer's weights could at best give). Columns: microseconds per call, the weight-read bandwidth
 that implies, and the ratio cuBLAS time / skinny time. With `--sweep`, every (block_n, block_k,
 warps, stages) of a small grid is timed too, and the best is printed beside the default rule.
 
@@ -61,15 +62,16 @@ def time_graph(calls: Callable[[], None], per: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_shape(name: str, m: int, sweep: bool, reps: int) -> dict[str, Any]:
+def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
     from engine.models import fused_ops
     from engine.models.skinny_linear import skinny_linear
 
     n, k, silu = SHAPES[name]
     dev = torch.device("cuda")
     w_bytes = n * k * 2
-    copies = max(2, ROTATE_BYTES // w_bytes)
+    copies = max(1, rotate_bytes // w_bytes)  # 1: the same weight every call, resident in L2
     ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ws = ws * max(1, 64 // copies)  # at least 64 calls per graph: its launch is not in the time
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
 
     def cublas() -> None:
@@ -92,8 +94,8 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int) -> dict[str, Any]:
     got = skinny_linear(x, ws[0], silu_mul=silu).float()
     err = ((got - ref).abs().max() / ref.abs().max()).item()
 
-    t_cublas = time_graph(cublas, copies, reps)
-    t_default = time_graph(skinny(), copies, reps)
+    t_cublas = time_graph(cublas, len(ws), reps)
+    t_default = time_graph(skinny(), len(ws), reps)
     row: dict[str, Any] = {"shape": name, "m": m, "cublas_us": t_cublas, "skinny_us": t_default,
                            "cublas_gbs": w_bytes / t_cublas / 1e3, "skinny_gbs": w_bytes / t_default / 1e3,
                            "speedup": t_cublas / t_default, "max_rel_err": err}
@@ -101,7 +103,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int) -> dict[str, Any]:
         best = None
         for bn, bk, nw, ns in GRID:
             try:
-                t = time_graph(skinny(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns), copies, reps)
+                t = time_graph(skinny(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns), len(ws), reps)
             except Exception as e:  # out of shared memory and the like
                 print(f"  {name} m={m} {(bn, bk, nw, ns)}: {type(e).__name__}", flush=True)
                 continue
@@ -122,6 +124,8 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rotate-mib", type=int, default=ROTATE_BYTES >> 20,
+                   help="distinct weight copies cycled through (0: one copy, which stays in L2: the bound of any prefetch)")
     args = p.parse_args()
     rows = []
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
@@ -129,7 +133,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in args.shapes.split(","):
         for m in (int(r) for r in args.rows.split(",")):
-            r = bench_shape(name, m, args.sweep, args.reps)
+            r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
             rows.append(r)
             best = f"{r['best_us']:.2f} {r['best_cfg']}" if "best_us" in r else "-"
             print(f"| {name} | {m} | {r['cublas_us']:.2f} | {r['cublas_gbs']:.0f} | {r['skinny_us']:.2f} | "
