@@ -37,6 +37,15 @@ def graph_pool_bytes(pool: Any) -> int:
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == key)
 
 
+def load_padded(static: list[torch.Tensor], values: list[torch.Tensor], n: int, size: int) -> None:
+    """Copy each step input into the first n rows of its static buffer and zero rows n..size
+    (graph padding: token 0 at position 0)."""
+    for buf, value in zip(static, values, strict=True):
+        buf[:n].copy_(value, non_blocking=True)
+        if size > n:
+            buf[n:size].zero_()
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """The capture ladder up to `max_bs` (which is always included)."""
     sizes = [bs for bs in (1, 2, 4) if bs < max_bs]
@@ -125,11 +134,7 @@ class CudaGraphRunner:
     ) -> torch.Tensor:  # [n, V] float32 logits (a view of the static buffer: use before the next run)
         n = meta.num_seqs
         bs = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
+        load_padded([self.input_ids, self.positions], [input_ids, positions], n, bs)
         self.backend.load_graph_metadata(meta, bs)
         self.graphs[bs].replay()
         return self.logits[:n]

@@ -49,14 +49,11 @@ class IncrementalDetokenizer:
         no_stop_trim: bool = False,
         spaces_between_special_tokens: bool = True,
     ) -> None:
-        self.tokenizer = tokenizer
         self._decode = direct_decoder(tokenizer, skip_special_tokens) or partial(
             tokenizer.decode, skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens)
         self._alone_lengths = _alone_lengths(tokenizer, skip_special_tokens, spaces_between_special_tokens)
-        self.skip_special_tokens = skip_special_tokens
         self.no_stop_trim = no_stop_trim
-        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.text = ""
         self.stop_matched: str | None = None

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from engine.cuda_graph import graph_pool_bytes
+from engine.cuda_graph import graph_pool_bytes, load_padded
 
 log = logging.getLogger("siesta.engine")
 
@@ -260,12 +260,8 @@ class PiecewiseGraphRunner:
         if meta.query_start_loc_cpu[-1] != n or positions.shape[0] != n:
             raise ValueError(f"metadata covers {meta.query_start_loc_cpu[-1]} tokens and positions {positions.shape[0]}, not {n}")
         size = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.attn_out[n:size].zero_()
+        load_padded([self.input_ids, self.positions], [input_ids, positions], n, size)
+        self.attn_out[n:size].zero_()
         return n, size
 
     @torch.inference_mode()

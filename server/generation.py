@@ -88,14 +88,14 @@ def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 async def _events(
-    client: AsyncEngineClient, metrics: Metrics, job: Job, every_step: bool
+    client: AsyncEngineClient, metrics: Metrics, job: Job
 ) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
-    """A job's updates (per step, or only the last: `every_step`), with its metrics recorded; an
-    early close aborts it in the engine."""
+    """A whole job's one update, at its end, with its metrics recorded; an early close aborts it
+    in the engine. (Streams are `server.event_stream.EventStream`'s.)"""
     tracker = metrics.tracker()
     outcome = "disconnected"
     try:
-        updates = client.generate(job.request_id, job.prompt_token_ids, job.params, every_step, tracker.on_tokens)
+        updates = client.generate(job.request_id, job.prompt_token_ids, job.params, False, tracker.on_tokens)
         async for update, out in updates:
             if out.unavailable:
                 raise EngineUnavailable(out.error or "the engine cannot serve now")
@@ -118,7 +118,7 @@ async def run_jobs(client: AsyncEngineClient, metrics: Metrics, jobs: list[Job],
 
     async def one(job: Job) -> GenerationOutput:
         last: GenerationOutput | None = None
-        async for _, output in _events(client, metrics, job, every_step=False):
+        async for _, output in _events(client, metrics, job):
             last = output
         assert last is not None  # a job always ends with a finished update
         return last

@@ -13,7 +13,8 @@ Fused ops: a module built with `fused=True` runs the Triton kernels of `fused_op
 tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul), and its linears run
 the few-rows matmul of `skinny_linear.py` on half-precision CUDA inputs of few rows (decode
 steps; the MLP's gate_up then applies SiLU-and-mul in the same kernel); any other device runs
-this file's torch code, the reference the kernels are tested against. The model resolves the flag once, at construction (`fused_ops_default`).
+this file's torch code, the reference the kernels are tested against. The model resolves the
+flag once, at construction (`fused_ops_default`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _fused_ops() -> ModuleType:
 def _skinny(x: torch.Tensor) -> ModuleType | None:
     """The few-rows matmul module (skinny_linear.py) when it applies to x [M, K], else None.
     Checked cheaply first, so a CPU forward never imports it."""
-    if not x.is_cuda or x.dtype == torch.float32:
+    if not x.is_cuda:
         return None
     from engine.models import skinny_linear
 

@@ -37,9 +37,9 @@ MAX_ROWS = 16
 KERNEL_MAX_ROWS = 64
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether layers run `skinny_linear` on x [M, K]: CUDA, half precision, 1 <= M <= MAX_ROWS."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 0 < x.shape[0] <= MAX_ROWS
+def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether layers run `skinny_linear` on x [M, K]: CUDA, half precision, 1 <= M <= max_rows."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 0 < x.shape[0] <= max_rows
 
 
 @functools.cache
@@ -126,8 +126,7 @@ def skinny_linear(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:  # [M, N] ([M, I] with silu_mul)
-    ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and 0 < x.shape[0] <= KERNEL_MAX_ROWS
-    if x.dim() != 2 or not ok:
+    if x.dim() != 2 or not applies(x, KERNEL_MAX_ROWS):
         raise ValueError(f"skinny_linear: x must be a CUDA bf16/fp16 [M, K] with 1 <= M <= {KERNEL_MAX_ROWS}, got {tuple(x.shape)} {x.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
