@@ -56,8 +56,6 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         # Names the weights in use; RL weight updates set it (SGLang's default is "default").
         self.weight_version = "default"
         self.memory = self.runner.memory
-        # False after weights were released with no host copy: generation waits for an update.
-        self.weights_valid = True
         # A release in progress: running requests finish, new ones are refused.
         self.draining = False
         # Deltas produced outside a step (aborts from control calls), sent by the loop.
@@ -65,7 +63,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         # The step launched last and not read yet (overlap scheduling); None between steps
         # when overlap is off, and always before a control call runs.
         self.in_flight: LaunchedStep | None = None
-        self.updater = WeightUpdater(self.runner.model, config, self.runner.device)
+        self.updater = WeightUpdater(self.runner.weights, config)
         self.profiler = StepProfiler(self.runner.device)
         self.load_stats = LoadStats()
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)

@@ -48,12 +48,15 @@ class WeightCheckCalls:
             raise ValueError(f"unknown weights_checker action {action!r}; use one of {', '.join(ACTIONS)}")
         if self.memory.state["weights"] != RESIDENT:
             raise ValueError("weights are released: resume_memory_occupation(['weights']) before checking them")
+        if not self.weights_valid:
+            raise ValueError("weights were released without a host copy (--weights-backup none): update them first")
         t0 = time.perf_counter()
         answer = getattr(self, f"_weights_{action}")()
         log.info("weights_checker %s in %.1f ms: %s", action, (time.perf_counter() - t0) * 1e3, answer["message"])
         return {"success": True} | answer
 
     def _checked_tensors(self) -> dict[str, torch.Tensor]:
+        self.runner.weights.ensure_current()  # stale pieces come back before anyone reads them
         return dict(self.runner.model.state_dict())
 
     def _weights_snapshot(self) -> dict[str, Any]:
@@ -65,10 +68,10 @@ class WeightCheckCalls:
     @torch.no_grad()
     def _weights_reset_tensors(self) -> dict[str, Any]:
         tensors = self._checked_tensors()
+        self.runner.weights.before_write()
         for t in {id(t): t for t in tensors.values()}.values():  # tied tensors once
             t.copy_(_random_like(t))
-        if self.runner.host_weights is not None:
-            self.runner.host_weights.refresh()
+        self.runner.weights.written_all()
         flushed = not self.scheduler.has_unfinished() and self.block_manager.reset_prefix_cache()
         return {"message": f"{len(tensors)} tensors set to random values"
                 + ("; prefix cache flushed" if flushed else "")}

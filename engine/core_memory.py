@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from engine.deferred import Deferred
-from engine.memory import check_tags
+from engine.memory import RESIDENT, check_tags
 
 log = logging.getLogger("siesta.engine")
 
@@ -40,10 +40,10 @@ class MemoryCalls:
         self.scheduler.admitting = True
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
+        if "weights" in tags and self.memory.enabled and self.memory.state["weights"] == RESIDENT:
+            self.runner.weights.released()  # waits for the host copy; every piece goes stale
         change = self.memory.release(tags)
         changed, freed = change.changed, change.bytes
-        if "weights" in changed and self.memory.enabled and self.runner.host_weights is None:
-            self.weights_valid = False
         seconds = time.perf_counter() - t0
         log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
         return self._memory_answer(changed) | {
@@ -67,12 +67,11 @@ class MemoryCalls:
         return self._resume(names)
 
     def _resume(self, tags: list[str]) -> dict[str, Any]:
+        """Map the tags' pages. Weights are not copied back here: the first forward restores
+        what no update has written by then (engine/weight_store.py)."""
         t0 = time.perf_counter()
         change = self.memory.resume(tags)
         changed, restored = change.changed, change.bytes
-        restore_s = 0.0
-        if "weights" in changed and self.runner.host_weights is not None:
-            restore_s = self.runner.host_weights.restore()
         seconds = time.perf_counter() - t0
         log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
         if change.refused:
@@ -80,16 +79,23 @@ class MemoryCalls:
         return self._memory_answer(changed) | {
             "success": not change.refused, "refused": change.refused,
             "bytes_restored": restored, "seconds": seconds, "seconds_by_tag": change.seconds_by_tag,
-            "weights_restore_seconds": restore_s,
         }
 
     def memory_occupation(self) -> dict[str, Any]:
-        host = self.runner.host_weights
+        store = self.runner.weights
         return self.memory.describe() | {
             "weights_backup": self.config.weights_backup,
-            "weights_host_copy_bytes": host.nbytes if host else 0,
+            "weights_host_copy_bytes": store.host_bytes,
             "weights_valid": self.weights_valid,
+            "weights_stale_bytes": store.stale_bytes,
+            "last_weights_restore": dict(store.last_restore),
         }
+
+    @property
+    def weights_valid(self) -> bool:
+        """Every weight is resident and current, or comes back from the host copy at the next
+        forward; False while weights are released without a host copy and not updated since."""
+        return self.runner.weights.missing() == 0
 
     def _memory_answer(self, changed: list[str]) -> dict[str, Any]:
         return {
@@ -97,4 +103,5 @@ class MemoryCalls:
             "changed": changed,
             "memory_saver": self.memory.enabled,
             "weights_valid": self.weights_valid,
+            "weights_stale_bytes": self.runner.weights.stale_bytes,
         }

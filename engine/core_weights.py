@@ -1,6 +1,7 @@
 """The weight-update control calls of `EngineCore` (engine/weight_updater.py has the rules): from
 disk, from tensors and from a process group, each once no request runs (or at once while paused),
-then the host copy refreshed, the prefix cache flushed when asked and the version bumped."""
+then the prefix cache flushed when asked and the version bumped (the host copy of what was written
+refreshes in the background: engine/weight_store.py)."""
 
 from __future__ import annotations
 
@@ -76,11 +77,8 @@ class WeightUpdateCalls:
         def run() -> dict[str, Any]:
             t0 = time.perf_counter()
             load()
-            if self.runner.host_weights is not None:
-                self.runner.host_weights.refresh()
             if flush:
                 self.block_manager.reset_prefix_cache()
-            self.weights_valid = True
             self.weight_version = version if version is not None else _next_version(self.weight_version)
             seconds = time.perf_counter() - t0
             log.info("weights updated from %s in %.1f ms: version %s", source, seconds * 1e3, self.weight_version)

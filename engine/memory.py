@@ -3,8 +3,9 @@ driver and taken again at the same virtual addresses (torch_memory_saver), so ca
 replay after a resume without recapture.
 
 Tags (the names RL clients send):
-- `weights`: parameters and persistent buffers (rotary tables included); a pinned host copy is
-  kept (`weights_backup="host"`), so release copies nothing and resume is one host-to-device pass.
+- `weights`: one allocation holding every parameter and buffer (engine/weight_store.py); a pinned
+  host copy is kept (`weights_backup="host"`), so release copies nothing, resume only maps pages,
+  and the first forward copies back what no weight update has rewritten by then.
 - `kv_cache`: KV blocks. Nothing is kept: the prefix cache is flushed with it.
 - `cuda_graph`: captured graphs, their pool, their static buffers and the attention workspaces.
 
@@ -227,51 +228,3 @@ class MemoryRegions:
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-class HostWeights:
-    """A pinned host copy of every weights-region tensor (parameters and buffers), in one pinned
-    buffer (each tensor at a 256-byte boundary). Refreshed at load and at every weight update;
-    copied back after a resume by the SMs reading the pinned buffer (engine/host_copy.py): a copy
-    engine reaches the PCIe peak only while the driver is not scrubbing freed pages, and a
-    restore comes right after a release or a trainer's empty_cache, when it is (measured on an
-    H200: copy engine 55 GB/s idle, 27 GB/s then; SMs 51 GB/s both)."""
-
-    ALIGN = 256
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        from engine.host_copy import HostCopyPlan, device_alias
-
-        self.tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_cuda]
-        spans: list[tuple[int, int]] = []  # (offset, bytes) of each tensor in the buffer
-        end = 0
-        for t in self.tensors:
-            if not t.is_contiguous():
-                raise ValueError(f"weights must be contiguous to be restored byte for byte; got strides {t.stride()}")
-            offset = -(-end // self.ALIGN) * self.ALIGN
-            spans.append((offset, t.numel() * t.element_size()))
-            end = offset + spans[-1][1]
-        self.buffer = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
-        self.nbytes = sum(n for _, n in spans)
-        self.views = [self.buffer[o : o + n].view(t.dtype).view(t.shape) for (o, n), t in zip(spans, self.tensors, strict=True)]
-        self.plan: HostCopyPlan | None = None  # the buffer -> the tensors, by the SMs in one launch
-        if self.tensors:
-            alias = device_alias(self.buffer, self.tensors[0].device)
-            self.plan = HostCopyPlan(alias, [o for o, _ in spans], self.tensors)
-        self.refresh()
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Device -> host, after a load or an update."""
-        for view, t in zip(self.views, self.tensors, strict=True):
-            view.copy_(t, non_blocking=True)
-        torch.cuda.synchronize(self.tensors[0].device if self.tensors else None)
-
-    def restore(self) -> float:
-        """Host -> device into the same tensors (graphs hold their addresses); returns seconds."""
-        if self.plan is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.plan.run()
-        torch.cuda.synchronize(self.tensors[0].device)
-        return time.perf_counter() - t0

@@ -26,7 +26,7 @@ from engine.kv_budget import (
     num_kv_blocks_for_budget,
 )
 from engine.launched_step import LaunchedStep
-from engine.memory import HostWeights, MemoryRegions
+from engine.memory import MemoryRegions
 from engine.models import get_model_class
 from engine.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from engine.request import Batch
@@ -37,6 +37,7 @@ from engine.step_inputs import (
     build_metadata,
     build_step_inputs,
 )
+from engine.weight_store import WeightStore
 from engine.weights import load_checkpoint
 
 log = logging.getLogger("siesta.engine")
@@ -84,15 +85,16 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         with self.memory.region("weights"):
-            self.model = self._load_model()
-        self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        self.host_weights: HostWeights | None = None
+            self.model = self._build_model()
+            self.weights = WeightStore(self.model, self.device)
+        load_checkpoint(self.model, self.model_config.path)
+        self.weights_bytes = self.weights.nbytes
         if self.device.type == "cuda" and config.weights_backup == "host":
-            self.host_weights = HostWeights(self.model)
+            self.weights.keep_host_copy()
         log.info(
-            "weights loaded in %.2f s: %.1f MiB (%s, %s), host copy %s",
+            "weights loaded in %.2f s: %.1f MiB in one allocation (%s, %s), host copy %s",
             time.perf_counter() - t0, self.weights_bytes / (1 << 20), self.device, str(self.dtype).replace("torch.", ""),
-            "pinned" if self.host_weights else "none",
+            "pinned" if self.weights.host is not None else "none",
         )
 
         self.num_kv_blocks = self._num_kv_blocks()
@@ -160,16 +162,16 @@ class ModelRunner:
         cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
         return piecewise_token_sizes(cap, kv_capacity_tokens)
 
-    def _load_model(self) -> torch.nn.Module:
+    def _build_model(self) -> torch.nn.Module:
+        """The model on the meta device, in the engine's dtype (WeightStore gives it memory)."""
         cls = get_model_class(self.model_config.architecture)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device("meta"):
                 model = cls(self.model_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_checkpoint(model, self.model_config.path)
         return model.eval()
 
     def _num_kv_blocks(self) -> int:
@@ -235,7 +237,8 @@ class ModelRunner:
         """Queue one step on the device and return without waiting for it. `previous` is the step
         launched before this one, if its tokens are not read yet: a row whose input is one of
         them takes it from the device. A decode step where every row samples replays a CUDA
-        graph when one fits."""
+        graph when one fits. Stale weights (after a resume) are restored first."""
+        self.weights.ensure_current()
         pending = previous.pending_tokens() if previous is not None else None
         inputs = build_step_inputs(batch, self.block_size, self.upload, pending)
         if not inputs.sample_rows:

@@ -130,9 +130,10 @@ class WeightUpdateGroups:
 
     def receive(
         self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        device: torch.device | None = None,
+        device: torch.device | None = None, into: list[torch.Tensor | None] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
-        """Receive len(names) tensors broadcast by the trainer (rank 0), in order."""
+        """Receive len(names) tensors broadcast by the trainer (rank 0), in order: into
+        `into[i]` where given (contiguous, of that shape and dtype), else a new tensor."""
         group = self._get(group_name)
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(
@@ -143,7 +144,14 @@ class WeightUpdateGroups:
             if not (isinstance(shape, (list, tuple)) and all(isinstance(s, int) and s >= 0 for s in shape)):
                 raise ValueError(f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}")
         device = group.device if device is None else torch.device(device)
-        tensors = [torch.empty(list(s), dtype=d, device=device) for s, d in zip(shapes, parsed, strict=True)]
+        into = into if into is not None else [None] * len(names)
+        tensors = [
+            dst if dst is not None else torch.empty(list(s), dtype=d, device=device)
+            for s, d, dst in zip(shapes, parsed, into, strict=True)
+        ]
+        for name, t, s, d in zip(names, tensors, shapes, parsed, strict=True):
+            if list(t.shape) != list(s) or t.dtype != d or not t.is_contiguous():
+                raise ValueError(f"tensor {name!r}: the receive buffer is not a contiguous {d}{list(s)}")
         _broadcast(group, tensors)
         return list(zip(names, tensors, strict=True))
 

@@ -8,8 +8,14 @@ Rules:
   addresses captured CUDA graphs hold stay valid. A bad update leaves the old weights in use.
 - Disk updates read only below the allowed directories (default: the parent of --model); a path
   that resolves elsewhere (`..`, absolute paths, symlinks out) is refused with PermissionError.
-- After an update the pinned host copy is refreshed, so a later release/resume keeps the new
-  weights.
+- Every write goes through the weight store (engine/weight_store.py): it waits for a host-copy
+  refresh still reading the weights, marks what was written current, and refreshes the host copy
+  of those pieces in the background, so a later release/resume keeps the new weights.
+- An update answers only once its copies have finished on the device: the trainer may free or
+  reuse its tensors (CUDA IPC, shared memory) as soon as it has the answer.
+- A process-group update receives each tensor straight into the parameter bytes it fills when
+  the dtypes agree (no second copy); a broadcast that fails half-way leaves those pieces stale,
+  so the next forward restores the old weights from the host copy.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.weights import load_checkpoint, load_named_tensors
+from engine.weight_store import WeightStore
+from engine.weights import ignored, load_checkpoint, load_named_tensors, validate_entries
 
 
 def allowed_dirs(config: EngineConfig) -> list[str]:
@@ -33,9 +40,10 @@ def allowed_dirs(config: EngineConfig) -> list[str]:
 
 
 class WeightUpdater:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
-        self.model = model
-        self.device = device
+    def __init__(self, store: WeightStore, config: EngineConfig) -> None:
+        self.store = store
+        self.model = store.model
+        self.device = store.device
         self.allowed = allowed_dirs(config)
         self._groups: Any = None  # engine.weight_group.WeightUpdateGroups, made on first use
 
@@ -51,15 +59,24 @@ class WeightUpdater:
             raise ValueError(f"model_path {model_path!r} is not a directory")
         return real
 
-    def from_disk(self, model_path: str) -> None:
-        load_checkpoint(self.model, self.check_path(model_path))
+    def from_disk(self, model_path: str) -> int:
+        path = self.check_path(model_path)
+        self.store.before_write()
+        return self._done(load_checkpoint(self.model, path))
 
     def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
         from engine.weight_sync import decode_update
 
         pairs = decode_update(serialized_named_tensors, load_format)
-        load_named_tensors(self.model, pairs, require_all=False)
-        return len(pairs)
+        self.store.before_write()
+        return self._done(load_named_tensors(self.model, pairs, require_all=False))
+
+    def _done(self, written: list[str]) -> int:
+        """The copies of `written` finished on the device; the store knows. Returns how many."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.store.written(written)
+        return len(written)
 
     @property
     def groups(self) -> Any:
@@ -73,9 +90,33 @@ class WeightUpdater:
         self.groups.init(device=self.device, **kwargs)
 
     def from_distributed(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
-        pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device)
-        load_named_tensors(self.model, pairs, require_all=False)
-        return len(pairs)
+        """Validate (names, dtypes, shapes), then join the trainer's broadcasts: straight into
+        the parameters where the dtype is theirs, into scratch tensors (copied, cast) elsewhere."""
+        from engine.weight_group import parse_dtype
+
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+        parsed = [parse_dtype(d) for d in dtypes]
+        targets = validate_entries(self.model, zip(names, map(_shape, shapes), parsed, strict=True))
+        into = [
+            None if ignored(self.model, n) or targets[n].view.dtype != d else targets[n].view
+            for n, d in zip(names, parsed, strict=True)
+        ]
+        direct = [n for n, dst in zip(names, into, strict=True) if dst is not None]
+        self.store.before_write()
+        try:
+            pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device, into=into)
+        except BaseException:
+            self.store.invalidate(direct)
+            raise
+        scratch = [pair for pair, dst in zip(pairs, into, strict=True) if dst is None]
+        return self._done(direct + load_named_tensors(self.model, scratch, require_all=False))
 
     def destroy_group(self, group_name: str) -> None:
         self.groups.destroy(group_name)
+
+
+def _shape(shape: object) -> tuple[int, ...]:
+    if not (isinstance(shape, (list, tuple)) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        raise ValueError(f"shape must be a list of non-negative ints, got {shape!r}")
+    return tuple(shape)

@@ -42,14 +42,19 @@ class _Target:
     rows: slice | None
 
     @property
+    def view(self) -> torch.Tensor:
+        """The bytes this tensor fills: the parameter, or its rows (contiguous either way)."""
+        return self.param.data if self.rows is None else self.param.data[self.rows]
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.param.shape if self.rows is None else self.param.data[self.rows].shape)
+        return tuple(self.view.shape)
 
 
 # ---- the model side ------------------------------------------------------------------------
 
 
-def _targets(model: nn.Module) -> dict[str, _Target]:
+def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     """Checkpoint name -> target, for every tensor a full checkpoint must provide."""
     targets: dict[str, _Target] = {}
     for module_name, module in model.named_modules():
@@ -65,7 +70,8 @@ def _targets(model: nn.Module) -> dict[str, _Target]:
     return targets
 
 
-def _ignored(model: nn.Module, name: str) -> bool:
+def ignored(model: nn.Module, name: str) -> bool:
+    """A checkpoint tensor the model does not load (rotary tables, a tied lm_head)."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
     config = getattr(model, "config", None)
@@ -80,7 +86,7 @@ def _validate(
 ) -> None:
     seen: set[str] = set()
     for name, shape, dtype in entries:
-        if _ignored(model, name):
+        if ignored(model, name):
             continue
         target = targets.get(name)
         if target is None:
@@ -103,13 +109,15 @@ def _validate(
 
 
 @torch.no_grad()
-def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy each pair into its target; the names copied, in order."""
+    written = []
     for name, tensor in pairs:
-        if _ignored(model, name):
+        if ignored(model, name):
             continue
-        target = targets[name]
-        dst = target.param.data if target.rows is None else target.param.data[target.rows]
-        dst.copy_(tensor)
+        targets[name].view.copy_(tensor)
+        written.append(name)
+    return written
 
 
 # ---- the checkpoint side -------------------------------------------------------------------
@@ -155,20 +163,31 @@ def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 # ---- entry points --------------------------------------------------------------------------
 
 
-def load_checkpoint(model: nn.Module, path: str) -> None:
-    """Load a full checkpoint directory into `model`: validate every header, then copy."""
-    targets = _targets(model)
+def load_checkpoint(model: nn.Module, path: str) -> list[str]:
+    """Load a full checkpoint directory into `model`: validate every header, then copy. Returns
+    the names written."""
+    targets = checkpoint_targets(model)
     _validate(model, targets, checkpoint_entries(path), require_all=True)
-    _copy(model, targets, iterate_checkpoint(path))
+    return _copy(model, targets, iterate_checkpoint(path))
+
+
+def validate_entries(model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, _Target]:
+    """Check (name, shape, dtype) entries of a partial update before any byte arrives; returns
+    the model's targets by name."""
+    targets = checkpoint_targets(model)
+    listed = ((name, tuple(shape), _FLOAT_DTYPES.get(dtype, str(dtype))) for name, shape, dtype in entries)
+    _validate(model, targets, listed, require_all=False)
+    return targets
 
 
 def load_named_tensors(
     model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], require_all: bool = False
-) -> None:
+) -> list[str]:
     """Copy (checkpoint name, tensor) pairs into `model`: a full set, or a partial update when
-    `require_all` is False. Nothing is copied unless every pair is valid."""
+    `require_all` is False. Nothing is copied unless every pair is valid. Returns the names
+    written."""
     pairs = list(pairs)
     entries = ((name, tuple(t.shape), _FLOAT_DTYPES.get(t.dtype, str(t.dtype))) for name, t in pairs)
-    targets = _targets(model)
+    targets = checkpoint_targets(model)
     _validate(model, targets, entries, require_all)
-    _copy(model, targets, pairs)
+    return _copy(model, targets, pairs)

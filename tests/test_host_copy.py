@@ -1,13 +1,11 @@
-"""Host -> device copies by the SMs (engine/host_copy.py) and the pinned weights copy built on them
-(engine/memory.py `HostWeights`): every byte arrives, whatever the length, alignment or dtype; a
+"""Host -> device copies by the SMs (engine/host_copy.py) and the weight store's restore built on
+them (engine/weight_store.py): every byte arrives, whatever the length, alignment or dtype; a
 model whose weights were wiped gets them back bit for bit. GPU only."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.memory import HostWeights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,25 +62,27 @@ def test_a_plan_moves_many_tensors_in_one_launch_and_odd_ones_alone() -> None:
         assert torch.equal(d.cpu(), host[o : o + n]), f"{n} bytes at {o}"
 
 
-def test_host_weights_restore_wiped_weights_bit_for_bit() -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(1001, 24), torch.nn.Linear(24, 37), torch.nn.LayerNorm(37), torch.nn.Linear(37, 3, bias=False),
-    ).to("cuda", torch.bfloat16)
-    model.register_buffer("table", torch.randn(5, 7, device="cuda"))  # a buffer, in fp32
+def test_weight_store_restores_wiped_weights_bit_for_bit(qwen3_bf16_dir: str) -> None:
+    from engine.config import ModelConfig
+    from engine.models import get_model_class
+    from engine.weight_store import WeightStore
+    from engine.weights import load_checkpoint
+
+    config = ModelConfig.from_hf(qwen3_bf16_dir)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = get_model_class(config.architecture)(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    store = WeightStore(model, torch.device("cuda"))
+    store.written(load_checkpoint(model, qwen3_bf16_dir))
+    store.keep_host_copy()
     before = [t.clone() for t in [*model.parameters(), *model.buffers()]]
-    host = HostWeights(model)
-    assert host.nbytes == sum(t.numel() * t.element_size() for t in before)
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            t.fill_(float("nan"))
-    assert host.restore() > 0
+    assert {t.dtype for t in before} == {torch.bfloat16, torch.float32}  # the rotary table is fp32
+    store.released()
+    store.flat.fill_(0xFF)  # NaN in every float dtype: what lost pages may hold
+    store.ensure_current()
+    assert store.last_restore["bytes"] == sum(t.numel() * t.element_size() for t in before)
     for got, want in zip([*model.parameters(), *model.buffers()], before, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-
-
-def test_host_weights_refuses_non_contiguous_weights() -> None:
-    model = torch.nn.Linear(4, 6).cuda()
-    model.weight = torch.nn.Parameter(torch.randn(6, 4, device="cuda").t().contiguous().t())  # not contiguous
-    with pytest.raises(ValueError, match="contiguous"):
-        HostWeights(model)

@@ -1,0 +1,241 @@
+"""`WeightStore`: the `weights` region as ONE device allocation. Every parameter and buffer of the
+model is a view into it, the host copy has the same layout, and the store knows which pieces of
+it hold the current weights.
+
+Pieces: one per checkpoint tensor (a packed parameter's q, k and v rows are three pieces) and one
+per computed buffer (the rotary cache). A piece is current when its device bytes hold the weights
+of the engine's current version; else it is stale.
+
+Rules:
+- One allocation: a release or resume of `weights` maps or unmaps one handle, not ~300, and a
+  full restore is one copy. Every view starts on a 256-byte boundary. The model is built on the
+  meta device and bound to the allocation once (`WeightStore(model, ...)`); parameters are never
+  rebound after that (CUDA graphs hold their addresses).
+- A weights release makes every piece stale (`released`); resume maps pages and copies nothing,
+  so nothing a weight update will overwrite is ever restored.
+- An update makes the pieces it wrote current (`written`); their host copy is refreshed on a side
+  stream, device to host, off the update's critical path. A release waits for that refresh, and
+  the next write waits for it on the device.
+- No forward and no read of the weights sees a stale piece: `ensure_current()` runs first and
+  copies the stale pieces back from the host copy in one launch (buffers with no host copy are
+  recomputed). With no host copy (`--weights-backup none`) a stale checkpoint tensor cannot come
+  back: `missing()` counts them and the engine refuses to generate until an update writes them.
+- A write that failed half-way (a broadcast cut off) makes its pieces stale again (`invalidate`):
+  they come back from the host copy, i.e. the old weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.weights import checkpoint_targets
+
+if TYPE_CHECKING:
+    from engine.host_copy import HostCopyPlan
+
+log = logging.getLogger("siesta.engine")
+
+ALIGN = 256  # bytes; every view starts on this boundary
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str  # checkpoint name, or the buffer's qualified name
+    offset: int  # bytes into the allocation
+    nbytes: int
+    computed: bool  # a buffer the model recomputes (`init_buffers`), in no checkpoint
+
+
+def _tensors(model: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
+    """(module, attribute, is_parameter, tensor) of every parameter and buffer slot; a tensor
+    held by two modules (tied embeddings) appears twice."""
+    slots = []
+    for module in model.modules():
+        slots += [(module, name, True, p) for name, p in module._parameters.items() if p is not None]
+        slots += [(module, name, False, b) for name, b in module._buffers.items() if b is not None]
+    return slots
+
+
+def merge_spans(pieces: Iterable[Piece]) -> list[tuple[int, int]]:
+    """(offset, bytes) ranges covering the pieces, neighbours (up to ALIGN apart) merged."""
+    spans: list[tuple[int, int]] = []
+    for p in sorted(pieces, key=lambda p: p.offset):
+        if spans and p.offset <= spans[-1][0] + spans[-1][1] + ALIGN:
+            start = spans[-1][0]
+            spans[-1] = (start, max(spans[-1][1], p.offset + p.nbytes - start))
+        else:
+            spans.append((p.offset, p.nbytes))
+    return spans
+
+
+class WeightStore:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        """Bind `model` (built on the meta device) to one new allocation on `device`; computed
+        buffers are recomputed, parameters hold garbage until loaded."""
+        self.model = model
+        self.device = torch.device(device)
+        offsets: dict[int, int] = {}  # id(meta tensor) -> byte offset
+        end = 0
+        for _, _, _, t in _tensors(model):
+            if id(t) not in offsets:
+                offsets[id(t)] = -(-end // ALIGN) * ALIGN
+                end = offsets[id(t)] + t.numel() * t.element_size()
+        self.nbytes = end
+        self.flat = torch.empty(max(end, 1), dtype=torch.uint8, device=self.device)
+        bound: dict[int, torch.Tensor] = {}
+        for module, name, is_param, t in _tensors(model):
+            if id(t) not in bound:
+                o = offsets[id(t)]
+                view = self.flat[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                bound[id(t)] = nn.Parameter(view, requires_grad=False) if is_param else view
+            (module._parameters if is_param else module._buffers)[name] = bound[id(t)]
+        model.init_buffers()
+        self.pieces = self._pieces()
+        covered = sum(p.nbytes for p in self.pieces)
+        held = sum(t.numel() * t.element_size() for t in bound.values())
+        if covered != held:  # a tensor no piece covers would never be restored
+            raise RuntimeError(f"weight pieces cover {covered} of the model's {held} bytes")
+        self.index = {p.name: i for i, p in enumerate(self.pieces)}
+        self.stale: set[int] = set()
+        self.host: torch.Tensor | None = None
+        self._host_dirty: set[int] = set()
+        self._refreshed: torch.cuda.Event | None = None  # the last host refresh, on the side stream
+        self._side: torch.cuda.Stream | None = None
+        self._full_plan: HostCopyPlan | None = None  # every piece, host -> device (CUDA)
+        self.last_restore: dict[str, float] = {"bytes": 0, "seconds": 0.0}
+
+    def _pieces(self) -> list[Piece]:
+        base = self.flat.data_ptr()
+        pieces = []
+        for name, target in checkpoint_targets(self.model).items():
+            view = target.view
+            pieces.append(Piece(name, view.data_ptr() - base, view.numel() * view.element_size(), False))
+        for name, buf in self.model.named_buffers():
+            pieces.append(Piece(name, buf.data_ptr() - base, buf.numel() * buf.element_size(), True))
+        return pieces
+
+    # ---- the host copy ------------------------------------------------------------------------
+
+    def keep_host_copy(self) -> None:
+        """Allocate the host copy (pinned on CUDA) in the same layout and fill it."""
+        self.host = torch.empty(self.flat.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._host_dirty = set(range(len(self.pieces)))
+        self._refresh_host()
+        self.wait_host()
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.host is None else self.nbytes
+
+    def _refresh_host(self) -> None:
+        """Device -> host copies of the dirty pieces: on a side stream (after the work queued so
+        far) on CUDA, so the caller does not wait; at once on a CPU."""
+        if self.host is None or not self._host_dirty:
+            return
+        spans = merge_spans(self.pieces[i] for i in self._host_dirty)
+        self._host_dirty.clear()
+        if self.device.type != "cuda":
+            for o, n in spans:
+                self.host[o : o + n].copy_(self.flat[o : o + n])
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            for o, n in spans:
+                self.host[o : o + n].copy_(self.flat[o : o + n], non_blocking=True)
+            self._refreshed = torch.cuda.Event()
+            self._refreshed.record(self._side)
+
+    def wait_host(self) -> None:
+        """Block until the host copy holds every written piece."""
+        if self._refreshed is not None:
+            self._refreshed.synchronize()
+            self._refreshed = None
+
+    # ---- what the engine tells the store ------------------------------------------------------
+
+    def released(self) -> None:
+        """The weights' pages are about to go: every piece will be stale. Call before pausing."""
+        self.wait_host()
+        self.stale = set(range(len(self.pieces)))
+
+    def before_write(self) -> None:
+        """Call before writing weights: the device waits for a host refresh still reading them."""
+        if self._refreshed is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(self._refreshed)
+
+    def written(self, names: Iterable[str]) -> None:
+        """Checkpoint tensors `names` now hold the current weights (queued on the current stream)."""
+        done = {self.index[n] for n in names}
+        self.stale -= done
+        self._host_dirty |= done
+        self._refresh_host()
+
+    def written_all(self) -> None:
+        """Every piece was rewritten in place (weights_checker's reset)."""
+        self.stale.clear()
+        self._host_dirty = set(range(len(self.pieces)))
+        self._refresh_host()
+
+    def invalidate(self, names: Iterable[str]) -> None:
+        """A write to `names` may have left them half-done: they are stale again."""
+        bad = {self.index[n] for n in names if n in self.index}
+        self.stale |= bad
+        self._host_dirty -= bad
+
+    # ---- reading ------------------------------------------------------------------------------
+
+    def missing(self) -> int:
+        """How many stale checkpoint tensors cannot be restored (no host copy)."""
+        if self.host is not None:
+            return 0
+        return sum(1 for i in self.stale if not self.pieces[i].computed)
+
+    @property
+    def stale_bytes(self) -> int:
+        return sum(self.pieces[i].nbytes for i in self.stale)
+
+    @torch.no_grad()
+    def ensure_current(self) -> None:
+        """Make every piece current before a forward or a read; a no-op when none is stale."""
+        if not self.stale:
+            return
+        if self.missing():
+            raise RuntimeError(f"{self.missing()} weight tensors were released without a host copy and not updated")
+        t0 = time.perf_counter()
+        nbytes = self.stale_bytes
+        if self.host is None:  # only computed buffers are stale
+            self.model.init_buffers()
+        elif self.device.type == "cuda":
+            self._plan().run()
+            torch.cuda.synchronize(self.device)  # a partial plan's table must outlive its kernel
+        else:
+            for o, n in merge_spans(self.pieces[i] for i in self.stale):
+                self.flat[o : o + n].copy_(self.host[o : o + n])
+        self.stale.clear()
+        seconds = time.perf_counter() - t0
+        self.last_restore = {"bytes": nbytes, "seconds": seconds}
+        log.info("weights restored from the host copy: %.1f MiB in %.1f ms", nbytes / (1 << 20), seconds * 1e3)
+
+    def _plan(self) -> HostCopyPlan:
+        """One launch copying the stale pieces back (engine/host_copy.py); the plan of every
+        piece, the common case after a resume, is made once."""
+        from engine.host_copy import HostCopyPlan, device_alias
+
+        full = len(self.stale) == len(self.pieces)
+        if full and self._full_plan is not None:
+            return self._full_plan
+        spans = merge_spans(self.pieces[i] for i in self.stale)
+        alias = device_alias(self.host, self.device)  # type: ignore[arg-type]
+        plan = HostCopyPlan(alias, [o for o, _ in spans], [self.flat[o : o + n] for o, n in spans])
+        if full:
+            self._full_plan = plan
+        return plan

@@ -1,0 +1,131 @@
+"""The RL flip on a GPU with real releases (torch_memory_saver), float32 so that every output is
+compared with `transformers` token for token: resuming `weights` maps pages and copies nothing;
+the first forward restores what no update wrote since (engine/weight_store.py).
+
+- resume, then generate: the old weights, bit for bit (weights_checker compare), all restored;
+- resume, full push, generate: the pushed weights (equal to transformers on them), and only the
+  computed rotary table restored: not one checkpoint byte copied back from the host;
+- resume, partial push, generate: the pushed tensors and the old ones beside them (equal to
+  transformers on that mix), and the host copy took the push (another release keeps it).
+
+Pushes are CUDA IPC handles from this process (the trainer) to the engine process, as verl and
+slime send them; both routes (per-tensor and one flattened bucket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.config import ModelConfig
+from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+KNOBS: dict[str, Any] = dict(device="cuda", dtype="float32", num_kv_blocks=1024, max_num_seqs=16,
+                             max_model_len=256, cuda_graph_max_bs=8)
+PROMPTS = [[5, 9, 13, 200, 7], [7] * 12, [100, 200, 300, 44]]
+N = 12
+GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True)
+
+
+def _hf(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+
+
+@torch.no_grad()
+def _hf_greedy(model) -> list[list[int]]:
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device="cuda")
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def _greedy(llm: Engine) -> list[list[int]]:
+    outs = llm.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert all(o.error is None and len(o.output_ids) == N for o in outs), [o.error for o in outs]
+    return [o.output_ids for o in outs]
+
+
+@torch.no_grad()
+def _perturb(model, names: list[str], seed: int) -> list[tuple[str, torch.Tensor]]:
+    """New values for `names` in the HF model (in place), returned as (name, CUDA tensor) pairs."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in names:
+        p = params[name]
+        p.add_(torch.randn(p.shape, generator=gen, device="cuda") * 0.05)
+    return [(n, params[n].detach().clone()) for n in names]
+
+
+def _cycle_to_weights(llm: Engine) -> None:
+    """The flip's first half: release everything, take the weights back (pages only)."""
+    assert llm.release_memory_occupation()["changed"] == ["kv_cache", "weights", "cuda_graph"]
+    res = llm.resume_memory_occupation(tags=["weights"])
+    assert res["changed"] == ["weights"] and res["weights_valid"] is True, res
+    assert res["weights_stale_bytes"] > 0.99 * llm.info["weights_bytes"], res
+
+
+def test_resume_then_generate_restores_the_old_weights_bit_for_bit(qwen3_dir: str) -> None:
+    with Engine(model=qwen3_dir, **KNOBS) as llm:
+        expected = _greedy(llm)
+        assert expected == _hf_greedy(_hf(qwen3_dir))
+        assert llm.call("check_weights", action="snapshot")["success"]
+        _cycle_to_weights(llm)
+        llm.resume_memory_occupation()
+        stale = llm.memory_occupation()["weights_stale_bytes"]
+        assert _greedy(llm) == expected
+        occ = llm.memory_occupation()
+        assert occ["weights_stale_bytes"] == 0 and occ["last_weights_restore"]["bytes"] == stale, occ
+        assert llm.call("check_weights", action="compare")["success"]
+
+
+@pytest.mark.parametrize("route", ["tensor", "bucket"])
+def test_full_push_after_resume_restores_nothing_and_equals_transformers(qwen3_dir: str, route: str) -> None:
+    hf = _hf(qwen3_dir)
+    with Engine(model=qwen3_dir, **KNOBS) as llm:
+        _greedy(llm)  # graphs warm, prefix cache filled: the push must flush it
+        _cycle_to_weights(llm)
+        pairs = _perturb(hf, [n for n, _ in hf.named_parameters()], seed=11)
+        if route == "bucket":
+            answer = llm.update_weights_from_tensor([serialize_payload(flatten_bucket(pairs))],
+                                                    load_format="flattened_bucket")
+        else:
+            answer = llm.update_weights_from_tensor([serialize_named_tensors(pairs)])
+        assert answer["success"], answer
+        del pairs
+        assert llm.resume_memory_occupation()["tags"] == dict.fromkeys(("weights", "kv_cache", "cuda_graph"), "resident")
+        stale = llm.memory_occupation()["weights_stale_bytes"]
+        mc = ModelConfig.from_hf(qwen3_dir)
+        assert stale == mc.max_position_embeddings * mc.head_dim * 4  # the float32 rotary table only
+        assert _greedy(llm) == _hf_greedy(hf)
+        assert llm.memory_occupation()["last_weights_restore"]["bytes"] == stale
+
+
+def test_partial_push_keeps_the_other_weights_and_the_host_copy_takes_it(qwen3_dir: str) -> None:
+    hf = _hf(qwen3_dir)
+    with Engine(model=qwen3_dir, **KNOBS) as llm:
+        _greedy(llm)
+        _cycle_to_weights(llm)
+        layer0 = [n for n, _ in hf.named_parameters() if n.startswith("model.layers.0.")]
+        pairs = _perturb(hf, layer0 + ["model.layers.1.self_attn.k_proj.weight"], seed=12)
+        assert llm.update_weights_from_tensor([serialize_named_tensors(pairs)])["success"]
+        del pairs
+        llm.resume_memory_occupation()
+        mixed = _hf_greedy(hf)
+        assert _greedy(llm) == mixed
+        # The pushed tensors reached the host copy in the background: a plain release and resume
+        # (no push) brings the mix back, not the checkpoint.
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        assert _greedy(llm) == mixed

@@ -1,0 +1,153 @@
+"""The weights region as one allocation (engine/weight_store.py), on a CPU: every parameter and
+buffer is a view into it, and after a release (simulated: the bytes are wiped, as lost pages
+are) nothing stale is ever read: what an update wrote stays, the rest comes back from the host
+copy, and with no host copy the store counts what is missing. The GPU tests run the same rules
+through real releases (tests/test_gpu_memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.models import get_model_class
+from engine.weight_store import ALIGN, WeightStore, merge_spans
+from engine.weights import (
+    checkpoint_targets,
+    iterate_checkpoint,
+    load_checkpoint,
+    load_named_tensors,
+)
+
+
+def _store(path: str, host_copy: bool = True) -> WeightStore:
+    config = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    store = WeightStore(model.eval(), torch.device("cpu"))
+    store.written(load_checkpoint(model, path))
+    if host_copy:
+        store.keep_host_copy()
+    return store
+
+
+def _state(store: WeightStore) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (the rotary cache too), copied."""
+    model = store.model
+    return {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def _release(store: WeightStore) -> None:
+    """What a real release does to the bytes: the store is told, then the pages' content is lost."""
+    store.released()
+    store.flat.fill_(0xFF)  # NaN in every float dtype
+
+
+def _assert_state(store: WeightStore, want: dict[str, torch.Tensor]) -> None:
+    got = _state(store)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+def _new_values(store: WeightStore, names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    targets = checkpoint_targets(store.model)
+    gen = torch.Generator().manual_seed(7)
+    return [(n, torch.randn(targets[n].shape, generator=gen).to(targets[n].view.dtype)) for n in names]
+
+
+def test_every_parameter_and_buffer_is_a_view_of_one_allocation(qwen3_dir: str) -> None:
+    store = _store(qwen3_dir)
+    base, end = store.flat.data_ptr(), store.flat.data_ptr() + store.flat.numel()
+    tensors = [*store.model.parameters(), *store.model.buffers()]
+    assert len(tensors) > 10
+    for t in tensors:
+        assert base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+        assert (t.data_ptr() - base) % ALIGN == 0
+    # The pieces tile every byte the model holds: q/k/v rows of one packed parameter are three.
+    assert sum(p.nbytes for p in store.pieces) == sum(t.numel() * t.element_size() for t in tensors)
+    names = {p.name for p in store.pieces}
+    assert "model.layers.0.self_attn.k_proj.weight" in names and "model.rotary_emb.cos_sin_cache" in names
+    assert merge_spans(store.pieces) == [(0, store.nbytes)]
+
+
+def test_resume_restores_everything_from_the_host_copy_at_first_use(qwen3_dir: str) -> None:
+    store = _store(qwen3_dir)
+    want = _state(store)
+    _release(store)
+    assert store.stale_bytes == store.nbytes - _padding(store) and store.missing() == 0
+    store.ensure_current()
+    _assert_state(store, want)
+    assert store.last_restore["bytes"] == store.nbytes - _padding(store)
+    store.ensure_current()  # nothing stale: a no-op
+    assert store.stale_bytes == 0
+
+
+def test_a_full_update_after_resume_restores_only_the_computed_buffers(qwen3_dir: str) -> None:
+    store = _store(qwen3_dir)
+    rotary = dict(store.model.named_buffers())["model.rotary_emb.cos_sin_cache"].clone()
+    _release(store)
+    pairs = _new_values(store, list(checkpoint_targets(store.model)))
+    store.written(load_named_tensors(store.model, pairs, require_all=True))
+    assert store.stale_bytes == rotary.numel() * rotary.element_size()
+    store.ensure_current()
+    assert store.last_restore["bytes"] == rotary.numel() * rotary.element_size()
+    want = dict(pairs)
+    for name, target in checkpoint_targets(store.model).items():
+        assert torch.equal(target.view, want[name]), name
+    assert torch.equal(dict(store.model.named_buffers())["model.rotary_emb.cos_sin_cache"], rotary)
+
+
+def test_a_partial_update_keeps_its_tensors_and_restores_the_others(qwen3_dir: str) -> None:
+    store = _store(qwen3_dir)
+    before = _state(store)
+    _release(store)
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    pairs = _new_values(store, names)
+    store.written(load_named_tensors(store.model, pairs))
+    store.ensure_current()
+    targets = checkpoint_targets(store.model)
+    for name, tensor in pairs:
+        assert torch.equal(targets[name].view, tensor)
+    # Everything else, the q and v rows packed beside k included, is the old weights.
+    q_rows = targets["model.layers.0.self_attn.q_proj.weight"].rows
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert torch.equal(store.model.model.layers[0].self_attn.qkv_proj.weight[q_rows], before[qkv][q_rows])
+    assert torch.equal(store.model.model.layers[0].mlp.down_proj.weight, before["model.layers.0.mlp.down_proj.weight"])
+
+    # The host copy took the update: another release brings the new k back, not the old one.
+    want = _state(store)
+    _release(store)
+    store.ensure_current()
+    _assert_state(store, want)
+
+
+def test_without_a_host_copy_stale_tensors_are_missing_until_updated(qwen3_dir: str) -> None:
+    store = _store(qwen3_dir, host_copy=False)
+    want = _state(store)
+    _release(store)
+    total = len(checkpoint_targets(store.model))
+    assert store.missing() == total
+    with pytest.raises(RuntimeError, match="without a host copy"):
+        store.ensure_current()
+    names = list(checkpoint_targets(store.model))
+    store.written(load_named_tensors(store.model, list(iterate_checkpoint(qwen3_dir))[:3]))
+    assert store.missing() == total - 3
+    store.written(load_checkpoint(store.model, qwen3_dir))
+    assert store.missing() == 0 and len(names) == total
+    store.ensure_current()  # the rotary cache is recomputed
+    _assert_state(store, want)
+
+
+def test_a_write_that_failed_half_way_comes_back_as_the_old_weights(qwen3_dir: str) -> None:
+    store = _store(qwen3_dir)
+    want = _state(store)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    checkpoint_targets(store.model)[name].view.fill_(3.0)  # a broadcast cut off after these bytes
+    store.invalidate([name])
+    store.ensure_current()
+    _assert_state(store, want)
+
+
+def _padding(store: WeightStore) -> int:
+    return store.nbytes - sum(p.nbytes for p in store.pieces)
