@@ -91,10 +91,11 @@ def child_tms(nbytes: int, iters: int) -> dict[str, Any]:
             "all_identical": all(c["identical"] for c in cycles)}
 
 
-def child_driver(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
-    """The driver's own cost for a region of `nbytes` in one handle (as torch_memory_saver
-    allocates it): pause = unmap + release; resume = create + map + set access; each `iters`
-    times right after the pause and `iters` times `wait_s` after it (pages scrubbed)."""
+def child_driver(nbytes: int, iters: int, wait_s: float, chunk: int | None = None) -> dict[str, Any]:
+    """The driver's own cost for `nbytes` in handles of `chunk` bytes (default: one handle; as
+    torch_memory_saver allocates a region): pause = unmap + release; resume = create + map + set
+    access; each `iters` times right after the pause and `iters` times `wait_s` after it (pages
+    scrubbed)."""
     import torch
 
     sys.path.insert(0, HERE)
@@ -103,8 +104,10 @@ def child_driver(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
     torch.zeros(1, device="cuda")
     drv = Driver(torch.cuda.current_device())
     size = nbytes - nbytes % drv.granularity
-    region = mapped(drv, size, size)
-    out: dict[str, Any] = {"bytes": region.total, "wait_s": wait_s}
+    handles = -(-size // chunk) if chunk else 1
+    step = size // handles - (size // handles) % drv.granularity  # equal handles of about `chunk`
+    region = mapped(drv, step * handles, step)
+    out: dict[str, Any] = {"bytes": region.total, "wait_s": wait_s, "handles": handles}
     for name, gap in (("right_after", 0.0), ("after_wait", wait_s)):
         pauses, resumes = [], []
         for _ in range(iters):
@@ -122,7 +125,7 @@ def child_driver(nbytes: int, iters: int, wait_s: float) -> dict[str, Any]:
 def run_child(argv: list[str]) -> int:
     """argv: MODE [NBYTES ITERS [WAIT_S]]; prints the result as one JSON line (idle: "ready")."""
     if not argv or argv[0] not in ("idle", "h2d", "tms", "driver"):
-        print("usage: memory_children.py idle | h2d NBYTES ITERS | tms NBYTES ITERS | driver NBYTES ITERS WAIT_S",
+        print("usage: memory_children.py idle | h2d NBYTES ITERS | tms NBYTES ITERS | driver NBYTES ITERS WAIT_S [CHUNK]",
               file=sys.stderr)
         return 2
     mode = argv[0]
@@ -131,7 +134,7 @@ def run_child(argv: list[str]) -> int:
         return 0
     nbytes, iters = int(argv[1]), int(argv[2])
     if mode == "driver":
-        out = child_driver(nbytes, iters, float(argv[3]))
+        out = child_driver(nbytes, iters, float(argv[3]), int(argv[4]) if len(argv) > 4 else None)
     else:
         out = child_h2d(nbytes, iters) if mode == "h2d" else child_tms(nbytes, iters)
     print(json.dumps(out), flush=True)

@@ -21,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -46,6 +47,9 @@ class WeightUpdater:
         self.device = store.device
         self.allowed = allowed_dirs(config)
         self._groups: Any = None  # engine.weight_group.WeightUpdateGroups, made on first use
+        # Seconds of the last update's phases (receive: decode/open handles or broadcast; copy:
+        # into the parameters, to the device's completion), answered with it.
+        self.phases: dict[str, float] = {}
 
     def check_path(self, model_path: str) -> str:
         """The real path of an allowed checkpoint directory, or PermissionError."""
@@ -61,21 +65,34 @@ class WeightUpdater:
 
     def from_disk(self, model_path: str) -> int:
         path = self.check_path(model_path)
-        self.store.before_write()
+        self._start()
         return self._done(load_checkpoint(self.model, path))
 
     def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
         from engine.weight_sync import decode_update
 
+        self._start()
         pairs = decode_update(serialized_named_tensors, load_format)
-        self.store.before_write()
+        self._phase("receive")
         return self._done(load_named_tensors(self.model, pairs, require_all=False))
+
+    def _start(self) -> None:
+        self.phases = {}
+        self._t = time.perf_counter()
+        self.store.before_write()
+
+    def _phase(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._t
+        self._t = now
 
     def _done(self, written: list[str]) -> int:
         """The copies of `written` finished on the device; the store knows. Returns how many."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._phase("copy")
         self.store.written(written)
+        self._phase("host_copy_refresh_launch")
         return len(written)
 
     @property
@@ -103,12 +120,13 @@ class WeightUpdater:
             for n, d in zip(names, parsed, strict=True)
         ]
         direct = [n for n, dst in zip(names, into, strict=True) if dst is not None]
-        self.store.before_write()
+        self._start()
         try:
             pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device, into=into)
         except BaseException:
             self.store.invalidate(direct)
             raise
+        self._phase("receive")
         scratch = [pair for pair, dst in zip(pairs, into, strict=True) if dst is None]
         return self._done(direct + load_named_tensors(self.model, scratch, require_all=False))
 
