@@ -6,6 +6,10 @@ through real releases (tests/test_gpu_memory.py)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
+import socket
+
 import pytest
 import torch
 
@@ -151,3 +155,46 @@ def test_a_write_that_failed_half_way_comes_back_as_the_old_weights(qwen3_dir: s
 
 def _padding(store: WeightStore) -> int:
     return store.nbytes - sum(p.nbytes for p in store.pieces)
+
+
+def _cut_off_trainer(port: int, path: str, sent: int) -> None:
+    """Rank 0 of a gloo weight-update group that broadcasts only the first `sent` tensors of a
+    full update of `path` (each doubled), then dies with the rest still expected."""
+    from engine.weight_group import broadcast_from_trainer, trainer_group
+
+    handle = trainer_group("127.0.0.1", port, 2, "cut", "gloo", timeout_s=30)
+    pairs = [(n, t * 2) for n, t in iterate_checkpoint(path)]
+    broadcast_from_trainer(handle, pairs[:sent])
+    os._exit(0)  # no goodbye: the engine's next receive finds the peer gone
+
+
+def test_a_broadcast_cut_off_half_way_leaves_the_old_weights(qwen3_dir: str) -> None:
+    from engine.config import EngineConfig
+    from engine.weight_updater import WeightUpdater
+
+    store = _store(qwen3_dir)
+    want = _state(store)
+    updater = WeightUpdater(store, EngineConfig(model=qwen3_dir, device="cpu"))
+    port = _free_port()
+    proc = mp.get_context("spawn").Process(target=_cut_off_trainer, args=(port, qwen3_dir, 3))
+    proc.start()
+    try:
+        updater.groups.init("127.0.0.1", port, 1, 2, "cut", "gloo", torch.device("cpu"), timeout_s=5)
+        entries = list(iterate_checkpoint(qwen3_dir))
+        names = [n for n, _ in entries]
+        with pytest.raises(Exception):  # noqa: B017 - gloo's error type for a vanished peer varies
+            updater.from_distributed("cut", names, ["float32"] * len(names), [list(t.shape) for _, t in entries])
+        # The first three tensors landed in the parameters before the cut: stale now, restored.
+        assert store.stale and store.missing() == 0
+        store.ensure_current()
+        _assert_state(store, want)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
