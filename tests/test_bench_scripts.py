@@ -1,7 +1,8 @@
 """The benchmark scripts run on the device machine only, so CI checks what it can of them: each
 parses its arguments (`--help`) without a GPU, bench_memory.py without a GPU exits 2 with a JSON
 file that says why, instead of a traceback, and bench_engine.py and bench_serving.py run every code
-path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked)."""
+path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked); so does
+bench_flip.py, with every push mode a CPU has."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(
-    "script", ["bench_engine.py", "bench_memory.py", "bench_fused_ops.py", "probe_vmm_driver.py", "bench_serving.py"]
+    "script",
+    [
+        "bench_engine.py",
+        "bench_memory.py",
+        "bench_fused_ops.py",
+        "probe_vmm_driver.py",
+        "bench_serving.py",
+        "bench_flip.py",
+    ],
 )
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
     p = _run(os.path.join("bench", script), "--help")
@@ -113,3 +122,39 @@ def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     metrics = [row["metric"] for row in res["table"]]
     assert any("batched" in m and "Engine" in m for m in metrics) and any("online" in m for m in metrics)
     assert "| N=8 one batched /generate" in p.stdout
+
+
+def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
+    """Every push mode a CPU has (shared memory for bucket and tensor, gloo for distributed), two
+    timed flips each, and the bench's own proof that the server took the pushed weights."""
+    out = os.path.join(tmp_path, "flip.json")
+    args = ["--tiny", "--flips", "2", "--out", out, "--model-dir", os.path.join(tmp_path, "ckpt")]
+    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["errors"] == {} and res["skipped"] == []
+    assert res["meta"]["model_bytes"] > 0 and res["meta"]["num_tensors"] > 0
+    for mode in ("bucket", "tensor", "distributed"):
+        sec = res["push"][mode]
+        assert len(sec["flips"]) == 2 and len(sec["warmup"]) == 1, mode
+        for flip in sec["flips"]:
+            for key in ("release_wall_s", "resume_weights_wall_s", "push_wall_s"):
+                assert flip[key] > 0 and flip["resume_kv_wall_s"] > 0, (mode, key)
+            total = flip["release_wall_s"] + flip["resume_weights_wall_s"] + flip["push_wall_s"]
+            assert flip["flip_total_s"] == pytest.approx(total + flip["resume_kv_wall_s"])
+            assert flip["push_answer"]["success"] and flip["push_s"] > 0
+            assert flip["generated_tokens"] == 4 * 8 and flip["generate_wall_s"] > 0
+            assert flip["version_ok"] and flip["verify"]["all_changed"], (mode, flip.get("verify"))
+        summary = sec["summary"]
+        assert summary["flips"] == 2 and summary["flip_total_s_median"] > 0
+        assert summary["push_bandwidth_bytes_per_s"] > 0
+    verify = res["verify"]
+    assert verify["flips_checked"] == 9 and verify["restored_exactly"]
+    assert verify["pushed_weights_taken"] is True
+    assert res["refs"]["d2d"]["bandwidth_bytes_per_s"] > 0
+    assert res["refs"]["broadcast"]["best_bandwidth_bytes_per_s"] > 0
+    metrics = [row["metric"] for row in res["table"]]
+    assert any(m.startswith("bucket: push") for m in metrics)
+    assert any("took the pushed" in m for m in metrics)
+    assert "| tensor: flip total" in p.stdout
