@@ -15,6 +15,8 @@ Rules:
 - `HostCopyPlan` moves many tensors in one launch (a launch per tensor leaves the link idle
   between small kernels): its table of chunks lives in pinned host memory too, so it needs no
   device memory that a release could take away.
+- `copy_tensors` runs many device-to-device copies (a weight update's) in one launch by the same
+  kernel: a table of (source, destination, bytes) chunks, read from pinned memory.
 """
 
 from __future__ import annotations
@@ -67,17 +69,54 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @triton.jit
-def _copy_chunks(table, base, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    # table: int64 [chunks, 3] = (source offset from base, destination address, bytes); every
-    # source offset, destination address and length is a multiple of 16.
+def _copy_chunks(table, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    # table: int64 [chunks, 3] = (source address, destination address, bytes), every one a
+    # multiple of 16; one program copies one chunk of at most BLOCK * STEPS bytes.
     row = table + tl.program_id(0).to(tl.int64) * 3
-    src = base + tl.multiple_of(tl.load(row), 16)
+    src = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.uint8))
     dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.uint8))
     n = tl.multiple_of(tl.load(row + 2), 16)
     for i in range(STEPS):
         offs = i * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def _chunk_table(spans: torch.Tensor, chunk: int) -> torch.Tensor:
+    """spans int64 [k, 3] = (source, destination, bytes) -> chunks int64 [c, 3] of at most
+    `chunk` bytes each, in order (vectorized: a 16 GB model is ~16k rows)."""
+    counts = (spans[:, 2] + chunk - 1) // chunk
+    which = torch.repeat_interleave(torch.arange(len(spans)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    offs = (torch.arange(int(counts.sum())) - first[which]) * chunk
+    picked = spans[which]
+    return torch.stack([picked[:, 0] + offs, picked[:, 1] + offs, torch.clamp(picked[:, 2] - offs, max=chunk)], 1)
+
+
+_DEVICE_STEPS = 64  # device-to-device chunks of 1 MiB
+
+
+def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+    """dsts[i][:] = srcs[i], byte for byte, in one launch on the current stream, for every pair
+    that is contiguous, of one dtype and shape, on dsts' device, with 16-byte aligned addresses
+    and lengths. Returns (indices of the other pairs, left for the caller's `Tensor.copy_`; the
+    pinned chunk table, which the caller keeps until the stream has passed the launch)."""
+    device = dsts[0].device if dsts else torch.device("cpu")
+    rows, rest = [], []
+    for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
+        n = d.numel() * d.element_size()
+        ok = (d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous() and s.is_contiguous()
+              and d.device == s.device == device and not (d.data_ptr() | s.data_ptr() | n) % 16)
+        if ok and n:
+            rows.append((s.data_ptr(), d.data_ptr(), n))
+        elif not ok:
+            rest.append(i)
+    if not rows:
+        return rest, None
+    table = _chunk_table(torch.tensor(rows, dtype=torch.int64), _BLOCK * _DEVICE_STEPS).contiguous().pin_memory()
+    alias = device_alias(table, device).view(torch.int64)
+    _copy_chunks[(len(table),)](alias, BLOCK=_BLOCK, STEPS=_DEVICE_STEPS, num_warps=4)
+    return rest, table
 
 
 class HostCopyPlan:
@@ -87,23 +126,23 @@ class HostCopyPlan:
 
     def __init__(self, base: torch.Tensor, offsets: list[int], dsts: list[torch.Tensor]) -> None:
         self.base = base
-        chunk = _BLOCK * _PLAN_STEPS
         rows: list[tuple[int, int, int]] = []
         self.odd: list[tuple[torch.Tensor, torch.Tensor]] = []
         for offset, dst in zip(offsets, dsts, strict=True):
             n = dst.numel() * dst.element_size()
             if (offset | dst.data_ptr() | n | base.data_ptr()) % 16:
                 self.odd.append((dst, base[offset : offset + n]))
-                continue
-            rows += [(offset + i, dst.data_ptr() + i, min(chunk, n - i)) for i in range(0, n, chunk)]
-        self.chunks = len(rows)
-        self.table = torch.tensor(rows or [(0, 0, 0)], dtype=torch.int64).pin_memory()
+            elif n:
+                rows.append((base.data_ptr() + offset, dst.data_ptr(), n))
+        spans = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3)
+        self.table = _chunk_table(spans, _BLOCK * _PLAN_STEPS).contiguous().pin_memory()
+        self.chunks = len(self.table)
         self.table_on_device = device_alias(self.table, base.device).view(torch.int64)
 
     def run(self) -> None:
         """Every copy of the plan, on the current stream (destinations must still be where they
         were: the weights region keeps its addresses across release and resume)."""
         if self.chunks:
-            _copy_chunks[(self.chunks,)](self.table_on_device, self.base, BLOCK=_BLOCK, STEPS=_PLAN_STEPS, num_warps=4)
+            _copy_chunks[(self.chunks,)](self.table_on_device, BLOCK=_BLOCK, STEPS=_PLAN_STEPS, num_warps=4)
         for dst, src in self.odd:
             copy_from_host(dst, src)

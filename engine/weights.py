@@ -110,13 +110,29 @@ def _validate(
 
 @torch.no_grad()
 def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Copy each pair into its target; the names copied, in order."""
-    written = []
+    """Copy each pair into its target; the names copied, in order. Host tensors are copied as
+    they come (a checkpoint streams file by file); tensors already on the GPU (CUDA IPC, a
+    broadcast) are copied together, in one launch where dtypes agree (engine/host_copy.py)."""
+    written: list[str] = []
+    on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, tensor in pairs:
         if ignored(model, name):
             continue
-        targets[name].view.copy_(tensor)
+        dst = targets[name].view
+        if dst.is_cuda and tensor.is_cuda:
+            on_device.append((dst, tensor))
+        else:
+            dst.copy_(tensor)
         written.append(name)
+    if on_device:
+        from engine.host_copy import copy_tensors
+
+        dsts, srcs = [d for d, _ in on_device], [s for _, s in on_device]
+        rest, table = copy_tensors(dsts, srcs)
+        for i in rest:
+            dsts[i].copy_(srcs[i])
+        if table is not None:  # the launch reads its chunk table from pinned memory: keep it till then
+            torch.cuda.current_stream(dsts[0].device).synchronize()
     return written
 
 

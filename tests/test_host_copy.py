@@ -86,3 +86,27 @@ def test_weight_store_restores_wiped_weights_bit_for_bit(qwen3_bf16_dir: str) ->
     assert store.last_restore["bytes"] == sum(t.numel() * t.element_size() for t in before)
     for got, want in zip([*model.parameters(), *model.buffers()], before, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_copy_tensors_moves_aligned_pairs_in_one_launch_and_leaves_the_rest() -> None:
+    from engine.host_copy import copy_tensors
+
+    torch.manual_seed(0)
+    flat = torch.randn(3 << 20, device="cuda").view(torch.uint8)  # 12 MiB of sources
+    srcs = [
+        flat[: 5 << 20].view(torch.bfloat16),  # 5 MiB: five 1 MiB chunks
+        flat[5 << 20 : (5 << 20) + 4096].view(torch.float32).view(32, 32),
+        flat[(6 << 20) + 2 : (6 << 20) + 2 + 64].view(torch.bfloat16),  # misaligned source: left over
+        torch.randn(7, device="cuda"),  # 28 bytes: not a multiple of 16, left over
+        torch.randn(64, device="cuda"),  # another dtype than its destination: left over
+        torch.empty(0, device="cuda"),
+    ]
+    dsts = [torch.zeros_like(srcs[0]), torch.zeros_like(srcs[1]), torch.zeros_like(srcs[2]),
+            torch.zeros_like(srcs[3]), torch.zeros(64, device="cuda", dtype=torch.bfloat16), torch.zeros(0, device="cuda")]
+    rest, table = copy_tensors(dsts, srcs)
+    assert rest == [2, 3, 4] and table is not None and len(table) == 6
+    torch.cuda.synchronize()
+    for i in (0, 1):
+        assert torch.equal(dsts[i].view(torch.uint8), srcs[i].view(torch.uint8)), i
+    for i in rest:
+        assert not dsts[i].any(), i  # untouched: the caller copies them
