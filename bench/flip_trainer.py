@@ -1,0 +1,290 @@
+"""The trainer side of bench_flip.py: the checkpoint's tensor list (names, shapes, dtypes read from
+the safetensors headers), "new weights" made in the freed memory, the three ways of pushing them
+(a flattened bucket and per-tensor payloads over `update_weights_from_tensor`, a broadcast over a
+weight-update group) and one timed flip over HTTP.
+
+Rules:
+- New weights are random (a generator seeded per flip, so every flip writes different values):
+  normal(0, 0.02) for matrices, 1 + normal(0, 0.05) for 1-D tensors (norms), in the checkpoint's
+  dtype, each tensor its own allocation. `checkpoint_weights` reads the checkpoint's own values.
+- The trainer's packing (flatten + pickle) is timed apart from the push: it is not the server's.
+- Everything the trainer made is freed (and CUDA IPC handles collected) before kv_cache resumes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import torch
+from safetensors import safe_open
+
+from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
+
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+Spec = tuple[str, tuple[int, ...], torch.dtype]
+GROUP = "bench_flip"
+
+
+def checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+
+
+def checkpoint_specs(path: str) -> list[Spec]:
+    """(name, shape, dtype) of every tensor of the checkpoint, from the file headers only."""
+    specs: list[Spec] = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                specs.append((name, tuple(sl.get_shape()), DTYPES[sl.get_dtype()]))
+    if not specs:
+        raise RuntimeError(f"no safetensors tensors in {path}")
+    return specs
+
+
+def nbytes(specs: list[Spec]) -> int:
+    return sum(torch.Size(s).numel() * d.itemsize for _, s, d in specs)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def new_weights(
+    specs: list[Spec], device: torch.device, seed: int
+) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pairs = []
+    for name, shape, dtype in specs:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if len(shape) == 1:
+            t.normal_(1.0, 0.05, generator=gen)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        pairs.append((name, t))
+    sync(device)
+    return pairs
+
+
+def checkpoint_weights(path: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    pairs = []
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            pairs += [(name, f.get_tensor(name).to(device)) for name in f.keys()]
+    sync(device)
+    return pairs
+
+
+def free(device: torch.device) -> None:
+    """What the trainer made goes back to the driver (the caller dropped its references)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.ipc_collect()  # CUDA IPC blocks the server has let go of
+        torch.cuda.empty_cache()
+
+
+class Http:
+    """POST/GET with the wall time around each call; a non-200 answer raises with its body."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.client = httpx.Client(base_url=url, timeout=timeout_s)
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> tuple[Any, float]:
+        t = time.perf_counter()
+        r = self.client.post(path, json=body or {})
+        wall = time.perf_counter() - t
+        if r.status_code != 200:
+            raise RuntimeError(f"POST {path}: HTTP {r.status_code}: {r.text[:2000]}")
+        return r.json(), wall
+
+    def get(self, path: str) -> Any:
+        r = self.client.get(path)
+        if r.status_code != 200:
+            raise RuntimeError(f"GET {path}: HTTP {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Beside:
+    """`fn(*a)` in a thread (an HTTP call the server answers only once this process has joined
+    a collective); `result` joins it and returns its value or raises."""
+
+    def __init__(self, fn: Any, *a: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, *a))
+        self.thread.start()
+
+    def _run(self, fn: Any, *a: Any) -> None:
+        try:
+            self.value = fn(*a)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self.error = e
+
+    def result(self, what: str) -> Any:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"{what}: {self.error}") from self.error
+        return self.value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_group(http: Http, backend: str, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """Rank 0 of a two-rank weight-update group whose rank 1 is the server (its HTTP call runs
+    in a thread while this process hosts the rendezvous)."""
+    from engine.weight_group import trainer_group
+
+    port = free_port()
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": GROUP,
+        "backend": backend,
+    }
+    t = time.perf_counter()
+    call = Beside(http.post, "/init_weights_update_group", body)
+    group = trainer_group("127.0.0.1", port, 2, GROUP, backend, device=device)
+    answer, _ = call.result("the server did not join the weight-update group")
+    return group, {"seconds": time.perf_counter() - t, "answer": answer, "body": body}
+
+
+def leave_group(http: Http, group: Any) -> dict[str, Any]:
+    """The server leaves the group (destroy_weights_update_group), then this process drops its
+    side (NCCL communicators aborted now, as the engine does, rather than at garbage collection)."""
+    try:
+        return http.post("/destroy_weights_update_group", {"group_name": GROUP})[0]
+    finally:
+        backend = group.group.backend
+        abort = getattr(backend, "abort", None)
+        if backend.__class__.__name__ == "ProcessGroupNCCL" and callable(abort):
+            abort()
+
+
+def prepare(
+    mode: str, pairs: list[tuple[str, torch.Tensor]], version: str
+) -> tuple[dict[str, Any], Any, float]:
+    """(request body, what must stay alive until the answer, packing seconds) of a push."""
+    t = time.perf_counter()
+    alive: Any = pairs
+    if mode == "bucket":
+        alive = flatten_bucket(pairs)
+        sync(alive["flattened_tensor"].device)
+        body = {
+            "serialized_named_tensors": [serialize_payload(alive)],
+            "load_format": "flattened_bucket",
+        }
+    elif mode == "tensor":
+        body = {"serialized_named_tensors": [serialize_named_tensors(pairs)], "load_format": None}
+    else:
+        body = {
+            "names": [n for n, _ in pairs],
+            "dtypes": [str(x.dtype).removeprefix("torch.") for _, x in pairs],
+            "shapes": [list(x.shape) for _, x in pairs],
+            "group_name": GROUP,
+        }
+    return body | {"flush_cache": True, "weight_version": version}, alive, time.perf_counter() - t
+
+
+def push(
+    http: Http, mode: str, body: dict[str, Any], alive: Any, group: Any
+) -> tuple[dict[str, Any], float]:
+    """The push, wall time from this client: one HTTP call, with the broadcast beside it."""
+    if mode != "distributed":
+        return http.post("/update_weights_from_tensor", body)
+    from engine.weight_group import broadcast_from_trainer
+
+    t = time.perf_counter()
+    call = Beside(http.post, "/update_weights_from_distributed", body)
+    broadcast_from_trainer(group, alive)
+    answer, _ = call.result("update_weights_from_distributed failed")
+    return answer, time.perf_counter() - t
+
+
+def flip(
+    http: Http,
+    mode: str,
+    specs: list[Spec],
+    device: torch.device,
+    seed: int,
+    version: str,
+    release_graphs: bool,
+    prompts: list[list[int]],
+    new_tokens: int,
+    group: Any = None,
+) -> dict[str, Any]:
+    """One flip: release -> new weights in the freed memory (+ packing) -> resume weights -> push
+    -> free -> resume kv_cache (+ cuda_graph) -> greedy generate (timed apart)."""
+    graphs = ["cuda_graph"] if release_graphs else []
+    out: dict[str, Any] = {"mode": mode, "seed": seed, "weight_version": version}
+    rel, out["release_wall_s"] = http.post(
+        "/release_memory_occupation", {"tags": ["kv_cache", "weights", *graphs]}
+    )
+    t = time.perf_counter()
+    pairs = new_weights(specs, device, seed)
+    out["trainer_make_s"] = time.perf_counter() - t
+    body, alive, out["pack_s"] = prepare(mode, pairs, version)
+    if mode == "bucket":  # the bucket holds the bytes now: a trainer keeps one copy
+        t = time.perf_counter()
+        del pairs
+        free(device)
+        out["pack_free_s"] = time.perf_counter() - t
+    resw, out["resume_weights_wall_s"] = http.post(
+        "/resume_memory_occupation", {"tags": ["weights"]}
+    )
+    pushed, out["push_wall_s"] = push(http, mode, body, alive, group)
+    t = time.perf_counter()
+    del body, alive
+    pairs = []
+    free(device)
+    out["trainer_free_s"] = time.perf_counter() - t
+    if device.type == "cuda":  # CUDA IPC memory the server still holds would not come back
+        out["trainer_device_free_bytes"] = torch.cuda.mem_get_info(device)[0]
+    resk, out["resume_kv_wall_s"] = http.post(
+        "/resume_memory_occupation", {"tags": ["kv_cache", *graphs]}
+    )
+    out["flip_total_s"] = (
+        out["release_wall_s"]
+        + out["resume_weights_wall_s"]
+        + out["push_wall_s"]
+        + out["resume_kv_wall_s"]
+    )
+    gen_body = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
+    gen, out["generate_wall_s"] = http.post("/generate", gen_body)
+    out["generated_tokens"] = sum(len(g["output_ids"]) for g in gen)
+    out["generate_weight_version"] = sorted({g["meta_info"].get("weight_version") for g in gen})
+    out["output_ids"] = [g["output_ids"] for g in gen]
+    for key, answer in (
+        ("release", rel),
+        ("resume_weights", resw),
+        ("push", pushed),
+        ("resume_kv", resk),
+    ):
+        out[f"{key}_s"] = answer.get("seconds")  # the server's own time, where it says
+        out[f"{key}_answer"] = answer  # verbatim: weights_restore_seconds, seconds_by_tag, ...
+    out["memory_occupation_after_generate"] = http.get("/memory_occupation")
+    return out
