@@ -77,8 +77,10 @@ class WeightUpdateCalls:
         def run() -> dict[str, Any]:
             t0 = time.perf_counter()
             load()
+            t1 = time.perf_counter()
             if flush:
                 self.block_manager.reset_prefix_cache()
+            self.updater.phases["flush"] = time.perf_counter() - t1
             self.weight_version = version if version is not None else _next_version(self.weight_version)
             seconds = time.perf_counter() - t0
             log.info("weights updated from %s in %.1f ms: version %s", source, seconds * 1e3, self.weight_version)

@@ -74,7 +74,10 @@ class WeightUpdater:
         self._start()
         pairs = decode_update(serialized_named_tensors, load_format)
         self._phase("receive")
-        return self._done(load_named_tensors(self.model, pairs, require_all=False))
+        count = self._done(load_named_tensors(self.model, pairs, require_all=False))
+        del pairs  # closes the CUDA IPC handles (or shared memory) now, inside the timed update
+        self._phase("close_handles")
+        return count
 
     def _start(self) -> None:
         self.phases = {}
