@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flips", type=int, default=3, help="timed flips per push mode")
     p.add_argument("--warmup-flips", type=int, default=1, help="untimed flips first, per push mode")
     p.add_argument(
+        "--rollout-s", type=float, default=None,
+        help="seconds between a flip's generate and the next release: the rollout phase, in which the "
+        "pinned host copy of the pushed weights refreshes (~0.3 s at 8B; a release sooner waits for it, "
+        "and says so in host_copy_wait_seconds). Default 1.0 (0 with --tiny)",
+    )
+    p.add_argument(
         "--release-graphs", action="store_true", help="release and resume cuda_graph too"
     )
     p.add_argument(
@@ -141,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shape = args.shape or ("tiny" if args.tiny else "8b")
     args.max_model_len = args.max_model_len or (256 if args.tiny else 1024)
     args.verify = args.verify or ("every" if args.tiny else "last")
+    args.rollout_s = (0.0 if args.tiny else 1.0) if args.rollout_s is None else args.rollout_s
     return args
 
 

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import random
 import shlex
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,14 +160,17 @@ def push_mode(
             )
             if verify is not None and (args.verify == "every" or i == total - 1):
                 verify.after_flip(f)
+            time.sleep(args.rollout_s)  # the rollout phase: the host copy refreshes meanwhile
             warm = i < args.warmup_flips
+            f["host_copy_wait_s"] = f["release_answer"].get("host_copy_wait_seconds")
             sec["warmup" if warm else "flips"].append(f)
             say(
                 f"push.{mode} flip {i + 1}/{total}{' (warm-up)' if warm else ''}: release {f['release_wall_s'] * 1e3:.1f} "
                 f"ms, resume weights {f['resume_weights_wall_s'] * 1e3:.1f}, push {f['push_wall_s'] * 1e3:.1f} (server "
                 f"{(f['push_s'] or 0) * 1e3:.1f}), resume kv {f['resume_kv_wall_s'] * 1e3:.1f} -> flip "
                 f"{f['flip_total_s'] * 1e3:.1f} ms; packing {f['pack_s'] * 1e3:.1f} ms; generate "
-                f"{f['generate_wall_s'] * 1e3:.1f} ms, {f['generated_tokens']} tokens"
+                f"{f['generate_wall_s'] * 1e3:.1f} ms, {f['generated_tokens']} tokens; release waited "
+                f"{(f['host_copy_wait_s'] or 0) * 1e3:.1f} ms for the host copy"
                 + (
                     f"; {f['verify']['changed']}/{f['verify']['tensors']} tensors changed"
                     if "verify" in f

@@ -40,14 +40,16 @@ class MemoryCalls:
         self.scheduler.admitting = True
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
+        host_wait = 0.0
         if "weights" in tags and self.memory.enabled and self.memory.state["weights"] == RESIDENT:
-            self.runner.weights.released()  # waits for the host copy; every piece goes stale
+            host_wait = self.runner.weights.released()  # waits for the host copy; every piece goes stale
         change = self.memory.release(tags)
         changed, freed = change.changed, change.bytes
         seconds = time.perf_counter() - t0
         log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
         return self._memory_answer(changed) | {
             "bytes_freed": freed, "seconds": seconds, "seconds_by_tag": change.seconds_by_tag,
+            "host_copy_wait_seconds": host_wait,
         }
 
     def resume_memory_occupation(self, tags: list[str] | None = None, wait_for_memory_s: float = 0.0) -> dict[str, Any] | Deferred:

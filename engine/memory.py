@@ -176,7 +176,7 @@ class MemoryRegions:
             if self._probe(tag, refused):
                 seconds |= self._switch([tag], "resume", RESIDENT)
                 changed.append(tag)
-        self._synchronize()
+        # Mapping is synchronous: nothing to wait for (a host-copy refresh may be running).
         return RegionChange(changed, max(before - self._free(), 0), seconds, refused)
 
     def plan_resume(self, tags: list[str]) -> tuple[list[str], dict[str, dict[str, int]]]:

@@ -66,7 +66,9 @@ class WeightUpdater:
     def from_disk(self, model_path: str) -> int:
         path = self.check_path(model_path)
         self._start()
-        return self._done(load_checkpoint(self.model, path))
+        written = load_checkpoint(self.model, path)
+        self._copied()
+        return self._done(written)
 
     def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
         from engine.weight_sync import decode_update
@@ -74,10 +76,13 @@ class WeightUpdater:
         self._start()
         pairs = decode_update(serialized_named_tensors, load_format)
         self._phase("receive")
-        count = self._done(load_named_tensors(self.model, pairs, require_all=False))
-        del pairs  # closes the CUDA IPC handles (or shared memory) now, inside the timed update
+        written = load_named_tensors(self.model, pairs, require_all=False)
+        self._copied()
+        # Close the CUDA IPC handles (or shared memory) now, before the host-copy refresh is
+        # queued: closing a handle waits for the device, and the refresh takes ~300 ms at 8B.
+        del pairs
         self._phase("close_handles")
-        return count
+        return self._done(written)
 
     def _start(self) -> None:
         self.phases = {}
@@ -89,11 +94,14 @@ class WeightUpdater:
         self.phases[name] = now - self._t
         self._t = now
 
-    def _done(self, written: list[str]) -> int:
-        """The copies of `written` finished on the device; the store knows. Returns how many."""
+    def _copied(self) -> None:
+        """Wait for the copies into the parameters (the sources may go once the call answers)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._phase("copy")
+
+    def _done(self, written: list[str]) -> int:
+        """The store knows what was written (its host copy refreshes in the background)."""
         self.store.written(written)
         self._phase("host_copy_refresh_launch")
         return len(written)
@@ -131,7 +139,9 @@ class WeightUpdater:
             raise
         self._phase("receive")
         scratch = [pair for pair, dst in zip(pairs, into, strict=True) if dst is None]
-        return self._done(direct + load_named_tensors(self.model, scratch, require_all=False))
+        written = direct + load_named_tensors(self.model, scratch, require_all=False)
+        self._copied()
+        return self._done(written)
 
     def destroy_group(self, group_name: str) -> None:
         self.groups.destroy(group_name)
