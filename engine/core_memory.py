@@ -91,6 +91,7 @@ class MemoryCalls:
             "weights_valid": self.weights_valid,
             "weights_stale_bytes": store.stale_bytes,
             "last_weights_restore": dict(store.last_restore),
+            "last_host_copy_refresh": dict(store.last_refresh),
         }
 
     @property

@@ -15,8 +15,12 @@ Rules:
 - `HostCopyPlan` moves many tensors in one launch (a launch per tensor leaves the link idle
   between small kernels): its table of chunks lives in pinned host memory too, so it needs no
   device memory that a release could take away.
-- `copy_tensors` runs many device-to-device copies (a weight update's) in one launch by the same
-  kernel: a table of (source, destination, bytes) chunks, read from pinned memory.
+- `copy_tensors` runs a weight update's small device-to-device copies in one launch by the same
+  kernel (a table of (source, destination, bytes) chunks, read from pinned memory); large ones
+  are cudaMemcpy's, which is faster per byte.
+- `launch_chunks` with few programs writes device memory into pinned host memory by the SMs: the
+  weights' host-copy refresh runs beside generation that way, where a 16 GB cudaMemcpy would hold
+  the copy engine and every step's small token copy would queue behind it.
 """
 
 from __future__ import annotations
@@ -69,17 +73,19 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @triton.jit
-def _copy_chunks(table, BLOCK: tl.constexpr, STEPS: tl.constexpr):
-    # table: int64 [chunks, 3] = (source address, destination address, bytes), every one a
-    # multiple of 16; one program copies one chunk of at most BLOCK * STEPS bytes.
-    row = table + tl.program_id(0).to(tl.int64) * 3
-    src = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.uint8))
-    dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.uint8))
-    n = tl.multiple_of(tl.load(row + 2), 16)
-    for i in range(STEPS):
-        offs = i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+def _copy_chunks(table, num_chunks, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    # table: int64 [num_chunks, 3] = (source address, destination address, bytes), every one a
+    # multiple of 16; program p copies chunks p, p + P, p + 2P, ... (P programs), each of at most
+    # BLOCK * STEPS bytes. Addresses may be pinned host memory (UVA) on either side.
+    for c in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+        row = table + c.to(tl.int64) * 3
+        src = tl.multiple_of(tl.load(row), 16).to(tl.pointer_type(tl.uint8))
+        dst = tl.multiple_of(tl.load(row + 1), 16).to(tl.pointer_type(tl.uint8))
+        n = tl.multiple_of(tl.load(row + 2), 16)
+        for i in range(STEPS):
+            offs = i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 def _chunk_table(spans: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -93,30 +99,44 @@ def _chunk_table(spans: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.stack([picked[:, 0] + offs, picked[:, 1] + offs, torch.clamp(picked[:, 2] - offs, max=chunk)], 1)
 
 
+def launch_chunks(spans: list[tuple[int, int, int]], device: torch.device, steps: int, programs: int | None = None) -> torch.Tensor:
+    """Copy (source address, destination address, bytes) spans, all multiples of 16, in one launch
+    on the current stream: one program per chunk of BLOCK * steps bytes, or `programs` programs
+    looping over them (fewer SMs held, for a copy that runs beside the model). Returns the
+    pinned chunk table, which must live until the launch has run."""
+    table = _chunk_table(torch.tensor(spans, dtype=torch.int64).reshape(-1, 3), _BLOCK * steps).contiguous().pin_memory()
+    if len(table):
+        alias = device_alias(table, device).view(torch.int64)
+        grid = len(table) if programs is None else min(programs, len(table))
+        _copy_chunks[(grid,)](alias, len(table), BLOCK=_BLOCK, STEPS=steps, num_warps=4)
+    return table
+
+
 _DEVICE_STEPS = 64  # device-to-device chunks of 1 MiB
+# A tensor this large is copied alone (`Tensor.copy_`: cudaMemcpy runs at ~1.9 TB/s on an H200,
+# the chunk kernel at ~1.1-1.4); smaller ones share one launch.
+COPY_ALONE_BYTES = 1 << 20
 
 
 def copy_tensors(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
     """dsts[i][:] = srcs[i], byte for byte, in one launch on the current stream, for every pair
-    that is contiguous, of one dtype and shape, on dsts' device, with 16-byte aligned addresses
-    and lengths. Returns (indices of the other pairs, left for the caller's `Tensor.copy_`; the
-    pinned chunk table, which the caller keeps until the stream has passed the launch)."""
+    below COPY_ALONE_BYTES that is contiguous, of one dtype and shape, on dsts' device, with
+    16-byte aligned addresses and lengths. Returns (indices of the other pairs, left for the
+    caller's `Tensor.copy_`; the pinned chunk table, which the caller keeps until the stream has
+    passed the launch)."""
     device = dsts[0].device if dsts else torch.device("cpu")
     rows, rest = [], []
     for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
         n = d.numel() * d.element_size()
-        ok = (d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous() and s.is_contiguous()
-              and d.device == s.device == device and not (d.data_ptr() | s.data_ptr() | n) % 16)
+        ok = (n < COPY_ALONE_BYTES and d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous()
+              and s.is_contiguous() and d.device == s.device == device and not (d.data_ptr() | s.data_ptr() | n) % 16)
         if ok and n:
             rows.append((s.data_ptr(), d.data_ptr(), n))
         elif not ok:
             rest.append(i)
     if not rows:
         return rest, None
-    table = _chunk_table(torch.tensor(rows, dtype=torch.int64), _BLOCK * _DEVICE_STEPS).contiguous().pin_memory()
-    alias = device_alias(table, device).view(torch.int64)
-    _copy_chunks[(len(table),)](alias, BLOCK=_BLOCK, STEPS=_DEVICE_STEPS, num_warps=4)
-    return rest, table
+    return rest, launch_chunks(rows, device, _DEVICE_STEPS)
 
 
 class HostCopyPlan:
@@ -143,6 +163,6 @@ class HostCopyPlan:
         """Every copy of the plan, on the current stream (destinations must still be where they
         were: the weights region keeps its addresses across release and resume)."""
         if self.chunks:
-            _copy_chunks[(self.chunks,)](self.table_on_device, BLOCK=_BLOCK, STEPS=_PLAN_STEPS, num_warps=4)
+            _copy_chunks[(self.chunks,)](self.table_on_device, self.chunks, BLOCK=_BLOCK, STEPS=_PLAN_STEPS, num_warps=4)
         for dst, src in self.odd:
             copy_from_host(dst, src)

@@ -14,8 +14,9 @@ Rules:
 - A weights release makes every piece stale (`released`); resume maps pages and copies nothing,
   so nothing a weight update will overwrite is ever restored.
 - An update makes the pieces it wrote current (`written`); their host copy is refreshed on a side
-  stream, device to host, off the update's critical path. A release waits for that refresh, and
-  the next write waits for it on the device.
+  stream, device to host by a few SM programs (engine/host_copy.py), off the update's critical
+  path and beside generation. A release waits for that refresh, and the next write waits for it
+  on the device.
 - No forward and no read of the weights sees a stale piece: `ensure_current()` runs first and
   copies the stale pieces back from the host copy in one launch (buffers with no host copy are
   recomputed). With no host copy (`--weights-backup none`) a stale checkpoint tensor cannot come
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("siesta.engine")
 
 ALIGN = 256  # bytes; every view starts on this boundary
+# The host-copy refresh: SM programs writing device bytes into the pinned copy over PCIe, beside
+# generation (a copy engine would hold every step's small copies behind it), in 256 KiB chunks.
+REFRESH_PROGRAMS = 8
+REFRESH_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ class WeightStore:
                 offsets[id(t)] = -(-end // ALIGN) * ALIGN
                 end = offsets[id(t)] + t.numel() * t.element_size()
         self.nbytes = end
-        self.flat = torch.empty(max(end, 1), dtype=torch.uint8, device=self.device)
+        # Rounded up to ALIGN, so that every span may be copied in whole 16-byte words.
+        self.flat = torch.empty(-(-max(end, 1) // ALIGN) * ALIGN, dtype=torch.uint8, device=self.device)
         bound: dict[int, torch.Tensor] = {}
         for module, name, is_param, t in _tensors(model):
             if id(t) not in bound:
@@ -107,6 +113,9 @@ class WeightStore:
         self.host: torch.Tensor | None = None
         self._host_dirty: set[int] = set()
         self._refreshed: torch.cuda.Event | None = None  # the last host refresh, on the side stream
+        self._refresh_table: torch.Tensor | None = None  # its chunk table, kept until it has run
+        self._refresh_timing: tuple[torch.cuda.Event, int] | None = None  # (start event, bytes)
+        self.last_refresh: dict[str, float] = {"bytes": 0, "seconds": 0.0}  # the last one waited for
         self._side: torch.cuda.Stream | None = None
         self._full_plan: HostCopyPlan | None = None  # every piece, host -> device (CUDA)
         self.last_restore: dict[str, float] = {"bytes": 0, "seconds": 0.0}
@@ -145,21 +154,28 @@ class WeightStore:
             for o, n in spans:
                 self.host[o : o + n].copy_(self.flat[o : o + n])
             return
+        from engine.host_copy import launch_chunks
+
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         self._side.wait_stream(torch.cuda.current_stream(self.device))
+        rows = [(self.flat.data_ptr() + o, self.host.data_ptr() + o, -(-n // 16) * 16) for o, n in spans]
         with torch.cuda.stream(self._side):
-            for o, n in spans:
-                self.host[o : o + n].copy_(self.flat[o : o + n], non_blocking=True)
-            self._refreshed = torch.cuda.Event()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._side)
+            self._refresh_table = launch_chunks(rows, self.device, REFRESH_STEPS, programs=REFRESH_PROGRAMS)
+            self._refreshed = torch.cuda.Event(enable_timing=True)
             self._refreshed.record(self._side)
+        self._refresh_timing = (start, sum(n for _, _, n in rows))
 
     def wait_host(self) -> float:
         """Block until the host copy holds every written piece; returns the seconds waited."""
         t0 = time.perf_counter()
         if self._refreshed is not None:
             self._refreshed.synchronize()
-            self._refreshed = None
+            start, nbytes = self._refresh_timing
+            self.last_refresh = {"bytes": nbytes, "seconds": start.elapsed_time(self._refreshed) / 1e3}
+            self._refreshed = self._refresh_table = None
         return time.perf_counter() - t0
 
     # ---- what the engine tells the store ------------------------------------------------------

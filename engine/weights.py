@@ -112,7 +112,8 @@ def _validate(
 def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Copy each pair into its target; the names copied, in order. Host tensors are copied as
     they come (a checkpoint streams file by file); tensors already on the GPU (CUDA IPC, a
-    broadcast) are copied together, in one launch where dtypes agree (engine/host_copy.py)."""
+    broadcast) are copied by cudaMemcpy when large and together in one launch when small
+    (engine/host_copy.py)."""
     written: list[str] = []
     on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, tensor in pairs:

@@ -88,25 +88,42 @@ def test_weight_store_restores_wiped_weights_bit_for_bit(qwen3_bf16_dir: str) ->
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_copy_tensors_moves_aligned_pairs_in_one_launch_and_leaves_the_rest() -> None:
-    from engine.host_copy import copy_tensors
+def test_copy_tensors_moves_small_aligned_pairs_in_one_launch_and_leaves_the_rest() -> None:
+    from engine.host_copy import COPY_ALONE_BYTES, copy_tensors
 
     torch.manual_seed(0)
     flat = torch.randn(3 << 20, device="cuda").view(torch.uint8)  # 12 MiB of sources
     srcs = [
-        flat[: 5 << 20].view(torch.bfloat16),  # 5 MiB: five 1 MiB chunks
-        flat[5 << 20 : (5 << 20) + 4096].view(torch.float32).view(32, 32),
-        flat[(6 << 20) + 2 : (6 << 20) + 2 + 64].view(torch.bfloat16),  # misaligned source: left over
+        flat[: 512 << 10].view(torch.bfloat16),  # 512 KiB: one chunk of the launch
+        flat[1 << 20 : (1 << 20) + 4096].view(torch.float32).view(32, 32),  # one more chunk
+        flat[(2 << 20) + 2 : (2 << 20) + 2 + 64].view(torch.bfloat16),  # misaligned source: left over
         torch.randn(7, device="cuda"),  # 28 bytes: not a multiple of 16, left over
         torch.randn(64, device="cuda"),  # another dtype than its destination: left over
-        torch.empty(0, device="cuda"),
+        torch.empty(0, device="cuda"),  # nothing to do
+        flat[4 << 20 : 9 << 20].view(torch.float16),  # 5 MiB: copied alone by the caller
     ]
-    dsts = [torch.zeros_like(srcs[0]), torch.zeros_like(srcs[1]), torch.zeros_like(srcs[2]),
-            torch.zeros_like(srcs[3]), torch.zeros(64, device="cuda", dtype=torch.bfloat16), torch.zeros(0, device="cuda")]
+    assert srcs[6].numel() * 2 >= COPY_ALONE_BYTES
+    dsts = [torch.zeros_like(t) for t in srcs]
+    dsts[4] = torch.zeros(64, device="cuda", dtype=torch.bfloat16)
     rest, table = copy_tensors(dsts, srcs)
-    assert rest == [2, 3, 4] and table is not None and len(table) == 6
+    assert rest == [2, 3, 4, 6] and table is not None and len(table) == 2
     torch.cuda.synchronize()
     for i in (0, 1):
         assert torch.equal(dsts[i].view(torch.uint8), srcs[i].view(torch.uint8)), i
     for i in rest:
         assert not dsts[i].any(), i  # untouched: the caller copies them
+
+
+def test_launch_chunks_writes_device_bytes_into_pinned_host_memory_with_few_programs() -> None:
+    from engine.host_copy import launch_chunks
+
+    src = torch.randint(0, 255, (9 << 20,), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(9 << 20, dtype=torch.uint8, pin_memory=True)
+    spans = [(src.data_ptr(), host.data_ptr(), 5 << 20), (src.data_ptr() + (6 << 20), host.data_ptr() + (6 << 20), 48)]
+    table = launch_chunks(spans, torch.device("cuda"), steps=4, programs=3)  # 64 KiB chunks, 3 programs loop
+    torch.cuda.synchronize()
+    assert len(table) == 81
+    want = src.cpu()
+    assert torch.equal(host[: 5 << 20], want[: 5 << 20])
+    assert torch.equal(host[6 << 20 : (6 << 20) + 48], want[6 << 20 : (6 << 20) + 48])
+    assert not host[5 << 20 : 6 << 20].any() and not host[(6 << 20) + 48 :].any()
