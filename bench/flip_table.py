@@ -10,7 +10,9 @@ from typing import Any
 FLIP_TARGET_MS = 250.0  # the 8B shape only
 PUSH_TARGETS_GBPS = {"bucket": 400.0, "tensor": 200.0}
 DISTRIBUTED_TARGET = 0.90  # of the plain broadcast's best
-DRIVER_TARGET = 1.10  # release / driver, resume kv / driver
+# Release and resume against the driver (target 1.10) are judged by bench_memory.py, over every
+# region's bytes at --mem-fraction 0.8; here they are reported only: at a few ms the answer's own
+# bookkeeping (free-memory reads) weighs more than the bytes.
 
 
 def med(xs: list[float | None]) -> float | None:
@@ -128,25 +130,18 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         return sum(xs) if xs and None not in xs else None
 
     kv_parts = ("kv_cache", "cuda_graph")
+    release_ref = driver(("weights", *kv_parts), "pause_median_s")
+    weights_ref, kv_ref = driver(("weights",), "resume_median_s"), driver(kv_parts, "resume_median_s")
     for key, what, ref, target in (
-        (
-            "release_wall_s",
-            "release (ms, wall, all flips); ref = driver unmap + release of the regions' bytes",
-            driver(("weights", *kv_parts), "pause_median_s"),
-            DRIVER_TARGET,
-        ),
-        (
-            "resume_weights_wall_s",
-            "resume weights (ms, wall); ref = driver create + map of its bytes",
-            driver(("weights",), "resume_median_s"),
-            None,
-        ),
-        (
-            "resume_kv_wall_s",
-            "resume kv_cache (+ cuda_graph) (ms, wall); ref = driver create + map of its bytes",
-            driver(kv_parts, "resume_median_s"),
-            DRIVER_TARGET,
-        ),
+        ("release_s", "release: the server's seconds (ms); ref = driver unmap + release of the regions' bytes",
+         release_ref, None),
+        ("resume_weights_s", "resume weights: the server's seconds (ms); ref = driver create + map of its bytes",
+         weights_ref, None),
+        ("resume_kv_s", "resume kv_cache (+ cuda_graph): the server's seconds (ms); ref = driver create + map",
+         kv_ref, None),
+        ("release_wall_s", "release: wall around the HTTP call (ms); ref = driver", release_ref, None),
+        ("resume_weights_wall_s", "resume weights: wall around the HTTP call (ms); ref = driver", weights_ref, None),
+        ("resume_kv_wall_s", "resume kv_cache (+ cuda_graph): wall around the HTTP call (ms); ref = driver", kv_ref, None),
     ):
         ours = med([f.get(key) for f in flips])
         ratio = over(ours, ref)

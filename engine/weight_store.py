@@ -114,6 +114,7 @@ class WeightStore:
         self._host_dirty: set[int] = set()
         self._refreshed: torch.cuda.Event | None = None  # the last host refresh, on the side stream
         self._refresh_table: torch.Tensor | None = None  # its chunk table, kept until it has run
+        self._full_refresh_table: torch.Tensor | None = None
         self._refresh_timing: tuple[torch.cuda.Event, int] | None = None  # (start event, bytes)
         self.last_refresh: dict[str, float] = {"bytes": 0, "seconds": 0.0}  # the last one waited for
         self._side: torch.cuda.Stream | None = None
@@ -163,7 +164,10 @@ class WeightStore:
         with torch.cuda.stream(self._side):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self._side)
-            self._refresh_table = launch_chunks(rows, self.device, REFRESH_STEPS, programs=REFRESH_PROGRAMS)
+            table = self._full_refresh_table if len(spans) == 1 and spans[0] == (0, self.nbytes) else None
+            self._refresh_table = launch_chunks(rows, self.device, REFRESH_STEPS, programs=REFRESH_PROGRAMS, table=table)
+            if len(spans) == 1 and spans[0] == (0, self.nbytes):
+                self._full_refresh_table = self._refresh_table  # a full update's: made once
             self._refreshed = torch.cuda.Event(enable_timing=True)
             self._refreshed.record(self._side)
         self._refresh_timing = (start, sum(n for _, _, n in rows))
