@@ -29,8 +29,9 @@ Sections, in this order:
      restore bandwidth (`last_weights_restore` of memory_occupation), memory drift, outputs identical to the
      same requests' before any release (run at the start of section 4).
   7. scrubbed: a few cycles that wait `--scrub-wait-s` between release and resume, as a trainer's
-     step would: the driver scrubs freed pages in the background (~400 GB/s on an H200), and a
-     resume right after a release waits for that scrub.
+     step would, and as long again before the next release: the driver scrubs freed pages in the
+     background (~400 GB/s on an H200), a resume right after a release waits for that scrub, and a
+     release right after a resume races the new pages' zeroing (the cycles above do that).
   8. h2d: (engine shut down) a child process times a 1 GiB pinned host-to-device copy.
   9. driver: a child process calls the CUDA driver's VMM functions (bench/probe_vmm_driver.py)
      on the bytes of every region together, in equal handles of about the KV region's size:
@@ -358,6 +359,7 @@ def scrubbed(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
     llm = state["llm"]
     rows = []
     for _ in range(args.scrub_cycles):
+        time.sleep(args.scrub_wait_s)  # the last resume's pages settle, as the driver child lets them
         rel = llm.release_memory_occupation()
         time.sleep(args.scrub_wait_s)
         kv = llm.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])
@@ -371,6 +373,7 @@ def scrubbed(args: argparse.Namespace, state: dict[str, Any]) -> dict[str, Any]:
            "resume_kv_graph_median_s": median([r["resume_kv_graph_s"] for r in rows]),
            "resume_kv_graph_max_s": max(r["resume_kv_graph_s"] for r in rows),
            "resume_all_median_s": median([r["resume_all_s"] for r in rows]),
+           "release_median_s": median([r["release_s"] for r in rows]),
            "resume_kv_median_s": median([r["resume_by_tag"]["kv_cache"] for r in rows]),
            "release_kv_median_s": median([r["release_by_tag"]["kv_cache"] for r in rows])}
     say(f"scrubbed: resume kv+graph {args.scrub_wait_s:.1f} s after release: {out['resume_kv_graph_median_s'] * 1e3:.1f} ms "
@@ -454,8 +457,9 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         resume_all = None
         if cy:
             resume_all = cy["resume_kv_graph_s"]["median"] + cy["resume_weights_s"]["median"]
-        against_driver(f"driver alone, {gib:.0f} GiB (every region's bytes): unmap + release (ms); "
-                       "ref = siesta release all; target ratio <= 1.10", a["pause_median_s"], ours_release)
+        against_driver(f"driver alone, {gib:.0f} GiB (every region's bytes): unmap + release, pages settled (ms); "
+                       "ref = siesta release all, pages settled (section scrubbed); target ratio <= 1.10",
+                       a["pause_median_s"], (sc or {}).get("release_median_s"))
         against_driver(f"driver alone, {gib:.0f} GiB: create + map right after release (ms); "
                        "ref = siesta resume kv+graph, then weights; target ratio <= 1.10", a["resume_median_s"], resume_all)
         against_driver(f"driver alone, {gib:.0f} GiB: create + map {drv['wait_s']:.1f} s after (ms); "
