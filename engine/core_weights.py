@@ -85,7 +85,8 @@ class WeightUpdateCalls:
             seconds = time.perf_counter() - t0
             log.info("weights updated from %s in %.1f ms: version %s", source, seconds * 1e3, self.weight_version)
             return {"success": True, "message": f"weights updated from {source}", "weight_version": self.weight_version,
-                    "seconds": seconds, "seconds_by_phase": dict(self.updater.phases)}
+                    "seconds": seconds, "seconds_by_phase": dict(self.updater.phases),
+                    "tags": dict(self.memory.state), "weights_valid": self.weights_valid}
 
         def ready() -> bool:
             return self.paused or self.scheduler.num_running == 0

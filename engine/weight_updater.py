@@ -14,8 +14,9 @@ Rules:
 - An update answers only once its copies have finished on the device: the trainer may free or
   reuse its tensors (CUDA IPC, shared memory) as soon as it has the answer.
 - A process-group update receives each tensor straight into the parameter bytes it fills when
-  the dtypes agree (no second copy); a broadcast that fails half-way leaves those pieces stale,
-  so the next forward restores the old weights from the host copy.
+  the dtypes agree and a host copy exists (no second copy); a broadcast that fails half-way
+  leaves those pieces stale, so the next forward restores the old weights from the host copy.
+  Without a host copy it receives into scratch tensors and copies only once all have arrived.
 """
 
 from __future__ import annotations
@@ -122,16 +123,20 @@ class WeightUpdater:
         the parameters where the dtype is theirs, into scratch tensors (copied, cast) elsewhere."""
         from engine.weight_group import parse_dtype
 
+        self._start()
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
         parsed = [parse_dtype(d) for d in dtypes]
         targets = validate_entries(self.model, zip(names, map(_shape, shapes), parsed, strict=True))
+        # Straight into the parameters only where the host copy can undo a broadcast cut off
+        # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
         into = [
-            None if ignored(self.model, n) or targets[n].view.dtype != d else targets[n].view
+            None if self.store.host is None or ignored(self.model, n) or targets[n].view.dtype != d
+            else targets[n].view
             for n, d in zip(names, parsed, strict=True)
         ]
         direct = [n for n, dst in zip(names, into, strict=True) if dst is not None]
-        self._start()
+        self._phase("validate")
         try:
             pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device, into=into)
         except BaseException:
