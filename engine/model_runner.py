@@ -87,7 +87,7 @@ class ModelRunner:
         with self.memory.region("weights"):
             self.model = self._build_model()
             self.weights = WeightStore(self.model, self.device)
-        load_checkpoint(self.model, self.model_config.path)
+        load_checkpoint(self.model, self.model_config.path, self.weights.targets)
         self.weights_bytes = self.weights.nbytes
         if self.device.type == "cuda" and config.weights_backup == "host":
             self.weights.keep_host_copy()

@@ -103,6 +103,7 @@ class WeightStore:
                 bound[id(t)] = nn.Parameter(view, requires_grad=False) if is_param else view
             (module._parameters if is_param else module._buffers)[name] = bound[id(t)]
         model.init_buffers()
+        self.targets = checkpoint_targets(model)  # kept: the views never move
         self.pieces = self._pieces()
         covered = sum(p.nbytes for p in self.pieces)
         held = sum(t.numel() * t.element_size() for t in bound.values())
@@ -124,7 +125,7 @@ class WeightStore:
     def _pieces(self) -> list[Piece]:
         base = self.flat.data_ptr()
         pieces = []
-        for name, target in checkpoint_targets(self.model).items():
+        for name, target in self.targets.items():
             view = target.view
             pieces.append(Piece(name, view.data_ptr() - base, view.numel() * view.element_size(), False))
         for name, buf in self.model.named_buffers():

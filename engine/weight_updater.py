@@ -67,7 +67,7 @@ class WeightUpdater:
     def from_disk(self, model_path: str) -> int:
         path = self.check_path(model_path)
         self._start()
-        written = load_checkpoint(self.model, path)
+        written = load_checkpoint(self.model, path, self.store.targets)
         self._copied()
         return self._done(written)
 
@@ -77,7 +77,7 @@ class WeightUpdater:
         self._start()
         pairs = decode_update(serialized_named_tensors, load_format)
         self._phase("receive")
-        written = load_named_tensors(self.model, pairs, require_all=False)
+        written = load_named_tensors(self.model, pairs, require_all=False, targets=self.store.targets)
         self._copied()
         # Close the CUDA IPC handles (or shared memory) now, before the host-copy refresh is
         # queued: closing a handle waits for the device, and the refresh takes ~300 ms at 8B.
@@ -127,7 +127,7 @@ class WeightUpdater:
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
         parsed = [parse_dtype(d) for d in dtypes]
-        targets = validate_entries(self.model, zip(names, map(_shape, shapes), parsed, strict=True))
+        targets = validate_entries(self.model, zip(names, map(_shape, shapes), parsed, strict=True), self.store.targets)
         # Straight into the parameters only where the host copy can undo a broadcast cut off
         # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
         into = [
@@ -144,7 +144,7 @@ class WeightUpdater:
             raise
         self._phase("receive")
         scratch = [pair for pair, dst in zip(pairs, into, strict=True) if dst is None]
-        written = direct + load_named_tensors(self.model, scratch, require_all=False)
+        written = direct + load_named_tensors(self.model, scratch, require_all=False, targets=self.store.targets)
         self._copied()
         return self._done(written)
 

@@ -36,15 +36,13 @@ class WeightLoadError(ValueError):
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor goes: `rows` of `param` (all of it when None)."""
+    """Where one checkpoint tensor goes: `rows` of `param` (all of it when None); `view` is those
+    bytes (contiguous either way), taken when the targets are listed: a model's parameters never
+    move after it is bound to its memory (engine/weight_store.py), so the list may be kept."""
 
     param: torch.Tensor
     rows: slice | None
-
-    @property
-    def view(self) -> torch.Tensor:
-        """The bytes this tensor fills: the parameter, or its rows (contiguous either way)."""
-        return self.param.data if self.rows is None else self.param.data[self.rows]
+    view: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -63,10 +61,10 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
             if isinstance(module, MergedLinear):
                 for shard, rows in module.shards.items():
                     name = f"{prefix}.{shard}.{param_name}" if prefix else f"{shard}.{param_name}"
-                    targets[name] = _Target(param, rows)
+                    targets[name] = _Target(param, rows, param.data[rows])
             else:
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                targets[name] = _Target(param, None)
+                targets[name] = _Target(param, None, param.data)
     return targets
 
 
@@ -180,31 +178,34 @@ def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 # ---- entry points --------------------------------------------------------------------------
 
 
-def load_checkpoint(model: nn.Module, path: str) -> list[str]:
+def load_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> list[str]:
     """Load a full checkpoint directory into `model`: validate every header, then copy. Returns
-    the names written."""
-    targets = checkpoint_targets(model)
+    the names written. `targets`: `checkpoint_targets(model)`, when the caller keeps it."""
+    targets = targets if targets is not None else checkpoint_targets(model)
     _validate(model, targets, checkpoint_entries(path), require_all=True)
     return _copy(model, targets, iterate_checkpoint(path))
 
 
-def validate_entries(model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, _Target]:
+def validate_entries(
+    model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]], targets: dict[str, _Target] | None = None,
+) -> dict[str, _Target]:
     """Check (name, shape, dtype) entries of a partial update before any byte arrives; returns
     the model's targets by name."""
-    targets = checkpoint_targets(model)
+    targets = targets if targets is not None else checkpoint_targets(model)
     listed = ((name, tuple(shape), _FLOAT_DTYPES.get(dtype, str(dtype))) for name, shape, dtype in entries)
     _validate(model, targets, listed, require_all=False)
     return targets
 
 
 def load_named_tensors(
-    model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], require_all: bool = False
+    model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], require_all: bool = False,
+    targets: dict[str, _Target] | None = None,
 ) -> list[str]:
     """Copy (checkpoint name, tensor) pairs into `model`: a full set, or a partial update when
     `require_all` is False. Nothing is copied unless every pair is valid. Returns the names
     written."""
     pairs = list(pairs)
     entries = ((name, tuple(t.shape), _FLOAT_DTYPES.get(t.dtype, str(t.dtype))) for name, t in pairs)
-    targets = checkpoint_targets(model)
+    targets = targets if targets is not None else checkpoint_targets(model)
     _validate(model, targets, entries, require_all)
     return _copy(model, targets, pairs)
