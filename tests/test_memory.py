@@ -52,6 +52,7 @@ def test_double_calls_are_no_ops_and_unknown_tags_are_refused(llm: Engine) -> No
     assert noop["changed"] == [] and noop["seconds_by_tag"] == {}  # all resident already
     first = llm.release_memory_occupation(None)
     assert first["changed"] == ["kv_cache", "weights", "cuda_graph"]  # release order
+    assert first["host_copy_wait_seconds"] == 0.0  # no memory saver here: nothing is refreshed or waited for
     again = llm.release_memory_occupation([])
     assert again["changed"] == [] and set(again["tags"].values()) == {"released"}
     with pytest.raises(RuntimeError, match="valid tags: weights, kv_cache, cuda_graph"):

@@ -132,6 +132,11 @@ def test_http_update_from_tensor(server: ServerProcess, qwen3_dir: str, qwen3_ne
         assert _generate(http) == expected["old"]  # every refused update left the old weights in use
         ok = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [serialize_named_tensors(pairs)]})
         assert ok.status_code == 200 and ok.json()["success"] is True
+        answer = ok.json()  # where the time went, and the state the server renders its 503s from
+        assert set(answer["seconds_by_phase"]) >= {"receive", "copy", "close_handles"}, answer
+        assert sum(answer["seconds_by_phase"].values()) <= answer["seconds"] + 1e-3, answer
+        assert answer["tags"] == dict.fromkeys(("weights", "kv_cache", "cuda_graph"), "resident")
+        assert answer["weights_valid"] is True
         assert _generate(http) == expected["new"]
         http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
         bucket = serialize_payload(flatten_bucket(pairs))
