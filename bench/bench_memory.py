@@ -51,6 +51,7 @@ import sys
 import time
 from typing import Any
 
+from bench_runtime import table_number
 from memory_children import CHILD, spawn_child
 from memory_meter import EngineMemory, GpuMeter, gpu_index, pick
 
@@ -486,12 +487,7 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_table(res: dict[str, Any]) -> None:
-    def num(x: float | None) -> str:
-        if x is None:
-            return "-"
-        if isinstance(x, int):
-            return str(x)
-        return f"{x:.4f}" if abs(x) < 1 else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    num = table_number
 
     meta = res["meta"]
     head = ["metric", "measured", "reference", "ratio", "target", "ok"]

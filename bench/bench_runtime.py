@@ -73,3 +73,26 @@ def run_section(
     res[name] = value
     write_json(out, res)
     return value
+
+
+def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """Seconds of one `dst.copy_(src)`: CUDA events on a GPU, perf_counter on a CPU."""
+    if dst.device.type != "cuda":
+        t = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def table_number(x: float | None) -> str:
+    """A table cell: '-' for none, ints as they are, else 4 significant-ish digits."""
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.4f}" if abs(x) < 1 else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import torch
-from bench_runtime import MIB, free_memory, say
+from bench_runtime import MIB, free_memory, say, timed_copy
 
 from engine.core import EngineCore
 from engine.protocol import AddRequest
@@ -26,19 +26,7 @@ def copy_bandwidth(device: torch.device, mib: int, iters: int) -> dict[str, Any]
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
+    times = [timed_copy(dst, src) for _ in range(iters)]
     nbytes = 2 * src.numel() * src.element_size()
     med = statistics.median(times)
     del src, dst

@@ -38,21 +38,9 @@ def d2d_copy(nbytes: int, device: Any, iters: int) -> dict[str, Any]:
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    times = []
-    for i in range(iters + 1):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            t = time.perf_counter()
-            dst.copy_(src)
-            dt = time.perf_counter() - t
-        if i:
-            times.append(dt)
+    from bench_runtime import timed_copy
+
+    times = [timed_copy(dst, src) for _ in range(iters + 1)][1:]  # the first is a warm-up
     del src, dst
     if device.type == "cuda":
         torch.cuda.empty_cache()

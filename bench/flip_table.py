@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench_runtime import table_number
+
 FLIP_TARGET_MS = 250.0  # the 8B shape only
 PUSH_TARGETS_GBPS = {"bucket": 400.0, "tensor": 200.0}
 DISTRIBUTED_TARGET = 0.90  # of the plain broadcast's best
@@ -184,12 +186,7 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_table(res: dict[str, Any], total_s: float) -> None:
-    def num(x: float | None) -> str:
-        if x is None:
-            return "-"
-        if isinstance(x, int):
-            return str(x)
-        return f"{x:.4f}" if abs(x) < 1 else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+    num = table_number
 
     meta, server = res["meta"], res.get("server") or {}
     head = ["metric", "measured", "reference", "ratio", "target", "ok"]

@@ -9,13 +9,19 @@ from transformers import AutoModelForCausalLM
 def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' own `generate`, one prompt at a time (no padding), EOS never stops it."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return greedy_of(model, prompts, n)
+
+
+@torch.no_grad()
+def greedy_of(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """`hf_greedy` for a model already loaded (on any device, in any dtype)."""
+    device = next(model.parameters()).device
     outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
-            )
-            outs.append(gen[0, len(p):].tolist())
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+        outs.append(gen[0, len(p):].tolist())
     return outs

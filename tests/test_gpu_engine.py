@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from oracle import greedy_of
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -55,15 +56,8 @@ def _hf(model_dir: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
 
 
-@torch.no_grad()
 def _hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return greedy_of(model, prompts, n)
 
 
 @torch.no_grad()

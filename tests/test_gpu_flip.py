@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from oracle import greedy_of
 
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
@@ -40,15 +41,8 @@ def _hf(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
 
 
-@torch.no_grad()
 def _hf_greedy(model) -> list[list[int]]:
-    out = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device="cuda")
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return greedy_of(model, PROMPTS, N)
 
 
 def _greedy(llm: Engine) -> list[list[int]]:
