@@ -114,7 +114,9 @@ class WeightStore:
         self.host: torch.Tensor | None = None
         self._host_dirty: set[int] = set()
         self._refreshed: torch.cuda.Event | None = None  # the last host refresh, on the side stream
-        self._refresh_table: torch.Tensor | None = None  # its chunk table, kept until it has run
+        # The chunk tables of refreshes queued since the last wait: the kernels read them from
+        # pinned memory, so none may be freed (and reused) before the side stream has passed it.
+        self._refresh_tables: list[torch.Tensor] = []
         self._full_refresh_table: torch.Tensor | None = None
         self._refresh_timing: tuple[torch.cuda.Event, int] | None = None  # (start event, bytes)
         self.last_refresh: dict[str, float] = {"bytes": 0, "seconds": 0.0}  # the last one waited for
@@ -165,10 +167,12 @@ class WeightStore:
         with torch.cuda.stream(self._side):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self._side)
-            table = self._full_refresh_table if len(spans) == 1 and spans[0] == (0, self.nbytes) else None
-            self._refresh_table = launch_chunks(rows, self.device, REFRESH_STEPS, programs=REFRESH_PROGRAMS, table=table)
-            if len(spans) == 1 and spans[0] == (0, self.nbytes):
-                self._full_refresh_table = self._refresh_table  # a full update's: made once
+            full = len(spans) == 1 and spans[0] == (0, self.nbytes)
+            table = self._full_refresh_table if full else None
+            table = launch_chunks(rows, self.device, REFRESH_STEPS, programs=REFRESH_PROGRAMS, table=table)
+            self._refresh_tables.append(table)
+            if full:
+                self._full_refresh_table = table  # a full update's: made once
             self._refreshed = torch.cuda.Event(enable_timing=True)
             self._refreshed.record(self._side)
         self._refresh_timing = (start, sum(n for _, _, n in rows))
@@ -180,7 +184,8 @@ class WeightStore:
             self._refreshed.synchronize()
             start, nbytes = self._refresh_timing
             self.last_refresh = {"bytes": nbytes, "seconds": start.elapsed_time(self._refreshed) / 1e3}
-            self._refreshed = self._refresh_table = None
+            self._refreshed = None
+            self._refresh_tables.clear()
         return time.perf_counter() - t0
 
     # ---- what the engine tells the store ------------------------------------------------------
