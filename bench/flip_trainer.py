@@ -285,6 +285,6 @@ def flip(
         ("resume_kv", resk),
     ):
         out[f"{key}_s"] = answer.get("seconds")  # the server's own time, where it says
-        out[f"{key}_answer"] = answer  # verbatim: weights_restore_seconds, seconds_by_tag, ...
+        out[f"{key}_answer"] = answer  # verbatim: seconds_by_tag, seconds_by_phase, host_copy_wait_seconds, ...
     out["memory_occupation_after_generate"] = http.get("/memory_occupation")
     return out
