@@ -182,6 +182,11 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             return "weights were released without a host copy (--weights-backup none): update the weights first"
         return None
 
+    def after_reply(self) -> None:
+        """Run once a control call's reply is sent: the host copy of weights an update wrote
+        starts refreshing now, off the update's answer (engine/weight_store.py)."""
+        self.runner.weights.refresh_host()
+
     def has_work(self) -> bool:
         """A step may run (not paused, every tag resident: one forward sees all of them), or one
         is in flight and must be read."""

@@ -143,6 +143,7 @@ def _failure(call_id: int, e: Exception) -> ControlReply:
 def _reply(core: EngineCore, send: Any, reply: ControlReply) -> None:
     _send_pending(core, send)
     send(reply)
+    core.after_reply()  # work a call left for after its answer (a weight update's host copy)
 
 
 def _send_pending(core: EngineCore, send: Any) -> None:

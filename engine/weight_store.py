@@ -13,10 +13,10 @@ Rules:
   rebound after that (CUDA graphs hold their addresses).
 - A weights release makes every piece stale (`released`); resume maps pages and copies nothing,
   so nothing a weight update will overwrite is ever restored.
-- An update makes the pieces it wrote current (`written`); their host copy is refreshed on a side
-  stream, device to host by a few SM programs (engine/host_copy.py), off the update's critical
-  path and beside generation. A release waits for that refresh, and the next write waits for it
-  on the device.
+- An update makes the pieces it wrote current (`written`); once its answer is sent their host
+  copy is refreshed on a side stream (`refresh_host`), device to host by a few SM programs
+  (engine/host_copy.py), beside generation. A release starts any refresh still pending and waits
+  for it; the next write waits for a running one on the device.
 - No forward and no read of the weights sees a stale piece: `ensure_current()` runs first and
   copies the stale pieces back from the host copy in one launch (buffers with no host copy are
   recomputed). With no host copy (`--weights-backup none`) a stale checkpoint tensor cannot come
@@ -140,16 +140,17 @@ class WeightStore:
         """Allocate the host copy (pinned on CUDA) in the same layout and fill it."""
         self.host = torch.empty(self.flat.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self._host_dirty = set(range(len(self.pieces)))
-        self._refresh_host()
+        self.refresh_host()
         self.wait_host()
 
     @property
     def host_bytes(self) -> int:
         return 0 if self.host is None else self.nbytes
 
-    def _refresh_host(self) -> None:
-        """Device -> host copies of the dirty pieces: on a side stream (after the work queued so
-        far) on CUDA, so the caller does not wait; at once on a CPU."""
+    def refresh_host(self) -> None:
+        """Device -> host copies of the pieces written since the last refresh: on a side stream
+        (after the work queued so far) on CUDA, so the caller does not wait; at once on a CPU. The
+        engine calls it after each control call's reply; a release calls it before it waits."""
         if self.host is None or not self._host_dirty:
             return
         spans = merge_spans(self.pieces[i] for i in self._host_dirty)
@@ -194,6 +195,7 @@ class WeightStore:
         """The weights' pages are about to go: every piece will be stale. Call before pausing.
         Returns the seconds spent waiting for a host-copy refresh still running (an update less
         than ~0.3 s ago at 8B)."""
+        self.refresh_host()  # anything written and not yet refreshed goes first
         waited = self.wait_host()
         self.stale = set(range(len(self.pieces)))
         return waited
@@ -204,17 +206,16 @@ class WeightStore:
             torch.cuda.current_stream(self.device).wait_event(self._refreshed)
 
     def written(self, names: Iterable[str]) -> None:
-        """Checkpoint tensors `names` now hold the current weights (queued on the current stream)."""
+        """Checkpoint tensors `names` now hold the current weights (queued on the current stream);
+        their host copy is refreshed at the next `refresh_host()`."""
         done = {self.index[n] for n in names}
         self.stale -= done
         self._host_dirty |= done
-        self._refresh_host()
 
     def written_all(self) -> None:
         """Every piece was rewritten in place (weights_checker's reset)."""
         self.stale.clear()
         self._host_dirty = set(range(len(self.pieces)))
-        self._refresh_host()
 
     def invalidate(self, names: Iterable[str]) -> None:
         """A write to `names` may have left them half-done: they are stale again."""

@@ -198,3 +198,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_host_copy_refreshes_when_asked_or_at_the_latest_before_a_release(qwen3_dir: str) -> None:
+    """An update's answer does not wait for the host copy: `written` only marks, the engine calls
+    `refresh_host` after the reply, and a release refreshes whatever is still pending first."""
+    store = _store(qwen3_dir)
+    name = "model.layers.0.mlp.down_proj.weight"
+    piece = store.pieces[store.index[name]]
+    old = store.host[piece.offset : piece.offset + piece.nbytes].clone()
+    store.written(load_named_tensors(store.model, _new_values(store, [name])))
+    assert torch.equal(store.host[piece.offset : piece.offset + piece.nbytes], old)  # not yet
+    store.refresh_host()
+    new = store.flat[piece.offset : piece.offset + piece.nbytes]
+    assert torch.equal(store.host[piece.offset : piece.offset + piece.nbytes], new) and not torch.equal(new, old)
+
+    other = "model.layers.1.self_attn.o_proj.weight"
+    store.written(load_named_tensors(store.model, _new_values(store, [other])))
+    want = _state(store)
+    _release(store)  # no refresh_host in between: the release does it before the bytes go
+    store.ensure_current()
+    _assert_state(store, want)
