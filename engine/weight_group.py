@@ -51,6 +51,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"unknown dtype {dtype!r}; expected a torch dtype name such as 'bfloat16'")
 
 
+def check_meta(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[torch.dtype]:
+    """The parsed dtypes of an update's (names, dtypes, shapes), after checking that the three
+    lists agree in length and every shape is a list of non-negative ints; else ValueError."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
+    parsed = [parse_dtype(d) for d in dtypes]
+    for name, shape in zip(names, shapes, strict=True):
+        if not (isinstance(shape, (list, tuple)) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            raise ValueError(f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}")
+    return parsed
+
+
 def _connect(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
     backend: str, device: torch.device, timeout: timedelta,
@@ -135,14 +147,7 @@ class WeightUpdateGroups:
         """Receive len(names) tensors broadcast by the trainer (rank 0), in order: into
         `into[i]` where given (contiguous, of that shape and dtype), else a new tensor."""
         group = self._get(group_name)
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
-                f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}"
-            )
-        parsed = [parse_dtype(d) for d in dtypes]
-        for name, shape in zip(names, shapes, strict=True):
-            if not (isinstance(shape, (list, tuple)) and all(isinstance(s, int) and s >= 0 for s in shape)):
-                raise ValueError(f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r}")
+        parsed = check_meta(names, dtypes, shapes)
         device = group.device if device is None else torch.device(device)
         into = into if into is not None else [None] * len(names)
         tensors = [

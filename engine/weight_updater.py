@@ -120,13 +120,11 @@ class WeightUpdater:
     def from_distributed(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
         """Validate (names, dtypes, shapes), then join the trainer's broadcasts: straight into
         the parameters where the dtype is theirs, into scratch tensors (copied, cast) elsewhere."""
-        from engine.weight_group import parse_dtype
+        from engine.weight_group import check_meta
 
         self._start()
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(f"names, dtypes and shapes differ in length: {len(names)}, {len(dtypes)}, {len(shapes)}")
-        parsed = [parse_dtype(d) for d in dtypes]
-        targets = validate_entries(self.model, zip(names, map(_shape, shapes), parsed, strict=True), self.store.targets)
+        parsed = check_meta(names, dtypes, shapes)
+        targets = validate_entries(self.model, zip(names, map(tuple, shapes), parsed, strict=True), self.store.targets)
         # Straight into the parameters only where the host copy can undo a broadcast cut off
         # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
         into = [
@@ -150,8 +148,3 @@ class WeightUpdater:
     def destroy_group(self, group_name: str) -> None:
         self.groups.destroy(group_name)
 
-
-def _shape(shape: object) -> tuple[int, ...]:
-    if not (isinstance(shape, (list, tuple)) and all(isinstance(s, int) and s >= 0 for s in shape)):
-        raise ValueError(f"shape must be a list of non-negative ints, got {shape!r}")
-    return tuple(shape)

@@ -36,11 +36,10 @@ class WeightLoadError(ValueError):
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor goes: `rows` of `param` (all of it when None); `view` is those
-    bytes (contiguous either way), taken when the targets are listed: a model's parameters never
-    move after it is bound to its memory (engine/weight_store.py), so the list may be kept."""
+    """Where one checkpoint tensor goes: `rows` of a parameter (all of it when None); `view` is
+    those bytes (contiguous either way), taken when the targets are listed: a model's parameters
+    never move after it is bound to its memory (engine/weight_store.py), so the list may be kept."""
 
-    param: torch.Tensor
     rows: slice | None
     view: torch.Tensor
 
@@ -61,10 +60,10 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
             if isinstance(module, MergedLinear):
                 for shard, rows in module.shards.items():
                     name = f"{prefix}.{shard}.{param_name}" if prefix else f"{shard}.{param_name}"
-                    targets[name] = _Target(param, rows, param.data[rows])
+                    targets[name] = _Target(rows, param.data[rows])
             else:
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                targets[name] = _Target(param, None, param.data)
+                targets[name] = _Target(None, param.data)
     return targets
 
 
