@@ -14,8 +14,6 @@ Rules:
 from __future__ import annotations
 
 import gc
-import json
-import os
 import socket
 import threading
 import time
@@ -23,31 +21,19 @@ from typing import Any
 
 import httpx
 import torch
-from safetensors import safe_open
+from bench_runtime import sync
 
 from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
+from engine.weights import checkpoint_entries, iterate_checkpoint
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 GROUP = "bench_flip"
 
 
-def checkpoint_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return [os.path.join(path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
-    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
-
-
 def checkpoint_specs(path: str) -> list[Spec]:
     """(name, shape, dtype) of every tensor of the checkpoint, from the file headers only."""
-    specs: list[Spec] = []
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                specs.append((name, tuple(sl.get_shape()), DTYPES[sl.get_dtype()]))
+    specs = [(name, shape, DTYPES[dtype]) for name, shape, dtype in checkpoint_entries(path)]
     if not specs:
         raise RuntimeError(f"no safetensors tensors in {path}")
     return specs
@@ -55,11 +41,6 @@ def checkpoint_specs(path: str) -> list[Spec]:
 
 def nbytes(specs: list[Spec]) -> int:
     return sum(torch.Size(s).numel() * d.itemsize for _, s, d in specs)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def new_weights(
@@ -79,10 +60,7 @@ def new_weights(
 
 
 def checkpoint_weights(path: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    pairs = []
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            pairs += [(name, f.get_tensor(name).to(device)) for name in f.keys()]
+    pairs = [(name, t.to(device)) for name, t in iterate_checkpoint(path)]
     sync(device)
     return pairs
 
