@@ -186,9 +186,11 @@ def prepare(
 
 
 def push(
-    http: Http, mode: str, body: dict[str, Any], alive: Any, group: Any
+    http: Http, mode: str, body: dict[str, Any], alive: Any, group: Any, out: dict[str, Any]
 ) -> tuple[dict[str, Any], float]:
-    """The push, wall time from this client: one HTTP call, with the broadcast beside it."""
+    """The push, wall time from this client: one HTTP call, with the broadcast beside it. For a
+    broadcast, `out` also gets when (from the call) this rank had launched its sends and when
+    they had finished on its device: the server's receive ends then, so the rest is its answer."""
     if mode != "distributed":
         return http.post("/update_weights_from_tensor", body)
     from engine.weight_group import broadcast_from_trainer
@@ -196,6 +198,9 @@ def push(
     t = time.perf_counter()
     call = Beside(http.post, "/update_weights_from_distributed", body)
     broadcast_from_trainer(group, alive)
+    out["push_launched_s"] = time.perf_counter() - t
+    sync(alive[0][1].device)
+    out["push_transferred_s"] = time.perf_counter() - t
     answer, _ = call.result("update_weights_from_distributed failed")
     return answer, time.perf_counter() - t
 
@@ -231,7 +236,7 @@ def flip(
     resw, out["resume_weights_wall_s"] = http.post(
         "/resume_memory_occupation", {"tags": ["weights"]}
     )
-    pushed, out["push_wall_s"] = push(http, mode, body, alive, group)
+    pushed, out["push_wall_s"] = push(http, mode, body, alive, group, out)
     t = time.perf_counter()
     del body, alive
     pairs = []

@@ -51,6 +51,8 @@ class WeightUpdater:
         # Seconds of the last update's phases (receive: decode/open handles or broadcast; copy:
         # into the parameters, to the device's completion), answered with it.
         self.phases: dict[str, float] = {}
+        # The last validated process-group update: (its key, its receive buffers).
+        self._last_meta: tuple[Any, list[torch.Tensor | None]] | None = None
 
     def check_path(self, model_path: str) -> str:
         """The real path of an allowed checkpoint directory, or PermissionError."""
@@ -120,18 +122,8 @@ class WeightUpdater:
     def from_distributed(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
         """Validate (names, dtypes, shapes), then join the trainer's broadcasts: straight into
         the parameters where the dtype is theirs, into scratch tensors (copied, cast) elsewhere."""
-        from engine.weight_group import check_meta
-
         self._start()
-        parsed = check_meta(names, dtypes, shapes)
-        targets = validate_entries(self.model, zip(names, map(tuple, shapes), parsed, strict=True), self.store.targets)
-        # Straight into the parameters only where the host copy can undo a broadcast cut off
-        # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
-        into = [
-            None if self.store.host is None or ignored(self.model, n) or targets[n].view.dtype != d
-            else targets[n].view
-            for n, d in zip(names, parsed, strict=True)
-        ]
+        into = self._receive_buffers(names, dtypes, shapes)
         direct = [n for n, dst in zip(names, into, strict=True) if dst is not None]
         self._phase("validate")
         try:
@@ -144,6 +136,30 @@ class WeightUpdater:
         written = direct + load_named_tensors(self.model, scratch, require_all=False, targets=self.store.targets)
         self._copied()
         return self._done(written)
+
+    def _receive_buffers(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> list[torch.Tensor | None]:
+        """Validate (names, dtypes, shapes); per tensor, the parameter bytes it is received into,
+        or None for a scratch tensor. Straight into the parameters only where the host copy can
+        undo a broadcast cut off half-way; without one (a CPU, --weights-backup none) scratch
+        tensors keep it all or nothing. A trainer sends the same list every step: the last
+        answer is kept, keyed by the list (parameters never move, so the views stay true)."""
+        from engine.weight_group import check_meta
+
+        shape_key = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in shapes)
+        key = (tuple(names), tuple(map(str, dtypes)), shape_key, self.store.host is None)
+        if self._last_meta is not None and self._last_meta[0] == key:
+            return list(self._last_meta[1])
+        parsed = check_meta(names, dtypes, shapes)
+        targets = validate_entries(self.model, zip(names, map(tuple, shapes), parsed, strict=True), self.store.targets)
+        into = [
+            None if self.store.host is None or ignored(self.model, n) or targets[n].view.dtype != d
+            else targets[n].view
+            for n, d in zip(names, parsed, strict=True)
+        ]
+        self._last_meta = (key, into)
+        return list(into)
 
     def destroy_group(self, group_name: str) -> None:
         self.groups.destroy(group_name)

@@ -172,6 +172,18 @@ def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwe
         updater.join(60)
         assert answers[1].status_code == 200 and answers[1].json()["weight_version"] == "dist-1", answers[1].text
         assert _generate(http) == expected["new"]
+        # The same (names, dtypes, shapes) again, as a trainer sends every step: the server reuses
+        # its validation of the list, and the new bytes land; a changed list is checked afresh.
+        updater = threading.Thread(target=lambda: answers.append(http.post("/update_weights_from_distributed", json=meta)))
+        updater.start()
+        broadcast_from_trainer(handle, _trainer_pairs(qwen3_dir))
+        updater.join(60)
+        assert answers[2].status_code == 200, answers[2].text
+        assert _generate(http) == expected["old"]
+        bad_shape = meta | {"shapes": [[7, *meta["shapes"][0]], *meta["shapes"][1:]]}
+        refused = http.post("/update_weights_from_distributed", json=bad_shape)
+        assert refused.status_code == 400 and meta["names"][0] in refused.json()["error"]["message"], refused.text
+        assert _generate(http) == expected["old"]
         unknown = http.post("/update_weights_from_distributed", json=meta | {"group_name": "nope"})
         assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
         assert http.post("/destroy_weights_update_group", json={"group_name": "test-group"}).status_code == 200
