@@ -19,7 +19,10 @@ the push, before kv_cache resumes. The server runs on `--server-gpu` (CUDA_VISIB
   - tensor: update_weights_from_tensor, one (name, tensor) pair per tensor, load_format null, as
     verl sends it. CUDA IPC handles on a GPU, shared memory on a CPU.
   - distributed: init_weights_update_group once, then per flip update_weights_from_distributed
-    while this process broadcasts each tensor as rank 0 (NCCL; gloo on a CPU).
+    while this process broadcasts each tensor as rank 0 (NCCL; gloo on a CPU). The HTTP call
+    goes out from a child process (`--post-from`), as slime's engine actors post it.
+  - distributed_bucket: the same with load_format "flattened_bucket": the tensors' bytes back to
+    back in ONE broadcast (SGLang's FlattenedTensorBucket).
 
 Sections, in this order:
   1. checkpoint: bench_serving.py's `build_checkpoint` (bench_engine's random bf16 checkpoint of
@@ -28,7 +31,7 @@ Sections, in this order:
      events, median: the floor of a CUDA IPC push.
   3. refs.h2d: a child on the server's GPU times a pinned host -> device copy (memory_children.py):
      the floor of a weights restore from the host copy.
-  4. refs.broadcast (with `distributed`): before the server starts, this process (rank 0, trainer
+  4. refs.broadcast (with a distributed mode): before the server starts, this process (rank 0, trainer
      GPU) and a child (rank 1, the server's GPU and CUDA_VISIBLE_DEVICES) broadcast (a) one flat
      uint8 tensor of the model's bytes and (b) the model's tensors one by one; warm-up, median.
   5. server: start it; `--mem-fraction`, `--max-model-len`, `--weights-backup`, `--server-args`.
@@ -67,7 +70,7 @@ sys.path[:0] = [p for p in (ROOT, BENCH) if p not in sys.path]
 from bench_runtime import say, write_json  # noqa: E402
 from flip_table import print_table, summarize, table_rows  # noqa: E402
 
-MODES = ("bucket", "tensor", "distributed")
+MODES = ("bucket", "tensor", "distributed", "distributed_bucket")
 T0 = time.perf_counter()
 
 
@@ -90,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--push",
-        help="comma list of bucket,tensor,distributed (default bucket,tensor; "
-        "+distributed on CUDA with >= 2 GPUs)",
+        help="comma list of bucket,tensor,distributed,distributed_bucket (default bucket,tensor; "
+        "+distributed,distributed_bucket on CUDA with >= 2 GPUs)",
     )
     p.add_argument("--flips", type=int, default=3, help="timed flips per push mode")
     p.add_argument("--warmup-flips", type=int, default=1, help="untimed flips first, per push mode")
@@ -103,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--release-graphs", action="store_true", help="release and resume cuda_graph too"
+    )
+    p.add_argument(
+        "--post-from", choices=("process", "thread"), default="process",
+        help="where the distributed push's HTTP call goes out from while this process broadcasts: "
+        "a child process (as slime's engine actors post; default) or a thread of this process",
     )
     p.add_argument(
         "--verify",
@@ -269,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, res)
         say(f"bench_flip needs an NVIDIA GPU without --tiny: {res['errors']['gpu']}")
         return 2
-    default = "bucket,tensor" + (",distributed" if gpus.get("gpus", 0) >= 2 else "")
+    default = "bucket,tensor" + (",distributed,distributed_bucket" if gpus.get("gpus", 0) >= 2 else "")
     modes = [m for m in (args.push or default).split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:

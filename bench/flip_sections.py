@@ -16,7 +16,9 @@ from typing import Any
 from bench_runtime import say, write_json
 from flip_refs import broadcast_reference, d2d_copy, driver, h2d
 from flip_trainer import (
+    DIST_MODES,
     Http,
+    Poster,
     checkpoint_specs,
     flip,
     join_group,
@@ -26,7 +28,7 @@ from flip_trainer import (
 from flip_verify import Verify
 
 MIB = 1 << 20
-MODE_INDEX = {"bucket": 0, "tensor": 1, "distributed": 2}
+MODE_INDEX = {"bucket": 0, "tensor": 1, "distributed": 2, "distributed_bucket": 3}
 NEW_TOKENS = 8
 
 
@@ -111,6 +113,25 @@ def driver_refs(run: Any, http: Http, env: dict[str, str]) -> dict[str, Any] | N
     return out
 
 
+def control_round_trip(http: Http, specs: list[Any]) -> float:
+    """Median wall of an `update_weights_from_distributed` carrying the checkpoint's full list
+    but naming an unknown group: the HTTP, dispatch and validation a push pays besides its bytes."""
+    body = {
+        "names": [n for n, _, _ in specs],
+        "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs],
+        "shapes": [list(s) for _, s, _ in specs],
+        "group_name": "no-such-group",
+    }
+    walls = []
+    for _ in range(20):
+        t = time.perf_counter()
+        r = http.client.post("/update_weights_from_distributed", json=body)
+        walls.append(time.perf_counter() - t)
+        if r.status_code != 400:
+            raise RuntimeError(f"an update naming no group answered {r.status_code}: {r.text[:500]}")
+    return sorted(walls)[len(walls) // 2]
+
+
 def push_mode(
     run: Any,
     http: Http,
@@ -124,11 +145,19 @@ def push_mode(
     if device is None:
         raise RuntimeError("distributed needs a second GPU for the trainer (--dist-gpu)")
     sec = res["push"][mode] = {"device": str(device), "warmup": [], "flips": []}
-    group = None
-    if mode == "distributed":
+    group = poster = None
+    if mode in DIST_MODES:
         group, sec["group"] = join_group(http, "nccl" if device.type == "cuda" else "gloo", device)
+        if args.post_from == "process":
+            poster = Poster(http.client.base_url, 300.0)
         say(
-            f"push.distributed: joined the weight-update group in {sec['group']['seconds'] * 1e3:.0f} ms"
+            f"push.{mode}: joined the weight-update group in {sec['group']['seconds'] * 1e3:.0f} ms"
+        )
+        sec["post_from"] = args.post_from
+        sec["control_round_trip_s"] = control_round_trip(http, specs)
+        say(
+            f"push.{mode}: an update naming no group, validated and refused: {sec['control_round_trip_s'] * 1e3:.2f} "
+            "ms round trip (median of 20)"
         )
     total = args.warmup_flips + args.flips
     try:
@@ -149,6 +178,7 @@ def push_mode(
                     probe,
                     NEW_TOKENS,
                     group,
+                    poster,
                 )
             except BaseException:
                 with contextlib.suppress(Exception):  # leave the server usable for the next mode
@@ -189,6 +219,8 @@ def push_mode(
         if group is not None:
             with contextlib.suppress(Exception):
                 sec["destroy_answer"] = leave_group(http, group)
+        if poster is not None:
+            poster.close()
 
 
 def run_all(run: Any, modes: list[str]) -> None:
@@ -239,7 +271,7 @@ def run_all(run: Any, modes: list[str]) -> None:
         ref("d2d", d2d_copy, model_bytes, ipc_dev, args.ref_iters)
     if cuda:
         ref("h2d", h2d, args.h2d_mib * MIB, 2 * args.ref_iters, child_env)
-    if "distributed" in modes and dist_dev is not None:
+    if set(DIST_MODES) & set(modes) and dist_dev is not None:
         pairs = [(list(s), str(d).removeprefix("torch.")) for _, s, d in specs]
         ref(
             "broadcast",
@@ -284,7 +316,7 @@ def run_all(run: Any, modes: list[str]) -> None:
                 run,
                 http,
                 mode,
-                dist_dev if mode == "distributed" else ipc_dev,
+                dist_dev if mode in DIST_MODES else ipc_dev,
                 specs,
                 verify,
                 probe,

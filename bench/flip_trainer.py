@@ -29,6 +29,8 @@ from engine.weights import checkpoint_entries, iterate_checkpoint
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 Spec = tuple[str, tuple[int, ...], torch.dtype]
 GROUP = "bench_flip"
+# The broadcast push modes and the load_format each sends: a broadcast per tensor, or one in all.
+DIST_MODES = {"distributed": None, "distributed_bucket": "flattened_bucket"}
 
 
 def checkpoint_specs(path: str) -> list[Spec]:
@@ -121,6 +123,48 @@ class Beside:
         return self.value
 
 
+def _post_loop(url: str, timeout_s: float, conn: Any) -> None:
+    """The child of `Poster`: POST each (path, body) it is sent; send back (status, json, wall)."""
+    with httpx.Client(base_url=url, timeout=timeout_s) as client:
+        conn.send("ready")
+        while (job := conn.recv()) is not None:
+            t = time.perf_counter()
+            try:
+                r = client.post(job[0], json=job[1])
+                conn.send((r.status_code, r.json() if r.status_code == 200 else r.text[:2000], time.perf_counter() - t))
+            except Exception as e:  # noqa: BLE001 - sent back, raised by result()
+                conn.send((None, repr(e), time.perf_counter() - t))
+
+
+class Poster:
+    """An HTTP client in its own process, as an RL trainer's call to a rollout server goes out
+    from another process (slime: the engine's Ray actor posts while the trainer broadcasts), so
+    that this process's collective launches and waits do not share a GIL with the request."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_post_loop, args=(url, timeout_s, child), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120) or self.conn.recv() != "ready":
+            raise RuntimeError("the HTTP poster process did not start")
+
+    def start(self, path: str, body: dict[str, Any]) -> None:
+        self.conn.send((path, body))
+
+    def result(self, what: str) -> tuple[Any, float]:
+        status, value, wall = self.conn.recv()
+        if status != 200:
+            raise RuntimeError(f"{what}: HTTP {status}: {value}")
+        return value, wall
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,27 +225,35 @@ def prepare(
             "dtypes": [str(x.dtype).removeprefix("torch.") for _, x in pairs],
             "shapes": [list(x.shape) for _, x in pairs],
             "group_name": GROUP,
+            "load_format": DIST_MODES[mode],
         }
     return body | {"flush_cache": True, "weight_version": version}, alive, time.perf_counter() - t
 
 
 def push(
-    http: Http, mode: str, body: dict[str, Any], alive: Any, group: Any, out: dict[str, Any]
+    http: Http, mode: str, body: dict[str, Any], alive: Any, group: Any, out: dict[str, Any],
+    poster: Poster | None = None,
 ) -> tuple[dict[str, Any], float]:
     """The push, wall time from this client: one HTTP call, with the broadcast beside it. For a
     broadcast, `out` also gets when (from the call) this rank had launched its sends and when
     they had finished on its device: the server's receive ends then, so the rest is its answer."""
-    if mode != "distributed":
+    if mode not in DIST_MODES:
         return http.post("/update_weights_from_tensor", body)
     from engine.weight_group import broadcast_from_trainer
 
     t = time.perf_counter()
-    call = Beside(http.post, "/update_weights_from_distributed", body)
-    broadcast_from_trainer(group, alive)
+    if poster is not None:
+        poster.start("/update_weights_from_distributed", body)
+    else:
+        call = Beside(http.post, "/update_weights_from_distributed", body)
+    broadcast_from_trainer(group, alive, DIST_MODES[mode])
     out["push_launched_s"] = time.perf_counter() - t
     sync(alive[0][1].device)
     out["push_transferred_s"] = time.perf_counter() - t
-    answer, _ = call.result("update_weights_from_distributed failed")
+    if poster is not None:
+        answer, _ = poster.result("update_weights_from_distributed failed")
+    else:
+        answer, _ = call.result("update_weights_from_distributed failed")
     return answer, time.perf_counter() - t
 
 
@@ -216,6 +268,7 @@ def flip(
     prompts: list[list[int]],
     new_tokens: int,
     group: Any = None,
+    poster: Poster | None = None,
 ) -> dict[str, Any]:
     """One flip: release -> new weights in the freed memory (+ packing) -> resume weights -> push
     -> free -> resume kv_cache (+ cuda_graph) -> greedy generate (timed apart)."""
@@ -236,7 +289,7 @@ def flip(
     resw, out["resume_weights_wall_s"] = http.post(
         "/resume_memory_occupation", {"tags": ["weights"]}
     )
-    pushed, out["push_wall_s"] = push(http, mode, body, alive, group, out)
+    pushed, out["push_wall_s"] = push(http, mode, body, alive, group, out, poster)
     t = time.perf_counter()
     del body, alive
     pairs = []

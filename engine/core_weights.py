@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("siesta.engine")
 
+# How a process-group update's tensors travel: one broadcast each, or SGLang's flattened bucket.
+DISTRIBUTED_FORMATS = (None, "flattened_bucket")
+
 
 class WeightUpdateCalls:
     """Mixed into EngineCore; uses its updater, memory, scheduler, block_manager and runner."""
@@ -53,9 +56,12 @@ class WeightUpdateCalls:
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = "weight_update_group",
         flush_cache: bool = True, abort_all_requests: bool = False, weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> Deferred:
+        if load_format not in DISTRIBUTED_FORMATS:  # refuse at once: the trainer must not broadcast
+            raise ValueError(f"unknown load_format {load_format!r}; valid: null, 'flattened_bucket'")
         return self._update_when_idle(
-            lambda: self.updater.from_distributed(group_name, names, dtypes, shapes),
+            lambda: self.updater.from_distributed(group_name, names, dtypes, shapes, load_format),
             abort_all_requests, flush_cache, weight_version, f"group {group_name!r}",
         )
 

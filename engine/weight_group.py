@@ -14,12 +14,14 @@ Rules:
 - Every wait (store connection, backend rendezvous, each broadcast) is bounded by `timeout_s`: a
   trainer that never joins costs the engine at most that long, then an error.
 - update: the trainer broadcasts each tensor from rank 0 in the order of (names, dtypes, shapes),
-  which arrive over HTTP first; every receiver allocates `torch.empty(shape, dtype)` and joins the
-  broadcast. Everything is validated before the first broadcast is joined.
+  which arrive over HTTP first, and every receiver joins each broadcast; or, with load_format
+  "flattened_bucket" (SGLang's), one uint8 tensor holding their bytes back to back. Everything
+  is validated before the first broadcast is joined.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+POLL_S = 5e-5  # how often the host looks whether a broadcast has arrived
 
 
 @dataclass
@@ -92,8 +95,25 @@ def _check_common(world_size: int, backend: str, device: torch.device) -> None:
 
 
 def _broadcast(group: _Group, tensors: list[torch.Tensor]) -> None:
-    """Rank 0 sends, the others receive, each tensor in order; every wait bounded by the timeout."""
+    """Rank 0 sends, the others receive, each tensor in order; returns once all have arrived, or
+    raises once the timeout has passed.
+
+    NCCL: one communicator runs its collectives in order on one stream, so the current stream
+    waits for the last, and an event after it is polled every POLL_S (a `wait(timeout)` per
+    work sleeps in 1 ms steps: up to 1 ms late at the end). The last work's own bounded wait then
+    raises what NCCL reported (an aborted or timed-out communicator). Gloo: each work's wait."""
     works = [group.backend.broadcast([t], dist.BroadcastOptions()) for t in tensors]  # root 0
+    if not works:
+        return
+    if group.device.type == "cuda":
+        works[-1].wait()  # the current stream waits; the host does not
+        arrived = torch.cuda.Event()
+        arrived.record(torch.cuda.current_stream(group.device))
+        deadline = time.monotonic() + group.timeout.total_seconds()
+        while not arrived.query() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        works[-1].wait(group.timeout)
+        return
     for work in works:
         work.wait(group.timeout)
 
@@ -160,6 +180,13 @@ class WeightUpdateGroups:
         _broadcast(group, tensors)
         return list(zip(names, tensors, strict=True))
 
+    def receive_flat(self, group_name: str, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+        """One flat uint8 tensor of `nbytes` broadcast by the trainer (a flattened bucket)."""
+        group = self._get(group_name)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device if device is None else device)
+        _broadcast(group, [flat])
+        return flat
+
     def destroy(self, group_name: str) -> None:
         """Leave the group; its name may then be reused."""
         group = self._get(group_name)
@@ -191,7 +218,13 @@ def trainer_group(
                                  torch.device(device), timeout))
 
 
-def broadcast_from_trainer(handle: TrainerGroup, pairs: list[tuple[str, torch.Tensor]]) -> None:
-    """Broadcast each tensor to the engines, in order; they must be receiving the same
-    (names, dtypes, shapes), which the trainer sends them over HTTP."""
-    _broadcast(handle.group, [t.contiguous() for _, t in pairs])
+def broadcast_from_trainer(
+    handle: TrainerGroup, pairs: list[tuple[str, torch.Tensor]], load_format: str | None = None
+) -> None:
+    """Broadcast the tensors to the engines, which must be receiving the same (names, dtypes,
+    shapes), sent them over HTTP: each in order, or for "flattened_bucket" their bytes back to
+    back as one uint8 tensor (SGLang's FlattenedTensorBucket)."""
+    if load_format == "flattened_bucket":
+        _broadcast(handle.group, [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in pairs])])
+    else:
+        _broadcast(handle.group, [t.contiguous() for _, t in pairs])

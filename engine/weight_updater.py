@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,16 @@ import torch
 from engine.config import EngineConfig
 from engine.weight_store import WeightStore
 from engine.weights import ignored, load_checkpoint, load_named_tensors, validate_entries
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """A validated (names, dtypes, shapes) list of a process-group update."""
+
+    key: tuple[Any, ...]  # the list as sent (and whether a host copy exists)
+    dtypes: tuple[torch.dtype, ...]
+    into: tuple[torch.Tensor | None, ...]  # per tensor: the parameter bytes it is received into, or None
+    nbytes: tuple[int, ...]
 
 
 def allowed_dirs(config: EngineConfig) -> list[str]:
@@ -51,8 +62,7 @@ class WeightUpdater:
         # Seconds of the last update's phases (receive: decode/open handles or broadcast; copy:
         # into the parameters, to the device's completion), answered with it.
         self.phases: dict[str, float] = {}
-        # The last validated process-group update: (its key, its receive buffers).
-        self._last_meta: tuple[Any, list[torch.Tensor | None]] | None = None
+        self._last_meta: _Meta | None = None  # the last process-group update's list, validated
 
     def check_path(self, model_path: str) -> str:
         """The real path of an allowed checkpoint directory, or PermissionError."""
@@ -119,47 +129,71 @@ class WeightUpdater:
     def init_group(self, **kwargs: Any) -> None:
         self.groups.init(device=self.device, **kwargs)
 
-    def from_distributed(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
-        """Validate (names, dtypes, shapes), then join the trainer's broadcasts: straight into
-        the parameters where the dtype is theirs, into scratch tensors (copied, cast) elsewhere."""
+    def from_distributed(
+        self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        load_format: str | None = None,
+    ) -> int:
+        """Validate (names, dtypes, shapes), then join the trainer's broadcasts: one per tensor
+        (straight into the parameters where the dtype is theirs, into scratch tensors elsewhere),
+        or one flat byte tensor for load_format "flattened_bucket" (SGLang's: the tensors' bytes
+        back to back, in order), received into scratch and then copied in one batch."""
         self._start()
-        into = self._receive_buffers(names, dtypes, shapes)
-        direct = [n for n, dst in zip(names, into, strict=True) if dst is not None]
+        meta = self._meta(names, dtypes, shapes)
+        if load_format == "flattened_bucket":
+            return self._from_bucket(group_name, names, shapes, meta)
+        direct = [n for n, dst in zip(names, meta.into, strict=True) if dst is not None]
         self._phase("validate")
         try:
-            pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device, into=into)
+            pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device, into=list(meta.into))
         except BaseException:
             self.store.invalidate(direct)
             raise
         self._phase("receive")
-        scratch = [pair for pair, dst in zip(pairs, into, strict=True) if dst is None]
+        scratch = [pair for pair, dst in zip(pairs, meta.into, strict=True) if dst is None]
         written = direct + load_named_tensors(self.model, scratch, require_all=False, targets=self.store.targets)
         self._copied()
         return self._done(written)
 
-    def _receive_buffers(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]]
-    ) -> list[torch.Tensor | None]:
-        """Validate (names, dtypes, shapes); per tensor, the parameter bytes it is received into,
-        or None for a scratch tensor. Straight into the parameters only where the host copy can
-        undo a broadcast cut off half-way; without one (a CPU, --weights-backup none) scratch
-        tensors keep it all or nothing. A trainer sends the same list every step: the last
-        answer is kept, keyed by the list (parameters never move, so the views stay true)."""
+    def _from_bucket(self, group_name: str, names: list[str], shapes: list[list[int]], meta: _Meta) -> int:
+        self._phase("validate")
+        flat = self.groups.receive_flat(group_name, sum(meta.nbytes), self.device)
+        self._phase("receive")
+        pairs, offset = [], 0
+        for name, shape, dtype, size in zip(names, shapes, meta.dtypes, meta.nbytes, strict=True):
+            piece = flat[offset : offset + size]
+            if offset % dtype.itemsize:  # back to back after an odd-sized tensor of a smaller dtype
+                piece = piece.clone()
+            pairs.append((name, piece.view(dtype).view(shape)))
+            offset += size
+        written = load_named_tensors(self.model, pairs, require_all=False, targets=self.store.targets)
+        self._copied()
+        del pairs, flat
+        if self.device.type == "cuda":  # the scratch goes back to the driver (the KV cache may resume next)
+            torch.cuda.empty_cache()
+        return self._done(written)
+
+    def _meta(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> _Meta:
+        """Validate (names, dtypes, shapes) against the model. A trainer sends the same list every
+        step: the last one validated is kept, keyed by the list (parameters never move, so its
+        receive buffers stay true)."""
         from engine.weight_group import check_meta
 
         shape_key = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in shapes)
         key = (tuple(names), tuple(map(str, dtypes)), shape_key, self.store.host is None)
-        if self._last_meta is not None and self._last_meta[0] == key:
-            return list(self._last_meta[1])
+        if self._last_meta is not None and self._last_meta.key == key:
+            return self._last_meta
         parsed = check_meta(names, dtypes, shapes)
         targets = validate_entries(self.model, zip(names, map(tuple, shapes), parsed, strict=True), self.store.targets)
-        into = [
+        # Straight into the parameters only where the host copy can undo a broadcast cut off
+        # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
+        into = tuple(
             None if self.store.host is None or ignored(self.model, n) or targets[n].view.dtype != d
             else targets[n].view
             for n, d in zip(names, parsed, strict=True)
-        ]
-        self._last_meta = (key, into)
-        return list(into)
+        )
+        nbytes = tuple(torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, parsed, strict=True))
+        self._last_meta = _Meta(key, tuple(parsed), into, nbytes)
+        return self._last_meta
 
     def destroy_group(self, group_name: str) -> None:
         self.groups.destroy(group_name)

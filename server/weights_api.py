@@ -48,6 +48,7 @@ class UpdateFromDistributedIn(BaseModel):
     dtypes: list[str]
     shapes: list[list[Int64]]
     group_name: str = DEFAULT_GROUP
+    load_format: str | None = None  # null: one broadcast per tensor | "flattened_bucket": one in all
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string

@@ -184,6 +184,17 @@ def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwe
         refused = http.post("/update_weights_from_distributed", json=bad_shape)
         assert refused.status_code == 400 and meta["names"][0] in refused.json()["error"]["message"], refused.text
         assert _generate(http) == expected["old"]
+        # SGLang's flattened bucket: the same list, the bytes in one broadcast.
+        bucket = meta | {"load_format": "flattened_bucket", "weight_version": "dist-bucket"}
+        updater = threading.Thread(target=lambda: answers.append(http.post("/update_weights_from_distributed", json=bucket)))
+        updater.start()
+        broadcast_from_trainer(handle, pairs, "flattened_bucket")
+        updater.join(60)
+        assert answers[3].status_code == 200 and answers[3].json()["weight_version"] == "dist-bucket", answers[3].text
+        assert _generate(http) == expected["new"]
+        bogus = http.post("/update_weights_from_distributed", json=meta | {"load_format": "safetensors"})
+        assert bogus.status_code == 400 and "load_format" in bogus.json()["error"]["message"], bogus.text
+        assert _generate(http) == expected["new"]
         unknown = http.post("/update_weights_from_distributed", json=meta | {"group_name": "nope"})
         assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"]
         assert http.post("/destroy_weights_update_group", json={"group_name": "test-group"}).status_code == 200
