@@ -205,6 +205,7 @@ def push_mode(
                     f"; trainer sends launched at {f['push_launched_s'] * 1e3:.1f} ms, done at "
                     f"{f['push_transferred_s'] * 1e3:.1f} ms; server phases (ms) "
                     + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in f["push_answer"].get("seconds_by_phase", {}).items())
+                    + f"; {f['push_answer'].get('receive_route')}"
                     if "push_transferred_s" in f
                     else ""
                 )

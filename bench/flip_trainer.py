@@ -34,11 +34,18 @@ DIST_MODES = {"distributed": None, "distributed_bucket": "flattened_bucket"}
 
 
 def checkpoint_specs(path: str) -> list[Spec]:
-    """(name, shape, dtype) of every tensor of the checkpoint, from the file headers only."""
+    """(name, shape, dtype) of every tensor of the checkpoint, from the file headers only, in the
+    order a trainer holds them: its Hugging Face model's `named_parameters()` (built on the meta
+    device from the checkpoint's config; the files list them alphabetically)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     specs = [(name, shape, DTYPES[dtype]) for name, shape, dtype in checkpoint_entries(path)]
     if not specs:
         raise RuntimeError(f"no safetensors tensors in {path}")
-    return specs
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return sorted(specs, key=lambda s: order.get(s[0], len(order)))
 
 
 def nbytes(specs: list[Spec]) -> int:

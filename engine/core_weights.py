@@ -60,10 +60,11 @@ class WeightUpdateCalls:
     ) -> Deferred:
         if load_format not in DISTRIBUTED_FORMATS:  # refuse at once: the trainer must not broadcast
             raise ValueError(f"unknown load_format {load_format!r}; valid: null, 'flattened_bucket'")
-        return self._update_when_idle(
-            lambda: self.updater.from_distributed(group_name, names, dtypes, shapes, load_format),
-            abort_all_requests, flush_cache, weight_version, f"group {group_name!r}",
-        )
+        def load() -> dict[str, str]:
+            self.updater.from_distributed(group_name, names, dtypes, shapes, load_format)
+            return {"receive_route": self.updater.route}
+
+        return self._update_when_idle(load, abort_all_requests, flush_cache, weight_version, f"group {group_name!r}")
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         self.updater.destroy_group(group_name)
@@ -73,7 +74,8 @@ class WeightUpdateCalls:
         self, load: Callable[[], Any], abort: bool, flush: bool, version: str | None, source: str
     ) -> Deferred:
         """Run `load` once no request runs (aborting them when asked; at once while paused, as RL
-        clients pause before they push). Weights must be resident; kv_cache may be released."""
+        clients pause before they push). Weights must be resident; kv_cache may be released. A
+        dict `load` returns joins the answer."""
         if self.memory.state["weights"] != RESIDENT:
             raise ValueError("weights are released: resume_memory_occupation(['weights']) before updating them")
         if abort:
@@ -82,7 +84,7 @@ class WeightUpdateCalls:
 
         def run() -> dict[str, Any]:
             t0 = time.perf_counter()
-            load()
+            extra = load()
             t1 = time.perf_counter()
             if flush:
                 self.block_manager.reset_prefix_cache()
@@ -92,7 +94,8 @@ class WeightUpdateCalls:
             log.info("weights updated from %s in %.1f ms: version %s", source, seconds * 1e3, self.weight_version)
             return {"success": True, "message": f"weights updated from {source}", "weight_version": self.weight_version,
                     "seconds": seconds, "seconds_by_phase": dict(self.updater.phases),
-                    "tags": dict(self.memory.state), "weights_valid": self.weights_valid}
+                    "tags": dict(self.memory.state), "weights_valid": self.weights_valid,
+                    **(extra if isinstance(extra, dict) else {})}
 
         def ready() -> bool:
             return self.paused or self.scheduler.num_running == 0

@@ -180,12 +180,18 @@ class WeightUpdateGroups:
         _broadcast(group, tensors)
         return list(zip(names, tensors, strict=True))
 
-    def receive_flat(self, group_name: str, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
-        """One flat uint8 tensor of `nbytes` broadcast by the trainer (a flattened bucket)."""
+    def receive_flat(
+        self, group_name: str, nbytes: int, device: torch.device | None = None, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One flat uint8 tensor of `nbytes` broadcast by the trainer (a flattened bucket): into
+        `into` where given (contiguous uint8 of that size), else a new tensor."""
         group = self._get(group_name)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=group.device if device is None else device)
-        _broadcast(group, [flat])
-        return flat
+        if into is None:
+            into = torch.empty(nbytes, dtype=torch.uint8, device=group.device if device is None else device)
+        if into.dtype != torch.uint8 or into.numel() != nbytes or not into.is_contiguous():
+            raise ValueError(f"the receive buffer is not {nbytes} contiguous bytes")
+        _broadcast(group, [into])
+        return into
 
     def destroy(self, group_name: str) -> None:
         """Leave the group; its name may then be reused."""

@@ -59,13 +59,15 @@ class Piece:
 
 
 def _tensors(model: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
-    """(module, attribute, is_parameter, tensor) of every parameter and buffer slot; a tensor
-    held by two modules (tied embeddings) appears twice."""
-    slots = []
+    """(module, attribute, is_parameter, tensor) of every parameter slot in module order, then
+    every buffer slot; a tensor held by two modules (tied embeddings) appears twice. Parameters
+    first and in the model's (Hugging Face's) order, so that the tensors of a checkpoint, in a
+    trainer's order, lie back to back."""
+    params, buffers = [], []
     for module in model.modules():
-        slots += [(module, name, True, p) for name, p in module._parameters.items() if p is not None]
-        slots += [(module, name, False, b) for name, b in module._buffers.items() if b is not None]
-    return slots
+        params += [(module, name, True, p) for name, p in module._parameters.items() if p is not None]
+        buffers += [(module, name, False, b) for name, b in module._buffers.items() if b is not None]
+    return params + buffers
 
 
 def merge_spans(pieces: Iterable[Piece]) -> list[tuple[int, int]]:
@@ -222,6 +224,19 @@ class WeightStore:
         bad = {self.index[n] for n in names if n in self.index}
         self.stale |= bad
         self._host_dirty -= bad
+
+    def span(self, views: list[torch.Tensor]) -> slice | None:
+        """The byte range of the allocation that `views` fill back to back, in order, or None:
+        where a trainer's flattened bucket may be received in place."""
+        if not views:
+            return None
+        base = self.flat.data_ptr()
+        start = end = views[0].data_ptr() - base
+        for v in views:
+            if v.data_ptr() - base != end or not v.is_contiguous():
+                return None
+            end += v.numel() * v.element_size()
+        return slice(start, end)
 
     # ---- reading ------------------------------------------------------------------------------
 

@@ -17,6 +17,9 @@ Rules:
   the dtypes agree and a host copy exists (no second copy); a broadcast that fails half-way
   leaves those pieces stale, so the next forward restores the old weights from the host copy.
   Without a host copy it receives into scratch tensors and copies only once all have arrived.
+  A flattened bucket (one broadcast of all the tensors' bytes) is received the same way, in one
+  piece, when its tensors lie back to back in the weights in its order (the weights are laid
+  out in Hugging Face's parameter order), else into one scratch tensor.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class _Meta:
     dtypes: tuple[torch.dtype, ...]
     into: tuple[torch.Tensor | None, ...]  # per tensor: the parameter bytes it is received into, or None
     nbytes: tuple[int, ...]
+    span: slice | None  # the weights' bytes the tensors fill back to back, in order (or None)
 
 
 def allowed_dirs(config: EngineConfig) -> list[str]:
@@ -63,6 +67,7 @@ class WeightUpdater:
         # into the parameters, to the device's completion), answered with it.
         self.phases: dict[str, float] = {}
         self._last_meta: _Meta | None = None  # the last process-group update's list, validated
+        self.route = ""  # how the last process-group update's bytes arrived, answered with it
 
     def check_path(self, model_path: str) -> str:
         """The real path of an allowed checkpoint directory, or PermissionError."""
@@ -136,7 +141,9 @@ class WeightUpdater:
         """Validate (names, dtypes, shapes), then join the trainer's broadcasts: one per tensor
         (straight into the parameters where the dtype is theirs, into scratch tensors elsewhere),
         or one flat byte tensor for load_format "flattened_bucket" (SGLang's: the tensors' bytes
-        back to back, in order), received into scratch and then copied in one batch."""
+        back to back, in order): straight into the weights when they lie back to back there in
+        the same order (a trainer sending its model's parameters in order), else into scratch,
+        then copied in one batch."""
         self._start()
         meta = self._meta(names, dtypes, shapes)
         if load_format == "flattened_bucket":
@@ -152,10 +159,21 @@ class WeightUpdater:
         scratch = [pair for pair, dst in zip(pairs, meta.into, strict=True) if dst is None]
         written = direct + load_named_tensors(self.model, scratch, require_all=False, targets=self.store.targets)
         self._copied()
+        self.route = f"per tensor, {len(direct)} of {len(names)} in place"
         return self._done(written)
 
     def _from_bucket(self, group_name: str, names: list[str], shapes: list[list[int]], meta: _Meta) -> int:
         self._phase("validate")
+        if meta.span is not None:  # the bucket's layout is the weights' own: received in place
+            try:
+                self.groups.receive_flat(group_name, sum(meta.nbytes), into=self.store.flat[meta.span])
+            except BaseException:
+                self.store.invalidate(names)
+                raise
+            self._phase("receive")
+            self._copied()
+            self.route = "bucket in place"
+            return self._done(list(names))
         flat = self.groups.receive_flat(group_name, sum(meta.nbytes), self.device)
         self._phase("receive")
         pairs, offset = [], 0
@@ -167,6 +185,7 @@ class WeightUpdater:
             offset += size
         written = load_named_tensors(self.model, pairs, require_all=False, targets=self.store.targets)
         self._copied()
+        self.route = "bucket via scratch"
         del pairs, flat
         if self.device.type == "cuda":  # the scratch goes back to the driver (the KV cache may resume next)
             torch.cuda.empty_cache()
@@ -192,7 +211,8 @@ class WeightUpdater:
             for n, d in zip(names, parsed, strict=True)
         )
         nbytes = tuple(torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, parsed, strict=True))
-        self._last_meta = _Meta(key, tuple(parsed), into, nbytes)
+        span = self.store.span(list(into)) if into and all(v is not None for v in into) else None
+        self._last_meta = _Meta(key, tuple(parsed), into, nbytes, span)
         return self._last_meta
 
     def destroy_group(self, group_name: str) -> None:

@@ -133,6 +133,17 @@ def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen3_aligned_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3 whose every tensor is a multiple of 256 bytes (head_dim 64 in float32), as every
+    tensor of the real models is: its weights lie back to back in Hugging Face's order."""
+    config = Qwen3Config(
+        **(TINY | {"head_dim": 64}), num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    return _save(_randomized(Qwen3ForCausalLM, config, seed=5), str(tmp_path_factory.mktemp("qwen3_aligned")))
+
+
+@pytest.fixture(scope="session")
 def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(_tiny_mistral(), str(tmp_path_factory.mktemp("mistral")))
 

@@ -125,37 +125,76 @@ def test_partial_push_keeps_the_other_weights_and_the_host_copy_takes_it(qwen3_d
         assert _greedy(llm) == mixed
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one")
-def test_nccl_push_lands_in_the_parameters_and_equals_transformers(qwen3_dir: str) -> None:
-    """A trainer on GPU 1 broadcasts (update_weights_from_distributed) into the engine on GPU 0:
-    received straight into the parameters, nothing restored but the rotary table."""
+def _join_group(llm: Engine, answers: list[Any]) -> Any:
+    """The engine joins a two-rank NCCL group as rank 1; this process (the trainer) is rank 0 on GPU 1."""
     import threading
 
     from server_util import free_port
 
-    from engine.weight_group import broadcast_from_trainer, trainer_group
+    from engine.weight_group import trainer_group
 
+    group = dict(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
+                 group_name="flip", backend="nccl")
+    joiner = threading.Thread(target=lambda: answers.append(llm.init_weights_update_group(**group)))
+    joiner.start()
+    handle = trainer_group("127.0.0.1", group["master_port"], 2, "flip", "nccl", device="cuda:1", timeout_s=60)
+    joiner.join(60)
+    assert answers and answers[-1]["success"], answers
+    return handle
+
+
+def _push_over_nccl(llm: Engine, handle: Any, pairs: list[tuple[str, torch.Tensor]], load_format: str | None) -> dict:
+    import threading
+
+    from engine.weight_group import broadcast_from_trainer
+
+    meta = dict(names=[n for n, _ in pairs], dtypes=["float32"] * len(pairs),
+                shapes=[list(t.shape) for _, t in pairs], group_name="flip", load_format=load_format)
+    answers: list[Any] = []
+    updater = threading.Thread(target=lambda: answers.append(llm.update_weights_from_distributed(**meta)))
+    updater.start()
+    broadcast_from_trainer(handle, pairs, load_format)
+    updater.join(60)
+    assert answers and answers[0]["success"], answers
+    return answers[0]
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one")
+
+
+@TWO_GPUS
+def test_nccl_push_lands_in_the_parameters_and_equals_transformers(qwen3_dir: str) -> None:
+    """A trainer on GPU 1 broadcasts (update_weights_from_distributed) into the engine on GPU 0:
+    received straight into the parameters, nothing restored but the rotary table."""
     hf = _hf(qwen3_dir)
     with Engine(model=qwen3_dir, **KNOBS) as llm:
         _greedy(llm)
         _cycle_to_weights(llm)
         pairs = [(n, t.to("cuda:1")) for n, t in _perturb(hf, [n for n, _ in hf.named_parameters()], seed=13)]
-        group = dict(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
-                     group_name="flip", backend="nccl")
-        answers: list[Any] = []
-        joiner = threading.Thread(target=lambda: answers.append(llm.init_weights_update_group(**group)))
-        joiner.start()
-        handle = trainer_group("127.0.0.1", group["master_port"], 2, "flip", "nccl", device="cuda:1", timeout_s=60)
-        joiner.join(60)
-        assert answers and answers[0]["success"], answers
-        meta = dict(names=[n for n, _ in pairs], dtypes=["float32"] * len(pairs),
-                    shapes=[list(t.shape) for _, t in pairs], group_name="flip")
-        updater = threading.Thread(target=lambda: answers.append(llm.update_weights_from_distributed(**meta)))
-        updater.start()
-        broadcast_from_trainer(handle, pairs)
-        updater.join(60)
-        assert len(answers) == 2 and answers[1]["success"], answers
+        answer = _push_over_nccl(llm, _join_group(llm, []), pairs, None)
+        assert answer["receive_route"] == f"per tensor, {len(pairs)} of {len(pairs)} in place", answer
         llm.resume_memory_occupation()
         mc = ModelConfig.from_hf(qwen3_dir)
         assert llm.memory_occupation()["weights_stale_bytes"] == mc.max_position_embeddings * mc.head_dim * 4
         assert _greedy(llm) == _hf_greedy(hf)
+
+
+@TWO_GPUS
+def test_nccl_bucket_in_model_order_lands_in_place_and_equals_transformers(qwen3_aligned_dir: str) -> None:
+    """SGLang's flattened bucket over NCCL, the tensors in the model's own order (as a trainer's
+    named_parameters gives them): one broadcast straight into the weights. In another order it
+    goes through scratch, with the same result."""
+    hf = _hf(qwen3_aligned_dir)
+    names = [n for n, _ in hf.named_parameters()]
+    with Engine(model=qwen3_aligned_dir, **KNOBS) as llm:
+        _greedy(llm)
+        handle = _join_group(llm, [])
+        for seed, order, route in [(21, names, "bucket in place"), (22, names[::-1], "bucket via scratch")]:
+            _cycle_to_weights(llm)
+            pairs = [(n, t.to("cuda:1")) for n, t in _perturb(hf, order, seed=seed)]
+            answer = _push_over_nccl(llm, handle, pairs, "flattened_bucket")
+            assert answer["receive_route"] == route, answer
+            llm.resume_memory_occupation()
+            mc = ModelConfig.from_hf(qwen3_aligned_dir)
+            assert llm.memory_occupation()["weights_stale_bytes"] == mc.max_position_embeddings * mc.head_dim * 4
+            assert _greedy(llm) == _hf_greedy(hf)

@@ -219,3 +219,22 @@ def test_the_host_copy_refreshes_when_asked_or_at_the_latest_before_a_release(qw
     _release(store)  # no refresh_host in between: the release does it before the bytes go
     store.ensure_current()
     _assert_state(store, want)
+
+
+def test_a_checkpoint_in_model_order_lies_back_to_back(qwen3_aligned_dir: str, qwen3_dir: str) -> None:
+    """The weights are laid out in Hugging Face's parameter order, computed buffers after them:
+    a trainer's flattened bucket in that order is one span of the allocation (received in place);
+    in any other order, or with tensors not a multiple of 256 bytes (padding between), it is not."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_aligned_dir, dtype=torch.float32)
+    names = [n for n, _ in hf.named_parameters()]
+    store = _store(qwen3_aligned_dir)
+    views = [store.targets[n].view for n in names]
+    total = sum(v.numel() * v.element_size() for v in views)
+    assert store.span(views) == slice(0, total)
+    assert store.span(views[1:3]) == slice(views[1].data_ptr() - store.flat.data_ptr(), views[3].data_ptr() - store.flat.data_ptr())
+    assert store.span(views[::-1]) is None and store.span([views[0], views[2]]) is None
+    unaligned = _store(qwen3_dir)
+    hf3 = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
+    assert unaligned.span([unaligned.targets[n].view for n, _ in hf3.named_parameters() if n in unaligned.targets]) is None

@@ -64,12 +64,14 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        # Registered in Hugging Face's order: the weights region lays parameters out in it
+        # (engine/weight_store.py), so a trainer's flattened bucket lands there in one piece.
         self.self_attn = Attention(
             config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
 
     def forward(
         self,
