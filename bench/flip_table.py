@@ -129,7 +129,7 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                     ms(s["push_wall_s_median"] - res["meta"]["model_bytes"] / ref_bw) if ref_bw else None,
                     ms(rt),
                 )
-        if s.get("pack_s_median") is not None and mode not in DISTRIBUTED_REFS:
+        if s.get("pack_s_median") is not None and mode != "distributed":
             row(
                 f"{mode}: trainer's packing before the push (ms, not in the flip)",
                 ms(s["pack_s_median"]),

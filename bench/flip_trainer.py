@@ -227,6 +227,11 @@ def prepare(
     elif mode == "tensor":
         body = {"serialized_named_tensors": [serialize_named_tensors(pairs)], "load_format": None}
     else:
+        if DIST_MODES[mode] == "flattened_bucket":  # packed here, as the IPC bucket: one tensor sent
+            from engine.weight_group import pack_bucket
+
+            alive = [("bucket", pack_bucket(pairs))]
+            sync(alive[0][1].device)
         body = {
             "names": [n for n, _ in pairs],
             "dtypes": [str(x.dtype).removeprefix("torch.") for _, x in pairs],
@@ -253,7 +258,7 @@ def push(
         poster.start("/update_weights_from_distributed", body)
     else:
         call = Beside(http.post, "/update_weights_from_distributed", body)
-    broadcast_from_trainer(group, alive, DIST_MODES[mode])
+    broadcast_from_trainer(group, alive)  # each tensor, or the one packed bucket
     out["push_launched_s"] = time.perf_counter() - t
     sync(alive[0][1].device)
     out["push_transferred_s"] = time.perf_counter() - t
@@ -288,7 +293,7 @@ def flip(
     pairs = new_weights(specs, device, seed)
     out["trainer_make_s"] = time.perf_counter() - t
     body, alive, out["pack_s"] = prepare(mode, pairs, version)
-    if mode == "bucket":  # the bucket holds the bytes now: a trainer keeps one copy
+    if mode in ("bucket", "distributed_bucket"):  # the bucket holds the bytes now: a trainer keeps one copy
         t = time.perf_counter()
         del pairs
         free(device)

@@ -224,6 +224,12 @@ def trainer_group(
                                  torch.device(device), timeout))
 
 
+def pack_bucket(pairs: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bytes of `pairs`, back to back in order, as one uint8 tensor: what a trainer
+    broadcasts for load_format "flattened_bucket"."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in pairs])
+
+
 def broadcast_from_trainer(
     handle: TrainerGroup, pairs: list[tuple[str, torch.Tensor]], load_format: str | None = None
 ) -> None:
@@ -231,6 +237,6 @@ def broadcast_from_trainer(
     shapes), sent them over HTTP: each in order, or for "flattened_bucket" their bytes back to
     back as one uint8 tensor (SGLang's FlattenedTensorBucket)."""
     if load_format == "flattened_bucket":
-        _broadcast(handle.group, [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in pairs])])
+        _broadcast(handle.group, [pack_bucket(pairs)])
     else:
         _broadcast(handle.group, [t.contiguous() for _, t in pairs])
