@@ -125,17 +125,17 @@ def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
 
 
 def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
-    """Every push mode a CPU has (shared memory for bucket and tensor, gloo for distributed), two
-    timed flips each, and the bench's own proof that the server took the pushed weights."""
+    """Every push mode a CPU has (shared memory for bucket and tensor, gloo for both distributed
+    ones), two timed flips each, and the bench's own proof that the server took the pushed weights."""
     out = os.path.join(tmp_path, "flip.json")
     args = ["--tiny", "--flips", "2", "--out", out, "--model-dir", os.path.join(tmp_path, "ckpt")]
-    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed")
+    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
     assert res["errors"] == {} and res["skipped"] == []
     assert res["meta"]["model_bytes"] > 0 and res["meta"]["num_tensors"] > 0
-    for mode in ("bucket", "tensor", "distributed"):
+    for mode in ("bucket", "tensor", "distributed", "distributed_bucket"):
         sec = res["push"][mode]
         assert len(sec["flips"]) == 2 and len(sec["warmup"]) == 1, mode
         for flip in sec["flips"]:
@@ -150,7 +150,10 @@ def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
         assert summary["flips"] == 2 and summary["flip_total_s_median"] > 0
         assert summary["push_bandwidth_bytes_per_s"] > 0
     verify = res["verify"]
-    assert verify["flips_checked"] == 9 and verify["restored_exactly"]
+    assert verify["flips_checked"] == 12 and verify["restored_exactly"]
+    for mode in ("distributed", "distributed_bucket"):  # the HTTP + dispatch floor, measured
+        assert res["push"][mode]["control_round_trip_s"] > 0
+    assert res["push"]["distributed_bucket"]["flips"][0]["push_answer"]["receive_route"] == "bucket via scratch"
     assert verify["pushed_weights_taken"] is True
     assert res["refs"]["d2d"]["bandwidth_bytes_per_s"] > 0
     assert res["refs"]["broadcast"]["best_bandwidth_bytes_per_s"] > 0
