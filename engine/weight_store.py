@@ -8,7 +8,9 @@ of the engine's current version; else it is stale.
 
 Rules:
 - One allocation: a release or resume of `weights` maps or unmaps one handle, not ~300, and a
-  full restore is one copy. Every view starts on a 256-byte boundary. The model is built on the
+  full restore is one copy. Every view starts on a 256-byte boundary; parameters come in the
+  model's (Hugging Face's) order, computed buffers after them, so a trainer's flattened bucket in
+  its model's order is one span (`span`), received in place. The model is built on the
   meta device and bound to the allocation once (`WeightStore(model, ...)`); parameters are never
   rebound after that (CUDA graphs hold their addresses).
 - A weights release makes every piece stale (`released`); resume maps pages and copies nothing,
