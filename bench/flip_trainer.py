@@ -158,8 +158,10 @@ class Poster:
         if not self.conn.poll(120) or self.conn.recv() != "ready":
             raise RuntimeError("the HTTP poster process did not start")
 
-    def start(self, path: str, body: dict[str, Any]) -> None:
+    def start(self, path: str, body: dict[str, Any]) -> Poster:
+        """POST `body` to `path` from the child; `result` waits for its answer."""
         self.conn.send((path, body))
+        return self
 
     def result(self, what: str) -> tuple[Any, float]:
         status, value, wall = self.conn.recv()
@@ -254,18 +256,13 @@ def push(
     from engine.weight_group import broadcast_from_trainer
 
     t = time.perf_counter()
-    if poster is not None:
-        poster.start("/update_weights_from_distributed", body)
-    else:
-        call = Beside(http.post, "/update_weights_from_distributed", body)
+    path = "/update_weights_from_distributed"
+    call = poster.start(path, body) if poster is not None else Beside(http.post, path, body)
     broadcast_from_trainer(group, alive)  # each tensor, or the one packed bucket
     out["push_launched_s"] = time.perf_counter() - t
     sync(alive[0][1].device)
     out["push_transferred_s"] = time.perf_counter() - t
-    if poster is not None:
-        answer, _ = poster.result("update_weights_from_distributed failed")
-    else:
-        answer, _ = call.result("update_weights_from_distributed failed")
+    answer, _ = call.result("update_weights_from_distributed failed")
     return answer, time.perf_counter() - t
 
 

@@ -60,6 +60,7 @@ class WeightUpdateCalls:
     ) -> Deferred:
         if load_format not in DISTRIBUTED_FORMATS:  # refuse at once: the trainer must not broadcast
             raise ValueError(f"unknown load_format {load_format!r}; valid: null, 'flattened_bucket'")
+
         def load() -> dict[str, str]:
             self.updater.from_distributed(group_name, names, dtypes, shapes, load_format)
             return {"receive_route": self.updater.route}

@@ -112,7 +112,7 @@ def _broadcast(group: _Group, tensors: list[torch.Tensor]) -> None:
         deadline = time.monotonic() + group.timeout.total_seconds()
         while not arrived.query() and time.monotonic() < deadline:
             time.sleep(POLL_S)
-        works[-1].wait(group.timeout)
+        works[-1].wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))  # what is left of it
         return
     for work in works:
         work.wait(group.timeout)
@@ -177,21 +177,13 @@ class WeightUpdateGroups:
         for name, t, s, d in zip(names, tensors, shapes, parsed, strict=True):
             if list(t.shape) != list(s) or t.dtype != d or not t.is_contiguous():
                 raise ValueError(f"tensor {name!r}: the receive buffer is not a contiguous {d}{list(s)}")
-        _broadcast(group, tensors)
+        self.receive_into(group_name, tensors)
         return list(zip(names, tensors, strict=True))
 
-    def receive_flat(
-        self, group_name: str, nbytes: int, device: torch.device | None = None, into: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """One flat uint8 tensor of `nbytes` broadcast by the trainer (a flattened bucket): into
-        `into` where given (contiguous uint8 of that size), else a new tensor."""
-        group = self._get(group_name)
-        if into is None:
-            into = torch.empty(nbytes, dtype=torch.uint8, device=group.device if device is None else device)
-        if into.dtype != torch.uint8 or into.numel() != nbytes or not into.is_contiguous():
-            raise ValueError(f"the receive buffer is not {nbytes} contiguous bytes")
-        _broadcast(group, [into])
-        return into
+    def receive_into(self, group_name: str, buffers: list[torch.Tensor]) -> None:
+        """Join the trainer's broadcasts into `buffers`, which the caller has checked against
+        what the trainer sends (contiguous, its shapes and dtypes, in its order)."""
+        _broadcast(self._get(group_name), buffers)
 
     def destroy(self, group_name: str) -> None:
         """Leave the group; its name may then be reused."""

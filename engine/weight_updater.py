@@ -149,14 +149,18 @@ class WeightUpdater:
         if load_format == "flattened_bucket":
             return self._from_bucket(group_name, names, shapes, meta)
         direct = [n for n, dst in zip(names, meta.into, strict=True) if dst is not None]
+        buffers = [
+            dst if dst is not None else torch.empty(tuple(s), dtype=d, device=self.device)
+            for s, d, dst in zip(shapes, meta.dtypes, meta.into, strict=True)
+        ]
         self._phase("validate")
         try:
-            pairs = self.groups.receive(group_name, names, dtypes, shapes, self.device, into=list(meta.into))
+            self.groups.receive_into(group_name, buffers)
         except BaseException:
             self.store.invalidate(direct)
             raise
         self._phase("receive")
-        scratch = [pair for pair, dst in zip(pairs, meta.into, strict=True) if dst is None]
+        scratch = [(n, t) for n, t, dst in zip(names, buffers, meta.into, strict=True) if dst is None]
         written = direct + load_named_tensors(self.model, scratch, require_all=False, targets=self.store.targets)
         self._copied()
         self.route = f"per tensor, {len(direct)} of {len(names)} in place"
@@ -166,7 +170,7 @@ class WeightUpdater:
         self._phase("validate")
         if meta.span is not None:  # the bucket's layout is the weights' own: received in place
             try:
-                self.groups.receive_flat(group_name, sum(meta.nbytes), into=self.store.flat[meta.span])
+                self.groups.receive_into(group_name, [self.store.flat[meta.span]])
             except BaseException:
                 self.store.invalidate(names)
                 raise
@@ -174,7 +178,8 @@ class WeightUpdater:
             self._copied()
             self.route = "bucket in place"
             return self._done(list(names))
-        flat = self.groups.receive_flat(group_name, sum(meta.nbytes), self.device)
+        flat = torch.empty(sum(meta.nbytes), dtype=torch.uint8, device=self.device)
+        self.groups.receive_into(group_name, [flat])
         self._phase("receive")
         pairs, offset = [], 0
         for name, shape, dtype, size in zip(names, shapes, meta.dtypes, meta.nbytes, strict=True):
