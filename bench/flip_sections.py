@@ -202,7 +202,9 @@ def push_mode(
                 f"{f['generate_wall_s'] * 1e3:.1f} ms, {f['generated_tokens']} tokens; release waited "
                 f"{(f['host_copy_wait_s'] or 0) * 1e3:.1f} ms for the host copy"
                 + (
-                    f"; trainer sends launched at {f['push_launched_s'] * 1e3:.1f} ms, done at "
+                    (f"; {f['push_call_wall_s'] * 1e3:.1f} ms with the hand-over to the posting process"
+                     if "push_call_wall_s" in f else "")
+                    + f"; trainer sends launched at {f['push_launched_s'] * 1e3:.1f} ms, done at "
                     f"{f['push_transferred_s'] * 1e3:.1f} ms; server phases (ms) "
                     + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in f["push_answer"].get("seconds_by_phase", {}).items())
                     + f"; {f['push_answer'].get('receive_route')}"

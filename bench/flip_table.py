@@ -113,7 +113,8 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             ref_bw = bcast_refs.get(f"{how}_bandwidth_bytes_per_s")
             ratio = over(bw, ref_bw)
             row(
-                f"{mode}: push, model bytes / wall (GB/s); ref = plain broadcast, "
+                f"{mode}: push, model bytes / wall from the HTTP call out to its answer in (GB/s); "
+                "ref = plain broadcast, "
                 + ("the same tensors one by one" if how == "list" else "one flat tensor"),
                 gbps(bw),
                 gbps(ref_bw),

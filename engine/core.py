@@ -184,7 +184,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
 
     def after_reply(self) -> None:
         """Run once a control call's reply is sent: the host copy of weights an update wrote
-        starts refreshing now, off the update's answer (engine/weight_store.py)."""
+        starts refreshing now, off the update's answer (engine/weight_store.py), and what the
+        update's receive leaves behind is freed."""
+        self.updater.after_reply()
         self.runner.weights.refresh_host()
 
     def has_work(self) -> bool:

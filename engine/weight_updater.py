@@ -131,6 +131,11 @@ class WeightUpdater:
             self._groups = WeightUpdateGroups()
         return self._groups
 
+    def after_reply(self) -> None:
+        """Work the answer does not wait for: the last receive's finished works are freed."""
+        if self._groups is not None:
+            self._groups.drop_finished()
+
     def init_group(self, **kwargs: Any) -> None:
         self.groups.init(device=self.device, **kwargs)
 
