@@ -62,8 +62,8 @@ from engine_table import print_table, table_rows
 from engine_throughput import hf_generate, throughput, workload
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.kv_budget import kv_block_bytes
+from engine.core.engine_core import EngineCore
+from engine.memory.kv_budget import kv_block_bytes
 
 # What other scripts import from here (bench_memory.py, bench_fused_ops.py, bench_serving.py), kept
 # importable from bench_engine after the split into bench/engine_*.py.

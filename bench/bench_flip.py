@@ -247,7 +247,7 @@ class Run:
 
     def env(self, visible: str | None) -> dict[str, str]:
         """The environment of a child on the server's GPU (`visible`); the repository root on its
-        PYTHONPATH (the driver child imports engine.vmm)."""
+        PYTHONPATH (the driver child imports engine.memory.vmm)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [env.get("PYTHONPATH")])])
         if visible is not None:

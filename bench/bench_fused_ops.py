@@ -30,8 +30,8 @@ from bench_engine import FULL_SHAPE, copy_bandwidth, make_checkpoint, say  # noq
 
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.kv_budget import kv_block_bytes  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.memory.kv_budget import kv_block_bytes  # noqa: E402
 from engine.models.layers import FUSED_OPS_ENV, RMSNorm, SiluAndMul  # noqa: E402
 from engine.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from bench_runtime import MIB, free_memory, say, timed_copy
 
-from engine.core import EngineCore
-from engine.protocol import AddRequest
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
 
 # ---- 2. copy bandwidth --------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 from bench_runtime import MIB, free_memory, say
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.cuda_graph import CudaGraphRunner
+from engine.core.engine_core import EngineCore
+from engine.runner.cuda_graph import CudaGraphRunner
 
 # ---- 3. graph memory ----------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from bench_runtime import say, sync
 
-from engine.core import EngineCore
-from engine.protocol import AddRequest
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
 from engine.request import Request, SamplingParams
 
 

@@ -23,8 +23,8 @@ import httpx
 import torch
 from bench_runtime import sync
 
-from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
-from engine.weights import checkpoint_entries, iterate_checkpoint
+from engine.weights.loader import checkpoint_entries, iterate_checkpoint
+from engine.weights.payload import flatten_bucket, serialize_named_tensors, serialize_payload
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 Spec = tuple[str, tuple[int, ...], torch.dtype]
@@ -186,7 +186,7 @@ def free_port() -> int:
 def join_group(http: Http, backend: str, device: torch.device) -> tuple[Any, dict[str, Any]]:
     """Rank 0 of a two-rank weight-update group whose rank 1 is the server (its HTTP call runs
     in a thread while this process hosts the rendezvous)."""
-    from engine.weight_group import trainer_group
+    from engine.weights.groups import trainer_group
 
     port = free_port()
     body = {
@@ -233,7 +233,7 @@ def prepare(
         body = {"serialized_named_tensors": [serialize_named_tensors(pairs)], "load_format": None}
     else:
         if DIST_MODES[mode] == "flattened_bucket":  # packed here, as the IPC bucket: one tensor sent
-            from engine.weight_group import pack_bucket
+            from engine.weights.groups import pack_bucket
 
             alive = [("bucket", pack_bucket(pairs))]
             sync(alive[0][1].device)
@@ -261,7 +261,7 @@ def push(
     plumbing, not the server's, and is kept apart as `push_call_wall_s`."""
     if mode not in DIST_MODES:
         return http.post("/update_weights_from_tensor", body)
-    from engine.weight_group import broadcast_from_trainer
+    from engine.weights.groups import broadcast_from_trainer
 
     t = time.perf_counter()
     called = time.monotonic()

@@ -58,7 +58,7 @@ class Verify:
         self.prev = sums
 
     def restore(self, path: str, device: Any, flips: list[dict[str, Any]]) -> None:
-        from engine.weight_sync import serialize_named_tensors
+        from engine.weights.payload import serialize_named_tensors
 
         # kv_cache released meanwhile, as in a flip: the checkpoint's copy fits beside the server.
         self.http.post("/release_memory_occupation", {"tags": ["kv_cache"]})

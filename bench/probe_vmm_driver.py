@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.vmm import CudaDriver
+from engine.memory.vmm import CudaDriver
 
 GIB = 1 << 30
 
 
 class Driver(CudaDriver):
-    """engine.vmm's driver calls plus the ones the probe times; every call is checked."""
+    """engine.memory.vmm's driver calls plus the ones the probe times; every call is checked."""
 
     def bind_thread(self) -> None:
         self.check("cuCtxSetCurrent", self.ctx)
@@ -280,7 +280,7 @@ def section_copy(drv: Driver, total: int) -> None:
 
     table(
         f"copy: 1 GiB pinned host -> device, idle and right after pausing {total // GIB} GiB (GB/s)",
-        "when", "copy engine GB/s", "SM kernel (torch elementwise) GB/s", "SM kernel (engine/host_copy.py) GB/s",
+        "when", "copy engine GB/s", "SM kernel (torch elementwise) GB/s", "SM kernel (engine/memory/host_copy.py) GB/s",
     )
     n = GIB // 4
     src = torch.ones(n, dtype=torch.int32, pin_memory=True)
@@ -306,7 +306,7 @@ def section_copy(drv: Driver, total: int) -> None:
         if view is not None:
             torch.bitwise_or(view, 0, out=dst)
 
-    from engine.host_copy import copy_from_host, device_alias
+    from engine.memory.host_copy import copy_from_host, device_alias
 
     alias = device_alias(src, dst.device)
 

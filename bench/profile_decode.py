@@ -20,8 +20,8 @@ from bench_runtime import say, write_json
 from engine_shapes import checkpoint
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.protocol import AddRequest
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
 
 

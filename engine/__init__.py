@@ -10,12 +10,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Engine": "engine.client",
-    "EngineDeadError": "engine.client",
-    "MemoryNotAvailable": "engine.client",
+    "Engine": "engine.client.sync_client",
+    "EngineDeadError": "engine.client.sync_client",
+    "MemoryNotAvailable": "engine.client.sync_client",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
-    "GenerationOutput": "engine.output",
+    "GenerationOutput": "engine.client.output",
     "InvalidRequest": "engine.request",
     "SamplingParams": "engine.request",
 }

@@ -29,7 +29,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.weight_sync import serialize_named_tensors
+from engine.weights.payload import serialize_named_tensors
 
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 12, [100, 200, 300]]
 NEW_TOKENS = 8
@@ -118,7 +118,7 @@ def join_group(http: httpx.Client, args: argparse.Namespace) -> Any:
     """Rank 0 of a weight-update group with the server as rank 1."""
     import threading
 
-    from engine.weight_group import trainer_group
+    from engine.weights.groups import trainer_group
 
     with socket.socket() as sock:  # a free port for the group's rendezvous
         sock.bind(("127.0.0.1", 0))
@@ -143,7 +143,7 @@ def push(http: httpx.Client, pairs: list[tuple[str, torch.Tensor]], group: Any, 
         })
     import threading
 
-    from engine.weight_group import broadcast_from_trainer
+    from engine.weights.groups import broadcast_from_trainer
 
     meta = {"names": [n for n, _ in pairs], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in pairs],
             "shapes": [list(t.shape) for _, t in pairs], "group_name": "rl", "weight_version": version}

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.async_client import AsyncEngineClient
+from engine.client.async_client import AsyncEngineClient
 from server.errors import error_body, install_error_handlers
 from server.json_bodies import JsonBodies
 from server.metrics import Metrics

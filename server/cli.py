@@ -71,7 +71,7 @@ def bind_warning(server: ServerConfig) -> str | None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.async_client import AsyncEngineClient
+    from engine.client.async_client import AsyncEngineClient
     from server.app import build_app
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -11,8 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.async_client import EngineUnavailable
-from engine.core_process import EngineDeadError
+from engine.client.async_client import EngineUnavailable
+from engine.client.core_process import EngineDeadError
 from engine.request import InvalidRequest
 from server.generation import ClientDisconnected
 

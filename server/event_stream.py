@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import msgspec
 from fastapi.responses import Response
 
-from engine.async_client import AsyncEngineClient, EngineUnavailable
-from engine.output import GenerationOutput, LiveRequest, StepUpdate
+from engine.client.async_client import AsyncEngineClient, EngineUnavailable
+from engine.client.output import GenerationOutput, LiveRequest, StepUpdate
 from server.errors import error_body
 from server.generation import Job
 from server.metrics import Metrics, RequestTracker

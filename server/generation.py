@@ -14,8 +14,8 @@ from typing import Any
 
 from fastapi import Request
 
-from engine.async_client import SAMPLE_SEP, AsyncEngineClient, EngineUnavailable
-from engine.output import GenerationOutput, StepUpdate
+from engine.client.async_client import SAMPLE_SEP, AsyncEngineClient, EngineUnavailable
+from engine.client.output import GenerationOutput, StepUpdate
 from engine.request import InvalidRequest, SamplingParams
 from server.metrics import Metrics
 

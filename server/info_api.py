@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.async_client import AsyncEngineClient
+from engine.client.async_client import AsyncEngineClient
 from engine.request import InvalidRequest
 
 router = APIRouter()

@@ -1,5 +1,5 @@
 """Memory occupation routes, as SGLang names them: release the engine's GPU memory to an RL
-trainer on the same GPU, take it back, and say where it stands (engine/memory.py has the rules)."""
+trainer on the same GPU, take it back, and say where it stands (engine/memory/regions.py has the rules)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_client import AsyncEngineClient
+from engine.client.async_client import AsyncEngineClient
 from server.errors import error_body
 from server.schemas import ReleaseMemoryIn, ResumeMemoryIn
 

@@ -12,8 +12,8 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_client import AsyncEngineClient
-from engine.output import GenerationOutput
+from engine.client.async_client import AsyncEngineClient
+from engine.client.output import GenerationOutput
 from engine.request import InvalidRequest, SamplingParams
 from server.errors import error_body, service_unavailable
 from server.event_stream import Batch, EventStream

@@ -22,8 +22,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.async_client import AsyncEngineClient
-from engine.output import GenerationOutput
+from engine.client.async_client import AsyncEngineClient
+from engine.client.output import GenerationOutput
 from engine.request import InvalidRequest
 from server.event_stream import Batch, EventStream, event
 from server.generation import make_jobs, run_jobs

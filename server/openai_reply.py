@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.output import GenerationOutput
+from engine.client.output import GenerationOutput
 from engine.request import InvalidRequest
 from server.generation import Job
 

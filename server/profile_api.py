@@ -1,5 +1,5 @@
 """Profiling routes as SGLang names them: `/start_profile` and `/stop_profile` (GET or POST) run a
-`torch.profiler` trace in the engine process (engine/core_profile.py has the rules).
+`torch.profiler` trace in the engine process (engine/core/profiler.py has the rules).
 
 Both answer JSON (SGLang answers plain text, which its clients only check for a 2xx):
 start `{"success", "message", "output_dir", "profile_id", "activities", "start_step", "stop_step"}`,

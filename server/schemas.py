@@ -13,7 +13,7 @@ Rules:
   implemented: any non-null value is a 400 saying so. So are the top-level `image_data`,
   `lora_path`, `custom_logit_processor` and `return_routed_experts: true`.
 - `stream_interval`: a streamed request sends an event every that many tokens (and the last).
-- `logit_bias`: {"token id": bias}, added to the logits (engine/sampler.py).
+- `logit_bias`: {"token id": bias}, added to the logits (engine/runner/sampler.py).
 - `weight_version` fields take a string or an integer, kept as a string.
 """
 

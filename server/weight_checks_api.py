@@ -1,5 +1,5 @@
 """Weight checking routes of SGLang and slime's patched SGLang: `/weights_checker` (snapshot,
-reset_tensors, compare, checksum; engine/core_checks.py has the rules) and `/post_process_weights`.
+reset_tensors, compare, checksum; engine/core/checks.py has the rules) and `/post_process_weights`.
 
 Rules:
 - Answers are SGLang's: `{"success", "message"}` (checksum adds `ranks` and

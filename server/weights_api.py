@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from engine.async_client import AsyncEngineClient
+from engine.client.async_client import AsyncEngineClient
 from server.schemas import Int64, WeightVersion
 
 router = APIRouter()

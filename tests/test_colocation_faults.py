@@ -19,7 +19,7 @@ import httpx
 import pytest
 from server_util import BackgroundStream, ServerProcess, free_port
 
-from engine.memory import RESUME_HEADROOM, resume_plan
+from engine.memory.regions import RESUME_HEADROOM, resume_plan
 
 GREEDY = {"input_ids": [5, 9, 13, 200], "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
 LONG = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
@@ -152,7 +152,7 @@ def test_forty_control_calls_mixed_with_generates(server: ServerProcess) -> None
 DYING_TRAINER = textwrap.dedent("""
     import os, signal, sys
     from safetensors.torch import load_file
-    from engine.weight_group import broadcast_from_trainer, trainer_group
+    from engine.weights.groups import broadcast_from_trainer, trainer_group
     port, path, send = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     pairs = [(n, t + 0.5) for n, t in sorted(load_file(path).items())]  # new weights
     handle = trainer_group("127.0.0.1", port, 2, "dying", "gloo", timeout_s=60)

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from engine.client.detokenizer import IncrementalDetokenizer
 from engine.demo_model import build_tokenizer
-from engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! The weather is nice today.",
@@ -175,8 +175,8 @@ def test_whole_response_decoded_once_equals_the_streamed_text(tok: PreTrainedTok
     """A whole response decoded once at the end (RequestState with incremental False, as the
     server does for non-streamed requests without stop strings) has the text of the token-by-token
     path, for random ids (half characters, specials) and for real text, with any prompt."""
-    from engine.output import RequestState
-    from engine.protocol import RequestDelta
+    from engine.client.output import RequestState
+    from engine.core.protocol import RequestDelta
     from engine.request import SamplingParams
 
     rng = random.Random(5)
@@ -210,7 +210,7 @@ def test_direct_decoding_emits_what_transformers_decoding_emits(
 ) -> None:
     """The fast path (the Rust decode called directly, single-token lengths cached) gives the same
     deltas, step by step, as decoding through transformers every time."""
-    from engine.detokenizer import direct_decoder
+    from engine.client.detokenizer import direct_decoder
 
     assert direct_decoder(tok, skip_special_tokens) is not None and direct_decoder(_Wrapped(tok), True) is None
     rng = random.Random(7)
@@ -227,7 +227,7 @@ def test_direct_decoding_emits_what_transformers_decoding_emits(
 
 
 def test_no_direct_decoding_where_transformers_would_change_the_text(tok: PreTrainedTokenizerFast) -> None:
-    from engine.detokenizer import direct_decoder
+    from engine.client.detokenizer import direct_decoder
 
     cleaned = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, clean_up_tokenization_spaces=True)
     assert direct_decoder(cleaned, True) is None

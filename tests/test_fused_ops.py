@@ -27,7 +27,7 @@ from engine.config import ModelConfig
 from engine.models import get_model_class
 from engine.models.layers import FUSED_OPS_ENV, RMSNorm, SiluAndMul
 from engine.models.rotary import RotaryEmbedding, apply_rotary
-from engine.weights import load_checkpoint
+from engine.weights.loader import load_checkpoint
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from server_util import ServerProcess
 
-from engine.memory import RESUME_HEADROOM, RESUME_PROBE_BELOW
+from engine.memory.regions import RESUME_HEADROOM, RESUME_PROBE_BELOW
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,10 +12,10 @@ import torch
 from oracle import greedy_of
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.cuda_graph import CudaGraphRunner
-from engine.protocol import AddRequest
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
+from engine.runner.cuda_graph import CudaGraphRunner
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,6 +1,6 @@
 """The RL flip on a GPU with real releases (torch_memory_saver), float32 so that every output is
 compared with `transformers` token for token: resuming `weights` maps pages and copies nothing;
-the first forward restores what no update wrote since (engine/weight_store.py).
+the first forward restores what no update wrote since (engine/weights/store.py).
 
 - resume, then generate: the old weights, bit for bit (weights_checker compare), all restored;
 - resume, full push, generate: the pushed weights (equal to transformers on them), and only the
@@ -21,7 +21,7 @@ from oracle import greedy_of
 
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
-from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
+from engine.weights.payload import flatten_bucket, serialize_named_tensors, serialize_payload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -131,7 +131,7 @@ def _join_group(llm: Engine, answers: list[Any]) -> Any:
 
     from server_util import free_port
 
-    from engine.weight_group import trainer_group
+    from engine.weights.groups import trainer_group
 
     group = dict(master_address="127.0.0.1", master_port=free_port(), rank_offset=1, world_size=2,
                  group_name="flip", backend="nccl")
@@ -146,7 +146,7 @@ def _join_group(llm: Engine, answers: list[Any]) -> Any:
 def _push_over_nccl(llm: Engine, handle: Any, pairs: list[tuple[str, torch.Tensor]], load_format: str | None) -> dict:
     import threading
 
-    from engine.weight_group import broadcast_from_trainer
+    from engine.weights.groups import broadcast_from_trainer
 
     meta = dict(names=[n for n, _ in pairs], dtypes=["float32"] * len(pairs),
                 shapes=[list(t.shape) for _, t in pairs], group_name="flip", load_format=load_format)

@@ -29,8 +29,8 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
-from engine.kv_budget import kv_block_bytes
-from engine.weight_sync import serialize_named_tensors
+from engine.memory.kv_budget import kv_block_bytes
+from engine.weights.payload import serialize_named_tensors
 
 pytestmark = [
     pytest.mark.gpu,

@@ -38,7 +38,7 @@ from test_piecewise_graph import (
 )
 
 from engine.attention import AttentionBackend
-from engine.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
+from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -148,7 +148,7 @@ def _saver_child(model_dir: str) -> dict[str, object]:
     """In a process started with the saver's LD_PRELOAD hook: static buffers in the cuda_graph
     region, the ladder captured through the region's graph context; release and resume the
     cuda_graph and kv_cache regions; replay again."""
-    from engine.memory import MemoryRegions
+    from engine.memory.regions import MemoryRegions
 
     device = torch.device("cuda")
     memory = MemoryRegions(device, enabled=True)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.cuda_graph import graph_batch_sizes
-from engine.kv_budget import (
+from engine.memory.kv_budget import (
     GpuMemoryProfile,
     gpu_kv_budget,
     kv_block_bytes,
     num_kv_blocks_for_budget,
 )
+from engine.runner.cuda_graph import graph_batch_sizes
 
 GIB = 1 << 30
 

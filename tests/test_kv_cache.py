@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import kv_cache
-from engine.kv_cache import BlockManager
+from engine.memory import kv_cache
+from engine.memory.kv_cache import BlockManager
 from engine.request import Request, SamplingParams
 
 BS = 4  # tokens per block in these tests

@@ -19,7 +19,12 @@ from engine.attention.sdpa import SdpaBackend
 from engine.config import ModelConfig, RopeScaling
 from engine.models import get_model_class
 from engine.models.rotary import rope_inv_freq
-from engine.weights import WeightLoadError, iterate_checkpoint, load_checkpoint, load_named_tensors
+from engine.weights.loader import (
+    WeightLoadError,
+    iterate_checkpoint,
+    load_checkpoint,
+    load_named_tensors,
+)
 
 RTOL = 1e-4
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.protocol import AddRequest
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs (engine/piecewise_graph.py) on the CPU: the token ladder; the splitter's
+"""Piecewise CUDA graphs (engine/runner/piecewise_graph.py) on the CPU: the token ladder; the splitter's
 warm-up forward (one attention call per decoder layer, the KV cache untouched); the eager
 reference of a replay (`run_eager`: padded to a ladder size, attention on the real rows only
 into the static buffer) against the plain forward; the attention backends' `out=`.
@@ -18,8 +18,8 @@ from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.attention.sdpa import SdpaBackend
 from engine.config import ModelConfig
 from engine.models import get_model_class
-from engine.piecewise_graph import TOKEN_LADDER, PiecewiseGraphRunner, piecewise_token_sizes
-from engine.weights import load_checkpoint
+from engine.runner.piecewise_graph import TOKEN_LADDER, PiecewiseGraphRunner, piecewise_token_sizes
+from engine.weights.loader import load_checkpoint
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 256

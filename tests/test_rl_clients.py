@@ -23,7 +23,7 @@ from oracle import hf_greedy
 from server_util import ServerProcess
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.weight_sync import LocalSerializedTensor, flatten_bucket, serialize_payload
+from engine.weights.payload import LocalSerializedTensor, flatten_bucket, serialize_payload
 
 PROMPT = [5, 9, 13, 200, 7, 31, 64]
 N = 12

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, SamplingBatch
-from engine.step_inputs import Uploader
+from engine.runner.sampler import Sampler, SamplingBatch
+from engine.runner.step_inputs import Uploader
 
 CPU = torch.device("cpu")
 N_DRAWS = 20_000

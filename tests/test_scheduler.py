@@ -13,8 +13,9 @@ import random
 
 import pytest
 
-from engine import kv_cache
-from engine.kv_cache import BlockManager
+from engine.core.scheduler import Scheduler
+from engine.memory import kv_cache
+from engine.memory.kv_cache import BlockManager
 from engine.request import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -25,7 +26,6 @@ from engine.request import (
     Request,
     SamplingParams,
 )
-from engine.scheduler import Scheduler
 
 VOCAB = 50
 MOD = (1 << 61) - 1

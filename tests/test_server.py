@@ -332,7 +332,7 @@ def test_engine_death_mid_stream_is_an_error_event(demo_dir: str) -> None:
 def test_stream_events_are_the_json_of_the_result() -> None:
     """/generate's incremental event writer gives, byte for byte, `data: ` + the JSON of the whole
     result so far (what the events were before it kept their JSON as it grows)."""
-    from engine.output import GenerationOutput
+    from engine.client.output import GenerationOutput
     from engine.request import SamplingParams
     from server.generation import Job
     from server.native_api import _JSON, _EventWriter, _result

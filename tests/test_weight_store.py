@@ -1,4 +1,4 @@
-"""The weights region as one allocation (engine/weight_store.py), on a CPU: every parameter and
+"""The weights region as one allocation (engine/weights/store.py), on a CPU: every parameter and
 buffer is a view into it, and after a release (simulated: the bytes are wiped, as lost pages
 are) nothing stale is ever read: what an update wrote stays, the rest comes back from the host
 copy, and with no host copy the store counts what is missing. The GPU tests run the same rules
@@ -15,13 +15,13 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models import get_model_class
-from engine.weight_store import ALIGN, WeightStore, merge_spans
-from engine.weights import (
+from engine.weights.loader import (
     checkpoint_targets,
     iterate_checkpoint,
     load_checkpoint,
     load_named_tensors,
 )
+from engine.weights.store import ALIGN, WeightStore, merge_spans
 
 
 def _store(path: str, host_copy: bool = True) -> WeightStore:
@@ -160,7 +160,7 @@ def _padding(store: WeightStore) -> int:
 def _cut_off_trainer(port: int, path: str, sent: int) -> None:
     """Rank 0 of a gloo weight-update group that broadcasts only the first `sent` tensors of a
     full update of `path` (each doubled), then dies with the rest still expected."""
-    from engine.weight_group import broadcast_from_trainer, trainer_group
+    from engine.weights.groups import broadcast_from_trainer, trainer_group
 
     handle = trainer_group("127.0.0.1", port, 2, "cut", "gloo", timeout_s=30)
     pairs = [(n, t * 2) for n, t in iterate_checkpoint(path)]
@@ -170,7 +170,7 @@ def _cut_off_trainer(port: int, path: str, sent: int) -> None:
 
 def test_a_broadcast_cut_off_half_way_leaves_the_old_weights(qwen3_dir: str) -> None:
     from engine.config import EngineConfig
-    from engine.weight_updater import WeightUpdater
+    from engine.weights.updater import WeightUpdater
 
     store = _store(qwen3_dir)
     want = _state(store)

@@ -21,8 +21,8 @@ import types
 import pytest
 import torch
 
-from engine.weight_group import WeightUpdateGroups, broadcast_from_trainer, trainer_group
-from engine.weight_sync import (
+from engine.weights.groups import WeightUpdateGroups, broadcast_from_trainer, trainer_group
+from engine.weights.payload import (
     FlattenedTensorMetadata,
     decode_update,
     deserialize_named_tensors,
@@ -95,7 +95,7 @@ def test_tensors_cross_processes_through_shared_memory(load_format: str | None) 
 _UNRELATED_SENDER = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from engine.weight_sync import serialize_named_tensors
+from engine.weights.payload import serialize_named_tensors
 pairs = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
 print(serialize_named_tensors(pairs), flush=True)
 sys.stdin.readline()

@@ -113,7 +113,7 @@ def _trainer_pairs(model_dir: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_http_update_from_tensor(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
-    from engine.weight_sync import flatten_bucket, serialize_named_tensors, serialize_payload
+    from engine.weights.payload import flatten_bucket, serialize_named_tensors, serialize_payload
 
     pairs = _trainer_pairs(qwen3_next_dir)
     name, tensor = pairs[3]
@@ -149,7 +149,7 @@ def test_http_update_from_tensor(server: ServerProcess, qwen3_dir: str, qwen3_ne
 def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
     from server_util import free_port
 
-    from engine.weight_group import broadcast_from_trainer, trainer_group
+    from engine.weights.groups import broadcast_from_trainer, trainer_group
 
     pairs = _trainer_pairs(qwen3_next_dir)
     port = free_port()

@@ -24,7 +24,7 @@ Compiled variants: Triton specializes a kernel on each integer argument (== 1, d
 and on each pointer's 16-byte alignment. The block-table row stride follows the widest table of
 the batch and the decode split count the batch size, so neither is specialized
 (`do_not_specialize`), and the step's uploads start every
-tensor 16-byte aligned (engine/step_inputs.py): one variant per kernel and model serves every
+tensor 16-byte aligned (engine/runner/step_inputs.py): one variant per kernel and model serves every
 batch, compiled at startup, never while a request waits.
 """
 

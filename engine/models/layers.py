@@ -6,7 +6,7 @@ engine/attention/base.py), H / Hkv the query / KV heads, D the head dim.
 
 Parameters are created with `torch.empty` in the current default dtype and device (the caller's
 `torch.device(...)` context and `torch.set_default_dtype`): they hold garbage until
-engine/weights.py loads a checkpoint. The rotary cache is the one tensor computed here; it is
+engine/weights/loader.py loads a checkpoint. The rotary cache is the one tensor computed here; it is
 always float32.
 
 Fused ops: a module built with `fused=True` runs the Triton kernels of `fused_ops.py` on CUDA

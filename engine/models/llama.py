@@ -8,7 +8,7 @@ except the packed linears: `qkv_proj` holds q/k/v_proj, `gate_up_proj` holds gat
 Construction: `cls(config)` creates parameters in the current default dtype and on the current
 default device, so build it inside `torch.device(dev)` with `torch.set_default_dtype(dtype)` set;
 never `.to(dtype)` it afterwards (that would cast the float32 rotary cache too). Parameters are
-uninitialised until engine/weights.py loads them. Built on the meta device, materialise it with
+uninitialised until engine/weights/loader.py loads them. Built on the meta device, materialise it with
 `to_empty(device=...)` and then call `init_buffers()`.
 
 `cls(config, fused=None)`: whether CUDA forwards use the fused Triton ops of fused_ops.py (see
@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         # Registered in Hugging Face's order: the weights region lays parameters out in it
-        # (engine/weight_store.py), so a trainer's flattened bucket lands there in one piece.
+        # (engine/weights/store.py), so a trainer's flattened bucket lands there in one piece.
         self.self_attn = Attention(
             config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused
         )

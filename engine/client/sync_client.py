@@ -8,10 +8,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from engine.client.core_process import POLL_MS, CoreProcess, EngineDeadError
+from engine.client.output import GenerationOutput, RequestState
 from engine.config import EngineConfig
-from engine.core_process import POLL_MS, CoreProcess, EngineDeadError
-from engine.output import GenerationOutput, RequestState
-from engine.protocol import (
+from engine.core.protocol import (
     AbortRequests,
     AddRequest,
     ControlCall,
@@ -129,7 +129,7 @@ class Engine:
         return self.call("flush_cache")
 
     def release_memory_occupation(self, tags: list[str] | None = None, mode: str = "wait") -> dict[str, Any]:
-        """Hand the GPU memory of `tags` (None: all) back to the driver; see engine/memory.py."""
+        """Hand the GPU memory of `tags` (None: all) back to the driver; see engine/memory/regions.py."""
         return self.call("release_memory_occupation", tags=tags, mode=mode)
 
     def resume_memory_occupation(self, tags: list[str] | None = None, wait_for_memory_s: float = 0.0) -> dict[str, Any]:
@@ -144,7 +144,7 @@ class Engine:
     def memory_occupation(self) -> dict[str, Any]:
         return self.call("memory_occupation")
 
-    # RL weight updates (engine/weight_updater.py); each answers {"success", "message",
+    # RL weight updates (engine/weights/updater.py); each answers {"success", "message",
     # "weight_version", "seconds"} and raises on a bad update, leaving the old weights in use.
 
     def update_weights_from_disk(self, model_path: str, **kwargs: Any) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_main import run_engine_core
-from engine.protocol import Failed, FromCore, Ready, Shutdown, ToCore
+from engine.core.loop import run_engine_core
+from engine.core.protocol import Failed, FromCore, Ready, Shutdown, ToCore
 
 # How long a client waits for the core to build itself, and for it to exit, seconds.
 STARTUP_TIMEOUT_S = 600.0
@@ -32,7 +32,7 @@ class EngineDeadError(RuntimeError):
 
 def _memory_saver_hook(config: EngineConfig) -> contextlib.AbstractContextManager:
     """The environment the engine process starts in: with torch_memory_saver's LD_PRELOAD hook
-    when its memory will be on CUDA in releasable regions (engine/memory.py says why preload)."""
+    when its memory will be on CUDA in releasable regions (engine/memory/regions.py says why preload)."""
     on_cuda = config.device.startswith("cuda") or (config.device == "auto" and _cuda_available())
     if not (config.memory_saver and on_cuda):
         return contextlib.nullcontext()

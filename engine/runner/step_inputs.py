@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.pinned import PinnedRing
 from engine.request import Batch, Request
+from engine.runner.pinned import PinnedRing
 
 
 @dataclass

@@ -3,12 +3,12 @@ from a checkpoint on disk, from tensors (CUDA IPC handles or shared memory), and
 process group the trainer joins.
 
 Rules:
-- Every update goes through the startup loader (engine/weights.py): all names, shapes and dtypes
+- Every update goes through the startup loader (engine/weights/loader.py): all names, shapes and dtypes
   are validated before the first byte is copied, and each parameter is filled in place, so the
   addresses captured CUDA graphs hold stay valid. A bad update leaves the old weights in use.
 - Disk updates read only below the allowed directories (default: the parent of --model); a path
   that resolves elsewhere (`..`, absolute paths, symlinks out) is refused with PermissionError.
-- Every write goes through the weight store (engine/weight_store.py): it waits for a host-copy
+- Every write goes through the weight store (engine/weights/store.py): it waits for a host-copy
   refresh still reading the weights, marks what was written current, and refreshes the host copy
   of those pieces in the background, so a later release/resume keeps the new weights.
 - An update answers only once its copies have finished on the device: the trainer may free or
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.weight_store import WeightStore
-from engine.weights import ignored, load_checkpoint, load_named_tensors, validate_entries
+from engine.weights.loader import ignored, load_checkpoint, load_named_tensors, validate_entries
+from engine.weights.store import WeightStore
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class WeightUpdater:
         self.model = store.model
         self.device = store.device
         self.allowed = allowed_dirs(config)
-        self._groups: Any = None  # engine.weight_group.WeightUpdateGroups, made on first use
+        self._groups: Any = None  # engine.weights.groups.WeightUpdateGroups, made on first use
         # Seconds of the last update's phases (receive: decode/open handles or broadcast; copy:
         # into the parameters, to the device's completion), answered with it.
         self.phases: dict[str, float] = {}
@@ -89,7 +89,7 @@ class WeightUpdater:
         return self._done(written)
 
     def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
-        from engine.weight_sync import decode_update
+        from engine.weights.payload import decode_update
 
         self._start()
         pairs = decode_update(serialized_named_tensors, load_format)
@@ -126,7 +126,7 @@ class WeightUpdater:
     @property
     def groups(self) -> Any:
         if self._groups is None:
-            from engine.weight_group import WeightUpdateGroups
+            from engine.weights.groups import WeightUpdateGroups
 
             self._groups = WeightUpdateGroups()
         return self._groups
@@ -205,7 +205,7 @@ class WeightUpdater:
         """Validate (names, dtypes, shapes) against the model. A trainer sends the same list every
         step: the last one validated is kept, keyed by the list (parameters never move, so its
         receive buffers stay true)."""
-        from engine.weight_group import check_meta
+        from engine.weights.groups import check_meta
 
         shape_key = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in shapes)
         key = (tuple(names), tuple(map(str, dtypes)), shape_key, self.store.host is None)

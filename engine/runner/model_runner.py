@@ -1,7 +1,7 @@
 """`ModelRunner`: owns the device side of the engine. Startup is a recipe (model, weights, KV cache,
 attention backend, sampler); `launch` turns a scheduled `Batch` into tensors, runs the model and
 samples the rows that finished their tokens this step, all queued on the device without waiting;
-its `LaunchedStep.results()` waits for the tokens (overlap scheduling: see engine/core.py).
+its `LaunchedStep.results()` waits for the tokens (overlap scheduling: see engine/core/engine_core.py).
 """
 
 from __future__ import annotations
@@ -18,27 +18,27 @@ from engine.attention import (
     resolve_backend_name,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.cuda_graph import CudaGraphRunner
-from engine.kv_budget import (
+from engine.memory.kv_budget import (
     GpuMemoryProfile,
     gpu_kv_budget,
     kv_block_bytes,
     num_kv_blocks_for_budget,
 )
-from engine.launched_step import LaunchedStep
-from engine.memory import MemoryRegions
+from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
-from engine.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from engine.request import Batch
-from engine.sampler import Sampler, SamplingBatch
-from engine.step_inputs import (
+from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.launched_step import LaunchedStep
+from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
+from engine.runner.sampler import Sampler, SamplingBatch
+from engine.runner.step_inputs import (
     StepInputs,
     Uploader,
     build_metadata,
     build_step_inputs,
 )
-from engine.weight_store import WeightStore
-from engine.weights import load_checkpoint
+from engine.weights.loader import load_checkpoint
+from engine.weights.store import WeightStore
 
 log = logging.getLogger("siesta.engine")
 
@@ -64,7 +64,7 @@ def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
 
 
 class ModelRunner:
-    """Startup, in order (DESIGN.md: Startup order): 1. the model and its weights, inside the
+    """Startup, in order (docs/ARCHITECTURE.md: Startup): 1. the model and its weights, inside the
     `weights` region, and their pinned host copy; 2. a profiling forward sizes the KV cache; 3. the
     KV cache inside the `kv_cache` region; 4. the attention backend (its workspaces), the graphs'
     static buffers and the captured decode graphs, inside the `cuda_graph` region; 5. the sampler."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.kv_cache import BlockManager
+from engine.memory.kv_cache import BlockManager
 from engine.request import FINISH_ABORT, FINISH_ERROR, Batch, Request, RequestStatus
 
 

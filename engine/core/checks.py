@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.memory import RESIDENT
+from engine.memory.regions import RESIDENT
 
 log = logging.getLogger("siesta.engine")
 

@@ -1,5 +1,5 @@
 """`LaunchedStep`: a step whose work is queued on the device, and `SampleResult`, what one of its
-sampling rows produced once read back (overlap scheduling: engine/core.py reads step k after it
+sampling rows produced once read back (overlap scheduling: engine/core/engine_core.py reads step k after it
 launched step k+1).
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.request import Batch, Request
-from engine.sampler import SampledOnDevice
-from engine.step_inputs import PendingTokens
+from engine.runner.sampler import SampledOnDevice
+from engine.runner.step_inputs import PendingTokens
 
 
 @dataclass

@@ -29,10 +29,17 @@ from typing import Any
 
 import zmq
 
+from engine.client.core_process import CoreProcess, EngineDeadError
+from engine.client.output import (
+    Consumer,
+    GenerationOutput,
+    LiveRequest,
+    RequestState,
+    StepUpdate,
+    Waker,
+)
 from engine.config import EngineConfig
-from engine.core_process import CoreProcess, EngineDeadError
-from engine.output import Consumer, GenerationOutput, LiveRequest, RequestState, StepUpdate, Waker
-from engine.protocol import (
+from engine.core.protocol import (
     AbortRequests,
     AddRequest,
     ControlCall,

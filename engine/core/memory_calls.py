@@ -1,4 +1,4 @@
-"""The memory-occupation control calls of `EngineCore` (engine/memory.py has the rules): release
+"""The memory-occupation control calls of `EngineCore` (engine/memory/regions.py has the rules): release
 once no request runs, resume in any order, and say where every tag stands."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 import time
 from typing import Any
 
-from engine.deferred import Deferred
-from engine.memory import RESIDENT, check_tags
+from engine.core.deferred import Deferred
+from engine.memory.regions import RESIDENT, check_tags
 
 log = logging.getLogger("siesta.engine")
 
@@ -70,7 +70,7 @@ class MemoryCalls:
 
     def _resume(self, tags: list[str]) -> dict[str, Any]:
         """Map the tags' pages. Weights are not copied back here: the first forward restores
-        what no update has written by then (engine/weight_store.py)."""
+        what no update has written by then (engine/weights/store.py)."""
         t0 = time.perf_counter()
         change = self.memory.resume(tags)
         changed, restored = change.changed, change.bytes

@@ -38,7 +38,7 @@ class WeightLoadError(ValueError):
 class _Target:
     """Where one checkpoint tensor goes: `rows` of a parameter (all of it when None); `view` is
     those bytes (contiguous either way), taken when the targets are listed: a model's parameters
-    never move after it is bound to its memory (engine/weight_store.py), so the list may be kept."""
+    never move after it is bound to its memory (engine/weights/store.py), so the list may be kept."""
 
     rows: slice | None
     view: torch.Tensor
@@ -110,7 +110,7 @@ def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[s
     """Copy each pair into its target; the names copied, in order. Host tensors are copied as
     they come (a checkpoint streams file by file); tensors already on the GPU (CUDA IPC, a
     broadcast) are copied by cudaMemcpy when large and together in one launch when small
-    (engine/host_copy.py)."""
+    (engine/memory/host_copy.py)."""
     written: list[str] = []
     on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, tensor in pairs:
@@ -123,7 +123,7 @@ def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[s
             dst.copy_(tensor)
         written.append(name)
     if on_device:
-        from engine.host_copy import copy_tensors
+        from engine.memory.host_copy import copy_tensors
 
         dsts, srcs = [d for d, _ in on_device], [s for _, s in on_device]
         rest, table = copy_tensors(dsts, srcs)

@@ -3,7 +3,7 @@ driver and taken again at the same virtual addresses (torch_memory_saver), so ca
 replay after a resume without recapture.
 
 Tags (the names RL clients send):
-- `weights`: one allocation holding every parameter and buffer (engine/weight_store.py); a pinned
+- `weights`: one allocation holding every parameter and buffer (engine/weights/store.py); a pinned
   host copy is kept (`weights_backup="host"`), so release copies nothing, resume only maps pages,
   and the first forward copies back what no weight update has rewritten by then.
 - `kv_cache`: KV blocks. Nothing is kept: the prefix cache is flushed with it.
@@ -22,7 +22,7 @@ Rules:
 - A resume never kills the engine. torch_memory_saver exits the process when cuMemCreate fails,
   so each tag is checked before it is mapped: its bytes plus RESUME_HEADROOM must be free on the
   device (a trainer may still hold memory). A fit with less than RESUME_PROBE_BELOW to spare is
-  probed first with a real allocation of its bytes that fails softly (engine/vmm.py). A tag that
+  probed first with a real allocation of its bytes that fails softly (engine/memory/vmm.py). A tag that
   does not fit stays released and is reported with the bytes it needs and the bytes free; the
   others resume. Left open: a trainer that allocates in the microseconds between the probe's
   release and torch_memory_saver's own create.
@@ -193,7 +193,7 @@ class MemoryRegions:
         need = self.bytes[tag]
         if free - need - RESUME_HEADROOM >= RESUME_PROBE_BELOW:
             return True
-        from engine.vmm import CudaDriver
+        from engine.memory.vmm import CudaDriver
 
         if need == 0 or CudaDriver(self.device.index or 0).can_allocate(need):
             return True

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.protocol import RequestDelta
+from engine.client.detokenizer import IncrementalDetokenizer
+from engine.core.protocol import RequestDelta
 from engine.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingParams
 
 

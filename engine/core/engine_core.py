@@ -1,4 +1,4 @@
-"""`EngineCore`: the engine process. It builds its parts in the order DESIGN.md gives, then loops:
+"""`EngineCore`: the engine process. It builds its parts in the order docs/ARCHITECTURE.md gives, then loops:
 take new requests and control calls, schedule and launch step k+1, read step k's tokens (overlap
 scheduling: the host works while the device runs), send token deltas back. Control calls run
 between steps, in the order they arrive, with no step in flight (read-only ones excepted).
@@ -13,22 +13,22 @@ from typing import Any
 import msgspec
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core_checks import WeightCheckCalls
-from engine.core_load import LoadCalls, LoadStats
-from engine.core_memory import MemoryCalls
-from engine.core_profile import ProfileCalls, StepProfiler
-from engine.core_weights import WeightUpdateCalls
-from engine.kv_cache import BlockManager
-from engine.launched_step import LaunchedStep
-from engine.memory import RELEASED, RESIDENT
-from engine.model_runner import ModelRunner
-from engine.protocol import (
+from engine.core.checks import WeightCheckCalls
+from engine.core.load import LoadCalls, LoadStats
+from engine.core.memory_calls import MemoryCalls
+from engine.core.profiler import ProfileCalls, StepProfiler
+from engine.core.protocol import (
     AddRequest,
     RequestDelta,
 )
+from engine.core.scheduler import Scheduler
+from engine.core.weight_calls import WeightUpdateCalls
+from engine.memory.kv_cache import BlockManager
+from engine.memory.regions import RELEASED, RESIDENT
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
-from engine.scheduler import Scheduler
-from engine.weight_updater import WeightUpdater
+from engine.runner.launched_step import LaunchedStep
+from engine.runner.model_runner import ModelRunner
+from engine.weights.updater import WeightUpdater
 
 log = logging.getLogger("siesta.engine")
 
@@ -184,7 +184,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
 
     def after_reply(self) -> None:
         """Run once a control call's reply is sent: the host copy of weights an update wrote
-        starts refreshing now, off the update's answer (engine/weight_store.py), and what the
+        starts refreshing now, off the update's answer (engine/weights/store.py), and what the
         update's receive leaves behind is freed."""
         self.updater.after_reply()
         self.runner.weights.refresh_host()

@@ -5,7 +5,7 @@ Rules:
 - `serialized_named_tensors` holds one payload per tensor-parallel rank; a payload is the base64
   (utf-8 str) of a `multiprocessing.reduction.ForkingPickler` pickle. Tensors in it travel by
   reference: CUDA tensors as CUDA IPC handles, CPU tensors as shared memory. Nothing is copied
-  until the engine copies the tensors into its parameters (engine.weights.load_named_tensors).
+  until the engine copies the tensors into its parameters (engine.weights.loader.load_named_tensors).
 - load_format None or "direct": the payload is a list of (name, tensor). A tensor may be an SGLang
   `LocalSerializedTensor` (verl does this): `values[tp_rank]` is itself a raw ForkingPickler
   pickle of this rank's tensor.
@@ -46,7 +46,7 @@ import torch
 import torch.multiprocessing as torch_mp  # registers torch's tensor reductions with ForkingPickler
 from torch.multiprocessing import reductions
 
-from engine.weights import WeightLoadError
+from engine.weights.loader import WeightLoadError
 
 LOAD_FORMATS: tuple[str | None, ...] = (None, "direct", "flattened_bucket")
 BUCKET_ALIGN = 16  # bytes; each tensor of a bucket we build starts on this boundary

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
-from engine.cuda_graph import graph_pool_bytes, load_padded
+from engine.runner.cuda_graph import graph_pool_bytes, load_padded
 
 log = logging.getLogger("siesta.engine")
 
@@ -208,7 +208,7 @@ class PiecewiseGraphRunner:
     def capture(self, graph_context: Callable[..., AbstractContextManager] = torch.cuda.graph) -> None:
         """Capture the ladder, largest first, into one shared pool; log memory as it goes.
         `graph_context(graph, pool=...)` is torch.cuda.graph or the memory region's version of it
-        (engine/memory.py `graph_capture`): entered once per size, around all its pieces, it gives
+        (engine/memory/regions.py `graph_capture`): entered once per size, around all its pieces, it gives
         the side stream, the synchronisation and the region's allocation tag."""
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, not {self.device}")

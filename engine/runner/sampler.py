@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.pinned import PinnedRing
 from engine.request import Request
-from engine.step_inputs import Uploader
+from engine.runner.pinned import PinnedRing
+from engine.runner.step_inputs import Uploader
 
 # A seeded row's noise at output step n comes from a generator seeded with
 # (seed * _SEED_STRIDE + n) & _SEED_MASK: the same for that (seed, n) whatever else is batched

@@ -15,9 +15,9 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.deferred import Deferred
-from engine.protocol import (
+from engine.core.deferred import Deferred
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import (
     AbortRequests,
     AddRequest,
     ControlCall,

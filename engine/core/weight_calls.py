@@ -1,7 +1,7 @@
-"""The weight-update control calls of `EngineCore` (engine/weight_updater.py has the rules): from
+"""The weight-update control calls of `EngineCore` (engine/weights/updater.py has the rules): from
 disk, from tensors and from a process group, each once no request runs (or at once while paused),
 then the prefix cache flushed when asked and the version bumped (the host copy of what was written
-refreshes in the background: engine/weight_store.py)."""
+refreshes in the background: engine/weights/store.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.deferred import Deferred
-from engine.memory import RESIDENT
+from engine.core.deferred import Deferred
+from engine.memory.regions import RESIDENT
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
 log = logging.getLogger("siesta.engine")
 

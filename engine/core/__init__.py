@@ -1,0 +1,13 @@
+"""The engine process: its loop, its messages, its scheduler and its control calls. Runs in the
+ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns the device.
+
+- `loop.py`: the process's entry point; takes messages, answers control calls, runs steps.
+- `engine_core.py`: `EngineCore`, built in startup order; a step schedules, launches and reads back.
+- `protocol.py`: the msgspec messages between a client and this process.
+- `scheduler.py`: continuous batching over the KV blocks (`engine.memory.kv_cache`).
+- `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`: the control calls
+  (release/resume, weight updates, the weights checker, `/v1/loads`, profiling), mixed into
+  `EngineCore`; `deferred.py`: a call that answers once the engine is ready for it.
+
+Arrows: core -> runner, memory, weights (never the other way).
+"""

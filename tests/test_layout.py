@@ -1,0 +1,70 @@
+"""The engine's subpackages import one way (docs/ARCHITECTURE.md): a package imports only the
+packages below it in LAYERS, so the engine process never depends on its clients and memory never
+depends on the runner that uses it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import engine
+
+# Lowest first. config and request are the shared vocabulary of every process.
+LAYERS = ["config", "request", "attention", "models", "memory", "weights", "runner", "core", "client"]
+ROOT = pathlib.Path(engine.__file__).parent
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The engine packages (first component under engine.) that `path` imports, lazily or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found |= {n.split(".")[1] for n in names if n.startswith("engine.")}
+    return found
+
+
+def test_every_engine_module_belongs_to_a_known_layer() -> None:
+    tops = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if not p.name.startswith("__")}
+    tops.discard("demo_model")  # the embedded test/demo checkpoint: imports nothing of the engine
+    assert tops == set(LAYERS), f"update LAYERS and docs/ARCHITECTURE.md: {sorted(tops ^ set(LAYERS))}"
+
+
+def test_packages_import_only_the_layers_below_them() -> None:
+    wrong = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).parts
+        layer = rel[0] if len(rel) > 1 else path.stem
+        if layer not in LAYERS:
+            continue
+        for dep in _imports(path) - {layer}:
+            if dep in LAYERS and LAYERS.index(dep) > LAYERS.index(layer):
+                wrong.append(f"{path.relative_to(ROOT.parent)} imports engine.{dep}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_every_subpackage_says_what_lives_there_and_which_process_runs_it() -> None:
+    for pkg in (p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
+        if pkg.name in ("attention", "models"):  # registries: their docstrings name what they map
+            assert doc, f"engine/{pkg.name}/__init__.py has no docstring"
+            continue
+        assert "process" in doc.lower() and all(
+            f"`{m.name}`" in doc for m in pkg.glob("*.py") if m.name != "__init__.py"
+        ), f"engine/{pkg.name}/__init__.py must name its process and every module in it"
+
+
+def test_the_code_paths_the_docs_name_exist() -> None:
+    """docs/ARCHITECTURE.md, README.md and bench/README.md stay true when files move: every
+    `*.py` path they name exists (ARCHITECTURE's short paths are relative to engine/)."""
+    import re
+
+    repo = ROOT.parent
+    missing = []
+    for doc in ("docs/ARCHITECTURE.md", "README.md", "bench/README.md"):
+        text = (repo / doc).read_text()
+        for path in set(re.findall(r"(?<![\w./-])((?:[\w-]+/)+[\w-]+\.py)\b", text)):
+            if not ((repo / path).exists() or (ROOT / path).exists()):
+                missing.append(f"{doc}: {path}")
+    assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(sorted(missing))
