@@ -194,29 +194,7 @@ def push_mode(
             warm = i < args.warmup_flips
             f["host_copy_wait_s"] = f["release_answer"].get("host_copy_wait_seconds")
             sec["warmup" if warm else "flips"].append(f)
-            say(
-                f"push.{mode} flip {i + 1}/{total}{' (warm-up)' if warm else ''}: release {f['release_wall_s'] * 1e3:.1f} "
-                f"ms, resume weights {f['resume_weights_wall_s'] * 1e3:.1f}, push {f['push_wall_s'] * 1e3:.1f} (server "
-                f"{(f['push_s'] or 0) * 1e3:.1f}), resume kv {f['resume_kv_wall_s'] * 1e3:.1f} -> flip "
-                f"{f['flip_total_s'] * 1e3:.1f} ms; packing {f['pack_s'] * 1e3:.1f} ms; generate "
-                f"{f['generate_wall_s'] * 1e3:.1f} ms, {f['generated_tokens']} tokens; release waited "
-                f"{(f['host_copy_wait_s'] or 0) * 1e3:.1f} ms for the host copy"
-                + (
-                    (f"; {f['push_call_wall_s'] * 1e3:.1f} ms with the hand-over to the posting process"
-                     if "push_call_wall_s" in f else "")
-                    + f"; trainer sends launched at {f['push_launched_s'] * 1e3:.1f} ms, done at "
-                    f"{f['push_transferred_s'] * 1e3:.1f} ms; server phases (ms) "
-                    + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in f["push_answer"].get("seconds_by_phase", {}).items())
-                    + f"; {f['push_answer'].get('receive_route')}"
-                    if "push_transferred_s" in f
-                    else ""
-                )
-                + (
-                    f"; {f['verify']['changed']}/{f['verify']['tensors']} tensors changed"
-                    if "verify" in f
-                    else ""
-                )
-            )
+            say(flip_line(mode, i, total, warm, f))
             write_json(args.out, res)
     finally:
         if group is not None:
@@ -224,6 +202,34 @@ def push_mode(
                 sec["destroy_answer"] = leave_group(http, group)
         if poster is not None:
             poster.close()
+
+
+def flip_line(mode: str, i: int, total: int, warm: bool, f: dict[str, Any]) -> str:
+    """One flip's log line: its phases, then (a broadcast push) where the push's time went."""
+
+    def ms(key: str) -> float:
+        return (f.get(key) or 0) * 1e3
+
+    parts = [
+        f"push.{mode} flip {i + 1}/{total}{' (warm-up)' if warm else ''}: release {ms('release_wall_s'):.1f} ms, "
+        f"resume weights {ms('resume_weights_wall_s'):.1f}, push {ms('push_wall_s'):.1f} (server {ms('push_s'):.1f}), "
+        f"resume kv {ms('resume_kv_wall_s'):.1f} -> flip {ms('flip_total_s'):.1f} ms",
+        f"packing {ms('pack_s'):.1f} ms",
+        f"generate {ms('generate_wall_s'):.1f} ms, {f['generated_tokens']} tokens",
+        f"release waited {ms('host_copy_wait_s'):.1f} ms for the host copy",
+    ]
+    if "push_call_wall_s" in f:
+        parts.append(f"{ms('push_call_wall_s'):.1f} ms with the hand-over to the posting process")
+    if "push_transferred_s" in f:
+        phases = f["push_answer"].get("seconds_by_phase", {})
+        parts += [
+            f"trainer sends launched at {ms('push_launched_s'):.1f} ms, done at {ms('push_transferred_s'):.1f} ms",
+            "server phases (ms) " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in phases.items()),
+            str(f["push_answer"].get("receive_route")),
+        ]
+    if "verify" in f:
+        parts.append(f"{f['verify']['changed']}/{f['verify']['tensors']} tensors changed")
+    return "; ".join(parts)
 
 
 def run_all(run: Any, modes: list[str]) -> None:
