@@ -11,12 +11,12 @@ from typing import Any
 
 _EXPORTS = {
     "Engine": "engine.client.sync_client",
-    "EngineDeadError": "engine.client.sync_client",
+    "EngineDeadError": "engine.errors",
     "MemoryNotAvailable": "engine.client.sync_client",
     "EngineConfig": "engine.config",
     "ModelConfig": "engine.config",
     "GenerationOutput": "engine.client.output",
-    "InvalidRequest": "engine.request",
+    "InvalidRequest": "engine.errors",
     "SamplingParams": "engine.request",
 }
 

@@ -10,9 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; the message names the bad field. HTTP maps it to 400."""
+from engine.errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Errors as JSON: every failure is `{"error": {"message", "type", "code"}}` (the OpenAI shape,
 which the `openai` client parses), with 4xx for the caller's mistakes, 503 for an engine that
-cannot serve, and never a traceback."""
+cannot serve, and never a traceback. One table (`HTTP_STATUS`) maps each failure's exception type
+(engine/errors.py) to its status and error type."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine.client.async_client import EngineUnavailable
-from engine.client.core_process import EngineDeadError
-from engine.request import InvalidRequest
+from engine.errors import EngineDeadError, EngineUnavailable, Forbidden, InvalidRequest
 from server.generation import ClientDisconnected
 
 log = logging.getLogger("siesta.server")
@@ -21,12 +20,21 @@ log = logging.getLogger("siesta.server")
 # nginx's code for "client closed the request": nobody reads it, but the log says what happened.
 CLIENT_CLOSED = 499
 
+# Each failure's HTTP status and error type. PermissionError is Forbidden's base: a route's own
+# permission check (an admin-only field) raises it.
+HTTP_STATUS: dict[type[BaseException], tuple[int, str]] = {
+    InvalidRequest: (400, "invalid_request_error"),
+    Forbidden: (403, "forbidden"),
+    PermissionError: (403, "forbidden"),
+    EngineUnavailable: (503, "service_unavailable"),
+    EngineDeadError: (503, "service_unavailable"),
+    ClientDisconnected: (CLIENT_CLOSED, "client_closed"),
+}
+
 
 def error_body(exc: BaseException, type_: str | None = None, code: int = 400) -> dict:
     if type_ is None:
-        unavailable = isinstance(exc, (EngineDeadError, EngineUnavailable))
-        type_ = "service_unavailable" if unavailable else "invalid_request_error"
-        code = 503 if unavailable else code
+        code, type_ = next((v for t, v in HTTP_STATUS.items() if isinstance(exc, t)), (code, "invalid_request_error"))
     return {"error": {"message": str(exc), "type": type_, "code": code}}
 
 
@@ -47,25 +55,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(ValueError(_validation_message(exc))), status_code=400)
 
-    @app.exception_handler(InvalidRequest)
-    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=400)
+    async def _failure(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, EngineDeadError):
+            exc = EngineDeadError(f"engine is dead: {exc}")
+        body = error_body(exc)
+        return JSONResponse(body, status_code=body["error"]["code"])
 
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return service_unavailable(f"engine is dead: {exc}")
-
-    @app.exception_handler(PermissionError)
-    async def _forbidden(request: Request, exc: PermissionError) -> JSONResponse:
-        return JSONResponse(error_body(exc, "forbidden", 403), status_code=403)
-
-    @app.exception_handler(EngineUnavailable)
-    async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
-        return service_unavailable(str(exc))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
-        return JSONResponse(error_body(exc, "client_closed", CLIENT_CLOSED), status_code=CLIENT_CLOSED)
+    for exc_type in HTTP_STATUS:
+        app.add_exception_handler(exc_type, _failure)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:

@@ -29,8 +29,9 @@ from typing import Any, Protocol
 import msgspec
 from fastapi.responses import Response
 
-from engine.client.async_client import AsyncEngineClient, EngineUnavailable
+from engine.client.async_client import AsyncEngineClient
 from engine.client.output import GenerationOutput, LiveRequest, StepUpdate
+from engine.errors import EngineUnavailable
 from server.errors import error_body
 from server.generation import Job
 from server.metrics import Metrics, RequestTracker

@@ -10,13 +10,14 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 
-from engine.client.async_client import SAMPLE_SEP, AsyncEngineClient, EngineUnavailable
+from engine.client.async_client import SAMPLE_SEP, AsyncEngineClient
 from engine.client.output import GenerationOutput, StepUpdate
-from engine.request import InvalidRequest, SamplingParams
+from engine.errors import EngineUnavailable, InvalidRequest
+from engine.limits import RequestLimits, prompt_error, vocab_error
+from engine.request import SamplingParams
 from server.metrics import Metrics
 
 
@@ -34,24 +35,20 @@ class Job:
     params: SamplingParams
 
 
-def check_prompt(ids: list[int], params: SamplingParams, info: dict[str, Any]) -> None:
-    """The engine's own admission rules, checked before it sees the request, so they become 400s."""
-    if not ids:
-        raise InvalidRequest("the prompt is empty")
-    check_vocab(ids, info["vocab_size"])
-    limit = info["max_context_length"]
-    if len(ids) + params.max_new_tokens > limit:
-        raise InvalidRequest(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-            f"context length of {limit} tokens"
-        )
+def check_prompt(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """The engine's own prompt rules (engine/limits.py), checked before it sees the request, so
+    they become 400s with no engine round trip."""
+    error = prompt_error(ids, params, limits)
+    if error is not None:
+        raise InvalidRequest(error)
 
 
 def check_vocab(ids: list[int], vocab: int) -> None:
-    """Every token id in [0, vocab), else `InvalidRequest` naming the first that is not."""
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    """Every token id in [0, vocab), else `InvalidRequest` naming the first that is not (an id
+    the tokenizer is asked to decode before the prompt is checked)."""
+    error = vocab_error(ids, vocab)
+    if error is not None:
+        raise InvalidRequest(error)
 
 
 def make_jobs(
@@ -64,13 +61,13 @@ def make_jobs(
     client.check_alive()
     if client.unavailable is not None:
         raise EngineUnavailable(client.unavailable)
-    info = client.info
+    limits = RequestLimits.from_info(client.info)
     if n < 1:
         raise InvalidRequest(f"n must be >= 1, got {n}")
     if rids is not None and len(rids) != len(prompts):
         raise InvalidRequest(f"{len(rids)} rids for {len(prompts)} prompts")
     for ids in prompts:
-        check_prompt(ids, params, info)
+        check_prompt(ids, params, limits)
     jobs = []
     for p, ids in enumerate(prompts):
         rid = rids[p] if rids is not None else uuid.uuid4().hex

@@ -21,11 +21,13 @@ import importlib.metadata
 from datetime import datetime, timezone
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.client.async_client import AsyncEngineClient
-from engine.request import InvalidRequest
+from engine.core import calls
+from engine.errors import InvalidRequest
 
 router = APIRouter()
 
@@ -49,8 +51,8 @@ def _client(request: Request) -> AsyncEngineClient:
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     client = _client(request)
-    info = await client.call("get_info")
-    load = await client.call("get_load")
+    info = await client.call(calls.GetInfo())
+    load = await client.call(calls.GetLoad())
     cfg = info["config"]
     capacity = info["kv_blocks_total"] * info["block_size"]
     server = request.app.state.server_config
@@ -90,13 +92,14 @@ async def server_info(request: Request) -> dict[str, Any]:
             "effective_max_running_requests_per_dp": cfg["max_num_seqs"],
         }],
     }
-    return info | sglang | {"server_args": server.public(), "engine_pid": client.pid}
+    state = msgspec.to_builtins(client.state)  # as of the GetInfo reply just received
+    return info | sglang | {"server_args": server.public(), "engine_pid": client.pid, "engine_state": state}
 
 
 @router.get("/get_weight_version")
 @router.get("/weight_version")
 async def get_weight_version(request: Request) -> dict[str, str]:
-    info = await _client(request).call("get_info")
+    info = await _client(request).call(calls.GetInfo())
     return {"weight_version": info["weight_version"]}
 
 
@@ -110,7 +113,7 @@ async def loads(request: Request, include: str | None = None, dp_rank: int | Non
         raise InvalidRequest(f"invalid include sections {sorted(unknown)}; valid: {sorted(SECTIONS)}")
     if format not in (None, "json", "prometheus"):
         raise InvalidRequest(f"unknown format {format!r}; use json or prometheus")
-    load = await _client(request).call("get_load")
+    load = await _client(request).call(calls.GetLoad())
     for name in REPORTED_SECTIONS:
         if name not in sections and "all" not in sections:
             del load[name]

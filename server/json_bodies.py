@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from engine.request import InvalidRequest
+from engine.errors import InvalidRequest
 from server.errors import error_body
 
 # What a UTF-8 body must contain to decode to a surrogate: a `\uD800`..`\uDFFF` escape (any case),

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.client.async_client import AsyncEngineClient
+from engine.core.calls import GetMemoryOccupation, ReleaseMemory, ResumeMemory
 from server.errors import error_body
 from server.schemas import ReleaseMemoryIn, ResumeMemoryIn
 
@@ -23,16 +25,11 @@ def _client(request: Request) -> AsyncEngineClient:
 
 @router.post("/release_memory_occupation")
 async def release_memory_occupation(request: Request, body: ReleaseMemoryIn | None = None) -> dict[str, Any]:
-    """Answers once the memory is free: in `wait` mode after the running requests finished."""
+    """Answers once the memory is free: in `wait` mode after the running requests finished. New
+    requests are refused from the moment the engine takes the call (it owns availability)."""
     body = body or ReleaseMemoryIn()
-    client = _client(request)
-    # Refuse new requests from now on, not only once the release is done.
-    client.unavailable = "memory is being released"
-    try:
-        return await client.memory_call("release_memory_occupation", tags=body.tags, mode=body.mode)
-    finally:
-        if client.unavailable == "memory is being released":  # the call failed: nothing changed
-            client.unavailable = None
+    answer = await _client(request).call(ReleaseMemory(tags=body.tags, mode=body.mode))
+    return msgspec.to_builtins(answer)
 
 
 @router.post("/resume_memory_occupation")
@@ -41,9 +38,8 @@ async def resume_memory_occupation(request: Request, body: ResumeMemoryIn | None
     still holds the memory): those stay released, the others resumed, and the body says per tag
     the bytes needed and free; a later resume (or `wait_for_memory_s`) succeeds."""
     body = body or ResumeMemoryIn()
-    answer = await _client(request).memory_call(
-        "resume_memory_occupation", tags=body.tags, wait_for_memory_s=body.wait_for_memory_s
-    )
+    reply = await _client(request).call(ResumeMemory(tags=body.tags, wait_for_memory_s=body.wait_for_memory_s))
+    answer = msgspec.to_builtins(reply)
     if not answer["refused"]:
         return JSONResponse(answer)
     return JSONResponse(error_body(RuntimeError(not_enough_memory(answer["refused"])), "service_unavailable", 503) | answer,
@@ -59,4 +55,4 @@ def not_enough_memory(refused: dict[str, dict[str, int]]) -> str:
 
 @router.get("/memory_occupation")
 async def memory_occupation(request: Request) -> dict[str, Any]:
-    return await _client(request).call("memory_occupation")
+    return await _client(request).call(GetMemoryOccupation())

@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.client.async_client import AsyncEngineClient
 from engine.client.output import GenerationOutput
-from engine.request import InvalidRequest, SamplingParams
+from engine.core import calls
+from engine.errors import InvalidRequest
+from engine.request import SamplingParams
 from server.errors import error_body, service_unavailable
 from server.event_stream import Batch, EventStream
 from server.generation import Job, make_jobs, run_jobs
@@ -173,7 +175,7 @@ class _EventWriter:
 async def health(request: Request) -> Response:
     client = _client(request)
     try:
-        memory = await client.call("ping", timeout=HEALTH_TIMEOUT_S)
+        memory = await client.call(calls.Ping(), timeout=HEALTH_TIMEOUT_S)
     except Exception as e:
         return service_unavailable(f"engine is not answering: {client.dead or type(e).__name__}")
     return JSONResponse({"status": "ok", "memory": memory})
@@ -200,14 +202,14 @@ async def _with_timeout(coro: Any) -> Any:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
-    info = await _client(request).call("get_info")
+    info = await _client(request).call(calls.GetInfo())
     keys = ("model_path", "architecture", "dtype", "max_context_length", "weight_version")
     return {k: info[k] for k in keys} | {"tokenizer_path": info["model_path"], "is_generation": True}
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    info = await _client(request).call("get_info")
+    info = await _client(request).call(calls.GetInfo())
     return Response(request.app.state.metrics.render(info), media_type="text/plain; version=0.0.4")
 
 
@@ -223,7 +225,7 @@ async def abort_request(body: AbortRequestIn, request: Request) -> dict[str, Any
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
-    if await _client(request).call("flush_cache"):
+    if await _client(request).call(calls.FlushCache()):
         return JSONResponse({"success": True, "message": "prefix cache flushed"})
     return JSONResponse(
         error_body(InvalidRequest("cannot flush the cache while requests are running")), status_code=400
@@ -233,9 +235,9 @@ async def flush_cache(request: Request) -> Response:
 @router.post("/pause_generation")
 async def pause_generation(request: Request, body: PauseGenerationIn | None = None) -> dict[str, Any]:
     mode = body.mode if body is not None else "abort"
-    return {"success": True} | await _client(request).call("pause_generation", mode=mode)
+    return {"success": True} | msgspec.to_builtins(await _client(request).call(calls.PauseGeneration(mode=mode)))
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> dict[str, Any]:
-    return {"success": True} | await _client(request).call("continue_generation")
+    return {"success": True} | msgspec.to_builtins(await _client(request).call(calls.ContinueGeneration()))

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.client.async_client import AsyncEngineClient
 from engine.client.output import GenerationOutput
-from engine.request import InvalidRequest
+from engine.errors import InvalidRequest
 from server.event_stream import Batch, EventStream, event
 from server.generation import make_jobs, run_jobs
 from server.openai_reply import Reply

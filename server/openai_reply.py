@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.client.output import GenerationOutput
-from engine.request import InvalidRequest
+from engine.errors import InvalidRequest
 from server.generation import Job
 
 _MIN_LOGPROB = -9999.0

@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import InvalidRequest, SamplingParams
+from engine.errors import InvalidRequest
+from engine.request import SamplingParams
 from server.generation import check_vocab
 from server.schemas import MAX_N, Int64
 from server.text_input import encode_text

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from engine.core import calls
 from server.schemas import Int64
 
 router = APIRouter()
@@ -39,9 +40,9 @@ class ProfileIn(BaseModel):
 @router.api_route("/start_profile", methods=["GET", "POST"])
 async def start_profile(request: Request, body: ProfileIn | None = None) -> dict[str, Any]:
     args = (body or ProfileIn()).model_dump(exclude={"profile_stages"})
-    return await request.app.state.client.call("start_profile", **args)
+    return await request.app.state.client.call(calls.StartProfile(**args))
 
 
 @router.api_route("/stop_profile", methods=["GET", "POST"])
 async def stop_profile(request: Request) -> dict[str, Any]:
-    return await request.app.state.client.call("stop_profile")
+    return await request.app.state.client.call(calls.StopProfile())

@@ -33,7 +33,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.request import InvalidRequest, SamplingParams
+from engine.errors import InvalidRequest
+from engine.request import SamplingParams
 
 # Set from the request's top level (`return_logprob`, `top_logprobs_num`), not sampling_params.
 _TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num", "logprob_start_len"})

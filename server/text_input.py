@@ -30,7 +30,7 @@ from typing import Any
 
 from tokenizers import pre_tokenizers
 
-from engine.request import InvalidRequest
+from engine.errors import InvalidRequest
 
 # Normalizers that never fold characters (each maps a character to one or more).
 _KEEPING_NORMALIZERS = frozenset({"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"})

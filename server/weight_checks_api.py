@@ -21,7 +21,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from engine.request import InvalidRequest
+from engine.core.calls import CheckWeights
+from engine.errors import InvalidRequest
 from server.errors import error_body
 
 router = APIRouter()
@@ -42,7 +43,7 @@ class PostProcessWeightsIn(BaseModel):
 async def weights_checker(request: Request, body: CheckWeightsIn | None = None) -> JSONResponse:
     body = body or CheckWeightsIn()
     try:
-        answer = await request.app.state.client.call("check_weights", **body.model_dump())
+        answer = await request.app.state.client.call(CheckWeights(**body.model_dump()))
     except InvalidRequest as e:
         return JSONResponse(error_body(e) | {"success": False, "message": str(e)}, status_code=400)
     return JSONResponse(answer)

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from engine.client.async_client import AsyncEngineClient
+from engine.core import calls
+from engine.core.calls import DEFAULT_GROUP
 from server.schemas import Int64, WeightVersion
 
 router = APIRouter()
-
-DEFAULT_GROUP = "weight_update_group"
-
 
 class UpdateFromDiskIn(BaseModel):
     model_path: str
@@ -62,26 +62,30 @@ def _client(request: Request) -> AsyncEngineClient:
     return request.app.state.client
 
 
+async def _answer(request: Request, call: calls.Call) -> dict[str, Any]:
+    return msgspec.to_builtins(await _client(request).call(call))
+
+
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateFromDiskIn, request: Request) -> dict[str, Any]:
-    return await _client(request).memory_call("update_weights_from_disk", **body.model_dump())
+    return await _answer(request, calls.UpdateWeightsFromDisk(**body.model_dump()))
 
 
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(body: UpdateFromTensorIn, request: Request) -> dict[str, Any]:
-    return await _client(request).memory_call("update_weights_from_tensor", **body.model_dump())
+    return await _answer(request, calls.UpdateWeightsFromTensor(**body.model_dump()))
 
 
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(body: InitGroupIn, request: Request) -> dict[str, Any]:
-    return await _client(request).call("init_weights_update_group", **body.model_dump())
+    return await _answer(request, calls.InitWeightsUpdateGroup(**body.model_dump()))
 
 
 @router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(body: UpdateFromDistributedIn, request: Request) -> dict[str, Any]:
-    return await _client(request).memory_call("update_weights_from_distributed", **body.model_dump())
+    return await _answer(request, calls.UpdateWeightsFromDistributed(**body.model_dump()))
 
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request, body: DestroyGroupIn | None = None) -> dict[str, Any]:
-    return await _client(request).call("destroy_weights_update_group", **(body or DestroyGroupIn()).model_dump())
+    return await _answer(request, calls.DestroyWeightsUpdateGroup(**(body or DestroyGroupIn()).model_dump()))

@@ -74,14 +74,14 @@ def test_resume_then_generate_restores_the_old_weights_bit_for_bit(qwen3_dir: st
     with Engine(model=qwen3_dir, **KNOBS) as llm:
         expected = _greedy(llm)
         assert expected == _hf_greedy(_hf(qwen3_dir))
-        assert llm.call("check_weights", action="snapshot")["success"]
+        assert llm.check_weights("snapshot")["success"]
         _cycle_to_weights(llm)
         llm.resume_memory_occupation()
         stale = llm.memory_occupation()["weights_stale_bytes"]
         assert _greedy(llm) == expected
         occ = llm.memory_occupation()
         assert occ["weights_stale_bytes"] == 0 and occ["last_weights_restore"]["bytes"] == stale, occ
-        assert llm.call("check_weights", action="compare")["success"]
+        assert llm.check_weights("compare")["success"]
 
 
 @pytest.mark.parametrize("route", ["tensor", "bucket"])

@@ -432,8 +432,8 @@ def test_weights_backup_none_refuses_to_generate_after_weights_come_back(qwen3_d
 
         assert_refused()
         # Pausing and continuing generation brings no weights back.
-        llm.call("pause_generation", mode="abort")
-        llm.call("continue_generation")
+        llm.pause_generation("abort")
+        llm.continue_generation()
         assert_refused()
         # A partial update is not enough: the tensors it did not write are still lost.
         from safetensors.torch import load_file

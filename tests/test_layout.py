@@ -9,8 +9,8 @@ import pathlib
 
 import engine
 
-# Lowest first. config and request are the shared vocabulary of every process.
-LAYERS = ["config", "request", "attention", "models", "memory", "weights", "runner", "core", "client"]
+# Lowest first. config, errors, request and limits are the shared vocabulary of every process.
+LAYERS = ["config", "errors", "request", "limits", "attention", "models", "memory", "weights", "runner", "core", "client"]
 ROOT = pathlib.Path(engine.__file__).parent
 
 

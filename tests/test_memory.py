@@ -11,7 +11,7 @@ import time
 import pytest
 from server_util import BackgroundStream, ServerProcess
 
-from engine import Engine, SamplingParams
+from engine import Engine, InvalidRequest, SamplingParams
 
 TAGS = ["weights", "kv_cache", "cuda_graph"]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -55,9 +55,9 @@ def test_double_calls_are_no_ops_and_unknown_tags_are_refused(llm: Engine) -> No
     assert first["host_copy_wait_seconds"] == 0.0  # no memory saver here: nothing is refreshed or waited for
     again = llm.release_memory_occupation([])
     assert again["changed"] == [] and set(again["tags"].values()) == {"released"}
-    with pytest.raises(RuntimeError, match="valid tags: weights, kv_cache, cuda_graph"):
+    with pytest.raises(InvalidRequest, match="valid tags: weights, kv_cache, cuda_graph"):
         llm.release_memory_occupation(["weights", "activations"])
-    with pytest.raises(RuntimeError, match="release mode"):
+    with pytest.raises(InvalidRequest, match="release mode"):
         llm.release_memory_occupation(None, mode="later")
     resumed = llm.resume_memory_occupation(None)
     assert resumed["changed"] == ["cuda_graph", "weights", "kv_cache"]  # resume order

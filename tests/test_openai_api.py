@@ -14,7 +14,7 @@ from oracle import hf_greedy
 from server_util import ServerProcess
 from transformers import AutoTokenizer
 
-from engine.request import InvalidRequest
+from engine.errors import InvalidRequest
 
 openai = pytest.importorskip("openai")  # the dev extra has it; the GPU machine may not
 

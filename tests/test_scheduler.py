@@ -14,6 +14,7 @@ import random
 import pytest
 
 from engine.core.scheduler import Scheduler
+from engine.limits import RequestLimits, prompt_error
 from engine.memory import kv_cache
 from engine.memory.kv_cache import BlockManager
 from engine.request import (
@@ -96,25 +97,35 @@ def make(rid: str, prompt: list[int], max_new: int = 6, eos: tuple[int, ...] = (
 def run(
     sched: Scheduler, reqs: list[Request], model: FakeModel | None = None, max_steps: int = 10_000
 ) -> tuple[list[Batch], list[Request]]:
-    """Drive the scheduler to completion; check per-step invariants. Returns batches and failures.
-    Pass the `model` of earlier steps on the same scheduler: it holds the KV they wrote."""
+    """Drive the scheduler to completion; check per-step invariants. Returns batches and the
+    requests refused before they were added. Pass the `model` of earlier steps on the same
+    scheduler: it holds the KV they wrote."""
     model = model or FakeModel(sched.block_manager)
-    for r in reqs:
-        sched.add(r)
+    failed = [r for r in reqs if not admit(sched, r)]
     batches: list[Batch] = []
-    failed: list[Request] = []
     while sched.has_unfinished():
         assert len(batches) < max_steps, "no progress"
-        batch, errors = sched.schedule()
-        failed += errors
+        batch = sched.schedule()
         ids = [r.request_id for r in batch.requests]
         assert len(ids) == len(set(ids))
         assert batch.num_tokens <= sched.max_num_batched_tokens
         assert sched.num_running <= sched.max_num_seqs
-        assert batch.requests or errors or not sched.has_unfinished(), "empty step with work left"
+        assert batch.requests or not sched.has_unfinished(), "empty step with work left"
         apply(sched, batch, model)
         batches.append(batch)
     return batches, failed
+
+
+def admit(sched: Scheduler, req: Request, max_model_len: int = 1024) -> bool:
+    """Add `req` as the engine core does: refused (FINISH_ERROR) when it could never run."""
+    bm = sched.block_manager
+    limits = RequestLimits(VOCAB, max_model_len, bm.num_blocks, bm.block_size)
+    error = prompt_error(req.prompt_token_ids, req.sampling_params, limits)
+    if error is not None:
+        req.finish(FINISH_ERROR, error=error)
+        return False
+    sched.add(req)
+    return True
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -126,11 +137,10 @@ def new_sched(
     block_size: int = 4,
     budget: int = 64,
     max_seqs: int = 8,
-    max_model_len: int = 1024,
     prefix: bool = True,
 ) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(bm, budget, max_seqs, max_model_len)
+    return Scheduler(bm, budget, max_seqs)
 
 
 def test_outputs_match_the_reference() -> None:
@@ -182,24 +192,36 @@ def test_every_running_request_decodes_each_step_when_blocks_allow() -> None:
     assert all(b.is_decode for b in batches[1:])
 
 
-def test_request_that_can_never_fit_gets_an_error() -> None:
-    sched = new_sched(num_blocks=8, max_model_len=40)  # 32 tokens of KV
+def test_request_that_can_never_fit_is_refused_with_the_limit_it_breaks() -> None:
+    """engine.limits.prompt_error, as the engine core applies it before the scheduler sees a request."""
+    sched = new_sched(num_blocks=8)  # 32 tokens of KV
     ok1 = make("ok1", list(range(10)), max_new=4)
     too_big = make("big", list(range(30)), max_new=5)  # 35 tokens: 9 blocks
     too_long = make("long", list(range(40)), max_new=1)  # 41 > max_model_len
     ok2 = make("ok2", list(range(5, 15)), max_new=4)
-    _, failed = run(sched, [ok1, too_big, too_long, ok2])
-    assert failed == [too_big, too_long]
-    assert too_big.finish_reason == FINISH_ERROR and too_long.finish_reason == FINISH_ERROR
-    assert too_big.error is not None and too_long.error is not None
-    assert "35 tokens" in too_big.error and "9 KV blocks" in too_big.error
-    assert "only 8 blocks" in too_big.error
-    assert "41 tokens" in too_long.error and "max_model_len=40" in too_long.error
+    assert [admit(sched, r, max_model_len=40) for r in (ok1, too_big, too_long, ok2)] == [True, False, False, True]
+    _, failed = run(sched, [])
+    assert failed == [] and too_big.finish_reason == FINISH_ERROR and too_long.finish_reason == FINISH_ERROR
+    assert too_big.error == ("prompt (30 tokens) + max_new_tokens (5) needs 9 KV blocks of 4 tokens, "
+                             "but the KV cache holds only 8 (32 tokens)")
+    assert too_long.error == "prompt (40 tokens) + max_new_tokens (1) exceeds the context length of 40 tokens"
     assert too_big.block_table == [] and too_big.num_output_tokens == 0
     for r in (ok1, ok2):
         assert r.finish_reason == FINISH_LENGTH
         assert r.output_token_ids == reference(r.prompt_token_ids, 4)
     assert sched.block_manager.num_free_blocks == 8
+
+
+def test_prompt_rules_name_the_first_bad_field() -> None:
+    limits = RequestLimits(vocab_size=50, max_model_len=64, kv_blocks=100, block_size=4)
+    ok = SamplingParams(max_new_tokens=4)
+    assert prompt_error([1, 2, 3], ok, limits) is None
+    assert prompt_error([], ok, limits) == "the prompt is empty"
+    assert prompt_error([1, 50, -1], ok, limits) == "token id 50 is outside the vocabulary [0, 50)"
+    biased = SamplingParams(max_new_tokens=4, logit_bias={3: 1.0, 77: -1.0})
+    assert prompt_error([1], biased, limits) == "logit_bias token id 77 is outside the vocabulary [0, 50)"
+    assert prompt_error([1] * 60, ok, limits) is None  # 64 tokens: exactly the context
+    assert "exceeds the context length of 64" in prompt_error([1] * 61, ok, limits)
 
 
 def test_abort_frees_blocks() -> None:
@@ -209,7 +231,7 @@ def test_abort_frees_blocks() -> None:
     for r in (a, b, c):
         sched.add(r)
     for _ in range(3):
-        batch, _ = sched.schedule()
+        batch = sched.schedule()
         apply(sched, batch, model)
     assert (sched.running, list(sched.waiting)) == ([a, b], [c])
     assert sched.request_ids() == ["a", "b", "c"]
@@ -220,7 +242,7 @@ def test_abort_frees_blocks() -> None:
     assert sched.abort("a") is a and a.finish_reason == FINISH_ABORT
     assert a.block_table == [] and sched.block_manager.num_used_blocks == used - a_blocks
     # Aborted between the launch and the read of a step: its token is dropped.
-    batch, _ = sched.schedule()
+    batch = sched.schedule()
     assert batch.requests == [b]
     model.step(batch)
     assert sched.advance(batch) == [b] and b.num_pending == 1
@@ -236,11 +258,11 @@ def test_max_num_seqs_and_batch_order() -> None:
     model = FakeModel(sched.block_manager)
     reqs = [make(f"r{i}", p, max_new=3) for i, p in enumerate(prompts(4, 5))]
     sched.add(reqs[0])
-    batch, _ = sched.schedule()
+    batch = sched.schedule()
     apply(sched, batch, model)
     for r in reqs[1:]:
         sched.add(r)
-    batch, _ = sched.schedule()
+    batch = sched.schedule()
     assert batch.requests == [reqs[0], reqs[1]] and batch.num_new_tokens == [1, 6]
     assert sched.num_running == 2 and sched.num_waiting == 2
     apply(sched, batch, model)
@@ -277,8 +299,8 @@ def test_eos_finishes_early() -> None:
 
 def test_empty_batch_when_idle() -> None:
     sched = new_sched()
-    batch, failed = sched.schedule()
-    assert len(batch) == 0 and batch.num_tokens == 0 and failed == []
+    batch = sched.schedule()
+    assert len(batch) == 0 and batch.num_tokens == 0
     assert sched.advance(batch) == [] and sched.resolve(batch, []) == []
 
 
@@ -286,7 +308,7 @@ def test_resolve_rejects_a_token_nobody_sampled() -> None:
     sched = new_sched(budget=2)
     r = make("r", [1, 2, 3])
     sched.add(r)
-    batch, _ = sched.schedule()  # a chunk of 2 of 3 prompt tokens: samples nothing
+    batch = sched.schedule()  # a chunk of 2 of 3 prompt tokens: samples nothing
     assert sched.advance(batch) == [] and r.num_pending == 0
     with pytest.raises(RuntimeError, match="no pending token"):
         sched.resolve(batch, [(r, 7)])
@@ -297,7 +319,7 @@ def test_finish_all() -> None:
     reqs = [make(f"r{i}", p) for i, p in enumerate(prompts(3, 5))]
     for r in reqs:
         sched.add(r)
-    batch, _ = sched.schedule()
+    sched.schedule()
     assert sched.finish_all() == reqs
     assert all(r.finish_reason == FINISH_ABORT for r in reqs)
     assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
@@ -332,13 +354,14 @@ def test_random_workloads_match_the_reference(seed: int, overlap: bool) -> None:
         if not (pending or sched.has_unfinished() or in_flight):
             break
         if pending and rng.random() < 0.5:
-            sched.add(pending.pop(0))
+            req = pending.pop(0)
+            if not admit(sched, req):
+                failed.append(req)
         if rng.random() < 0.03 and sched.has_unfinished():
             victim = rng.choice([*sched.running, *sched.waiting])
             assert sched.abort(victim.request_id) is victim
             aborted.add(victim.request_id)
-        batch, errors = sched.schedule()
-        failed += errors
+        batch = sched.schedule()
         assert batch.num_tokens <= sched.max_num_batched_tokens
         assert sched.num_running <= sched.max_num_seqs
         if not overlap:
@@ -392,11 +415,11 @@ def test_samples_wait_for_their_prompts_prefill_without_holding_back_other_promp
     model = FakeModel(sched.block_manager)
     for r in reqs:
         sched.add(r)
-    first, _ = sched.schedule()
+    first = sched.schedule()
     assert [r.request_id for r in first.requests] == ["A#0", "B#0", "C#0"]
     assert [r.request_id for r in sched.waiting] == [f"{g}#{i}" for g in "ABC" for i in range(1, 4)]
     apply(sched, first, model)
-    second, _ = sched.schedule()
+    second = sched.schedule()
     assert [r.request_id for r in second.requests] == [r.request_id for r in first.requests] + [
         f"{g}#{i}" for g in "ABC" for i in range(1, 4)]
     for r in second.requests[3:]:
@@ -414,7 +437,7 @@ def test_a_sample_does_not_overtake_a_request_that_does_not_fit() -> None:
     a, big, small = prompts(1, 10, seed=1)[0], prompts(1, 30, seed=2)[0], prompts(1, 5, seed=3)[0]
     for r in (make("A#0", a), make("A#1", a), make("big", big), make("small", small)):
         sched.add(r)
-    batch, _ = sched.schedule()
+    batch = sched.schedule()
     # A#0 (10 tokens) runs; A#1 is passed over; "big" (30 tokens) gets a 14-token chunk; the budget
     # is then spent, so "small" waits behind it.
     assert [r.request_id for r in batch.requests] == ["A#0", "big"]

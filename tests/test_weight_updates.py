@@ -15,6 +15,7 @@ from oracle import hf_greedy
 from server_util import BackgroundStream, ServerProcess
 
 from engine import Engine, SamplingParams
+from engine.errors import Forbidden, InvalidRequest
 
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 20]
 N = 12
@@ -42,15 +43,15 @@ def test_update_from_disk(qwen3_dir: str, qwen3_next_dir: str, llama_dir: str, e
         assert llm.update_weights_from_disk(qwen3_dir, weight_version="v7")["weight_version"] == "v7"
         assert _outputs(llm) == expected["old"]
         # A checkpoint of another architecture: refused, naming a tensor; old weights in use.
-        with pytest.raises(RuntimeError, match=r"model\.layers\.\d+\.|tensor"):
+        with pytest.raises(InvalidRequest, match=r"model\.layers\.\d+\.|tensor"):
             llm.update_weights_from_disk(llama_dir)
-        with pytest.raises(RuntimeError, match="not a directory"):
+        with pytest.raises(InvalidRequest, match="not a directory"):
             llm.update_weights_from_disk(os.path.join(os.path.dirname(qwen3_dir), "nowhere"))
         outside = tmp_path.parent.parent  # above the session's base directory
         link = os.path.join(os.path.dirname(qwen3_dir), "link-out")
         os.symlink(str(outside), link)
         for path in ("/etc", os.path.join(qwen3_dir, "..", "..", ".."), link):
-            with pytest.raises(PermissionError, match="allowed-model-dirs"):
+            with pytest.raises(Forbidden, match="allowed-model-dirs"):
                 llm.update_weights_from_disk(path)
         os.unlink(link)
         assert _outputs(llm) == expected["old"]

@@ -27,9 +27,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import zmq
 
-from engine.client.core_process import CoreProcess, EngineDeadError
+from engine.client.core_process import CoreProcess, reply_result
 from engine.client.output import (
     Consumer,
     GenerationOutput,
@@ -39,15 +40,11 @@ from engine.client.output import (
     Waker,
 )
 from engine.config import EngineConfig
-from engine.core.protocol import (
-    AbortRequests,
-    AddRequest,
-    ControlCall,
-    ControlReply,
-    StepOutputs,
-    ToCore,
-)
-from engine.request import InvalidRequest, SamplingParams
+from engine.core.availability import EngineState
+from engine.core.calls import Abort, Call
+from engine.core.protocol import AbortRequests, AddRequest, ControlReply, StepOutputs, ToCore
+from engine.errors import EngineDeadError, InvalidRequest
+from engine.request import SamplingParams
 
 log = logging.getLogger("siesta.client")
 
@@ -65,17 +62,6 @@ def _ignore_outcome(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def control_error(reply: ControlReply) -> Exception:
-    """The exception a refused control call raises: PermissionError (403) or InvalidRequest (400)."""
-    if reply.error_kind == "PermissionError":
-        return PermissionError(reply.error)
-    return InvalidRequest(reply.error)
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is alive but cannot serve now (memory released, weights to update): HTTP 503."""
-
-
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         """Start the engine process and wait until it is ready (blocking: call before serving)."""
@@ -86,12 +72,12 @@ class AsyncEngineClient:
         self._core = CoreProcess(config, log_level=log_level)
         self.info = self._core.info
         self._live: dict[str, LiveRequest] = {}
-        self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
+        self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}  # call id -> (future, reply type)
+        self._call_ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self._after_drain: list[Callable[[], None]] = []
-        # Why requests cannot run now (memory released, ...), as the last memory call answered.
-        self.unavailable: str | None = None
+        # Whether the engine serves, as of its last control reply (engine/core/availability.py).
+        self.state: EngineState = self._core.state
 
     @property
     def pid(self) -> int | None:
@@ -151,16 +137,23 @@ class AsyncEngineClient:
             if isinstance(msg, StepOutputs):
                 await self._apply(msg)
             elif isinstance(msg, ControlReply):
-                fut = self._calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    if msg.ok:
-                        fut.set_result(msg.result)
-                    else:
-                        fut.set_exception(control_error(msg))
+                self._on_reply(msg)
             if self._after_drain and (applied >= MAX_DRAIN or not sock.get(zmq.EVENTS) & zmq.POLLIN):
                 applied = 0
                 self._run_after_drain()
         self._fail_all()
+
+    def _on_reply(self, reply: ControlReply) -> None:
+        """Take the engine's state from a control reply, then resolve its call."""
+        self.state = reply.state
+        self.info["weight_version"] = reply.state.weight_version
+        fut, reply_type = self._calls.pop(reply.call_id, (None, None))
+        if fut is None or fut.done():
+            return
+        try:
+            fut.set_result(reply_result(reply, reply_type))
+        except Exception as e:
+            fut.set_exception(e)
 
     def after_drain(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the reader has applied every engine message queued by then (or at
@@ -206,7 +199,7 @@ class AsyncEngineClient:
         for live in self._live.values():
             live.error = err
             live.waker.set()
-        for fut in self._calls.values():
+        for fut, _ in self._calls.values():
             if not fut.done():
                 fut.set_exception(err)
         self._calls.clear()
@@ -280,38 +273,26 @@ class AsyncEngineClient:
         ids = None if rid is None else self.active_ids(rid)
         if ids == []:
             return 0
-        return await self.call("abort_requests", request_ids=ids)
+        return await self.call(Abort(request_ids=ids))
 
     # ---- control --------------------------------------------------------------------------------
 
-    async def call(self, method: str, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Run a control method of the core between steps; its result; a refusal raises InvalidRequest."""
-        call_id = next(self._call_ids)
+    @property
+    def unavailable(self) -> str | None:
+        """Why new requests cannot run now (HTTP 503), as the engine said in its last reply."""
+        return self.state.unavailable
+
+    async def call(self, call: Call, timeout: float | None = None) -> Any:
+        """Run a control call between steps; its result (`call.reply`); a failure raises the
+        engine's error type for it (engine/errors.py)."""
+        call = msgspec.structs.replace(call, call_id=next(self._call_ids))
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
+        self._calls[call.call_id] = (fut, call.reply)
         try:
-            await asyncio.wait_for(self._send(ControlCall(call_id=call_id, method=method, kwargs=kwargs)), timeout)
+            await asyncio.wait_for(self._send(call), timeout)
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._calls.pop(call_id, None)
-
-    async def memory_call(self, method: str, **kwargs: Any) -> dict[str, Any]:
-        """A memory or weight-update call; keeps `unavailable` and the weight version in step with
-        the engine, so generate routes can answer 503 before they start a stream."""
-        answer = await self.call(method, **kwargs)
-        # Memory and weight-update answers carry the tags' states and weights_valid; ask only
-        # when one does not (one engine round trip less per call of the RL flip).
-        state = answer if "tags" in answer and "weights_valid" in answer else await self.call("memory_occupation")
-        released = [t for t, v in state["tags"].items() if (v if isinstance(v, str) else v["state"]) == "released"]
-        if released:
-            self.unavailable = f"memory is released ({', '.join(released)}): resume_memory_occupation first"
-        elif not state["weights_valid"]:
-            self.unavailable = "weights were released without a host copy (--weights-backup none): update the weights first"
-        else:
-            self.unavailable = None
-        if "weight_version" in answer:
-            self.info["weight_version"] = answer["weight_version"]
-        return answer
+            self._calls.pop(call.call_id, None)
 
     async def shutdown(self) -> None:
         for task in self._tasks:

@@ -18,16 +18,13 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core.loop import run_engine_core
-from engine.core.protocol import Failed, FromCore, Ready, Shutdown, ToCore
+from engine.core.protocol import ControlReply, Failed, FromCore, Ready, Shutdown, ToCore
+from engine.errors import EngineDeadError, from_kind
 
 # How long a client waits for the core to build itself, and for it to exit, seconds.
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 10.0
 POLL_MS = 200
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process failed to start or died; the message says why."""
 
 
 def _memory_saver_hook(config: EngineConfig) -> contextlib.AbstractContextManager:
@@ -71,14 +68,15 @@ class CoreProcess:
         with _memory_saver_hook(config):
             self.process.start()
         self.dead: str | None = None
-        self.info = self._wait_ready()
+        ready = self._wait_ready()
+        self.info, self.state = ready.info, ready.state
 
-    def _wait_ready(self) -> dict[str, Any]:
+    def _wait_ready(self) -> Ready:
         waited = 0.0
         while waited < STARTUP_TIMEOUT_S:
             msg = self.recv(timeout_ms=POLL_MS)
             if isinstance(msg, Ready):
-                return msg.info
+                return msg
             if self.dead is not None:
                 self.close()
                 raise EngineDeadError(self.dead)
@@ -143,3 +141,11 @@ class CoreProcess:
             except FileNotFoundError:
                 pass
         os.rmdir(self._dir)
+
+
+def reply_result(reply: ControlReply, reply_type: Any) -> Any:
+    """A control reply's result, decoded as its call's `reply` type; a failure raises the
+    engine's error type for it (engine/errors.py)."""
+    if reply.error is not None:
+        raise from_kind(reply.error.kind, reply.error.message)
+    return msgspec.msgpack.decode(reply.result, type=reply_type)

@@ -8,18 +8,15 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from engine.client.core_process import POLL_MS, CoreProcess, EngineDeadError
+import msgspec
+
+from engine.client.core_process import POLL_MS, CoreProcess, reply_result
 from engine.client.output import GenerationOutput, RequestState
 from engine.config import EngineConfig
-from engine.core.protocol import (
-    AbortRequests,
-    AddRequest,
-    ControlCall,
-    ControlReply,
-    FromCore,
-    StepOutputs,
-)
-from engine.request import InvalidRequest, SamplingParams
+from engine.core import calls
+from engine.core.protocol import AbortRequests, AddRequest, ControlReply, FromCore, StepOutputs
+from engine.errors import EngineDeadError, InvalidRequest
+from engine.request import SamplingParams
 
 log = logging.getLogger("siesta.client")
 
@@ -42,7 +39,9 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
         self._core = CoreProcess(self.config, log_level=log_level)
         self.info = self._core.info
-        self._ids = itertools.count()
+        # Whether the engine serves, as of its last control reply (engine/core/availability.py).
+        self.state = self._core.state
+        self._ids = itertools.count(1)
 
     # ---- generation -----------------------------------------------------------------------------
 
@@ -112,58 +111,74 @@ class Engine:
 
     # ---- control --------------------------------------------------------------------------------
 
-    def call(self, method: str, **kwargs: Any) -> Any:
-        """Run a control method of the core between steps and return its result."""
-        call_id = next(self._ids)
-        self._core.send(ControlCall(call_id=call_id, method=method, kwargs=kwargs))
+    def call(self, call: calls.Call) -> Any:
+        """Run a control call between steps; its result (`call.reply`); a failure raises the
+        engine's error type for it (engine/errors.py): `InvalidRequest` for a refused call."""
+        try:  # the engine decodes by the field types: check them here, where the caller sees it
+            call = msgspec.convert(msgspec.structs.asdict(call) | {"call_id": next(self._ids)}, type(call))
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(f"{type(call).__name__}: {e}") from None
+        self._core.send(call)
         while True:
             msg = self._recv()
-            if isinstance(msg, ControlReply) and msg.call_id == call_id:
-                if not msg.ok:
-                    if msg.error_kind == "PermissionError":
-                        raise PermissionError(msg.error)
-                    raise RuntimeError(msg.error)
-                return msg.result
+            if isinstance(msg, ControlReply) and msg.call_id == call.call_id:
+                self.state = msg.state
+                return reply_result(msg, call.reply)
+
+    def _answer(self, call: calls.Call) -> Any:
+        """A call's result as JSON-like builtins, as the HTTP routes answer it."""
+        return msgspec.to_builtins(self.call(call))
 
     def flush_cache(self) -> bool:
-        return self.call("flush_cache")
+        return self.call(calls.FlushCache())
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        return self._answer(calls.PauseGeneration(mode=mode))
+
+    def continue_generation(self) -> dict[str, Any]:
+        return self._answer(calls.ContinueGeneration())
 
     def release_memory_occupation(self, tags: list[str] | None = None, mode: str = "wait") -> dict[str, Any]:
         """Hand the GPU memory of `tags` (None: all) back to the driver; see engine/memory/regions.py."""
-        return self.call("release_memory_occupation", tags=tags, mode=mode)
+        return self._answer(calls.ReleaseMemory(tags=tags, mode=mode))
 
     def resume_memory_occupation(self, tags: list[str] | None = None, wait_for_memory_s: float = 0.0) -> dict[str, Any]:
         """Map `tags` (None: all) back. Raises `MemoryNotAvailable` (its `answer` says per tag the
         bytes needed and free) when the device had no room for some: those stay released, the
         others resumed, and a later call succeeds once the memory is free."""
-        answer = self.call("resume_memory_occupation", tags=tags, wait_for_memory_s=wait_for_memory_s)
+        answer = self._answer(calls.ResumeMemory(tags=tags, wait_for_memory_s=wait_for_memory_s))
         if answer["refused"]:
             raise MemoryNotAvailable(answer)
         return answer
 
     def memory_occupation(self) -> dict[str, Any]:
-        return self.call("memory_occupation")
+        return self.call(calls.GetMemoryOccupation())
 
     # RL weight updates (engine/weights/updater.py); each answers {"success", "message",
-    # "weight_version", "seconds"} and raises on a bad update, leaving the old weights in use.
+    # "weight_version", "seconds", ...} and raises on a bad update, leaving the old weights in use.
+    # Keyword arguments are the fields of the call (engine/core/calls.py).
 
     def update_weights_from_disk(self, model_path: str, **kwargs: Any) -> dict[str, Any]:
-        return self.call("update_weights_from_disk", model_path=model_path, **kwargs)
+        return self._answer(calls.UpdateWeightsFromDisk(model_path=model_path, **kwargs))
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], **kwargs: Any) -> dict[str, Any]:
-        return self.call("update_weights_from_tensor", serialized_named_tensors=serialized_named_tensors, **kwargs)
+        return self._answer(calls.UpdateWeightsFromTensor(serialized_named_tensors=serialized_named_tensors, **kwargs))
 
     def init_weights_update_group(self, **kwargs: Any) -> dict[str, Any]:
-        return self.call("init_weights_update_group", **kwargs)
+        return self._answer(calls.InitWeightsUpdateGroup(**kwargs))
 
     def update_weights_from_distributed(self, **kwargs: Any) -> dict[str, Any]:
-        return self.call("update_weights_from_distributed", **kwargs)
+        return self._answer(calls.UpdateWeightsFromDistributed(**kwargs))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
-        return self.call("destroy_weights_update_group", group_name=group_name)
+        return self._answer(calls.DestroyWeightsUpdateGroup(group_name=group_name))
+
+    def check_weights(self, action: str = "checksum") -> dict[str, Any]:
+        """SGLang's weights checker (engine/core/checks.py): snapshot, reset_tensors, compare, checksum."""
+        return self.call(calls.CheckWeights(action=action))
 
     def get_server_info(self) -> dict[str, Any]:
-        return self.call("get_info")
+        return self.call(calls.GetInfo())
 
     # ---- lifetime -------------------------------------------------------------------------------
 

@@ -4,6 +4,9 @@ ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns
 - `loop.py`: the process's entry point; takes messages, answers control calls, runs steps.
 - `engine_core.py`: `EngineCore`, built in startup order; a step schedules, launches and reads back.
 - `protocol.py`: the msgspec messages between a client and this process.
+- `calls.py`: one struct per control call and the reply each answers with, dispatched by type.
+- `availability.py`: `Availability`, the one owner of whether the engine serves; `EngineState`,
+  its value, carried by every control reply.
 - `scheduler.py`: continuous batching over the KV blocks (`engine.memory.kv_cache`).
 - `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`: the control calls
   (release/resume, weight updates, the weights checker, `/v1/loads`, profiling), mixed into

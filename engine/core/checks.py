@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.core import calls
 from engine.memory.regions import RESIDENT
 
 log = logging.getLogger("siesta.engine")
@@ -43,12 +44,13 @@ class WeightCheckCalls:
 
     _weight_snapshot: dict[str, torch.Tensor] | None = None
 
-    def check_weights(self, action: str = "checksum", allow_quant_error: bool = False) -> dict[str, Any]:
+    def check_weights(self, call: calls.CheckWeights) -> dict[str, Any]:
+        action = call.action
         if action not in ACTIONS:
             raise ValueError(f"unknown weights_checker action {action!r}; use one of {', '.join(ACTIONS)}")
         if self.memory.state["weights"] != RESIDENT:
             raise ValueError("weights are released: resume_memory_occupation(['weights']) before checking them")
-        if not self.weights_valid:
+        if not self.availability.weights_valid:
             raise ValueError("weights were released without a host copy (--weights-backup none): update them first")
         t0 = time.perf_counter()
         answer = getattr(self, f"_weights_{action}")()

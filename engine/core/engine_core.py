@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core import calls
+from engine.core.availability import Availability
 from engine.core.checks import WeightCheckCalls
 from engine.core.load import LoadCalls, LoadStats
 from engine.core.memory_calls import MemoryCalls
 from engine.core.profiler import ProfileCalls, StepProfiler
-from engine.core.protocol import (
-    AddRequest,
-    RequestDelta,
-)
+from engine.core.protocol import AddRequest, RequestDelta
 from engine.core.scheduler import Scheduler
 from engine.core.weight_calls import WeightUpdateCalls
+from engine.limits import RequestLimits, prompt_error
 from engine.memory.kv_cache import BlockManager
 from engine.memory.regions import RELEASED, RESIDENT
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
@@ -46,18 +47,13 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.limits = RequestLimits(
+            self.model_config.vocab_size, self.max_model_len, self.block_manager.num_blocks, config.block_size
         )
         self.num_steps = 0
-        # Paused: no step runs; new requests queue. Set by pause_generation, cleared by
-        # continue_generation.
-        self.paused = False
-        # Names the weights in use; RL weight updates set it (SGLang's default is "default").
-        self.weight_version = "default"
         self.memory = self.runner.memory
-        # A release in progress: running requests finish, new ones are refused.
-        self.draining = False
+        self.availability = Availability(self.memory, self.runner.weights)
         # Deltas produced outside a step (aborts from control calls), sent by the loop.
         self.pending: list[RequestDelta] = []
         # The step launched last and not read yet (overlap scheduling); None between steps
@@ -78,33 +74,15 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             sampling_params=msg.sampling_params,
             eos_token_ids=self.model_config.eos_token_ids,
         )
-        unavailable = self.unavailable()
+        unavailable = self.availability.unavailable()
         if unavailable is not None:
             req.finish(FINISH_ERROR, error=unavailable)
             return _final_delta(req, unavailable=True)
-        error = self._check_request(req)
+        error = prompt_error(req.prompt_token_ids, req.sampling_params, self.limits)
         if error is not None:
             req.finish(FINISH_ERROR, error=error)
             return _final_delta(req)
         self.scheduler.add(req)
-        return None
-
-    def _check_request(self, req: Request) -> str | None:
-        n = req.num_prompt_tokens
-        if n == 0:
-            return "the prompt is empty"
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            return f"token id {bad} is outside the vocabulary [0, {vocab})"
-        bad = next((t for t, _ in req.sampling_params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            return f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})"
-        if req.max_total_tokens > self.max_model_len:
-            return (
-                f"prompt ({n} tokens) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
-                f"exceeds the context length of {self.max_model_len} tokens"
-            )
         return None
 
     def abort(self, request_ids: list[str] | None) -> list[RequestDelta]:
@@ -115,15 +93,14 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
     def step(self) -> list[RequestDelta]:
         """Schedule and launch one step, then read the step launched before it: the host packs
         step k+1 while the device runs step k, and step k's tokens come back while k+1 runs.
-        Returns the deltas of the step read (and of requests refused). With overlap off, or
+        Returns the deltas of the step read. With overlap off, or
         when a step needs the previous tokens on the host (penalties count them), the previous
         step is read first."""
         deltas: list[RequestDelta] = []
         step = self.in_flight
         if step is not None and (self.config.disable_overlap_schedule or step.needs_host_tokens):
             deltas += self.drain()
-        batch, refused = self.scheduler.schedule()
-        deltas += [_final_delta(r) for r in refused]
+        batch = self.scheduler.schedule(admit=self.availability.admitting)
         previous, self.in_flight = self.in_flight, None
         if len(batch) > 0:
             self.in_flight = self.runner.launch(batch, previous)
@@ -172,16 +149,6 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
         return deltas
 
-    def unavailable(self) -> str | None:
-        """Why no new request can run now (HTTP 503), or None."""
-        if self.memory.released:
-            return f"memory is released ({', '.join(self.memory.released)}): resume_memory_occupation first"
-        if self.draining:
-            return "memory is being released"
-        if not self.weights_valid:
-            return "weights were released without a host copy (--weights-backup none): update the weights first"
-        return None
-
     def after_reply(self) -> None:
         """Run once a control call's reply is sent: the host copy of weights an update wrote
         starts refreshing now, off the update's answer (engine/weights/store.py), and what the
@@ -194,7 +161,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         is in flight and must be read."""
         if self.in_flight is not None:
             return True
-        return not self.paused and not self.memory.released and self.scheduler.has_unfinished()
+        return self.availability.can_step() and self.scheduler.has_unfinished()
 
     def take_pending(self) -> list[RequestDelta]:
         out, self.pending = self.pending, []
@@ -202,41 +169,42 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
 
     # ---- control calls (run between steps) ------------------------------------------------------
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, call: calls.FlushCache | None = None) -> bool:
         """Drop the prefix cache; refused (False) while requests hold blocks."""
         if self.scheduler.has_unfinished():
             return False
         return self.block_manager.reset_prefix_cache()
 
-    def ping(self) -> str:
+    def ping(self, call: calls.Ping | None = None) -> str:
         """The engine answers; says whether its memory is resident or released."""
         return RELEASED if self.memory.released else RESIDENT
 
-    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+    def pause_generation(self, call: calls.PauseGeneration) -> calls.PauseReply:
         """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
         running requests' KV and requeues them (they recompute on continue); `in_place` keeps
         everything as it is. New requests queue until `continue_generation`."""
+        mode = call.mode
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"unknown pause mode {mode!r}; use abort, retract or in_place")
-        self.paused = True
+        self.availability.paused = True
         if mode == "abort":
             self.pending += self.abort(None)
         elif mode == "retract":
             self.scheduler.retract_all()
-        return {"paused": True, "mode": mode, "num_running": self.scheduler.num_running,
-                "num_waiting": self.scheduler.num_waiting}
+        return calls.PauseReply(paused=True, mode=mode, num_running=self.scheduler.num_running,
+                                num_waiting=self.scheduler.num_waiting)
 
-    def continue_generation(self) -> dict[str, Any]:
-        self.paused = False
-        return {"paused": False}
+    def continue_generation(self, call: calls.ContinueGeneration) -> calls.PauseReply:
+        self.availability.paused = False
+        return calls.PauseReply(paused=False)
 
-    def abort_requests(self, request_ids: list[str] | None) -> int:
+    def abort_requests(self, call: calls.Abort) -> int:
         """Abort the named requests (None: all); returns how many were found."""
-        deltas = self.abort(request_ids)
+        deltas = self.abort(call.request_ids)
         self.pending += deltas
         return len(deltas)
 
-    def get_info(self) -> dict[str, Any]:
+    def get_info(self, call: calls.GetInfo | None = None) -> dict[str, Any]:
         mc = self.model_config
         return {
             "model_path": mc.path,
@@ -257,9 +225,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             "block_size": self.block_manager.block_size,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
-            "weight_version": self.weight_version,
+            "weight_version": self.availability.weight_version,
             "num_steps": self.num_steps,
-            "paused": self.paused,
+            "paused": self.availability.paused,
             "memory": self.ping(),
             "released_tags": self.memory.released,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -267,28 +235,36 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             "config": msgspec.to_builtins(self.config),
         }
 
-    def call(self, method: str, kwargs: dict[str, Any]) -> Any:
-        """Run a control call between steps. Every call but a read-only one first reads the step
-        in flight (its deltas go out before the reply), so that it sees and changes a state
-        with no device work queued."""
-        if method not in _CONTROL_METHODS:
-            raise ValueError(f"unknown control method {method!r}")
-        if method not in _READ_ONLY_METHODS:
+    def call(self, call: calls.ControlCall) -> Any:
+        """Run a control call between steps, by its type: its reply (`call.reply`), or a
+        `Deferred` that answers later. Every call but a read-only one first reads the step in
+        flight (its deltas go out before the reply), so that it sees and changes a state with no
+        device work queued."""
+        if not call.read_only:
             self.pending += self.drain()
-        return getattr(self, method)(**kwargs)
+        return _HANDLERS[type(call)](self, call)
 
 
-_CONTROL_METHODS = frozenset({
-    "flush_cache", "get_info", "ping", "pause_generation", "continue_generation", "abort_requests",
-    "release_memory_occupation", "resume_memory_occupation", "memory_occupation",
-    "update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
-    "update_weights_from_distributed", "destroy_weights_update_group",
-    "check_weights", "start_profile", "stop_profile", "get_load",
-})
-
-
-# Control calls that only report: they run with a step in flight.
-_READ_ONLY_METHODS = frozenset({"get_info", "ping", "memory_occupation", "get_load"})
+_HANDLERS: dict[type, Callable[[EngineCore, Any], Any]] = {
+    calls.Ping: EngineCore.ping,
+    calls.GetInfo: EngineCore.get_info,
+    calls.GetLoad: EngineCore.get_load,
+    calls.GetMemoryOccupation: EngineCore.memory_occupation,
+    calls.FlushCache: EngineCore.flush_cache,
+    calls.PauseGeneration: EngineCore.pause_generation,
+    calls.ContinueGeneration: EngineCore.continue_generation,
+    calls.Abort: EngineCore.abort_requests,
+    calls.ReleaseMemory: EngineCore.release_memory_occupation,
+    calls.ResumeMemory: EngineCore.resume_memory_occupation,
+    calls.UpdateWeightsFromDisk: EngineCore.update_weights_from_disk,
+    calls.UpdateWeightsFromTensor: EngineCore.update_weights_from_tensor,
+    calls.InitWeightsUpdateGroup: EngineCore.init_weights_update_group,
+    calls.UpdateWeightsFromDistributed: EngineCore.update_weights_from_distributed,
+    calls.DestroyWeightsUpdateGroup: EngineCore.destroy_weights_update_group,
+    calls.CheckWeights: EngineCore.check_weights,
+    calls.StartProfile: EngineCore.start_profile,
+    calls.StopProfile: EngineCore.stop_profile,
+}
 
 
 def _input_logprobs(req: Request) -> list[float | None] | None:

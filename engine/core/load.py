@@ -18,6 +18,8 @@ import time
 from collections import deque
 from typing import Any
 
+from engine.core import calls
+
 THROUGHPUT_WINDOW_S = 10.0
 GB = 1e9  # SGLang reports memory in GB
 
@@ -57,7 +59,7 @@ class LoadStats:
 class LoadCalls:
     """Mixed into EngineCore; uses its scheduler, block_manager, runner, config, paused, load_stats."""
 
-    def get_load(self) -> dict[str, Any]:
+    def get_load(self, call: calls.GetLoad | None = None) -> dict[str, Any]:
         """SGLang's per-rank load: the core fields, plus `memory` and `queues` sections."""
         bm, sched = self.block_manager, self.scheduler
         used = bm.num_used_blocks * bm.block_size
@@ -88,7 +90,7 @@ class LoadCalls:
             "queues": {
                 "waiting": sched.num_waiting,
                 "grammar": 0,
-                "paused": sched.num_running + sched.num_waiting if self.paused else 0,
+                "paused": sched.num_running + sched.num_waiting if self.availability.paused else 0,
                 "retracted": sum(1 for r in waiting if r.num_preemptions > 0),
             },
         }

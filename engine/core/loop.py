@@ -15,12 +15,13 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.core.calls import Call
 from engine.core.deferred import Deferred
 from engine.core.engine_core import EngineCore
 from engine.core.protocol import (
     AbortRequests,
     AddRequest,
-    ControlCall,
+    ControlError,
     ControlReply,
     Failed,
     FromCore,
@@ -30,6 +31,7 @@ from engine.core.protocol import (
     StepOutputs,
     ToCore,
 )
+from engine.errors import error_kind
 
 log = logging.getLogger("siesta.engine")
 
@@ -62,7 +64,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         outbox.close()
         ctx.term()
         raise SystemExit(1) from None
-    send(Ready(info=core.get_info()))
+    send(Ready(info=core.get_info(), state=core.availability.state()))
     # What startup built (model, tokenizer, graphs) lives as long as the process: frozen, the
     # collector's full passes skip it instead of stalling the step loop to scan it (as vLLM does).
     gc.collect()
@@ -76,7 +78,11 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
             _answer_ready(core, waiting_calls, send)
             timeout = 0 if core.has_work() else _IDLE_POLL_MS
             while poller.poll(timeout):
-                msg = decoder.decode(inbox.recv())
+                try:
+                    msg = decoder.decode(inbox.recv())
+                except msgspec.ValidationError as e:  # a client's bug: its call goes unanswered
+                    log.error("dropped a message the engine cannot read: %s", e)
+                    continue
                 if isinstance(msg, Shutdown):
                     return
                 deltas = _handle(core, msg, send, waiting_calls)
@@ -110,17 +116,17 @@ def _handle(core: EngineCore, msg: ToCore, send: Any, waiting_calls: list[tuple[
         return [delta] if delta is not None else []
     if isinstance(msg, AbortRequests):
         return core.abort(msg.request_ids)
-    if isinstance(msg, ControlCall):
+    if isinstance(msg, Call):
         try:
-            result = core.call(msg.method, msg.kwargs)
-        except Exception as e:  # a bad control call is the caller's error, not the engine's death
-            _reply(core, send, _failure(msg.call_id, e))
+            result = core.call(msg)
+        except Exception as e:  # a failed control call is the caller's, not the engine's death
+            _reply(core, send, msg.call_id, error=e)
             return []
         if isinstance(result, Deferred):
             _send_pending(core, send)
             waiting_calls.append((msg.call_id, result))
         else:
-            _reply(core, send, ControlReply(call_id=msg.call_id, ok=True, result=result))
+            _reply(core, send, msg.call_id, result)
     return []
 
 
@@ -130,19 +136,29 @@ def _answer_ready(core: EngineCore, waiting_calls: list[tuple[int, Deferred]], s
         call_id, deferred = waiting_calls.pop(0)
         core.pending += core.drain()  # as every control call: it runs with no step in flight
         try:
-            reply = ControlReply(call_id=call_id, ok=True, result=deferred.run())
+            result = deferred.run()
         except Exception as e:
-            reply = _failure(call_id, e)
-        _reply(core, send, reply)
+            _reply(core, send, call_id, error=e)
+        else:
+            _reply(core, send, call_id, result)
 
 
-def _failure(call_id: int, e: Exception) -> ControlReply:
-    return ControlReply(call_id=call_id, ok=False, error=f"{type(e).__name__}: {e}", error_kind=type(e).__name__)
+_RESULTS = msgspec.msgpack.Encoder()
+_NULL = msgspec.Raw(_RESULTS.encode(None))
+# A failure of these types is an expected refusal; any other is logged with its traceback.
+_REFUSALS = (ValueError, TypeError, LookupError, TimeoutError, PermissionError)
 
 
-def _reply(core: EngineCore, send: Any, reply: ControlReply) -> None:
+def _reply(core: EngineCore, send: Any, call_id: int, result: Any = None, error: Exception | None = None) -> None:
+    """Answer a control call with its result or its failure, and the engine's state after it."""
     _send_pending(core, send)
-    send(reply)
+    if error is None:
+        send(ControlReply(call_id=call_id, state=core.availability.state(), result=msgspec.Raw(_RESULTS.encode(result))))
+    else:
+        if not isinstance(error, _REFUSALS):
+            log.error("control call %d failed:\n%s", call_id, "".join(traceback.format_exception(error)))
+        failure = ControlError(kind=error_kind(error), message=f"{type(error).__name__}: {error}")
+        send(ControlReply(call_id=call_id, state=core.availability.state(), result=_NULL, error=failure))
     core.after_reply()  # work a call left for after its answer (a weight update's host copy)
 
 

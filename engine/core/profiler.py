@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from engine.core import calls
+
 log = logging.getLogger("siesta.engine")
 
 ENV_DIR = "SGLANG_TORCH_PROFILER_DIR"
@@ -171,18 +173,13 @@ class StepProfiler:
 class ProfileCalls:
     """Mixed into EngineCore; uses its `profiler` (a StepProfiler) and `num_steps`."""
 
-    def start_profile(
-        self, output_dir: str | None = None, start_step: int | None = None, num_steps: int | None = None,
-        activities: list[str] | None = None, with_stack: bool | None = None, record_shapes: bool | None = None,
-        profile_by_stage: bool = False, merge_profiles: bool = False, profile_id: str | None = None,
-        profile_prefix: str | None = None,
-    ) -> dict[str, Any]:
-        if profile_by_stage or merge_profiles:
+    def start_profile(self, call: calls.StartProfile) -> dict[str, Any]:
+        if call.profile_by_stage or call.merge_profiles:
             raise ValueError("profile_by_stage and merge_profiles are not supported here: one trace per profile")
         return self.profiler.start(
-            self.num_steps, output_dir, start_step, num_steps, activities, with_stack, record_shapes,
-            profile_id, profile_prefix,
+            self.num_steps, call.output_dir, call.start_step, call.num_steps, call.activities, call.with_stack,
+            call.record_shapes, call.profile_id, call.profile_prefix,
         )
 
-    def stop_profile(self) -> dict[str, Any]:
+    def stop_profile(self, call: calls.StopProfile) -> dict[str, Any]:
         return self.profiler.stop()

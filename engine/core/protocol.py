@@ -1,8 +1,8 @@
 """Messages between the clients (`Engine`, the HTTP server) and the `EngineCore` process.
 
 Two ZeroMQ IPC sockets carry them, msgspec-encoded: client -> core (PUSH/PULL) for requests and
-control calls, core -> client (PUSH/PULL) for token deltas and replies. Each message is a tagged
-struct so one decoder reads a union.
+control calls (one struct per call: engine/core/calls.py), core -> client (PUSH/PULL) for token
+deltas and replies. Each message is a tagged struct so one decoder reads a union.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from engine.core.availability import EngineState
+from engine.core.calls import ControlCall
 from engine.request import SamplingParams
 
 
@@ -24,14 +26,6 @@ class AbortRequests(msgspec.Struct, tag=True):
     """Abort the named requests; `None` aborts every request in the engine."""
 
     request_ids: list[str] | None
-
-
-class ControlCall(msgspec.Struct, tag=True):
-    """A control method of the core (`flush_cache`, `get_info`, ...), run between steps, in order."""
-
-    call_id: int
-    method: str
-    kwargs: dict[str, Any] = {}
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -63,18 +57,28 @@ class StepOutputs(msgspec.Struct, tag=True):
     deltas: list[RequestDelta]
 
 
+class ControlError(msgspec.Struct):
+    """A control call that failed: `kind` names its exception type (engine/errors.py)."""
+
+    kind: str
+    message: str
+
+
 class ControlReply(msgspec.Struct, tag=True):
+    """The answer to one control call (engine/core/calls.py). `result` is the call's `reply`
+    type, encoded: the client decodes it knowing the call. Every reply carries the engine's state."""
+
     call_id: int
-    ok: bool
-    result: Any = None
-    error: str | None = None
-    error_kind: str | None = None  # the exception's class name: PermissionError becomes HTTP 403
+    state: EngineState
+    result: msgspec.Raw  # the encoded result; null when the call failed
+    error: ControlError | None = None
 
 
 class Ready(msgspec.Struct, tag=True):
     """Sent once when the core has built everything; `info` is `EngineCore.get_info()`."""
 
     info: dict[str, Any]
+    state: EngineState
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -83,5 +87,5 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-ToCore = AddRequest | AbortRequests | ControlCall | Shutdown
+ToCore = AddRequest | AbortRequests | Shutdown | ControlCall
 FromCore = StepOutputs | ControlReply | Ready | Failed

@@ -14,9 +14,9 @@ Order of a step:
      samples of an n > 1 request) is passed over for this step and keeps its place in the queue:
      once the prefill is done, the prefix cache hands it the prompt's full blocks. The requests
      behind it are admitted meanwhile (one prompt's samples must not hold back every prompt).
-A request that could never run (longer than `max_model_len`, or more blocks than the whole cache)
-is finished with FINISH_ERROR instead of waiting forever. Since the oldest running request can
-always preempt all the others, it always progresses, so every request finishes eventually.
+Every request added fits the whole cache alone (`engine.limits.prompt_error`, checked before
+`add`). So the oldest running request can always preempt all the others: it always progresses,
+and every request finishes eventually.
 
 A step is accounted for twice (overlap scheduling): `advance` when it is launched (its chunks
 count as computed; each row that samples gets a pending token, whose id the device has and the
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 
 from engine.memory.kv_cache import BlockManager
-from engine.request import FINISH_ABORT, FINISH_ERROR, Batch, Request, RequestStatus
+from engine.request import FINISH_ABORT, Batch, Request, RequestStatus
 
 
 class Scheduler:
@@ -42,19 +42,16 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
-        max_model_len: int,
     ) -> None:
-        if min(max_num_batched_tokens, max_num_seqs, max_model_len) < 1:
-            raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+        if min(max_num_batched_tokens, max_num_seqs) < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go back to the front
         self.running: list[Request] = []  # in admission order
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0  # since start, for /get_server_info and tests
-        self.admitting = True  # False while the engine drains before releasing memory
 
     @property
     def num_running(self) -> int:
@@ -114,8 +111,9 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[Batch, list[Request]]:
-        """The next step's batch, and the requests finished here with FINISH_ERROR (never runnable)."""
+    def schedule(self, admit: bool = True) -> Batch:
+        """The next step's batch. Waiting requests join it only when `admit` (the engine's
+        `Availability.admitting`: no release or weight update waiting for the running ones)."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         batch = Batch(requests=[], num_new_tokens=[])
@@ -142,18 +140,10 @@ class Scheduler:
                 continue
             break  # `req` preempted itself: everything after it is gone too
 
-        failed: list[Request] = []
         prefilling = self._prompts_in_prefill()
         passed_over: list[Request] = []  # samples waiting for their prompt's prefill, in order
-        while self.waiting and self.admitting:
+        while self.waiting and admit:
             req = self.waiting[0]
-            error = self._never_runs(req)
-            if error is not None:
-                self.waiting.popleft()
-                del self._requests[req.request_id]
-                req.finish(FINISH_ERROR, error=error)
-                failed.append(req)
-                continue
             if preempted or budget < 1 or len(self.running) >= self.max_num_seqs or req.num_pending:
                 break  # (a request preempted with a token in flight waits until it is known)
             computed = bm.match_prefix(req)
@@ -173,7 +163,7 @@ class Scheduler:
             if prefilling is not None and shares_more:  # its prefill makes blocks others can share
                 prefilling.setdefault(req.prompt_key, []).append(req)
         self.waiting.extendleft(reversed(passed_over))
-        return batch, failed
+        return batch
 
     def _prompts_in_prefill(self) -> dict[int, list[Request]] | None:
         """Running requests whose prompt is not computed yet, by prompt key; None when the prefix
@@ -194,24 +184,6 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-
-    def _never_runs(self, req: Request) -> str | None:
-        """Why `req` can never run, or None. Judged on its largest size, prompt + max_new_tokens."""
-        if req.num_prompt_tokens == 0:
-            return "the prompt is empty"
-        total, max_new = req.max_total_tokens, req.sampling_params.max_new_tokens
-        what = f"{total} tokens ({req.num_prompt_tokens} prompt + {max_new} max_new_tokens)"
-        if total > self.max_model_len:
-            return f"request needs up to {what}, more than max_model_len={self.max_model_len}"
-        bm = self.block_manager
-        blocks = bm.blocks_needed(total)
-        if blocks > bm.num_blocks:
-            return (
-                f"request needs up to {what}, i.e. {blocks} KV blocks of {bm.block_size} tokens, "
-                f"but the KV cache has only {bm.num_blocks} blocks "
-                f"({bm.num_blocks * bm.block_size} tokens)"
-            )
-        return None
 
     def advance(self, batch: Batch) -> list[Request]:
         """Account for a launched step, before its tokens are known: every row's chunk counts as
