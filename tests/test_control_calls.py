@@ -86,7 +86,7 @@ def test_engine_state_rides_on_every_reply(demo_dir: str, tmp_path) -> None:
         assert len(llm.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)[0].output_ids) == 4
         # Calls are checked by type in the caller's process, before the engine sees them.
         with pytest.raises(InvalidRequest, match="weight_version"):
-            llm.update_weights_from_disk(demo_dir, weight_version=3)
+            llm.update_weights_from_disk(demo_dir, weight_version=[3])
         assert llm.get_server_info()["weight_version"] == "v2"
 
 

@@ -12,11 +12,16 @@ Rules:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 DEFAULT_GROUP = "weight_update_group"
+# Integers fit the engine's messages (msgpack: 64 bits); a route that decodes a body straight into
+# a call refuses larger ones there.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# A weight version as clients send it (slime: "3" or 3); the engine keeps it as a string.
+WeightVersion = str | int | None
 
 
 class Call(msgspec.Struct, tag=True, kw_only=True, frozen=True):
@@ -141,7 +146,7 @@ class UpdateWeightsFromDisk(Call):
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion = None
     reply = WeightUpdateReply
 
 
@@ -150,15 +155,15 @@ class UpdateWeightsFromTensor(Call):
     load_format: str | None = None  # null | "direct" | "flattened_bucket"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion = None
     reply = WeightUpdateReply
 
 
 class InitWeightsUpdateGroup(Call):
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: Int64
+    rank_offset: Int64
+    world_size: Int64
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
     reply = GroupReply
@@ -167,12 +172,12 @@ class InitWeightsUpdateGroup(Call):
 class UpdateWeightsFromDistributed(Call):
     names: list[str]
     dtypes: list[str]
-    shapes: list[list[int]]
+    shapes: list[list[Int64]]
     group_name: str = DEFAULT_GROUP
     load_format: str | None = None  # null: one broadcast per tensor | "flattened_bucket": one in all
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: WeightVersion = None
     reply = WeightUpdateReply
 
 

@@ -76,7 +76,7 @@ class WeightUpdateCalls:
                     self.block_manager.reset_prefix_cache()
                 self.updater.phases["flush"] = time.perf_counter() - t1
                 version = call.weight_version
-                availability.weight_version = version if version is not None else _next_version(availability.weight_version)
+                availability.weight_version = str(version) if version is not None else _next_version(availability.weight_version)
             finally:
                 availability.updating = False
             seconds = time.perf_counter() - t0

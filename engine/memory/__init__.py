@@ -5,7 +5,7 @@
 - `vmm.py`: the CUDA driver's virtual memory calls the regions and the probes use.
 - `host_copy.py`: the pinned host copy of the weights and the kernels that fill and restore it.
 - `kv_cache.py`: `BlockManager`, the paged KV blocks each request holds and the prefix cache.
-- `kv_budget.py`: how many KV blocks fit, a pure function of the profiled memory.
+- `kv_budget.py`: the KV tensor, and how many blocks fit (a pure function of the profiled memory).
 
 Arrows: memory -> config, request only.
 """

@@ -1,6 +1,7 @@
-"""How many KV blocks the engine gets: from `--num-kv-blocks`, from a CPU budget in GiB, or on a GPU
-from what a profiling forward at the largest token budget leaves of `--mem-fraction`.
-Pure functions, so the arithmetic is tested without a GPU."""
+"""The KV tensor and how many blocks it gets: from `--num-kv-blocks`, from a CPU budget in GiB, or on
+a GPU from what a profiling forward at the largest token budget leaves of `--mem-fraction`.
+Pure functions, so the arithmetic is tested without a GPU. Which request holds which block is
+`kv_cache.BlockManager`'s."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtyp
     """Bytes of one KV block across all layers: K and V, each [block_size, num_kv_heads, head_dim]."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+
+
+def make_kv_cache(
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The KV cache, zeroed: [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]."""
+    mc = model_config
+    shape = (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def num_kv_blocks_for_budget(budget_bytes: int, block_bytes: int, max_useful_blocks: int) -> int:

@@ -1,6 +1,6 @@
 """Paged KV bookkeeping: the blocks each request holds, their reference counts, the prefix cache.
 
-The KV tensor lives with the model runner; this file only hands out block ids 0..num_blocks-1.
+The KV tensor is `kv_budget.make_kv_cache`'s; this file only hands out block ids 0..num_blocks-1.
 Block i of a request's `block_table` holds the KV of its tokens [i * block_size, (i + 1) * block_size).
 
 Prefix cache. A FULL block whose tokens are all computed is registered under a hash chained from

@@ -22,6 +22,7 @@ from engine.memory.kv_budget import (
     GpuMemoryProfile,
     gpu_kv_budget,
     kv_block_bytes,
+    make_kv_cache,
     num_kv_blocks_for_budget,
 )
 from engine.memory.regions import MemoryRegions
@@ -99,12 +100,7 @@ class ModelRunner:
 
         self.num_kv_blocks = self._num_kv_blocks()
         with self.memory.region("kv_cache"):
-            # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
-            self.kv_cache = torch.zeros(
-                (mc.num_layers, 2, self.num_kv_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-                dtype=self.dtype,
-                device=self.device,
-            )
+            self.kv_cache = make_kv_cache(mc, self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
 
