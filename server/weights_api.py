@@ -6,8 +6,9 @@ first bad tensor (the old weights stay in use), a path outside --allowed-model-d
 The three update routes decode their JSON with msgspec straight into their call
 (engine/core/calls.py) and encode the reply the same way: they sit on the RL flip's critical path,
 and pydantic took ~0.5 ms to validate the 399 names, dtypes and shapes of an 8B model's
-update_weights_from_distributed body (bench/RESULTS.md). Their pydantic models below only describe
-the bodies in the OpenAPI schema; tests/test_control_calls.py holds the two to the same fields."""
+update_weights_from_distributed body (bench/RESULTS.md). Their OpenAPI bodies are the calls' own
+JSON schemas. The other routes validate with pydantic; tests/test_control_calls.py holds their
+models to their calls' fields."""
 
 from __future__ import annotations
 
@@ -22,25 +23,9 @@ from engine.client.async_client import AsyncEngineClient
 from engine.core import calls
 from engine.core.calls import DEFAULT_GROUP
 from engine.errors import InvalidRequest
-from server.schemas import Int64, WeightVersion
+from server.schemas import Int64
 
 router = APIRouter()
-
-class UpdateFromDiskIn(BaseModel):
-    model_path: str
-    load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string
-
-
-class UpdateFromTensorIn(BaseModel):
-    serialized_named_tensors: list[str]  # one base64 payload per tensor-parallel rank
-    load_format: str | None = None  # null | "direct" | "flattened_bucket"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string
-
 
 class InitGroupIn(BaseModel):
     master_address: str
@@ -49,17 +34,6 @@ class InitGroupIn(BaseModel):
     world_size: Int64
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
-
-
-class UpdateFromDistributedIn(BaseModel):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[Int64]]
-    group_name: str = DEFAULT_GROUP
-    load_format: str | None = None  # null: one broadcast per tensor | "flattened_bucket": one in all
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: WeightVersion = None  # a string or an integer (slime), kept as a string
 
 
 class DestroyGroupIn(BaseModel):
@@ -73,9 +47,13 @@ def _client(request: Request) -> AsyncEngineClient:
 C = TypeVar("C", bound=calls.Call)
 
 
-def _body(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI request body of a route that decodes its JSON itself."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+def _body(call_type: type[calls.Call]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that decodes its JSON straight into `call_type`: the
+    call's JSON schema, less the fields only its message has (the tag, the call id)."""
+    schema = msgspec.json.schema(call_type)["$defs"][call_type.__name__]
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in ("type", "call_id")}
+    schema["required"] = [k for k in schema["required"] if k != "type"]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def _decoded(request: Request, call_type: type[C]) -> C:
@@ -89,12 +67,12 @@ async def _answer(request: Request, call: calls.Call) -> Response:
     return Response(msgspec.json.encode(await _client(request).call(call)), media_type="application/json")
 
 
-@router.post("/update_weights_from_disk", openapi_extra=_body(UpdateFromDiskIn))
+@router.post("/update_weights_from_disk", openapi_extra=_body(calls.UpdateWeightsFromDisk))
 async def update_weights_from_disk(request: Request) -> Response:
     return await _answer(request, await _decoded(request, calls.UpdateWeightsFromDisk))
 
 
-@router.post("/update_weights_from_tensor", openapi_extra=_body(UpdateFromTensorIn))
+@router.post("/update_weights_from_tensor", openapi_extra=_body(calls.UpdateWeightsFromTensor))
 async def update_weights_from_tensor(request: Request) -> Response:
     return await _answer(request, await _decoded(request, calls.UpdateWeightsFromTensor))
 
@@ -104,7 +82,7 @@ async def init_weights_update_group(body: InitGroupIn, request: Request) -> Resp
     return await _answer(request, calls.InitWeightsUpdateGroup(**body.model_dump()))
 
 
-@router.post("/update_weights_from_distributed", openapi_extra=_body(UpdateFromDistributedIn))
+@router.post("/update_weights_from_distributed", openapi_extra=_body(calls.UpdateWeightsFromDistributed))
 async def update_weights_from_distributed(request: Request) -> Response:
     return await _answer(request, await _decoded(request, calls.UpdateWeightsFromDistributed))
 

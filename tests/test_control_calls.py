@@ -45,10 +45,7 @@ def test_every_call_has_one_handler_and_a_reply_type() -> None:
     (schemas.PauseGenerationIn, calls.PauseGeneration),
     (schemas.ReleaseMemoryIn, calls.ReleaseMemory),
     (schemas.ResumeMemoryIn, calls.ResumeMemory),
-    (weights_api.UpdateFromDiskIn, calls.UpdateWeightsFromDisk),
-    (weights_api.UpdateFromTensorIn, calls.UpdateWeightsFromTensor),
     (weights_api.InitGroupIn, calls.InitWeightsUpdateGroup),
-    (weights_api.UpdateFromDistributedIn, calls.UpdateWeightsFromDistributed),
     (weights_api.DestroyGroupIn, calls.DestroyWeightsUpdateGroup),
     (weight_checks_api.CheckWeightsIn, calls.CheckWeights),
     (profile_api.ProfileIn, calls.StartProfile),
@@ -61,6 +58,25 @@ def test_route_bodies_and_calls_agree_field_for_field(body: type[BaseModel], cal
     assert accepted == fields
     required = {f.name for f in msgspec.structs.fields(call) if f.required}
     assert required == {n for n, f in body.model_fields.items() if f.is_required()}
+
+
+def test_routes_that_decode_into_their_call_publish_its_schema(server: ServerProcess) -> None:
+    """The weight-update routes decode their JSON straight into the call: their OpenAPI body is the
+    call's schema, and a body that does not fit it is a 400 naming the field."""
+    with server.client() as http:
+        paths = http.get("/openapi.json").json()["paths"]
+        for path, call in [("/update_weights_from_disk", calls.UpdateWeightsFromDisk),
+                           ("/update_weights_from_tensor", calls.UpdateWeightsFromTensor),
+                           ("/update_weights_from_distributed", calls.UpdateWeightsFromDistributed)]:
+            schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            fields = {f.name for f in msgspec.structs.fields(call)} - {"call_id"}
+            assert set(schema["properties"]) == fields, path
+            assert set(schema["required"]) == {f.name for f in msgspec.structs.fields(call) if f.required}, path
+        bad = http.post("/update_weights_from_distributed", json={"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2**64]]})
+        assert bad.status_code == 400 and "$.shapes[0][0]" in bad.json()["error"]["message"]
+        bad = http.post("/update_weights_from_disk", json={"model_path": "x", "weight_version": True})
+        assert bad.status_code == 400 and "weight_version" in bad.json()["error"]["message"]
+        assert http.post("/update_weights_from_tensor", content=b"{").status_code == 400
 
 
 def test_engine_state_rides_on_every_reply(demo_dir: str, tmp_path) -> None:
