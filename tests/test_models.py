@@ -236,7 +236,7 @@ def test_partial_update_fills_packed_rows_in_place(qwen3_dir: str) -> None:
     model = build(qwen3_dir)
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
     address, before = qkv.data_ptr(), qkv.detach().clone()
-    k_rows = model.model.layers[0].self_attn.qkv_proj.shards["k_proj"]
+    k_rows = model.model.layers[0].self_attn.qkv_proj.rows["k_proj"]
     new_k = torch.randn(k_rows.stop - k_rows.start, 64, dtype=torch.bfloat16)  # cast on copy
     # lm_head.weight of a tied model is ignored, not refused.
     load_named_tensors(model, [("model.layers.0.self_attn.k_proj.weight", new_k), ("lm_head.weight", torch.ones(1))])

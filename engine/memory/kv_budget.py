@@ -12,18 +12,23 @@ import torch
 from engine.config import ConfigError, ModelConfig
 
 
-def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across all layers: K and V, each [block_size, num_kv_heads, head_dim]."""
+def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one KV block across all layers: K and V, each [block_size, num_kv_heads, head_dim]
+    (`num_kv_heads`: the heads this tensor-parallel rank holds; default all)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_layers * block_size * model_config.num_kv_heads * model_config.head_dim * elem
+    heads = model_config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * model_config.num_layers * block_size * heads * model_config.head_dim * elem
 
 
 def make_kv_cache(
-    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
-    """The KV cache, zeroed: [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """The KV cache, zeroed: [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
+    (`num_kv_heads`: this tensor-parallel rank's; default all)."""
     mc = model_config
-    shape = (mc.num_layers, 2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+    heads = mc.num_kv_heads if num_kv_heads is None else num_kv_heads
+    shape = (mc.num_layers, 2, num_blocks, block_size, heads, mc.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from engine.attention import ForwardContext
 from engine.config import ModelConfig
 from engine.models.rotary import RopeInputs, apply_rotary
+from engine.parallel import Shard, TensorParallel
 
 # Set to 0 to build models without the fused Triton ops (the torch ops run on CUDA too).
 FUSED_OPS_ENV = "SIESTA_FUSED_OPS"
@@ -61,13 +62,16 @@ def _skinny(x: torch.Tensor) -> ModuleType | None:
 
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); weight [out_features, in_features]; uninitialised until loaded.
-    `fused`: a CUDA forward of few rows (decode) runs the skinny Triton matmul."""
+    `fused`: a CUDA forward of few rows (decode) runs the skinny Triton matmul. `shards`: parameter
+    name -> the part of its checkpoint tensor this rank holds (none listed: all of it; the rules are
+    engine/parallel.py's)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.fused = fused
+        self.shards: dict[str, Shard] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skinny = _skinny(x) if self.fused else None
@@ -76,32 +80,63 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """A linear keeping this rank's columns of the input features: each rank's partial product is
+    summed by an all-reduce, then the bias (held whole by every rank) is added."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool, tp: TensorParallel) -> None:
+        shard = tp.even(in_features, f"input features of o/down_proj ({in_features})", dim=1)
+        super().__init__(shard.length, out_features, bias, fused)
+        self.tp = tp
+        if not shard.whole:
+            self.shards = {"weight": shard}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(x)
+        skinny = _skinny(x) if self.fused else None
+        y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
 class MergedLinear(Linear):
     """Several checkpoint linears with the same input packed along the output dim, run as one
-    matmul: e.g. q/k/v -> qkv_proj, gate/up -> gate_up_proj. `shards` maps each checkpoint
-    module name (`q_proj`) to its rows of `weight` (and `bias`); the weight loader copies into
-    those rows."""
+    matmul: e.g. q/k/v -> qkv_proj, gate/up -> gate_up_proj. `shards` (the constructor's) maps each
+    checkpoint module name (`q_proj`) to the part of its output features this rank holds, in
+    packing order; `rows` maps it to its rows of `weight` (and `bias`), which the loader fills."""
 
-    def __init__(
-        self, in_features: int, shards: dict[str, int], bias: bool = False, fused: bool = False
-    ) -> None:  # shards: checkpoint name -> output features, in packing order
-        super().__init__(in_features, sum(shards.values()), bias, fused)
-        self.shards: dict[str, slice] = {}
+    def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool = False, fused: bool = False) -> None:
+        super().__init__(in_features, sum(s.length for s in shards.values()), bias, fused)
+        self.rows: dict[str, slice] = {}
+        self.parts: dict[str, Shard] = shards
         start = 0
-        for name, size in shards.items():
-            self.shards[name] = slice(start, start + size)
-            start += size
+        for name, shard in shards.items():
+            self.rows[name] = slice(start, start + shard.length)
+            start += shard.length
 
 
 class Embedding(nn.Module):
-    """Token id -> row of weight [vocab_size, hidden]; uninitialised until loaded."""
+    """Token id -> row of weight [vocab rows, hidden]; uninitialised until loaded. With tensor
+    parallelism each rank holds `tp.vocab_shard` of the rows: ids outside it look up zero and an
+    all-reduce sums the ranks' rows."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.tp = tp or TensorParallel()
+        self.shard = self.tp.vocab_shard(num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(self.tp.vocab_rows(num_embeddings), embedding_dim), requires_grad=False
+        )
+        self.shards: dict[str, Shard] = {} if self.shard.whole else {"weight": self.shard}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.shard.start
+        inside = (local >= 0) & (local < self.shard.length)
+        rows = F.embedding(torch.where(inside, local, 0), self.weight) * inside[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(rows)
 
 
 class RMSNorm(nn.Module):
@@ -173,19 +208,19 @@ class Attention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         fused: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.layer_id = layer_id
         self.fused = fused
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias, fused
-        )
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias, fused)
+        self.head_dim = D = config.head_dim
+        self.num_heads = tp.split(config.num_heads, "num_attention_heads")  # this rank's
+        self.num_kv_heads = tp.kv_heads(config.num_kv_heads)
+        q = tp.even(config.num_heads * D, "q_proj rows")
+        kv = tp.kv_shard(config.num_kv_heads, D)
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, qkv_bias, fused)
+        self.o_proj = RowParallelLinear(config.num_heads * D, config.hidden_size, o_bias, fused, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
@@ -219,15 +254,15 @@ class MLP(nn.Module):
     CUDA forward of few rows computes gate_up and the activation in one skinny kernel."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool, fused: bool = False
+        self, hidden_size: int, intermediate_size: int, bias: bool, fused: bool = False, tp: TensorParallel | None = None
     ) -> None:
         super().__init__()
+        tp = tp or TensorParallel()
         self.fused = fused
-        self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias, fused
-        )
+        part = tp.even(intermediate_size, "intermediate_size")
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": part, "up_proj": part}, bias, fused)
         self.act = SiluAndMul(fused)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, fused)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, fused, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         skinny = _skinny(x) if self.fused else None

@@ -3,7 +3,8 @@ and Qwen3 (qwen2.py, qwen3.py) only change `DecoderOptions`.
 
 Parameter names match the Hugging Face checkpoints (`model.layers.0.self_attn.o_proj.weight`, ...)
 except the packed linears: `qkv_proj` holds q/k/v_proj, `gate_up_proj` holds gate/up_proj (see
-`MergedLinear.shards`).
+`MergedLinear.rows`). With tensor parallelism (`tp`) every rank builds its own slice of each
+parameter (engine/parallel.py has the rules) under the same names.
 
 Construction: `cls(config)` creates parameters in the current default dtype and on the current
 default device, so build it inside `torch.device(dev)` with `torch.set_default_dtype(dtype)` set;
@@ -35,6 +36,7 @@ from engine.models.layers import (
     fused_ops_default,
 )
 from engine.models.rotary import RopeInputs, RotaryEmbedding
+from engine.parallel import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -60,16 +62,16 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, layer_id: int, options: DecoderOptions, fused: bool = False
+        self, config: ModelConfig, layer_id: int, options: DecoderOptions, fused: bool, tp: TensorParallel
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         # Registered in Hugging Face's order: the weights region lays parameters out in it
         # (engine/weights/store.py), so a trainer's flattened bucket lands there in one piece.
         self.self_attn = Attention(
-            config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused
+            config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused, tp
         )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
 
@@ -92,12 +94,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, the decoder layers and the final norm; `model.` in checkpoint names."""
 
-    def __init__(self, config: ModelConfig, options: DecoderOptions, fused: bool = False) -> None:
+    def __init__(self, config: ModelConfig, options: DecoderOptions, fused: bool, tp: TensorParallel) -> None:
         super().__init__()
         self.fused = fused
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, options, fused) for i in range(config.num_layers)
+            DecoderLayer(config, i, options, fused, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         # One rotary table for all layers; cos/sin are looked up once per forward.
@@ -127,17 +129,18 @@ class LlamaForCausalLM(nn.Module):
     logits = model.compute_logits(hidden[rows]) -> [n, vocab] float32
     """
 
-    def __init__(self, config: ModelConfig, fused: bool | None = None) -> None:
+    def __init__(self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TensorParallel()
         self.fused = fused_ops_default() if fused is None else fused
-        self.model = DecoderModel(config, self.decoder_options(config), self.fused)
+        self.model = DecoderModel(config, self.decoder_options(config), self.fused, tp)
         # Tied: the logits reuse model.embed_tokens.weight and there is no lm_head parameter.
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        # Either way each rank holds the vocabulary rows `tp.vocab_shard` names.
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, tp.vocab_rows(config.vocab_size), bias=False)
+            self.lm_head.shards = self.model.embed_tokens.shards
 
     @classmethod
     def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
@@ -153,7 +156,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()  # [n, vocab rows of this rank]
+        if not self.tp.enabled:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
 
     def init_buffers(self) -> None:
         """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""

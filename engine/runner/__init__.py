@@ -3,7 +3,9 @@ process.
 
 - `model_runner.py`: `ModelRunner`, startup as a recipe (model, weights, KV cache, attention
   backend, sampler, graphs); `launch` queues a step on the device without waiting.
-- `step_inputs.py`: a scheduled batch packed into the step's input tensors.
+- `step_inputs.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
+  tensor-parallel rank runs) and sent to the device as the step's input tensors.
+- `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
 - `sampler.py`: greedy and random sampling, logprobs.
 - `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),

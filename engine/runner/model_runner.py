@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,16 +28,19 @@ from engine.memory.kv_budget import (
 )
 from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
+from engine.parallel import TensorParallel, device_for_rank
 from engine.request import Batch
 from engine.runner.cuda_graph import CudaGraphRunner
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
-from engine.runner.sampler import Sampler, SamplingBatch
+from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
 from engine.runner.step_inputs import (
     StepInputs,
+    StepPlan,
     Uploader,
     build_metadata,
-    build_step_inputs,
+    plan_step,
+    step_inputs,
 )
 from engine.weights.loader import load_checkpoint
 from engine.weights.store import WeightStore
@@ -70,11 +74,20 @@ class ModelRunner:
     KV cache inside the `kv_cache` region; 4. the attention backend (its workspaces), the graphs'
     static buffers and the captured decode graphs, inside the `cuda_graph` region; 5. the sampler."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel | None = None
+    ) -> None:
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.device = resolve_device(config.device)
+        self.tp = tp = tp or TensorParallel()
+        self.device = resolve_device(device_for_rank(config.device, tp.rank) if tp.enabled else config.device)
+        # This rank's heads (engine/parallel.py): the KV cache and attention hold only these.
+        self.num_heads = tp.split(model_config.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.kv_heads(model_config.num_kv_heads)
+        # Rank 0 hands each step's plan to the other ranks through this before it runs it.
+        self.fan_out: Callable[[StepPlan], None] | None = None
+        self._last_tokens: torch.Tensor | None = None  # [S] the tokens of the last step run
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
@@ -100,7 +113,9 @@ class ModelRunner:
 
         self.num_kv_blocks = self._num_kv_blocks()
         with self.memory.region("kv_cache"):
-            self.kv_cache = make_kv_cache(mc, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+            self.kv_cache = make_kv_cache(
+                mc, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
+            )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
 
@@ -117,7 +132,7 @@ class ModelRunner:
                 )
             if piecewise_sizes:
                 self.piecewise = PiecewiseGraphRunner(
-                    self.model, self.attn_backend, piecewise_sizes, mc.hidden_size, mc.num_heads, mc.head_dim,
+                    self.model, self.attn_backend, piecewise_sizes, mc.hidden_size, self.num_heads, mc.head_dim,
                     self.dtype, self.device, pool=pool,
                 )  # fmt: skip
         self.graph_bytes = 0  # the shared pool and every static buffer of both runners
@@ -135,7 +150,7 @@ class ModelRunner:
         return get_backend_class(self.backend_name)(
             kv_cache,
             scale=mc.head_dim**-0.5,
-            num_heads=mc.num_heads,
+            num_heads=self.num_heads,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
@@ -165,7 +180,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device("meta"):
-                model = cls(self.model_config)
+                model = cls(self.model_config, tp=self.tp)
         finally:
             torch.set_default_dtype(default_dtype)
         return model.eval()
@@ -173,7 +188,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype, self.num_kv_heads)
         # Never more blocks than max_num_seqs requests of full context length could use.
         max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
         if self.device.type == "cuda":
@@ -187,7 +202,9 @@ class ModelRunner:
             )
         else:
             budget = int(self.config.kv_cache_memory_gb * _GIB)
-        return num_kv_blocks_for_budget(budget, block_bytes, max_useful)
+        blocks = num_kv_blocks_for_budget(budget, block_bytes, max_useful)
+        # Every rank holds the same blocks (rank 0's scheduler hands them out): the fewest any has.
+        return self.tp.min_over_ranks(blocks, self.device)
 
     @torch.inference_mode()
     def _profile(self) -> GpuMemoryProfile:
@@ -202,7 +219,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         scratch = torch.empty(
-            (mc.num_layers, 2, sum(blocks), self.block_size, mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device
+            (mc.num_layers, 2, sum(blocks), self.block_size, self.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device
         )
         scratch_bytes = scratch.numel() * scratch.element_size()
         tables, first = [], 0
@@ -225,49 +242,60 @@ class ModelRunner:
         pieces = self._piecewise_sizes(budget)
         if pieces:  # their pool holds the activations of their largest size: at most the peak
             itemsize = torch.finfo(self.dtype).bits // 8
-            reserve += peak + pieces[-1] * (mc.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
+            reserve += peak + pieces[-1] * (self.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
         return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
 
     @torch.inference_mode()
     def launch(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue one step on the device and return without waiting for it. `previous` is the step
-        launched before this one, if its tokens are not read yet: a row whose input is one of
-        them takes it from the device. A decode step where every row samples replays a CUDA
-        graph when one fits. Stale weights (after a resume) are restored first."""
-        self.weights.ensure_current()
-        pending = previous.pending_tokens() if previous is not None else None
-        inputs = build_step_inputs(batch, self.block_size, self.upload, pending)
-        if not inputs.sample_rows:
-            self._eager(batch, inputs)
-            return LaunchedStep(batch, [], None)
-        every_row_samples = len(inputs.sample_rows) == len(batch)
-        if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            logits = self.model.compute_logits(self._eager(batch, inputs)[inputs.sample_indices])
-        reqs = [batch.requests[i] for i in inputs.sample_rows]
-        sampling = SamplingBatch.from_requests(reqs, self.device, self.upload)
-        return LaunchedStep(batch, reqs, self.sampler.sample(logits, sampling))
+        """Queue one step on the device and return without waiting for it (rank 0: it plans the
+        step, hands the plan to the other tensor-parallel ranks through `fan_out`, then runs it).
+        `previous` is the step launched before this one, if its tokens are not read yet: a row
+        whose input is one of them takes it from the device."""
+        plan = plan_step(batch, self.block_size, previous.pending_tokens() if previous is not None else None)
+        if self.fan_out is not None:
+            self.fan_out(plan)
+        samples, prompt_logprobs = self.run(plan)
+        for (i, q, _), lp in zip(plan.prompt_logprob_rows, prompt_logprobs, strict=True):
+            batch.requests[i].prompt_logprobs[q] = lp
+        return LaunchedStep(batch, [batch.requests[i] for i in plan.sample_rows], samples)
 
-    def _eager(self, batch: Batch, inputs: StepInputs) -> torch.Tensor:
-        """The forward without a full graph: hidden states [T, hidden], replayed from the
-        piecewise graphs when T fits them; prompt logprobs filled in."""
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[SampledOnDevice | None, list[float]]:
+        """Run a planned step on this rank: (its samples, None when no row samples; the prompt
+        logprobs it asked for). Stale weights (after a resume) are restored first. A decode step
+        where every row samples replays a CUDA graph when one fits. Pending input tokens come
+        from the tokens this rank sampled in the step it ran last."""
+        self.weights.ensure_current()
+        inputs = step_inputs(plan, self.upload, self._last_tokens)
+        samples = None
+        if not inputs.sample_rows:
+            _, prompt_logprobs = self._eager(plan, inputs)
+        else:
+            every_row_samples = len(inputs.sample_rows) == plan.num_seqs
+            if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
+                logits, prompt_logprobs = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta), []
+            else:
+                hidden, prompt_logprobs = self._eager(plan, inputs)
+                logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            assert plan.sampling is not None
+            samples = self.sampler.sample(logits, SamplingBatch.from_plan(plan.sampling, self.device, self.upload))
+        self._last_tokens = samples.token_ids if samples is not None else None
+        return samples, prompt_logprobs
+
+    def _eager(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, list[float]]:
+        """The forward without a full graph: (hidden states [T, hidden], the prompt logprobs the
+        plan asks for), replayed from the piecewise graphs when T fits them."""
         num_tokens = inputs.input_ids.shape[0]
         if self.piecewise is not None and self.piecewise.can_run(num_tokens):
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
-        if inputs.prompt_logprob_rows:
-            self._prompt_logprobs(batch, inputs, hidden)
-        return hidden
+        return hidden, self._prompt_logprobs(plan, hidden) if plan.prompt_logprob_rows else []
 
-    def _prompt_logprobs(self, batch: Batch, inputs: StepInputs, hidden: torch.Tensor) -> None:
-        """Fill `prompt_logprobs[q]` of the requests that asked: log p(prompt token q | tokens < q),
-        from the logits of token row q - 1 (one extra host sync, in steps that need it only)."""
-        rows = inputs.prompt_logprob_rows
-        index = torch.tensor([r for _, _, r in rows], device=self.device)
-        targets = torch.tensor([batch.requests[i].token_ids[q] for i, q, _ in rows], device=self.device)
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[float]:
+        """log p(prompt token q | tokens < q) for each (i, q, row) the plan lists, from the logits
+        of token row q - 1 (one extra host sync, in steps that need it only)."""
+        index = torch.tensor([r for _, _, r in plan.prompt_logprob_rows], device=self.device)
+        targets = torch.tensor(plan.prompt_logprob_targets, device=self.device)
         logits = self.model.compute_logits(hidden[index])  # [n, V] float32
-        values = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
-        for (i, q, _), lp in zip(rows, values, strict=True):
-            batch.requests[i].prompt_logprobs[q] = lp
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()

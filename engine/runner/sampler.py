@@ -16,25 +16,14 @@ lets a row draw q from its own generator.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
 from engine.runner.pinned import PinnedRing
+from engine.runner.sampling_plan import SamplingPlan
 from engine.runner.step_inputs import Uploader
-
-# A seeded row's noise at output step n comes from a generator seeded with
-# (seed * _SEED_STRIDE + n) & _SEED_MASK: the same for that (seed, n) whatever else is batched
-# with it, and again after a preemption recomputes the row.
-_SEED_STRIDE = 1_000_003
-_SEED_MASK = (1 << 63) - 1
-
-
-def step_seed(seed: int, num_output_tokens: int) -> int:
-    """Generator seed of a seeded request when it samples its output token `num_output_tokens`."""
-    return (seed * _SEED_STRIDE + num_output_tokens) & _SEED_MASK
 
 
 @dataclass
@@ -67,90 +56,44 @@ class SamplingBatch:
     def from_requests(
         cls, requests: list[Request], device: torch.device, upload: Uploader | None = None
     ) -> SamplingBatch:
-        """The step's sampling inputs, sent through `upload` (asynchronous: no host sync). The
-        engine passes its own; without one, a fresh `Uploader` (new pinned buffers) serves the call."""
-        params = [r.sampling_params for r in requests]
+        """The step's sampling inputs (`from_plan` of the requests' plan)."""
+        return cls.from_plan(SamplingPlan.from_requests(requests), device, upload)
+
+    @classmethod
+    def from_plan(cls, plan: SamplingPlan, device: torch.device, upload: Uploader | None = None) -> SamplingBatch:
+        """The plan on the device, sent through `upload` (asynchronous: no host sync). The engine
+        passes its own; without one, a fresh `Uploader` (new pinned buffers) serves the call."""
         upload = upload or Uploader(device)
+        n = len(plan.top_logprobs_nums)
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return upload.floats([values])[0]
+        def floats(values: list[float] | None) -> torch.Tensor | None:
+            return None if values is None else upload.floats([values])[0]
 
-        def pairs(rows: list[int], cols: list[int]) -> torch.Tensor:  # [2, N]: row ids, token ids
-            return upload([rows + cols])[0].view(2, len(rows))
+        def pairs(values: list[int] | None) -> torch.Tensor | None:  # [2, N]: row ids, token ids
+            return None if values is None else upload([values])[0].view(2, len(values) // 2)
 
-        greedy = [p.greedy for p in params]
-        seeds = [
-            (i, step_seed(p.seed, r.num_output_tokens))
-            for i, (r, p) in enumerate(zip(requests, params, strict=True))
-            if p.seed is not None and not greedy[i]
-        ]
-
-        rep = [p.repetition_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
-        use_rep = any(x != 1.0 for x in rep)
-        use_out = any(x != 0.0 for x in freq + pres)
-        seen_pairs = output_pairs = output_counts = None
-        if use_rep:
-            rows, cols = [], []
-            for i, r in enumerate(requests):
-                if rep[i] != 1.0:
-                    tokens = set(r.token_ids)
-                    rows += [i] * len(tokens)
-                    cols += tokens
-            seen_pairs = pairs(rows, cols)
-        if use_out:
-            rows, cols, counts = [], [], []
-            for i, r in enumerate(requests):
-                if freq[i] != 0.0 or pres[i] != 0.0:
-                    counter = Counter(r.output_token_ids)
-                    rows += [i] * len(counter)
-                    cols += counter.keys()
-                    counts += counter.values()
-            output_pairs = pairs(rows, cols)
-            output_counts = floats(counts)
-
-        # min_new_tokens: the tokens that would end the request are impossible until it has enough.
-        ban_rows: list[int] = []
-        ban_cols: list[int] = []
-        for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-            if r.num_output_tokens < p.min_new_tokens:
-                ended_by = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-                ban_rows += [i] * len(ended_by)
-                ban_cols += ended_by
-
-        bias_rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
-        bias = [pair for p in params for pair in p.logit_bias]
-
-        # The per-row scalars travel in one host-to-device copy: [5, B] float32 (top_k < 2**24 is exact).
-        rows = floats(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params]
-            + [float(g) for g in greedy]
-            + [float(max(p.top_k, 0)) for p in params]
-            + [p.top_p for p in params]
-            + [p.min_p for p in params]
-        ).view(5, len(params))
+        rows = upload.floats([plan.scalars])[0].view(5, n)  # one host-to-device copy
         return cls(
             temperatures=rows[0],
             greedy=rows[1] > 0.5,
             top_ks=rows[2].long(),
             top_ps=rows[3],
             min_ps=rows[4],
-            repetition_penalties=floats(rep) if use_rep else None,
-            frequency_penalties=floats(freq) if use_out else None,
-            presence_penalties=floats(pres) if use_out else None,
-            seen_pairs=seen_pairs,
-            output_pairs=output_pairs,
-            output_counts=output_counts,
-            banned_pairs=pairs(ban_rows, ban_cols) if ban_rows else None,
-            bias_pairs=pairs(bias_rows, [t for t, _ in bias]) if bias else None,
-            bias_values=floats([b for _, b in bias]) if bias else None,
-            seeds=seeds,
-            top_logprobs_nums=[p.top_logprobs_num for p in params],
-            all_greedy=all(greedy),
-            use_top_k=any(p.top_k > 1 and not g for p, g in zip(params, greedy, strict=True)),
-            use_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
-            use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True)),
+            repetition_penalties=floats(plan.repetition),
+            frequency_penalties=floats(plan.frequency),
+            presence_penalties=floats(plan.presence),
+            seen_pairs=pairs(plan.seen_pairs),
+            output_pairs=pairs(plan.output_pairs),
+            output_counts=floats(plan.output_counts),
+            banned_pairs=pairs(plan.banned_pairs),
+            bias_pairs=pairs(plan.bias_pairs),
+            bias_values=floats(plan.bias_values),
+            seeds=list(plan.seeds),
+            top_logprobs_nums=plan.top_logprobs_nums,
+            all_greedy=plan.all_greedy,
+            use_top_k=plan.use_top_k,
+            use_top_p=plan.use_top_p,
+            use_min_p=plan.use_min_p,
         )
 
     def __len__(self) -> int:

@@ -14,11 +14,13 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.request import Batch, Request
 from engine.runner.pinned import PinnedRing
+from engine.runner.sampling_plan import SamplingPlan
 
 
 @dataclass
@@ -87,9 +89,27 @@ class Uploader:
         return device
 
 
-def build_step_inputs(
-    batch: Batch, block_size: int, upload: Uploader, pending: PendingTokens | None = None
-) -> StepInputs:
+class StepPlan(msgspec.Struct, array_like=True):
+    """One step as plain numbers: what rank 0 schedules and every tensor-parallel rank runs.
+    `parts` are the integer lists uploaded in one copy: input ids, positions, sample indices,
+    pending-fill rows and their sources, then the attention metadata (query_start_loc, seq_lens,
+    slot_mapping, block tables padded to the widest and flattened row-major)."""
+
+    parts: list[list[int]]
+    num_seqs: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+    sample_rows: list[int]  # batch index of each request that samples
+    # Prompt logprobs asked for: (batch index, prompt position q, token row of q - 1), and prompt
+    # token q of each (the row's logits score it).
+    prompt_logprob_rows: list[tuple[int, int, int]]
+    prompt_logprob_targets: list[int]
+    sampling: SamplingPlan | None  # None when no row samples
+
+
+def plan_step(batch: Batch, block_size: int, pending: PendingTokens | None = None) -> StepPlan:
     """Request i runs its tokens num_computed_tokens .. + num_new_tokens[i]; its KV goes to the
     slots its block table gives; it samples iff that chunk reaches its last token. A chunk ending
     in a pending token (the one decode input the host may not know) reads it from `pending`."""
@@ -123,24 +143,52 @@ def build_step_inputs(
             sample_indices.append(len(input_ids) - 1)
     tables = [r.block_table for r in batch.requests]
     meta, meta_values = _metadata_values(ends, starts, tables, block_size)
-    views = upload([input_ids, positions, sample_indices, fill_rows, fill_from, *meta_values])
-    input_ids_d, positions_d, sample_indices_d, fill_rows_d, fill_from_d, qsl, seq_lens, slots, tables_flat = views
-    if fill_rows and pending is not None:
-        input_ids_d.index_copy_(0, fill_rows_d, pending.token_ids.index_select(0, fill_from_d))
+    sampling = SamplingPlan.from_requests([batch.requests[i] for i in sample_rows]) if sample_rows else None
+    return StepPlan(
+        parts=[input_ids, positions, sample_indices, fill_rows, fill_from, *meta_values],
+        num_seqs=len(tables),
+        sample_rows=sample_rows,
+        prompt_logprob_rows=prompt_rows,
+        prompt_logprob_targets=[batch.requests[i].token_ids[q] for i, q, _ in prompt_rows],
+        sampling=sampling,
+        **meta,
+    )
+
+
+def step_inputs(plan: StepPlan, upload: Uploader, pending_tokens: torch.Tensor | None = None) -> StepInputs:
+    """The plan on the device, in one copy; pending input ids taken from `pending_tokens` (the
+    previous step's sampled tokens [S] on the device)."""
+    views = upload(plan.parts)
+    input_ids, positions, sample_indices, fill_rows, fill_from, qsl, seq_lens, slots, tables_flat = views
+    if plan.parts[3]:
+        if pending_tokens is None:
+            raise RuntimeError("a step takes pending tokens but no step is in flight")
+        input_ids.index_copy_(0, fill_rows, pending_tokens.index_select(0, fill_from))
     return StepInputs(
-        input_ids=input_ids_d,
-        positions=positions_d,
+        input_ids=input_ids,
+        positions=positions,
         meta=AttentionMetadata(
             query_start_loc=qsl.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
-            block_tables=tables_flat.view(len(tables), -1).to(torch.int32),
+            block_tables=tables_flat.view(plan.num_seqs, -1).to(torch.int32),
             slot_mapping=slots,
-            **meta,
+            query_start_loc_cpu=plan.query_start_loc_cpu,
+            seq_lens_cpu=plan.seq_lens_cpu,
+            max_query_len=plan.max_query_len,
+            max_seq_len=plan.max_seq_len,
         ),
-        sample_rows=sample_rows,
-        sample_indices=sample_indices_d,
-        prompt_logprob_rows=prompt_rows,
+        sample_rows=plan.sample_rows,
+        sample_indices=sample_indices,
+        prompt_logprob_rows=plan.prompt_logprob_rows,
     )
+
+
+def build_step_inputs(
+    batch: Batch, block_size: int, upload: Uploader, pending: PendingTokens | None = None
+) -> StepInputs:
+    """`plan_step` then `step_inputs`, on one rank."""
+    plan = plan_step(batch, block_size, pending)
+    return step_inputs(plan, upload, pending.token_ids if pending is not None else None)
 
 
 def build_metadata(

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.layers import MergedLinear
+from engine.parallel import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,14 +39,33 @@ class WeightLoadError(ValueError):
 class _Target:
     """Where one checkpoint tensor goes: `rows` of a parameter (all of it when None); `view` is
     those bytes (contiguous either way), taken when the targets are listed: a model's parameters
-    never move after it is bound to its memory (engine/weights/store.py), so the list may be kept."""
+    never move after it is bound to its memory (engine/weights/store.py), so the list may be kept.
+    `shard`: the part of the checkpoint tensor this tensor-parallel rank holds (None: all of it)."""
 
     rows: slice | None
     view: torch.Tensor
+    shard: Shard | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.view.shape)
+        """The checkpoint tensor's (full) shape."""
+        shape = list(self.view.shape)
+        if self.shard is not None:
+            shape[self.shard.dim] = self.shard.total
+        return tuple(shape)
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor given whole (or already sliced)."""
+        s = self.shard
+        if s is None or tensor.shape[s.dim] == s.length:
+            return tensor
+        return tensor.narrow(s.dim, s.start, s.length)
+
+    @property
+    def dest(self) -> torch.Tensor:
+        """The bytes the rank's part fills (a padded vocabulary's last rank: its first rows)."""
+        s = self.shard
+        return self.view if s is None or self.view.shape[s.dim] == s.length else self.view.narrow(s.dim, 0, s.length)
 
 
 # ---- the model side ------------------------------------------------------------------------
@@ -58,12 +78,13 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
         prefix = module_name.rpartition(".")[0]
         for param_name, param in module.named_parameters(recurse=False):
             if isinstance(module, MergedLinear):
-                for shard, rows in module.shards.items():
-                    name = f"{prefix}.{shard}.{param_name}" if prefix else f"{shard}.{param_name}"
-                    targets[name] = _Target(rows, param.data[rows])
+                for part, rows in module.rows.items():
+                    name = f"{prefix}.{part}.{param_name}" if prefix else f"{part}.{param_name}"
+                    shard = module.parts[part]
+                    targets[name] = _Target(rows, param.data[rows], None if shard.whole else shard)
             else:
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                targets[name] = _Target(None, param.data)
+                targets[name] = _Target(None, param.data, getattr(module, "shards", {}).get(param_name))
     return targets
 
 
@@ -116,7 +137,8 @@ def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[s
     for name, tensor in pairs:
         if ignored(model, name):
             continue
-        dst = targets[name].view
+        target = targets[name]
+        dst, tensor = target.dest, target.source(tensor)
         if dst.is_cuda and tensor.is_cuda:
             on_device.append((dst, tensor))
         else:
@@ -166,12 +188,19 @@ def checkpoint_entries(path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
                 yield name, tuple(sl.get_shape()), sl.get_dtype()
 
 
-def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) of every tensor of the checkpoint, one file at a time."""
+def iterate_checkpoint(path: str, targets: dict[str, _Target] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) of every tensor of the checkpoint, one file at a time; of a tensor a
+    target holds one shard of, only that shard is read."""
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                target = targets.get(name) if targets is not None else None
+                shard = target.shard if target is not None else None
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)
+                    yield name, f.get_slice(name)[index]
 
 
 # ---- entry points --------------------------------------------------------------------------
@@ -182,7 +211,7 @@ def load_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | N
     the names written. `targets`: `checkpoint_targets(model)`, when the caller keeps it."""
     targets = targets if targets is not None else checkpoint_targets(model)
     _validate(model, targets, checkpoint_entries(path), require_all=True)
-    return _copy(model, targets, iterate_checkpoint(path))
+    return _copy(model, targets, iterate_checkpoint(path, targets))
 
 
 def validate_entries(

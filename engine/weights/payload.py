@@ -2,7 +2,8 @@
 slime) send it.
 
 Rules:
-- `serialized_named_tensors` holds one payload per tensor-parallel rank; a payload is the base64
+- `serialized_named_tensors` holds one payload per tensor-parallel rank (or one that every rank
+  reads); each holds full tensors, which every rank slices; a payload is the base64
   (utf-8 str) of a `multiprocessing.reduction.ForkingPickler` pickle. Tensors in it travel by
   reference: CUDA tensors as CUDA IPC handles, CPU tensors as shared memory. Nothing is copied
   until the engine copies the tensors into its parameters (engine.weights.loader.load_named_tensors).
@@ -264,11 +265,13 @@ def decode_update(serialized_named_tensors: list[str], load_format: str | None, 
     """The (name, tensor) pairs that `update_weights_from_tensor` carries for `tp_rank`."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: null, 'direct', 'flattened_bucket'")
-    if not isinstance(serialized_named_tensors, (list, tuple)) or not 0 <= tp_rank < len(serialized_named_tensors):
+    payloads = serialized_named_tensors
+    if not isinstance(payloads, (list, tuple)) or not payloads or (len(payloads) > 1 and not 0 <= tp_rank < len(payloads)):
         raise WeightPayloadError(
-            f"serialized_named_tensors must be a list with one payload per tp rank (need rank {tp_rank})"
+            f"serialized_named_tensors must be a list with one payload per tp rank, or one for all (need rank {tp_rank})"
         )
-    obj = deserialize_payload(serialized_named_tensors[tp_rank])
+    # One payload serves every rank; each rank keeps its slice of the full tensors in it.
+    obj = deserialize_payload(payloads[tp_rank if len(payloads) > 1 else 0])
     if load_format == "flattened_bucket":
         return unflatten_bucket(obj)
     return _as_pairs(obj, "payload", tp_rank)

@@ -217,6 +217,7 @@ class WeightUpdater:
         # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
         into = tuple(
             None if self.store.host is None or ignored(self.model, n) or targets[n].view.dtype != d
+            or targets[n].shard is not None  # a tensor-parallel rank keeps a slice of what arrives
             else targets[n].view
             for n, d in zip(names, parsed, strict=True)
         )
