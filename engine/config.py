@@ -197,9 +197,12 @@ class EngineConfig:
         default=None,
         metadata={"help": "largest step with prefill replayed from piecewise CUDA graphs (default: max-num-batched-tokens; 0: off)"},
     )
+    tp_size: int = field(
+        default=1, metadata={"help": "tensor-parallel ranks: one process per device (cuda:0 ..), NCCL on CUDA, gloo on CPU"}
+    )
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tp_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -218,3 +221,9 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence the engine serves: --max-model-len, at most the model's."""
+    limit = model_config.max_position_embeddings
+    return min(config.max_model_len or limit, limit)

@@ -95,13 +95,13 @@ class TensorParallel:
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] per rank -> [..., size * n], rank order along the last dim."""
+        """[n, m] per rank -> [n, size * m], the ranks' columns in rank order."""
         if not self.enabled:
             return x
-        parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(parts, x.contiguous())
-        return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
-
+        n, m = x.shape
+        parts = torch.empty((self.size * n, m), dtype=x.dtype, device=x.device)  # [size * n, m]
+        _all_gather_single(parts, x.contiguous())
+        return parts.view(self.size, n, m).permute(1, 0, 2).reshape(n, self.size * m)
 
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest `value` any rank has (startup: a size every rank can hold)."""
@@ -110,6 +110,10 @@ class TensorParallel:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+
+# torch 2.13 renamed all_gather_into_tensor; the GPU machines run 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def device_for_rank(device: str, rank: int) -> str:

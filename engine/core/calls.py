@@ -56,14 +56,16 @@ class MemoryReply(Reply):
     weights_stale_bytes: int
     seconds: float
     seconds_by_tag: dict[str, float]
+    # With several tensor-parallel ranks: what each did ({tp_rank, bytes, changed}).
+    ranks: list[dict[str, Any]] | None = None
 
 
-class ReleaseReply(MemoryReply):
+class ReleaseReply(MemoryReply, kw_only=True):
     bytes_freed: int
     host_copy_wait_seconds: float
 
 
-class ResumeReply(MemoryReply):
+class ResumeReply(MemoryReply, kw_only=True):
     success: bool
     refused: dict[str, dict[str, int]]  # tag -> {"bytes_needed", "bytes_free"}: left released
     bytes_restored: int

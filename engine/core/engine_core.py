@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, context_length
 from engine.core import calls
 from engine.core.availability import Availability
 from engine.core.checks import WeightCheckCalls
@@ -21,29 +21,41 @@ from engine.core.load import LoadCalls, LoadStats
 from engine.core.memory_calls import MemoryCalls
 from engine.core.profiler import ProfileCalls, StepProfiler
 from engine.core.protocol import AddRequest, RequestDelta
+from engine.core.rank import Rank
+from engine.core.ranks import Ranks
 from engine.core.scheduler import Scheduler
 from engine.core.weight_calls import WeightUpdateCalls
 from engine.limits import RequestLimits, prompt_error
 from engine.memory.kv_cache import BlockManager
 from engine.memory.regions import RELEASED, RESIDENT
+from engine.parallel import TensorParallel, device_for_rank, join_group
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
 from engine.runner.launched_step import LaunchedStep
-from engine.runner.model_runner import ModelRunner
-from engine.weights.updater import WeightUpdater
+from engine.runner.model_runner import resolve_device
 
 log = logging.getLogger("siesta.engine")
 
 
 class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", client_addr: str | None = None) -> None:
+        """`client_addr`: where a dead tensor-parallel worker is reported (engine/core/ranks.py)."""
         t0 = time.perf_counter()
         self.config = config
         self.model_config = ModelConfig.from_hf(config.model)
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.max_model_len = context_length(config, self.model_config)
+        # Tensor parallelism: the other ranks' workers start, every rank joins the group, then
+        # each builds its own Rank in step (their startup forwards run collectives).
+        tp = TensorParallel(0, config.tp_size)
+        self.ranks = Ranks.start(config, log_level, client_addr)
+        try:
+            join_group(tp, resolve_device(device_for_rank(config.device, 0) if tp.enabled else config.device),
+                       self.ranks.init_method)
+            self.rank = Rank(config, self.model_config, self.max_model_len, tp)
+            self.ranks.attach(self.rank)
+        except BaseException:
+            self.ranks.close()
+            raise
+        self.runner = self.rank.runner
         self.block_manager = BlockManager(
             self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -59,7 +71,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         # The step launched last and not read yet (overlap scheduling); None between steps
         # when overlap is off, and always before a control call runs.
         self.in_flight: LaunchedStep | None = None
-        self.updater = WeightUpdater(self.runner.weights, config)
+        self.updater = self.rank.updater
         self.profiler = StepProfiler(self.runner.device)
         self.load_stats = LoadStats()
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
@@ -150,11 +162,14 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         return deltas
 
     def after_reply(self) -> None:
-        """Run once a control call's reply is sent: the host copy of weights an update wrote
-        starts refreshing now, off the update's answer (engine/weights/store.py), and what the
-        update's receive leaves behind is freed."""
-        self.updater.after_reply()
-        self.runner.weights.refresh_host()
+        """Run once a control call's reply is sent, on every rank: the host copy of weights an
+        update wrote starts refreshing now, off the update's answer (engine/weights/store.py), and
+        what the update's receive leaves behind is freed."""
+        self.ranks.after_reply()
+
+    def close(self) -> None:
+        """Stop the other ranks' workers."""
+        self.ranks.close()
 
     def has_work(self) -> bool:
         """A step may run (not paused, every tag resident: one forward sees all of them), or one
@@ -211,6 +226,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             "architecture": mc.architecture,
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "device": str(self.runner.device),
+            "tp_size": self.config.tp_size,
             "max_context_length": self.max_model_len,
             "vocab_size": mc.vocab_size,
             "eos_token_ids": list(mc.eos_token_ids),

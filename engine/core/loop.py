@@ -57,7 +57,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         outbox.send(encoder.encode(msg))
 
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, log_level, out_addr)
     except Exception as e:  # the client raises this text; the process exits non-zero
         send(Failed(error=f"{type(e).__name__}: {e}"))
         log.error("engine core failed to start:\n%s", traceback.format_exc())
@@ -102,6 +102,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
         send(Failed(error=f"engine core died: {type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     finally:
+        core.close()
         inbox.close()
         outbox.close()
         ctx.term()

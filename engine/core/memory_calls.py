@@ -9,7 +9,8 @@ from typing import Any
 
 from engine.core import calls
 from engine.core.deferred import Deferred
-from engine.memory.regions import RESIDENT, check_tags
+from engine.core.rank_protocol import DescribeMemory, PlanResume, ReleaseTags, ResumeTags
+from engine.memory.regions import check_tags
 
 log = logging.getLogger("siesta.engine")
 
@@ -36,20 +37,19 @@ class MemoryCalls:
         return Deferred(ready=lambda: self.scheduler.num_running == 0, run=lambda: self._release(names))
 
     def _release(self, tags: list[str]) -> calls.ReleaseReply:
+        """Every rank pauses the tags (`Rank.release`: the weights' host copy completed first);
+        the answer counts the bytes every rank freed."""
         t0 = time.perf_counter()
         self.availability.draining = False
         if "kv_cache" in tags:
             self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
-        host_wait = 0.0
-        if "weights" in tags and self.memory.enabled and self.memory.state["weights"] == RESIDENT:
-            host_wait = self.runner.weights.released()  # waits for the host copy; every piece goes stale
-        change = self.memory.release(tags)
-        changed, freed = change.changed, change.bytes
+        done = self.ranks.run(ReleaseTags(tags))
+        changed, freed = done[0]["changed"], sum(r["bytes"] for r in done)
         seconds = time.perf_counter() - t0
         log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
         return calls.ReleaseReply(
-            **self._memory_answer(changed), bytes_freed=freed, seconds=seconds, seconds_by_tag=change.seconds_by_tag,
-            host_copy_wait_seconds=host_wait,
+            **self._memory_answer(changed, done), bytes_freed=freed, seconds=seconds,
+            seconds_by_tag=done[0]["seconds_by_tag"], host_copy_wait_seconds=max(r["host_copy_wait_seconds"] for r in done),
         )
 
     def resume_memory_occupation(self, call: calls.ResumeMemory) -> calls.ResumeReply | Deferred:
@@ -60,45 +60,63 @@ class MemoryCalls:
         names, wait_for_memory_s = check_tags(call.tags), call.wait_for_memory_s
         if not 0.0 <= wait_for_memory_s <= MAX_WAIT_FOR_MEMORY_S:
             raise ValueError(f"wait_for_memory_s must be in [0, {MAX_WAIT_FOR_MEMORY_S:.0f}], got {wait_for_memory_s}")
-        if wait_for_memory_s > 0 and self.memory.plan_resume(names)[1]:
+        if wait_for_memory_s > 0 and self._no_room(names):
             deadline = time.monotonic() + wait_for_memory_s
             return Deferred(
-                ready=lambda: time.monotonic() >= deadline or not self.memory.plan_resume(names)[1],
+                ready=lambda: time.monotonic() >= deadline or not self._no_room(names),
                 run=lambda: self._resume(names),
             )
         return self._resume(names)
 
+    def _no_room(self, tags: list[str]) -> dict[str, dict[str, int]]:
+        """The released tags some rank has no room for now: {tag: {bytes_needed, bytes_free}} (the
+        first rank's that refused it, with `tp_rank` when there are several)."""
+        refused: dict[str, dict[str, int]] = {}
+        for rank, found in enumerate(self.ranks.run(PlanResume(tags))):
+            for tag, need in found.items():
+                refused.setdefault(tag, need | ({"tp_rank": rank} if self.ranks.size > 1 else {}))
+        return refused
+
     def _resume(self, tags: list[str]) -> calls.ResumeReply:
-        """Map the tags' pages. Weights are not copied back here: the first forward restores
-        what no update has written by then (engine/weights/store.py)."""
+        """Map the tags' pages on every rank, a tag only where every rank has room for it (one
+        that a rank's probe refuses after others mapped it is released again there). Weights are
+        not copied back here: the first forward restores what no update has written by then
+        (engine/weights/store.py)."""
         t0 = time.perf_counter()
-        change = self.memory.resume(tags)
-        changed, restored = change.changed, change.bytes
+        refused = self._no_room(tags) if self.ranks.size > 1 else {}
+        done = self.ranks.run(ResumeTags([t for t in tags if t not in refused]))
+        for rank, r in enumerate(done):
+            for tag, need in r["refused"].items():
+                refused.setdefault(tag, need | ({"tp_rank": rank} if self.ranks.size > 1 else {}))
+        if self.ranks.size > 1 and any(t in refused for r in done for t in r["changed"]):
+            self.ranks.run(ReleaseTags(list(refused)))
+        changed = [t for t in done[0]["changed"] if t not in refused]
+        restored = sum(r["bytes"] for r in done)
         seconds = time.perf_counter() - t0
         log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
-        if change.refused:
-            log.warning("resume left %s released: not enough free device memory %s", list(change.refused), change.refused)
+        if refused:
+            log.warning("resume left %s released: not enough free device memory %s", list(refused), refused)
         return calls.ResumeReply(
-            **self._memory_answer(changed), success=not change.refused, refused=change.refused,
-            bytes_restored=restored, seconds=seconds, seconds_by_tag=change.seconds_by_tag,
+            **self._memory_answer(changed, done), success=not refused, refused=refused,
+            bytes_restored=restored, seconds=seconds, seconds_by_tag=done[0]["seconds_by_tag"],
         )
 
     def memory_occupation(self, call: calls.GetMemoryOccupation | None = None) -> dict[str, Any]:
-        store = self.runner.weights
-        return self.memory.describe() | {
+        """Rank 0's regions at the top level (as at tp_size 1); with several ranks, each rank's
+        under `ranks`."""
+        ranks = self.ranks.run(DescribeMemory())
+        answer = {k: v for k, v in ranks[0].items() if k not in ("tp_rank", "device")} | {
             "weights_backup": self.config.weights_backup,
-            "weights_host_copy_bytes": store.host_bytes,
             "weights_valid": self.availability.weights_valid,
-            "weights_stale_bytes": store.stale_bytes,
-            "last_weights_restore": dict(store.last_restore),
-            "last_host_copy_refresh": dict(store.last_refresh),
         }
+        return answer | ({"ranks": ranks} if self.ranks.size > 1 else {})
 
-    def _memory_answer(self, changed: list[str]) -> dict[str, Any]:
+    def _memory_answer(self, changed: list[str], done: list[dict[str, Any]]) -> dict[str, Any]:
+        per_rank = [{"tp_rank": i, "bytes": r["bytes"], "changed": r["changed"]} for i, r in enumerate(done)]
         return {
             "tags": dict(self.memory.state),
             "changed": changed,
             "memory_saver": self.memory.enabled,
             "weights_valid": self.availability.weights_valid,
             "weights_stale_bytes": self.runner.weights.stale_bytes,
-        }
+        } | ({"ranks": per_rank} if len(done) > 1 else {})

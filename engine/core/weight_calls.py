@@ -12,6 +12,13 @@ from typing import Any
 
 from engine.core import calls
 from engine.core.deferred import Deferred
+from engine.core.rank_protocol import (
+    AbortUpdate,
+    ApplyUpdate,
+    JoinGroup,
+    LeaveGroup,
+    ValidateUpdate,
+)
 from engine.memory.regions import RESIDENT
 
 log = logging.getLogger("siesta.engine")
@@ -26,35 +33,43 @@ class WeightUpdateCalls:
 
     def update_weights_from_disk(self, call: calls.UpdateWeightsFromDisk) -> Deferred:
         self.updater.check_path(call.model_path)  # refuse at once, not after the wait
-        return self._update_when_idle(call, lambda: self.updater.from_disk(call.model_path), call.model_path)
+        return self._update_when_idle(call, lambda: self._write(call), call.model_path)
 
     def update_weights_from_tensor(self, call: calls.UpdateWeightsFromTensor) -> Deferred:
-        return self._update_when_idle(
-            call, lambda: self.updater.from_tensor(call.serialized_named_tensors, call.load_format), "tensors"
-        )
+        return self._update_when_idle(call, lambda: self._write(call), "tensors")
 
     def init_weights_update_group(self, call: calls.InitWeightsUpdateGroup) -> calls.GroupReply:
-        self.updater.init_group(
-            master_address=call.master_address, master_port=call.master_port, rank_offset=call.rank_offset,
-            world_size=call.world_size, group_name=call.group_name, backend=call.backend,
-        )
-        return calls.GroupReply(
-            success=True, message=f"joined group {call.group_name!r} as rank {call.rank_offset} of {call.world_size}"
-        )
+        """Every rank joins, as rank_offset + its tensor-parallel rank (SGLang's convention)."""
+        self.ranks.run(JoinGroup(call))
+        last = call.rank_offset + self.ranks.size - 1
+        ranks = f"rank {call.rank_offset}" if last == call.rank_offset else f"ranks {call.rank_offset}..{last}"
+        return calls.GroupReply(success=True, message=f"joined group {call.group_name!r} as {ranks} of {call.world_size}")
 
     def update_weights_from_distributed(self, call: calls.UpdateWeightsFromDistributed) -> Deferred:
         if call.load_format not in DISTRIBUTED_FORMATS:  # refuse at once: the trainer must not broadcast
             raise ValueError(f"unknown load_format {call.load_format!r}; valid: null, 'flattened_bucket'")
 
-        def load() -> str:
-            self.updater.from_distributed(call.group_name, call.names, call.dtypes, call.shapes, call.load_format)
-            return self.updater.route
-
-        return self._update_when_idle(call, load, f"group {call.group_name!r}")
+        return self._update_when_idle(call, lambda: self._write(call), f"group {call.group_name!r}")
 
     def destroy_weights_update_group(self, call: calls.DestroyWeightsUpdateGroup) -> calls.GroupReply:
-        self.updater.destroy_group(call.group_name)
+        self.ranks.run(LeaveGroup(call.group_name))
         return calls.GroupReply(success=True, message=f"left group {call.group_name!r}")
+
+    def _write(self, call: WeightUpdate) -> str | None:
+        """Every rank validates the update against its own slice of the model before any rank
+        writes a byte (one rank's bad tensor: nothing written anywhere); then every rank writes.
+        A write that fails on one rank of several makes the written pieces stale on every rank,
+        so all of them go back to the old weights (from the host copy). Returns how a
+        process-group update's bytes arrived."""
+        try:
+            self.ranks.run(ValidateUpdate(call))
+            done = self.ranks.run(ApplyUpdate(call))
+        except BaseException:
+            names = call.names if isinstance(call, calls.UpdateWeightsFromDistributed) else None
+            self.ranks.run(AbortUpdate(names if self.ranks.size > 1 else []))
+            raise
+        self.updater.phases = done[0]["phases"]
+        return done[0]["route"]
 
     def _update_when_idle(self, call: WeightUpdate, load: Callable[[], Any], source: str) -> Deferred:
         """Run `load` once no request runs (aborting them when asked; at once while paused, as RL

@@ -214,6 +214,12 @@ def load_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | N
     return _copy(model, targets, iterate_checkpoint(path, targets))
 
 
+def validate_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> None:
+    """Check every header of a full checkpoint directory against `model` (nothing else is read)."""
+    targets = targets if targets is not None else checkpoint_targets(model)
+    _validate(model, targets, checkpoint_entries(path), require_all=True)
+
+
 def validate_entries(
     model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]], targets: dict[str, _Target] | None = None,
 ) -> dict[str, _Target]:

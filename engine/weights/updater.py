@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.weights.loader import ignored, load_checkpoint, load_named_tensors, validate_entries
+from engine.parallel import TensorParallel
+from engine.weights.loader import (
+    ignored,
+    load_checkpoint,
+    load_named_tensors,
+    validate_checkpoint,
+    validate_entries,
+)
 from engine.weights.store import WeightStore
 
 
@@ -57,8 +64,10 @@ def allowed_dirs(config: EngineConfig) -> list[str]:
 
 
 class WeightUpdater:
-    def __init__(self, store: WeightStore, config: EngineConfig) -> None:
+    def __init__(self, store: WeightStore, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.store = store
+        self.tp = tp or TensorParallel()
+        self._staged: list[tuple[str, torch.Tensor]] | None = None  # a payload decoded and validated
         self.model = store.model
         self.device = store.device
         self.allowed = allowed_dirs(config)
@@ -88,12 +97,33 @@ class WeightUpdater:
         self._copied()
         return self._done(written)
 
-    def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
+    def validate_disk(self, model_path: str) -> None:
+        """Check a checkpoint's headers against the model (nothing is read but headers)."""
+        validate_checkpoint(self.model, self.check_path(model_path), self.store.targets)
+
+    def stage_tensors(self, serialized_named_tensors: list[str], load_format: str | None) -> None:
+        """Decode this rank's payload (one per rank, or one for all) and check it against the
+        model; `from_staged` writes it."""
         from engine.weights.payload import decode_update
 
+        count = len(serialized_named_tensors) if isinstance(serialized_named_tensors, list) else 0
+        if count not in (1, self.tp.size):
+            raise ValueError(
+                f"serialized_named_tensors has {count} payloads; send one per tensor-parallel rank "
+                f"({self.tp.size}) or one for all"
+            )
+        self._staged = None
         self._start()
-        pairs = decode_update(serialized_named_tensors, load_format)
+        pairs = decode_update(serialized_named_tensors, load_format, self.tp.rank)
         self._phase("receive")
+        validate_entries(self.model, ((n, tuple(t.shape), t.dtype) for n, t in pairs), self.store.targets)
+        self._staged = pairs
+
+    def from_staged(self) -> int:
+        """Write the tensors `stage_tensors` decoded."""
+        pairs, self._staged = self._staged, None
+        if pairs is None:
+            raise RuntimeError("no staged tensors to write")
         written = load_named_tensors(self.model, pairs, require_all=False, targets=self.store.targets)
         self._copied()
         # Close the CUDA IPC handles (or shared memory) now, before the host-copy refresh is
@@ -101,6 +131,17 @@ class WeightUpdater:
         del pairs
         self._phase("close_handles")
         return self._done(written)
+
+    def drop_staged(self) -> None:
+        """Forget a staged payload (its CUDA IPC handles close)."""
+        self._staged = None
+
+    def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
+        self.stage_tensors(serialized_named_tensors, load_format)
+        return self.from_staged()
+
+    def validate_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        self._meta(names, dtypes, shapes)
 
     def _start(self) -> None:
         self.phases = {}
@@ -136,8 +177,9 @@ class WeightUpdater:
         if self._groups is not None:
             self._groups.drop_finished()
 
-    def init_group(self, **kwargs: Any) -> None:
-        self.groups.init(device=self.device, **kwargs)
+    def init_group(self, rank_offset: int, **kwargs: Any) -> None:
+        """Join the trainer's group as rank `rank_offset` + this tensor-parallel rank (SGLang's)."""
+        self.groups.init(device=self.device, rank_offset=rank_offset + self.tp.rank, **kwargs)
 
     def from_distributed(
         self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
