@@ -99,7 +99,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
                 return
     except Exception as e:
         log.error("engine core died:\n%s", traceback.format_exc())
-        send(Failed(error=f"engine core died: {type(e).__name__}: {e}"))
+        send(Failed(error=f"engine core died: {core.ranks.death() or f'{type(e).__name__}: {e}'}"))
         raise SystemExit(1) from None
     finally:
         core.close()

@@ -91,6 +91,11 @@ class Ranks:
         threading.Thread(target=ranks._watch, args=(client_addr,), name="siesta-rank-watchdog", daemon=True).start()
         return ranks
 
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes of ranks 1 .. size - 1."""
+        return [p.pid for p in self._procs]
+
     def attach(self, local: Rank) -> None:
         """Rank 0's own `Rank` is built: wait until every worker has built its own."""
         self.local = local
@@ -147,6 +152,18 @@ class Ranks:
         return results
 
     # ---- the workers' lives -----------------------------------------------------------------------
+
+    def death(self, wait_s: float = 1.0) -> str | None:
+        """Why the engine died when a worker did (a collective with it failed first), else None."""
+        deadline = time.monotonic() + wait_s
+        while self._procs:
+            for r, p in enumerate(self._procs, start=1):
+                if p.poll() is not None:
+                    return f"tensor-parallel rank {r} exited with code {p.returncode}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return None
 
     def _watch(self, client_addr: str | None) -> None:
         while True:

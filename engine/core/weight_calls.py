@@ -63,6 +63,10 @@ class WeightUpdateCalls:
         process-group update's bytes arrived."""
         try:
             self.ranks.run(ValidateUpdate(call))
+        except BaseException:
+            self.ranks.run(AbortUpdate([]))  # nothing was written: only staged payloads go
+            raise
+        try:
             done = self.ranks.run(ApplyUpdate(call))
         except BaseException:
             names = call.names if isinstance(call, calls.UpdateWeightsFromDistributed) else None

@@ -1,0 +1,243 @@
+"""Tensor parallelism on the CPU: two ranks (two processes joined by gloo) against one rank and
+transformers, for every architecture (tied and untied embeddings, q/k/v biases, one KV head
+replicated across ranks, a vocabulary the ranks split unevenly); the loader reading only each
+rank's slice; release/resume and every weight update on both ranks over HTTP, all or nothing;
+a killed rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from oracle import hf_greedy
+from server_util import BackgroundStream, ServerProcess, free_port
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from engine import Engine, EngineDeadError, SamplingParams
+from engine.config import ModelConfig
+from engine.models import get_model_class
+from engine.parallel import TensorParallel
+from engine.weights.loader import checkpoint_targets, iterate_checkpoint
+
+PROMPTS = [[5, 9, 13, 200, 7], [7] * 20, list(range(30, 70))]
+N = 16
+GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True, logprobs=True)
+KNOBS = dict(device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen2-shaped, untied, with a vocabulary of 509: rank 1 of 2 holds 254 rows and a pad row."""
+    from engine.demo_model import save_tokenizer
+
+    torch.manual_seed(5)
+    config = Qwen2Config(vocab_size=509, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    path = str(tmp_path_factory.mktemp("odd_vocab"))
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+def _run(model_dir: str, tp: int) -> tuple[list[list[int]], list[list[float]]]:
+    with Engine(model=model_dir, tp_size=tp, **KNOBS) as llm:
+        outs = llm.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        info = llm.get_server_info()
+        assert info["tp_size"] == tp and len(info["tp_worker_pids"]) == tp - 1
+        assert info["kv_blocks_free"] == info["kv_blocks_total"]
+    return [o.output_ids for o in outs], [[lp for lp, _ in o.output_token_logprobs] for o in outs]
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3", "mistral", "odd_vocab"])
+def test_two_ranks_equal_one_rank_and_transformers(which: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(f"{which}_dir")
+    expected = hf_greedy(model_dir, PROMPTS, N)
+    one_ids, one_lps = _run(model_dir, 1)
+    two_ids, two_lps = _run(model_dir, 2)
+    assert one_ids == expected
+    assert two_ids == expected
+    for a, b in zip(one_lps, two_lps, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_each_rank_reads_only_its_slice(odd_vocab_dir: str) -> None:
+    """The loader hands each rank its part of a sharded tensor, read as a slice of the file."""
+    config = ModelConfig.from_hf(odd_vocab_dir)
+    full = dict(iterate_checkpoint(odd_vocab_dir))
+    for rank in (0, 1):
+        with torch.device("meta"):
+            model = get_model_class(config.architecture)(config, tp=TensorParallel(rank, 2))
+        targets = checkpoint_targets(model)
+        got = dict(iterate_checkpoint(odd_vocab_dir, targets))
+        q = "model.layers.0.self_attn.q_proj.weight"  # 64 rows of 16-dim heads: 32 per rank
+        assert torch.equal(got[q], full[q][rank * 32 : (rank + 1) * 32])
+        o = "model.layers.0.self_attn.o_proj.weight"  # row-parallel: input columns split
+        assert torch.equal(got[o], full[o][:, rank * 32 : (rank + 1) * 32])
+        lm = "lm_head.weight"  # 509 rows: 255 on rank 0, 254 (and a pad row) on rank 1
+        assert got[lm].shape[0] == (255, 254)[rank] and torch.equal(got[lm], full[lm][rank * 255 : rank * 255 + got[lm].shape[0]])
+        assert targets[lm].view.shape[0] == 255 and targets[lm].shape == tuple(full[lm].shape)
+        norm = "model.norm.weight"  # replicated
+        assert torch.equal(got[norm], full[norm])
+
+
+# ---- over HTTP: release/resume and weight updates on both ranks -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    log = str(tmp_path_factory.mktemp("logs") / "tp_server.log")
+    proc = ServerProcess(qwen3_dir, "--max-model-len", "512", "--tp-size", "2", log_path=log)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_dir: str, qwen3_next_dir: str) -> dict[str, list[list[int]]]:
+    return {"old": hf_greedy(qwen3_dir, PROMPTS, N), "new": hf_greedy(qwen3_next_dir, PROMPTS, N)}
+
+
+def _generate(http: httpx.Client) -> list[list[int]]:
+    body = {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return [o["output_ids"] for o in r.json()]
+
+
+def test_release_and_resume_on_both_ranks(server: ServerProcess, expected) -> None:
+    with server.client() as http:
+        assert _generate(http) == expected["old"]
+        occupation = http.get("/memory_occupation").json()
+        assert [r["tp_rank"] for r in occupation["ranks"]] == [0, 1]
+        released = http.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}).json()
+        assert released["changed"] == ["kv_cache", "weights"]
+        assert [r["changed"] for r in released["ranks"]] == [["kv_cache", "weights"]] * 2
+        refused = http.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}})
+        assert refused.status_code == 503 and "weights" in refused.json()["error"]["message"]
+        occupation = http.get("/memory_occupation").json()
+        assert all(r["tags"]["weights"]["state"] == "released" for r in occupation["ranks"])
+        resumed = http.post("/resume_memory_occupation", json={}).json()
+        assert resumed["success"] is True and resumed["changed"] == ["weights", "kv_cache"]
+        assert [r["changed"] for r in resumed["ranks"]] == [["weights", "kv_cache"]] * 2
+        assert _generate(http) == expected["old"]
+        # A release that waits for a running request, then a resume: the request finished first.
+        stream = BackgroundStream(server.url, {"input_ids": PROMPTS[1], "stream": True,
+                                               "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
+        assert stream.started()
+        assert http.post("/release_memory_occupation", json={}).status_code == 200
+        assert stream.join()["finish_reason"]["type"] == "length"
+        assert http.post("/resume_memory_occupation", json={}).json()["success"] is True
+        assert _generate(http) == expected["old"]
+
+
+def test_updates_from_disk_and_tensor_on_both_ranks(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    from engine.weights.payload import serialize_named_tensors
+
+    pairs = _trainer_pairs(qwen3_next_dir)
+    with server.client() as http:
+        r = http.post("/update_weights_from_disk", json={"model_path": qwen3_next_dir})
+        assert r.status_code == 200, r.text
+        assert _generate(http) == expected["new"]
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        assert _generate(http) == expected["old"]
+        # One payload per rank, rank 1's with one bad tensor: refused, and neither rank wrote a byte.
+        name, tensor = pairs[3]
+        bad = [(n, t[:-1] if n == name else t) for n, t in pairs]
+        r = http.post("/update_weights_from_tensor",
+                      json={"serialized_named_tensors": [serialize_named_tensors(pairs), serialize_named_tensors(bad)]})
+        assert r.status_code == 400 and "rank 1" in r.json()["error"]["message"] and name in r.json()["error"]["message"]
+        assert _generate(http) == expected["old"]
+        three = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["x", "y", "z"]})
+        assert three.status_code == 400 and "one per tensor-parallel rank" in three.json()["error"]["message"]
+        # One payload per rank, then one that both ranks read: each rank keeps its slice.
+        per_rank = [serialize_named_tensors(pairs), serialize_named_tensors(pairs)]
+        assert http.post("/update_weights_from_tensor", json={"serialized_named_tensors": per_rank}).status_code == 200
+        assert _generate(http) == expected["new"]
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        shared = [serialize_named_tensors(pairs)]
+        assert http.post("/update_weights_from_tensor", json={"serialized_named_tensors": shared}).status_code == 200
+        assert _generate(http) == expected["new"]
+        # Released and resumed: both ranks bring back the new weights from their host copies.
+        http.post("/release_memory_occupation", json={})
+        http.post("/resume_memory_occupation", json={})
+        assert _generate(http) == expected["new"]
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        assert _generate(http) == expected["old"]
+
+
+def _trainer_pairs(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
+
+
+def test_update_from_distributed_joins_every_rank(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    """The trainer is rank 0 of a group of 1 + 2: the engine's ranks join as rank_offset + tp_rank."""
+    from engine.weights.groups import broadcast_from_trainer, trainer_group
+
+    pairs = _trainer_pairs(qwen3_next_dir)
+    port = free_port()
+    group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+             "group_name": "tp-group", "backend": "gloo"}
+    with server.client() as http:
+        answers: list = []
+        joiner = threading.Thread(target=lambda: answers.append(http.post("/init_weights_update_group", json=group)))
+        joiner.start()
+        handle = trainer_group("127.0.0.1", port, 3, "tp-group", "gloo", timeout_s=60)
+        joiner.join(60)
+        assert answers[0].status_code == 200 and "ranks 1..2" in answers[0].json()["message"], answers[0].text
+        meta = {"names": [n for n, _ in pairs], "dtypes": ["float32"] * len(pairs),
+                "shapes": [list(t.shape) for _, t in pairs], "group_name": "tp-group", "weight_version": "tp-1"}
+        for load_format, weights in ((None, pairs), ("flattened_bucket", _trainer_pairs(qwen3_dir))):
+            updater = threading.Thread(target=lambda f=load_format: answers.append(
+                http.post("/update_weights_from_distributed", json=meta | {"load_format": f})))
+            updater.start()
+            broadcast_from_trainer(handle, weights, load_format)
+            updater.join(60)
+            assert answers[-1].status_code == 200, answers[-1].text
+            assert _generate(http) == (expected["new"] if weights is pairs else expected["old"])
+        assert http.post("/destroy_weights_update_group", json={"group_name": "tp-group"}).status_code == 200
+
+
+def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
+    server = ServerProcess(qwen3_dir, "--max-model-len", "512", "--tp-size", "2")
+    try:
+        info = httpx.get(f"{server.url}/get_server_info").json()
+        worker, engine = info["tp_worker_pids"][0], info["engine_pid"]
+        stream = BackgroundStream(server.url, {"input_ids": PROMPTS[1], "stream": True,
+                                               "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+        assert stream.started()
+        os.kill(worker, signal.SIGKILL)
+        # The running request ends with an error, not a hang; health says 503; nothing is left over.
+        stream._thread.join(10)
+        assert not stream._thread.is_alive()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            time.sleep(0.05)
+        health = httpx.get(f"{server.url}/health", timeout=2)
+        assert health.status_code == 503 and "rank 1" in health.text, health.text
+        server.proc.wait(timeout=15)
+        assert server.proc.returncode not in (0, None)
+        assert not os.path.exists(f"/proc/{engine}") or "Z" in open(f"/proc/{engine}/stat").read().split()[2]
+    finally:
+        server.stop()
+
+
+def test_engine_api_raises_when_a_rank_dies(qwen3_dir: str) -> None:
+    with Engine(model=qwen3_dir, tp_size=2, **KNOBS) as llm:
+        os.kill(llm.get_server_info()["tp_worker_pids"][0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            for _ in range(100):
+                llm.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert time.monotonic() - t0 < 15
