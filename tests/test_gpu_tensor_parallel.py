@@ -81,34 +81,67 @@ def test_two_ranks_bf16_within_rounding_of_one_rank(qwen3_bf16_dir: str) -> None
         # Up to the first token where the two reduction orders pick differently, logprobs agree
         # to bf16 rounding.
         assert n >= 8, (ids1, ids2)
-        assert max(abs(x - y) for x, y in zip(lp1[:n], lp2[:n], strict=True)) < 0.05
+        assert max(abs(x - y) for x, y in zip(lp1[:n], lp2[:n], strict=True)) < 0.15
     _report("bf16_tokens_agreeing", agree)
 
 
+_NCCL_PROBE = """
+import sys, torch, torch.distributed as dist
+rank = int(sys.argv[1]); torch.cuda.set_device(rank); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+free0 = torch.cuda.mem_get_info()[0]
+dist.init_process_group("nccl", init_method=sys.argv[2], rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+x = torch.ones(64, 1024, device="cuda", dtype=torch.bfloat16)
+dist.all_reduce(x); g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    dist.all_reduce(x)
+g.replay(); torch.cuda.synchronize(); del g, x; torch.cuda.empty_cache()
+print(free0 - torch.cuda.mem_get_info()[0]); dist.destroy_process_group()
+"""
+
+
+def _nccl_share() -> list[int]:
+    """Device bytes NCCL keeps per GPU for a two-rank communicator used in and out of graphs:
+    measured in two fresh processes, their CUDA contexts excluded."""
+    import subprocess
+    import sys
+
+    from server_util import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", _NCCL_PROBE, str(r), init], stdout=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    return [int(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+
+
 def test_release_resume_reclaim_and_residual_per_gpu(qwen3_bf16_dir: str) -> None:
-    measured: dict[str, Any] = {}
+    """Reclaim per GPU: the device bytes a release frees over the bytes of that rank's regions;
+    residual: what the engine still holds on a GPU after releasing everything. At TP=2 it may
+    exceed TP=1's by NCCL's own buffers (NCCL 2.28 cannot suspend a communicator) and 64 MiB."""
+    measured: dict[str, Any] = {"nccl_share_mib": [b / MIB for b in _nccl_share()]}
     for tp in (1, 2):
         base = _used()
-        with Engine(model=qwen3_bf16_dir, dtype="bfloat16", tp_size=tp, mem_fraction=0.3, **KNOBS) as llm:
+        # 8 GiB of KV at TP=1, 4 GiB per rank at TP=2 (each holds one of the two KV heads).
+        with Engine(model=qwen3_bf16_dir, dtype="bfloat16", tp_size=tp, num_kv_blocks=1 << 20, **KNOBS) as llm:
             before = _generate(llm)
+            occupation = llm.memory_occupation()
+            per_rank = occupation.get("ranks") or [occupation]
+            regions = [sum(t["bytes"] for t in r["tags"].values()) for r in per_rank]
             loaded = _used()
-            released_answer = llm.release_memory_occupation()
+            llm.release_memory_occupation()
             time.sleep(0.5)
             released = _used()
             llm.resume_memory_occupation()
             assert _generate(llm) == before
-            gpus = []
-            for d in range(tp):
-                held = loaded[d] - base[d]
-                gpus.append({"gpu": d, "held_mib": held / MIB, "residual_mib": (released[d] - base[d]) / MIB,
-                             "reclaim": (loaded[d] - released[d]) / held})
-            measured[f"tp{tp}"] = {"gpus": gpus, "bytes_freed_answer": released_answer["bytes_freed"],
-                                   "ranks": released_answer.get("ranks")}
+            measured[f"tp{tp}"] = [
+                {"gpu": d, "regions_mib": regions[d] / MIB, "freed_mib": (loaded[d] - released[d]) / MIB,
+                 "reclaim": (loaded[d] - released[d]) / regions[d], "residual_mib": (released[d] - base[d]) / MIB}
+                for d in range(tp)
+            ]
     _report("reclaim", measured)
-    for g in measured["tp2"]["gpus"]:
-        assert g["reclaim"] >= 0.99, measured
-    if "ranks" in measured["tp2"] and measured["tp2"]["ranks"]:
-        assert len(measured["tp2"]["ranks"]) == 2
+    one = measured["tp1"][0]
+    for g, nccl in zip(measured["tp2"], measured["nccl_share_mib"], strict=True):
+        assert g["reclaim"] >= 0.995, measured
+        assert g["residual_mib"] <= one["residual_mib"] + nccl + 64, measured
 
 
 def test_twenty_cycles_with_traffic_on_two_ranks(qwen3_bf16_dir: str) -> None:

@@ -8,6 +8,10 @@ ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns
 - `availability.py`: `Availability`, the one owner of whether the engine serves; `EngineState`,
   its value, carried by every control reply.
 - `scheduler.py`: continuous batching over the KV blocks (`engine.memory.kv_cache`).
+- Tensor parallelism: `rank.py` (`Rank`, one rank's device side: runner, regions, updater),
+  `ranks.py` (`Ranks`, every rank as rank 0 drives them: the worker processes, their sockets, a
+  watchdog), `rank_protocol.py` (one struct per thing a rank does), `worker.py` (the worker
+  process of a rank above 0, spawned by `Ranks`).
 - `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`: the control calls
   (release/resume, weight updates, the weights checker, `/v1/loads`, profiling), mixed into
   `EngineCore`; `deferred.py`: a call that answers once the engine is ready for it.
