@@ -207,6 +207,8 @@ def test_update_from_distributed_joins_every_rank(server: ServerProcess, qwen3_d
             assert answers[-1].status_code == 200, answers[-1].text
             assert _generate(http) == (expected["new"] if weights is pairs else expected["old"])
         assert http.post("/destroy_weights_update_group", json={"group_name": "tp-group"}).status_code == 200
+        checker = http.post("/weights_checker", json={"action": "checksum"})
+        assert checker.status_code == 400 and "tp_size" in checker.json()["error"]["message"]
 
 
 def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:

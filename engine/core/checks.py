@@ -48,6 +48,9 @@ class WeightCheckCalls:
         action = call.action
         if action not in ACTIONS:
             raise ValueError(f"unknown weights_checker action {action!r}; use one of {', '.join(ACTIONS)}")
+        if self.ranks.size > 1:  # rank 0 alone would check (or reset) only its own slices
+            raise ValueError("the weights checker runs at tp_size 1 only; this engine has tp_size "
+                             f"{self.ranks.size}")
         if self.memory.state["weights"] != RESIDENT:
             raise ValueError("weights are released: resume_memory_occupation(['weights']) before checking them")
         if not self.availability.weights_valid:
