@@ -196,8 +196,12 @@ def test_bad_requests_are_value_errors() -> None:
     good = serialize_payload(_tensors())
     with pytest.raises(ValueError, match="flattened_bucket"):
         decode_update([good], "safetensors")
+    with pytest.raises(ValueError, match="tp rank"):  # two payloads name ranks 0 and 1 only
+        decode_update([good, good], None, tp_rank=2)
     with pytest.raises(ValueError, match="tp rank"):
-        decode_update([good], None, tp_rank=1)
+        decode_update([], None)
+    # One payload serves every rank (each slices the full tensors in it).
+    assert [n for n, _ in decode_update([good], None, tp_rank=1)] == [n for n, _ in _tensors()]
     with pytest.raises(ValueError):  # a list of pairs is not a bucket
         decode_update([good], "flattened_bucket")
     bucket = flatten_bucket(_tensors())
