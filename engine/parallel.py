@@ -116,13 +116,14 @@ class TensorParallel:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def device_for_rank(device: str, rank: int) -> str:
-    """The device rank `rank` runs on: cuda:<rank> when the engine runs on CUDA."""
-    if device == "cpu":
-        return "cpu"
+def device_for_rank(device: str, tp: TensorParallel) -> str:
+    """The device `tp.rank` runs on: cuda:<rank> when the engine runs on CUDA with several ranks;
+    `device` as given at size 1."""
+    if not tp.enabled or device == "cpu":
+        return device
     if device == "auto":
-        return f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
-    return f"cuda:{rank}" if device.startswith("cuda") else device
+        return f"cuda:{tp.rank}" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{tp.rank}" if device.startswith("cuda") else device
 
 
 def join_group(tp: TensorParallel, device: torch.device, init_method: str) -> None:

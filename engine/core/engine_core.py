@@ -28,10 +28,9 @@ from engine.core.weight_calls import WeightUpdateCalls
 from engine.limits import RequestLimits, prompt_error
 from engine.memory.kv_cache import BlockManager
 from engine.memory.regions import RELEASED, RESIDENT
-from engine.parallel import TensorParallel, device_for_rank, join_group
+from engine.parallel import TensorParallel
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
 from engine.runner.launched_step import LaunchedStep
-from engine.runner.model_runner import resolve_device
 
 log = logging.getLogger("siesta.engine")
 
@@ -48,9 +47,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         tp = TensorParallel(0, config.tp_size)
         self.ranks = Ranks.start(config, log_level, client_addr)
         try:
-            join_group(tp, resolve_device(device_for_rank(config.device, 0) if tp.enabled else config.device),
-                       self.ranks.init_method)
-            self.rank = Rank(config, self.model_config, self.max_model_len, tp)
+            self.rank = Rank(config, self.model_config, self.max_model_len, tp, self.ranks.init_method)
             self.ranks.attach(self.rank)
         except BaseException:
             self.ranks.close()

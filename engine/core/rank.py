@@ -9,7 +9,6 @@ Rules: a rank decides nothing. What to run, when to release, whether an update g
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,14 +16,19 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core import calls
 from engine.core import rank_protocol as rp
 from engine.memory.regions import RESIDENT
-from engine.parallel import TensorParallel
-from engine.runner.model_runner import ModelRunner
+from engine.parallel import TensorParallel, device_for_rank, join_group
+from engine.runner.model_runner import ModelRunner, resolve_device
 from engine.weights.updater import WeightUpdater
 
 
 class Rank:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel, init_method: str
+    ) -> None:
+        """Join the tensor-parallel group (`init_method`; nothing at size 1), then build the runner
+        in step with the other ranks."""
         self.tp = tp
+        join_group(tp, resolve_device(device_for_rank(config.device, tp)), init_method)
         self.runner = ModelRunner(config, model_config, max_model_len, tp)
         self.memory = self.runner.memory
         self.weights = self.runner.weights
@@ -78,19 +82,18 @@ class Rank:
         else:
             updater.validate_distributed(update.names, update.dtypes, update.shapes)
 
-    def apply_update(self, msg: rp.ApplyUpdate) -> dict[str, Any]:
-        """Write the validated update; answers the seconds of its phases and, for a process-group
-        update, how its bytes arrived."""
+    def apply_update(self, msg: rp.ApplyUpdate) -> str | None:
+        """Write the validated update (the seconds of its phases stay in `updater.phases`); for a
+        process-group update, answers how its bytes arrived."""
         update, updater = msg.update, self.updater
-        t0 = time.perf_counter()
         if isinstance(update, calls.UpdateWeightsFromDisk):
             updater.from_disk(update.model_path)
         elif isinstance(update, calls.UpdateWeightsFromTensor):
             updater.from_staged()
         else:
             updater.from_distributed(update.group_name, update.names, update.dtypes, update.shapes, update.load_format)
-            return {"phases": dict(updater.phases), "route": updater.route, "seconds": time.perf_counter() - t0}
-        return {"phases": dict(updater.phases), "route": None, "seconds": time.perf_counter() - t0}
+            return updater.route
+        return None
 
     def abort_update(self, msg: rp.AbortUpdate) -> None:
         self.updater.drop_staged()

@@ -57,7 +57,8 @@ class Ranks:
     def __init__(self, size: int) -> None:
         self.size = size
         self.local: Rank | None = None
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # Where the ranks meet to form the group (none needed at size 1).
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}" if size > 1 else ""
         self._procs: list[subprocess.Popen] = []
         self._to: list[zmq.Socket] = []
         self._stopping = False

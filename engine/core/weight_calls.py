@@ -72,8 +72,7 @@ class WeightUpdateCalls:
             names = call.names if isinstance(call, calls.UpdateWeightsFromDistributed) else None
             self.ranks.run(AbortUpdate(names if self.ranks.size > 1 else []))
             raise
-        self.updater.phases = done[0]["phases"]
-        return done[0]["route"]
+        return done[0]  # rank 0's route; its updater holds the phases the reply reports
 
     def _update_when_idle(self, call: WeightUpdate, load: Callable[[], Any], source: str) -> Deferred:
         """Run `load` once no request runs (aborting them when asked; at once while paused, as RL

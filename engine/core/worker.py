@@ -25,7 +25,7 @@ from engine.core import rank_protocol as rp
 from engine.core.protocol import ControlError
 from engine.core.rank import Rank
 from engine.errors import error_kind
-from engine.parallel import TensorParallel, device_for_rank, join_group
+from engine.parallel import TensorParallel
 
 log = logging.getLogger("siesta.engine")
 
@@ -54,11 +54,8 @@ def run_worker(
     decoder = msgspec.msgpack.Decoder(rp.ToRank)
     tp = TensorParallel(rank, size)
     try:
-        import torch
-
-        join_group(tp, torch.device(device_for_rank(config.device, rank)), init_method)
         model_config = ModelConfig.from_hf(config.model)
-        me = Rank(config, model_config, context_length(config, model_config), tp)
+        me = Rank(config, model_config, context_length(config, model_config), tp, init_method)
     except Exception as e:
         log.error("rank %d failed to start:\n%s", rank, traceback.format_exc())
         outbox.send(encoder.encode(rp.RankFailed(rank=rank, error=f"{type(e).__name__}: {e}")))

@@ -81,7 +81,7 @@ class ModelRunner:
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.tp = tp = tp or TensorParallel()
-        self.device = resolve_device(device_for_rank(config.device, tp.rank) if tp.enabled else config.device)
+        self.device = resolve_device(device_for_rank(config.device, tp))
         # This rank's heads (engine/parallel.py): the KV cache and attention hold only these.
         self.num_heads = tp.split(model_config.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.kv_heads(model_config.num_kv_heads)

@@ -183,14 +183,6 @@ def step_inputs(plan: StepPlan, upload: Uploader, pending_tokens: torch.Tensor |
     )
 
 
-def build_step_inputs(
-    batch: Batch, block_size: int, upload: Uploader, pending: PendingTokens | None = None
-) -> StepInputs:
-    """`plan_step` then `step_inputs`, on one rank."""
-    plan = plan_step(batch, block_size, pending)
-    return step_inputs(plan, upload, pending.token_ids if pending is not None else None)
-
-
 def build_metadata(
     ends: list[int], starts: list[int], tables: list[list[int]], block_size: int, upload: Uploader
 ) -> AttentionMetadata:

@@ -136,10 +136,6 @@ class WeightUpdater:
         """Forget a staged payload (its CUDA IPC handles close)."""
         self._staged = None
 
-    def from_tensor(self, serialized_named_tensors: list[str], load_format: str | None) -> int:
-        self.stage_tensors(serialized_named_tensors, load_format)
-        return self.from_staged()
-
     def validate_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
         self._meta(names, dtypes, shapes)
 
