@@ -46,11 +46,11 @@ def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: rand
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[e.name[:90]]
-            k[0] += 1
-            k[1] += e.device_time
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in device_events:
+        k = kernels[e.name[:90]]
+        k[0] += 1
+        k[1] += e.device_time
     core.abort(None)
     while core.has_work():
         core.step()
@@ -58,7 +58,26 @@ def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: rand
     rows = sorted(((name, n / steps, us / steps) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
     return {"batch_size": bs, "context": context, "steps": steps, "wall_us_per_step": wall * 1e6,
             "kernel_us_per_step": busy, "kernels_per_step": sum(n for _, n, _ in rows),
-            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows]}
+            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows],
+            "gaps": idle_gaps(device_events, steps)}
+
+
+def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:
+    """Device idle time between consecutive kernels, grouped by (kernel before, kernel after),
+    per step, largest first: where the device waits for the host or for a launch."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events)
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    end, before = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            g = gaps[(before, name)]
+            g[0] += 1
+            g[1] += start - end
+        if stop > end:
+            end, before = stop, name
+    rows = sorted(gaps.items(), key=lambda kv: -kv[1][1])
+    return [{"before": b, "after": a, "count_per_step": n / steps, "us_per_step": us / steps}
+            for (b, a), (n, us) in rows[:20]]
 
 
 def print_table(r: dict[str, Any], top: int) -> None:
@@ -69,6 +88,12 @@ def print_table(r: dict[str, Any], top: int) -> None:
     for k in r["kernels"][:top]:
         print(f"| `{k['name']}` | {k['launches_per_step']:.1f} | {k['us_per_step']:.1f} | "
               f"{k['us_per_step'] / r['kernel_us_per_step']:.3f} |")
+    idle = sum(g["us_per_step"] for g in r["gaps"])
+    print(f"\nlargest idle gaps between kernels (top 20 pairs: {idle:.0f} us per step)\n")
+    print("| kernel before | kernel after | gaps per step | idle us per step |")
+    print("| --- | --- | --- | --- |")
+    for g in r["gaps"][:top]:
+        print(f"| `{g['before']}` | `{g['after']}` | {g['count_per_step']:.1f} | {g['us_per_step']:.1f} |")
 
 
 def main() -> None:
@@ -79,20 +104,22 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--tp-size", type=int, default=1, help="profiles rank 0's kernels")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
     ckpt = checkpoint(args.shape, args.model_dir, device, seed=0)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.8, max_model_len=2048,
-                                   max_num_seqs=max(sizes), cuda_graph_max_bs=max(sizes)))
+    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=2048,
+                                   max_num_seqs=max(sizes), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size))
     rng = random.Random(0)
     results = []
     for bs in sizes:
         say(f"profiling decode bs={bs}")
         results.append(profile_batch(core, bs, args.context, args.steps, rng))
         print_table(results[-1], args.top)
-    write_json(args.out, {"shape": ckpt["shape"], "batches": results})
+    write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "batches": results})
+    core.close()
 
 
 if __name__ == "__main__":

@@ -207,8 +207,38 @@ def test_update_from_distributed_joins_every_rank(server: ServerProcess, qwen3_d
             assert answers[-1].status_code == 200, answers[-1].text
             assert _generate(http) == (expected["new"] if weights is pairs else expected["old"])
         assert http.post("/destroy_weights_update_group", json={"group_name": "tp-group"}).status_code == 200
-        checker = http.post("/weights_checker", json={"action": "checksum"})
-        assert checker.status_code == 400 and "tp_size" in checker.json()["error"]["message"]
+
+
+def test_weights_checker_checks_every_rank(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    """slime's --check-weight-update-equal at tp_size 2: every rank snapshots, resets and compares
+    its own shards; checksums come per rank, as SGLang's."""
+    with server.client() as http:
+        info = http.get("/server_info").json()
+        assert info["tp_size"] == 2 and info["tp_worker_pids"]
+
+        def check(action: str) -> httpx.Response:
+            return http.post("/weights_checker", json={"action": action})
+
+        first = check("checksum").json()
+        assert [r["parallelism_info"]["tp_rank"] for r in first["ranks"]] == [0, 1]
+        assert {r["parallelism_info"]["tp_size"] for r in first["ranks"]} == {2}
+        sums = [r["checksums"] for r in first["ranks"]]
+        assert sums[0].keys() == sums[1].keys()  # the same names, each rank's own shards
+        assert sums[0]["model.layers.0.self_attn.qkv_proj.weight"] != sums[1]["model.layers.0.self_attn.qkv_proj.weight"]
+        assert sums[0]["model.norm.weight"] == sums[1]["model.norm.weight"]  # replicated
+        assert "2 ranks" in check("snapshot").json()["message"]
+        assert check("reset_tensors").status_code == 200
+        assert _generate(http) != expected["old"]
+        bad = check("compare")
+        assert bad.status_code == 400 and "differ from the snapshot" in bad.json()["error"]["message"]
+        assert http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}).status_code == 200
+        assert check("compare").status_code == 200
+        assert check("checksum").json()["per_engine_checksum"] == first["per_engine_checksum"]
+        assert _generate(http) == expected["old"]
+        assert http.post("/update_weights_from_disk", json={"model_path": qwen3_next_dir}).status_code == 200
+        moved = check("checksum").json()["ranks"]
+        assert all(m["per_gpu_checksum"] != f["per_gpu_checksum"] for m, f in zip(moved, first["ranks"], strict=True))
+        assert http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}).status_code == 200
 
 
 def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:

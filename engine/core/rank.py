@@ -18,6 +18,7 @@ from engine.core import rank_protocol as rp
 from engine.memory.regions import RESIDENT
 from engine.parallel import TensorParallel, device_for_rank, join_group
 from engine.runner.model_runner import ModelRunner, resolve_device
+from engine.weights.checker import WeightChecker
 from engine.weights.updater import WeightUpdater
 
 
@@ -33,6 +34,7 @@ class Rank:
         self.memory = self.runner.memory
         self.weights = self.runner.weights
         self.updater = WeightUpdater(self.weights, config, tp)
+        self.checker = WeightChecker(self.runner.model, self.weights, tp)
 
     def handle(self, msg: rp.ToRank) -> Any:
         return _HANDLERS[type(msg)](self, msg)
@@ -100,6 +102,9 @@ class Rank:
         names = msg.names if msg.names is not None else [p.name for p in self.weights.pieces if not p.computed]
         self.weights.invalidate(names)
 
+    def check_weights(self, msg: rp.CheckWeights) -> dict[str, Any]:
+        return self.checker.run(msg.action)
+
     def join_group(self, msg: rp.JoinGroup) -> None:
         c = msg.call
         self.updater.init_group(
@@ -124,6 +129,7 @@ _HANDLERS: dict[type, Callable[[Rank, Any], Any]] = {
     rp.ValidateUpdate: Rank.validate_update,
     rp.ApplyUpdate: Rank.apply_update,
     rp.AbortUpdate: Rank.abort_update,
+    rp.CheckWeights: Rank.check_weights,
     rp.JoinGroup: Rank.join_group,
     rp.LeaveGroup: Rank.leave_group,
     rp.AfterReply: Rank.after_reply,

@@ -61,6 +61,12 @@ class AbortUpdate(msgspec.Struct, tag=True):
     names: list[str] | None
 
 
+class CheckWeights(msgspec.Struct, tag=True):
+    """One `/weights_checker` action on this rank's tensors (engine/weights/checker.py)."""
+
+    action: str
+
+
 class JoinGroup(msgspec.Struct, tag=True):
     call: calls.InitWeightsUpdateGroup
 
@@ -82,7 +88,7 @@ class StopRank(msgspec.Struct, tag=True):
 
 
 ToRank = (
-    RunStep | ReleaseTags | PlanResume | ResumeTags | ValidateUpdate | ApplyUpdate | AbortUpdate
+    RunStep | ReleaseTags | PlanResume | ResumeTags | ValidateUpdate | ApplyUpdate | AbortUpdate | CheckWeights
     | JoinGroup | LeaveGroup | DescribeMemory | AfterReply | StopRank
 )
 
