@@ -7,6 +7,7 @@ each section, so a run cut short still leaves what it measured. See bench/README
 
     python3 bench/bench_flip.py --shape 8b --out $OUT/flip.json                    # one GPU: bucket, tensor
     python3 bench/bench_flip.py --shape 8b --push distributed --out $OUT/flip.json # two GPUs: NCCL group
+    python3 bench/bench_flip.py --shape 8b --tp-size 2 --out $OUT/flip_tp2.json    # server on two GPUs
     python bench/bench_flip.py --tiny --out /tmp/flip.json                         # CPU smoke test
 
 This process is the trainer (as examples/rl_colocate.py): its new weights have the checkpoint's
@@ -119,7 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "every flip, after each mode's last, or never (default: every with --tiny, else last)",
     )
     p.add_argument(
-        "--server-gpu", type=int, default=0, help="the server's GPU (CUDA_VISIBLE_DEVICES)"
+        "--server-gpu", type=int, default=0,
+        help="the server's GPU (CUDA_VISIBLE_DEVICES), its first with --tp-size > 1",
+    )
+    p.add_argument(
+        "--tp-size", type=int, default=1,
+        help="the server's --tp-size: it runs on --server-gpu and the next tp_size - 1 GPUs",
     )
     p.add_argument(
         "--trainer-gpu",
@@ -184,18 +190,19 @@ def plan_gpus(args: argparse.Namespace) -> dict[str, Any]:
     if not ids:
         return {"cuda": False, "gpus": 0}
     n, server = len(ids), args.server_gpu
+    ranks = list(range(server, server + args.tp_size))  # the server's GPUs, rank order
     trainer = server if args.trainer_gpu is None else args.trainer_gpu
     dist = (
         args.dist_gpu
         if args.dist_gpu is not None
-        else next((i for i in range(n) if i != server), None)
+        else next((i for i in range(n) if i not in ranks), None)
     )
-    for name, i in (("--server-gpu", server), ("--trainer-gpu", trainer), ("--dist-gpu", dist)):
+    for name, i in (("--server-gpu", ranks[-1]), ("--trainer-gpu", trainer), ("--dist-gpu", dist)):
         if i is not None and not 0 <= i < n:
             raise ValueError(f"{name} {i}: only {n} GPUs")
-    order = list(dict.fromkeys([server, trainer, *([dist] if dist is not None else []), *range(n)]))
+    order = list(dict.fromkeys([*ranks, trainer, *([dist] if dist is not None else []), *range(n)]))
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in order)
-    server_ids = [ids[server]] + ([ids[trainer]] if trainer != server else [])
+    server_ids = [ids[i] for i in ranks] + ([ids[trainer]] if trainer not in ranks else [])
     return {
         "cuda": True,
         "gpus": n,
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, res)
         say(f"bench_flip needs an NVIDIA GPU without --tiny: {res['errors']['gpu']}")
         return 2
-    default = "bucket,tensor" + (",distributed,distributed_bucket" if gpus.get("gpus", 0) >= 2 else "")
+    # The distributed modes need a GPU the server does not use (NCCL allows one rank per GPU).
+    default = "bucket,tensor" + (",distributed,distributed_bucket" if gpus.get("dist_local") is not None else "")
     modes = [m for m in (args.push or default).split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -54,6 +54,8 @@ def server_flags(args: Any, tokenizer: str | None) -> list[str]:
         flags += ["--device", "cpu", "--num-kv-blocks", "256", "--dtype", "float32"]
     if args.weights_backup:
         flags += ["--weights-backup", args.weights_backup]
+    if args.tp_size > 1:
+        flags += ["--tp-size", str(args.tp_size)]
     return flags + shlex.split(args.server_args) + (["--tokenizer", tokenizer] if tokenizer else [])
 
 
@@ -141,13 +143,17 @@ def push_mode(
     verify: Verify | None,
     probe: list[list[int]],
 ) -> None:
+    import torch
+
     args, res = run.args, run.res
     if device is None:
         raise RuntimeError("distributed needs a second GPU for the trainer (--dist-gpu)")
     sec = res["push"][mode] = {"device": str(device), "warmup": [], "flips": []}
     group = poster = None
     if mode in DIST_MODES:
-        group, sec["group"] = join_group(http, "nccl" if device.type == "cuda" else "gloo", device)
+        group, sec["group"] = join_group(
+            http, "nccl" if device.type == "cuda" else "gloo", device, args.tp_size
+        )
         if args.post_from == "process":
             poster = Poster(http.client.base_url, 300.0)
         say(
@@ -160,6 +166,10 @@ def push_mode(
             "ms round trip (median of 20)"
         )
     total = args.warmup_flips + args.flips
+    # Tensor-parallel ranks 1.. get their own payload on their own GPU (this process sees the
+    # server's GPUs first, in rank order); on a CPU every rank reads the one payload.
+    ipc_gpus = device.type == "cuda" and mode not in DIST_MODES
+    others = [torch.device("cuda", r) for r in range(1, args.tp_size)] if ipc_gpus else []
     try:
         for i in range(total):
             if run.late():
@@ -179,6 +189,7 @@ def push_mode(
                     NEW_TOKENS,
                     group,
                     poster,
+                    others,
                 )
             except BaseException:
                 with contextlib.suppress(Exception):  # leave the server usable for the next mode
@@ -332,7 +343,8 @@ def run_all(run: Any, modes: list[str]) -> None:
             )
         if verify is not None:
             flips = [f for sec in res["push"].values() for f in sec["warmup"] + sec["flips"]]
-            run.section("verify.restore", verify.restore, ckpt["path"], ipc_dev, flips)
+            others = [torch.device("cuda", r) for r in range(1, args.tp_size)] if cuda else []
+            run.section("verify.restore", verify.restore, ckpt["path"], ipc_dev, flips, others)
     finally:
         if http is not None:
             http.close()

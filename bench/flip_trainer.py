@@ -183,9 +183,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(http: Http, backend: str, device: torch.device) -> tuple[Any, dict[str, Any]]:
-    """Rank 0 of a two-rank weight-update group whose rank 1 is the server (its HTTP call runs
-    in a thread while this process hosts the rendezvous)."""
+def join_group(
+    http: Http, backend: str, device: torch.device, server_ranks: int = 1
+) -> tuple[Any, dict[str, Any]]:
+    """Rank 0 of a weight-update group whose ranks 1..server_ranks are the server's tensor-parallel
+    ranks (its HTTP call runs in a thread while this process hosts the rendezvous)."""
     from engine.weights.groups import trainer_group
 
     port = free_port()
@@ -193,13 +195,13 @@ def join_group(http: Http, backend: str, device: torch.device) -> tuple[Any, dic
         "master_address": "127.0.0.1",
         "master_port": port,
         "rank_offset": 1,
-        "world_size": 2,
+        "world_size": 1 + server_ranks,
         "group_name": GROUP,
         "backend": backend,
     }
     t = time.perf_counter()
     call = Beside(http.post, "/init_weights_update_group", body)
-    group = trainer_group("127.0.0.1", port, 2, GROUP, backend, device=device)
+    group = trainer_group("127.0.0.1", port, 1 + server_ranks, GROUP, backend, device=device)
     answer, _ = call.result("the server did not join the weight-update group")
     return group, {"seconds": time.perf_counter() - t, "answer": answer, "body": body}
 
@@ -217,20 +219,27 @@ def leave_group(http: Http, group: Any) -> dict[str, Any]:
 
 
 def prepare(
-    mode: str, pairs: list[tuple[str, torch.Tensor]], version: str
+    mode: str, pairs: list[tuple[str, torch.Tensor]], version: str, others: list[torch.device] = ()
 ) -> tuple[dict[str, Any], Any, float]:
-    """(request body, what must stay alive until the answer, packing seconds) of a push."""
+    """(request body, what must stay alive until the answer, packing seconds) of a push. With
+    `others` (the GPUs of tensor-parallel ranks 1..), an IPC push sends one payload per rank, each
+    on its rank's GPU, as SGLang's `serialized_named_tensors[i]` (a colocated trainer rank per GPU)."""
     t = time.perf_counter()
     alive: Any = pairs
     if mode == "bucket":
-        alive = flatten_bucket(pairs)
-        sync(alive["flattened_tensor"].device)
+        alive = [flatten_bucket(pairs)]
+        alive += [{**alive[0], "flattened_tensor": alive[0]["flattened_tensor"].to(d)} for d in others]
+        for b in alive:
+            sync(b["flattened_tensor"].device)
         body = {
-            "serialized_named_tensors": [serialize_payload(alive)],
+            "serialized_named_tensors": [serialize_payload(b) for b in alive],
             "load_format": "flattened_bucket",
         }
     elif mode == "tensor":
-        body = {"serialized_named_tensors": [serialize_named_tensors(pairs)], "load_format": None}
+        alive = [pairs] + [[(n, x.to(d)) for n, x in pairs] for d in others]
+        for d in others:
+            sync(d)
+        body = {"serialized_named_tensors": [serialize_named_tensors(p) for p in alive], "load_format": None}
     else:
         if DIST_MODES[mode] == "flattened_bucket":  # packed here, as the IPC bucket: one tensor sent
             from engine.weights.groups import pack_bucket
@@ -292,9 +301,11 @@ def flip(
     new_tokens: int,
     group: Any = None,
     poster: Poster | None = None,
+    others: list[torch.device] = (),
 ) -> dict[str, Any]:
     """One flip: release -> new weights in the freed memory (+ packing) -> resume weights -> push
-    -> free -> resume kv_cache (+ cuda_graph) -> greedy generate (timed apart)."""
+    -> free -> resume kv_cache (+ cuda_graph) -> greedy generate (timed apart). `others`: the
+    GPUs of tensor-parallel ranks 1.. (prepare)."""
     graphs = ["cuda_graph"] if release_graphs else []
     out: dict[str, Any] = {"mode": mode, "seed": seed, "weight_version": version}
     rel, out["release_wall_s"] = http.post(
@@ -303,7 +314,7 @@ def flip(
     t = time.perf_counter()
     pairs = new_weights(specs, device, seed)
     out["trainer_make_s"] = time.perf_counter() - t
-    body, alive, out["pack_s"] = prepare(mode, pairs, version)
+    body, alive, out["pack_s"] = prepare(mode, pairs, version, others)
     if mode in ("bucket", "distributed_bucket"):  # the bucket holds the bytes now: a trainer keeps one copy
         t = time.perf_counter()
         del pairs
@@ -316,7 +327,8 @@ def flip(
     t = time.perf_counter()
     del body, alive
     pairs = []
-    free(device)
+    for d in [device, *others]:
+        free(d)
     out["trainer_free_s"] = time.perf_counter() - t
     if device.type == "cuda":  # CUDA IPC memory the server still holds would not come back
         out["trainer_device_free_bytes"] = torch.cuda.mem_get_info(device)[0]

@@ -1,5 +1,5 @@
 """bench_flip.py's proof that the server took the pushed weights, from `/weights_checker`
-checksums (a hash of every tensor of the server's model): the loaded weights first; after a flip,
+checksums (a hash of every tensor of the server's model, on every tensor-parallel rank): the loaded weights first; after a flip,
 every tensor must differ from the last checksum (each flip pushes new random values); at the end
 the checkpoint's own tensors are pushed back and the checksum must equal the loaded one bit for
 bit. Costs a device-to-host copy and a hash of the model per checksum (tens of seconds at 8B)."""
@@ -22,13 +22,17 @@ class Verify:
         self.prev: dict[str, str] | None = None
 
     def checksum(self) -> tuple[dict[str, str], str, float]:
+        """Every rank's tensors (`rank:name` at tp_size > 1), the engine's checksum, seconds."""
         t = time.perf_counter()
         answer, _ = self.http.post("/weights_checker", {"action": "checksum"})
-        return (
-            answer["ranks"][0]["checksums"],
-            answer["per_engine_checksum"],
-            time.perf_counter() - t,
-        )
+        ranks = answer["ranks"]
+        self.out["ranks"] = len(ranks)
+        sums = {
+            (f"{i}:{name}" if len(ranks) > 1 else name): value
+            for i, r in enumerate(ranks)
+            for name, value in r["checksums"].items()
+        }
+        return sums, answer["per_engine_checksum"], time.perf_counter() - t
 
     def initial(self) -> None:
         self.prev, total, seconds = self.checksum()
@@ -57,22 +61,25 @@ class Verify:
         self.out["all_changed"] = self.out["all_changed"] and f["verify"]["all_changed"]
         self.prev = sums
 
-    def restore(self, path: str, device: Any, flips: list[dict[str, Any]]) -> None:
+    def restore(self, path: str, device: Any, flips: list[dict[str, Any]], others: list[Any] = ()) -> None:
+        """Push the checkpoint back (one payload per tensor-parallel rank: `others` are the GPUs
+        of ranks 1..) and compare the checksum with the loaded one."""
         from engine.weights.payload import serialize_named_tensors
 
         # kv_cache released meanwhile, as in a flip: the checkpoint's copy fits beside the server.
         self.http.post("/release_memory_occupation", {"tags": ["kv_cache"]})
         try:
-            pairs = checkpoint_weights(path, device)
-            payload = serialize_named_tensors(pairs)
+            pairs = [checkpoint_weights(path, d) for d in [device, *others]]
+            payload = [serialize_named_tensors(p) for p in pairs]
             body = {
-                "serialized_named_tensors": [payload],
+                "serialized_named_tensors": payload,
                 "load_format": None,
                 "weight_version": "restored",
             }
             answer, wall = self.http.post("/update_weights_from_tensor", body)
             del pairs, body, payload
-            free(device)
+            for d in [device, *others]:
+                free(d)
         finally:
             self.http.post("/resume_memory_occupation", {"tags": ["kv_cache"]})
         sums, total, _ = self.checksum()
