@@ -200,6 +200,10 @@ class EngineConfig:
     tp_size: int = field(
         default=1, metadata={"help": "tensor-parallel ranks: one process per device (cuda:0 ..), NCCL on CUDA, gloo on CPU"}
     )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/models/tp_reduce.py)"},
+    )
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tp_size")

@@ -14,8 +14,9 @@ Sharding rules (Megatron's, as vLLM and SGLang shard the decoder families served
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,14 +42,32 @@ class Shard:
         return self.length == self.total
 
 
+class FusedReduce(Protocol):
+    """An all-reduce fused with the residual add and RMSNorm after it (engine/models/tp_reduce.py)."""
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # Set by the model runner on CUDA (after the group exists); None: NCCL / gloo, then the norm.
+    fused: FusedReduce | None = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    def defers_reduce(self, bias: bool) -> bool:
+        """Whether a row-parallel linear leaves its output a partial sum for the RMSNorm after it to
+        reduce (fused with its residual add): always at size > 1, unless the linear has a bias,
+        which must be added after the sum."""
+        return self.enabled and not bias
 
     # ---- how things split -----------------------------------------------------------------
 

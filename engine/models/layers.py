@@ -82,12 +82,14 @@ class Linear(nn.Module):
 
 class RowParallelLinear(Linear):
     """A linear keeping this rank's columns of the input features: each rank's partial product is
-    summed by an all-reduce, then the bias (held whole by every rank) is added."""
+    summed by an all-reduce, then the bias (held whole by every rank) is added. Without a bias the
+    sum is left to the RMSNorm after it (`tp.defers_reduce`): the output is this rank's partial."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool, tp: TensorParallel) -> None:
         shard = tp.even(in_features, f"input features of o/down_proj ({in_features})", dim=1)
         super().__init__(shard.length, out_features, bias, fused)
         self.tp = tp
+        self.defers = tp.defers_reduce(bias)
         if not shard.whole:
             self.shards = {"weight": shard}
 
@@ -96,6 +98,8 @@ class RowParallelLinear(Linear):
             return super().forward(x)
         skinny = _skinny(x) if self.fused else None
         y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else F.linear(x, self.weight)
+        if self.defers:
+            return y
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
@@ -145,13 +149,16 @@ class RMSNorm(nn.Module):
 
     With a residual (the vLLM way): residual = residual + x, then (norm(residual), residual). The
     fused CUDA kernel updates `residual` in place; callers use the returned one either way.
+    With `reduce` (a TensorParallel), x beside a residual is a row-parallel layer's partial sum:
+    it is all-reduced first, in the same kernel as the add and the norm when `reduce.fused` fits.
     """
 
-    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, size: int, eps: float, fused: bool = False, reduce: TensorParallel | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.eps = eps
         self.fused = fused
+        self.reduce = reduce
 
     @overload
     def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
@@ -164,6 +171,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.reduce is not None and residual is not None:
+            fast = self.reduce.fused
+            if fast is not None and fast.fits(x):
+                return fast.add_rms_norm(x, residual, self.weight, self.eps)
+            x = self.reduce.all_reduce(x)
         if self.fused and x.is_cuda:
             if residual is None:
                 return _fused_ops().rms_norm(x, self.weight, self.eps)

@@ -72,8 +72,13 @@ class DecoderLayer(nn.Module):
             config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused, tp
         )
         self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        # Each norm after a row-parallel layer (the previous layer's down_proj, this one's o_proj)
+        # sums its partial output across ranks, fused with the residual add.
+        after_down = tp if tp.defers_reduce(options.mlp_bias) else None
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused, reduce=after_down)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps, fused, reduce=tp if tp.defers_reduce(options.o_bias) else None
+        )
 
     def forward(
         self,
@@ -101,7 +106,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, options, fused, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, fused, reduce=tp if tp.defers_reduce(options.mlp_bias) else None
+        )
         # One rotary table for all layers; cos/sin are looked up once per forward.
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -28,7 +29,7 @@ from engine.memory.kv_budget import (
 )
 from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
-from engine.parallel import TensorParallel, device_for_rank
+from engine.parallel import FusedReduce, TensorParallel, device_for_rank
 from engine.request import Batch
 from engine.runner.cuda_graph import CudaGraphRunner
 from engine.runner.launched_step import LaunchedStep
@@ -54,6 +55,8 @@ _GIB = 1 << 30
 _GRAPH_MARGIN = 256 << 20
 # Largest decode batch captured by default: fewer on a small GPU.
 _DEFAULT_GRAPH_MAX_BS = 256
+# Steps of up to this many tokens all-reduce through the fused NVLink kernel at tp_size > 1.
+FUSED_REDUCE_MAX_ROWS = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,6 +99,8 @@ class ModelRunner:
         self.memory = MemoryRegions(self.device, enabled=config.memory_saver)
         torch.manual_seed(config.seed)
         mc = model_config
+        if tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
+            self.tp = tp = replace(tp, fused=self._fused_reduce(tp))
 
         t0 = time.perf_counter()
         with self.memory.region("weights"):
@@ -172,6 +177,16 @@ class ModelRunner:
             return []
         cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
         return piecewise_token_sizes(cap, kv_capacity_tokens)
+
+    def _fused_reduce(self, tp: TensorParallel) -> FusedReduce:
+        """The NVLink all-reduce fused into the norms (engine/models/tp_reduce.py), for steps of up
+        to FUSED_REDUCE_MAX_ROWS tokens: every decode graph; larger prefills use NCCL."""
+        from engine.models.tp_reduce import TpReduce
+
+        fused = TpReduce(tp, self.device, self.dtype, self.model_config.hidden_size, FUSED_REDUCE_MAX_ROWS)
+        log.info("tensor parallelism: fused NVLink all-reduce for steps of <= %d tokens (%.1f MiB of buffers)",
+                 FUSED_REDUCE_MAX_ROWS, fused.nbytes / (1 << 20))
+        return fused
 
     def _build_model(self) -> torch.nn.Module:
         """The model on the meta device, in the engine's dtype (WeightStore gives it memory)."""
