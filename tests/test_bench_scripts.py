@@ -30,6 +30,9 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         "probe_vmm_driver.py",
         "bench_serving.py",
         "bench_flip.py",
+        "bench_allreduce.py",
+        "bench_tp.py",
+        "profile_decode.py",
     ],
 )
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
