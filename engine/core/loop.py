@@ -30,6 +30,7 @@ from engine.core.protocol import (
     Shutdown,
     StepOutputs,
     ToCore,
+    connect_pipes,
 )
 from engine.errors import error_kind
 
@@ -44,12 +45,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, log_level
     to stop or until the parent process is gone."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)
-    outbox.connect(out_addr)
+    ctx, inbox, outbox = connect_pipes(in_addr, out_addr)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToCore)
 

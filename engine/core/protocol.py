@@ -10,10 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import zmq
 
 from engine.core.availability import EngineState
 from engine.core.calls import ControlCall
 from engine.request import SamplingParams
+
+
+def connect_pipes(in_addr: str, out_addr: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A child process's end of its two sockets (the engine process, a tensor-parallel worker):
+    (context, inbox PULL from in_addr, outbox PUSH to out_addr, lingering 2 s at close so a last
+    Failed reply still goes out)."""
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(in_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(out_addr)
+    return ctx, inbox, outbox
 
 
 class AddRequest(msgspec.Struct, tag=True):

@@ -18,11 +18,10 @@ import time
 import traceback
 
 import msgspec
-import zmq
 
 from engine.config import EngineConfig, ModelConfig, context_length
 from engine.core import rank_protocol as rp
-from engine.core.protocol import ControlError
+from engine.core.protocol import ControlError, connect_pipes
 from engine.core.rank import Rank
 from engine.errors import error_kind
 from engine.parallel import TensorParallel
@@ -44,12 +43,7 @@ def run_worker(
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[rank {rank}]: %(message)s")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(in_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.setsockopt(zmq.LINGER, 2000)
-    outbox.connect(out_addr)
+    ctx, inbox, outbox = connect_pipes(in_addr, out_addr)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(rp.ToRank)
     tp = TensorParallel(rank, size)
