@@ -6,6 +6,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def hf_named_parameters(model_dir: str) -> list[tuple[str, torch.Tensor]]:
+    """A trainer's full fp32 tensors of `model_dir`, as transformers names them (what RL
+    frameworks push in weight updates)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     """transformers' own `generate`, one prompt at a time (no padding), EOS never stops it."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from oracle import hf_greedy
+from oracle import hf_greedy, hf_named_parameters
 from server_util import ServerProcess
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -212,11 +212,6 @@ def test_slime_abort_until_idle(http: httpx.Client, server: ServerProcess) -> No
     assert http.get("/v1/loads", params={"include": "core,bogus"}).status_code == 400
 
 
-def _trainer_pairs(model_dir: str) -> list[tuple[str, torch.Tensor]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
-
-
 def slime_flush_cache(http: httpx.Client) -> None:
     """SGLangEngine.flush_cache: GET /flush_cache until 200 (slime retries 60 times, 1 s apart)."""
     for _ in range(60):
@@ -235,7 +230,7 @@ def test_slime_colocated_tensor_sync(http: httpx.Client, qwen3_next_dir: str, ex
     assert resumed.status_code == 200 and isinstance(resumed.json(), dict)
     assert http.post("/pause_generation", json={}).status_code == 200
     slime_flush_cache(http)
-    pairs = _trainer_pairs(qwen3_next_dir)
+    pairs = hf_named_parameters(qwen3_next_dir)
     half = len(pairs) // 2
     for bucket, version in ((pairs[:half], "3"), (pairs[half:], 3)):
         # _send_to_colocated_engine: one serialized FlattenedTensorBucket per engine GPU
@@ -295,7 +290,7 @@ def test_verl_hybrid_sequence(http: httpx.Client, qwen3_next_dir: str, expected)
     then async_sglang_server.py::SGLangHttpServer.generate's request as a /generate body."""
     assert http.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}).status_code == 200
     assert http.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
-    pairs = _trainer_pairs(qwen3_next_dir)
+    pairs = hf_named_parameters(qwen3_next_dir)
     body = {"serialized_named_tensors": [_verl_payload(pairs)], "load_format": None, "flush_cache": True}
     r = http.post("/update_weights_from_tensor", json=body)
     assert r.status_code == 200 and r.json()["success"] is True, r.text
@@ -322,7 +317,7 @@ def test_slime_weights_checker(http: httpx.Client, qwen3_dir: str, expected) -> 
     assert http.post("/generate", json=GREEDY).json()["output_ids"] != expected["old"]
     differs = http.post("/weights_checker", json={"action": "compare"})
     assert differs.status_code == 400 and differs.json()["success"] is False and "differ" in differs.json()["message"]
-    bucket = serialize_payload(flatten_bucket(_trainer_pairs(qwen3_dir)))
+    bucket = serialize_payload(flatten_bucket(hf_named_parameters(qwen3_dir)))
     body = {"serialized_named_tensors": [bucket], "load_format": "flattened_bucket", "flush_cache": False, "weight_version": "1"}
     assert http.post("/update_weights_from_tensor", json=body).status_code == 200
     same = http.post("/weights_checker", json={"action": "compare"})

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 import torch
-from oracle import hf_greedy
+from oracle import hf_greedy, hf_named_parameters
 from server_util import BackgroundStream, ServerProcess, free_port
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -142,7 +142,7 @@ def test_release_and_resume_on_both_ranks(server: ServerProcess, expected) -> No
 def test_updates_from_disk_and_tensor_on_both_ranks(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
     from engine.weights.payload import serialize_named_tensors
 
-    pairs = _trainer_pairs(qwen3_next_dir)
+    pairs = hf_named_parameters(qwen3_next_dir)
     with server.client() as http:
         r = http.post("/update_weights_from_disk", json={"model_path": qwen3_next_dir})
         assert r.status_code == 200, r.text
@@ -174,18 +174,11 @@ def test_updates_from_disk_and_tensor_on_both_ranks(server: ServerProcess, qwen3
         assert _generate(http) == expected["old"]
 
 
-def _trainer_pairs(model_dir: str) -> list[tuple[str, torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
-
-
 def test_update_from_distributed_joins_every_rank(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
     """The trainer is rank 0 of a group of 1 + 2: the engine's ranks join as rank_offset + tp_rank."""
     from engine.weights.groups import broadcast_from_trainer, trainer_group
 
-    pairs = _trainer_pairs(qwen3_next_dir)
+    pairs = hf_named_parameters(qwen3_next_dir)
     port = free_port()
     group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
              "group_name": "tp-group", "backend": "gloo"}
@@ -198,7 +191,7 @@ def test_update_from_distributed_joins_every_rank(server: ServerProcess, qwen3_d
         assert answers[0].status_code == 200 and "ranks 1..2" in answers[0].json()["message"], answers[0].text
         meta = {"names": [n for n, _ in pairs], "dtypes": ["float32"] * len(pairs),
                 "shapes": [list(t.shape) for _, t in pairs], "group_name": "tp-group", "weight_version": "tp-1"}
-        for load_format, weights in ((None, pairs), ("flattened_bucket", _trainer_pairs(qwen3_dir))):
+        for load_format, weights in ((None, pairs), ("flattened_bucket", hf_named_parameters(qwen3_dir))):
             updater = threading.Thread(target=lambda f=load_format: answers.append(
                 http.post("/update_weights_from_distributed", json=meta | {"load_format": f})))
             updater.start()

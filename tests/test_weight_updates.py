@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 import torch
-from oracle import hf_greedy
+from oracle import hf_greedy, hf_named_parameters
 from server_util import BackgroundStream, ServerProcess
 
 from engine import Engine, SamplingParams
@@ -106,17 +106,10 @@ def test_update_while_a_request_streams(server: ServerProcess, qwen3_dir: str, a
             assert last["weight_version"] != r.json()["weight_version"]
 
 
-def _trainer_pairs(model_dir: str) -> list[tuple[str, torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [(n, p.detach().contiguous()) for n, p in model.named_parameters()]
-
-
 def test_http_update_from_tensor(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
     from engine.weights.payload import flatten_bucket, serialize_named_tensors, serialize_payload
 
-    pairs = _trainer_pairs(qwen3_next_dir)
+    pairs = hf_named_parameters(qwen3_next_dir)
     name, tensor = pairs[3]
     with server.client() as http:
         http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
@@ -152,7 +145,7 @@ def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwe
 
     from engine.weights.groups import broadcast_from_trainer, trainer_group
 
-    pairs = _trainer_pairs(qwen3_next_dir)
+    pairs = hf_named_parameters(qwen3_next_dir)
     port = free_port()
     group = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
              "group_name": "test-group", "backend": "gloo"}
@@ -177,7 +170,7 @@ def test_http_update_from_distributed(server: ServerProcess, qwen3_dir: str, qwe
         # its validation of the list, and the new bytes land; a changed list is checked afresh.
         updater = threading.Thread(target=lambda: answers.append(http.post("/update_weights_from_distributed", json=meta)))
         updater.start()
-        broadcast_from_trainer(handle, _trainer_pairs(qwen3_dir))
+        broadcast_from_trainer(handle, hf_named_parameters(qwen3_dir))
         updater.join(60)
         assert answers[2].status_code == 200, answers[2].text
         assert _generate(http) == expected["old"]
