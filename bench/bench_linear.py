@@ -36,6 +36,11 @@ SHAPES = {  # name -> (N, K, silu_mul): N output features (2I packed for gate_up
     "8b o": (4096, 4096, False),
     "8b gate_up": (24576, 4096, True),
     "8b down": (4096, 12288, False),
+    # One rank's share at tensor parallel 2: q/k/v and gate/up split by columns, o and down by K.
+    "8b/tp2 qkv": (3072, 4096, False),
+    "8b/tp2 o": (4096, 2048, False),
+    "8b/tp2 gate_up": (12288, 4096, True),
+    "8b/tp2 down": (4096, 6144, False),
 }
 ROTATE_BYTES = 512 << 20
 GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5)))

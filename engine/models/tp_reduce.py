@@ -5,18 +5,21 @@ Why: at batch 1 the 8B decode step at TP=2 spent 13.7 % of its device time in NC
 kernels (72 per step, 6.5 us each) plus 2.3 us of idle device before each of them and a separate
 norm kernel after (bench/RESULTS.md, eleventh session). Here one kernel per norm does all three.
 
-Protocol (one program per row; every rank runs the same calls in the same order, as with NCCL):
+Protocol (one program per row; every rank runs the same calls in the same order, as with NCCL),
+Lamport-style, as TensorRT-LLM's one-shot kernels: the data is its own flag, so there is no fence
+and no flag round trip over NVLink.
 - Each rank owns, in torch symmetric memory (mapped into every peer's address space), a data
-  buffer [2 slots, world sources, max_rows, hidden] and int32 flags [world sources, max_rows],
-  plus its own epochs [max_rows] (how many calls each row index has done).
+  buffer [2 slots, world sources, max_rows, hidden] that starts all -0.0, the "not yet written"
+  sentinel; a rank never sends -0.0 (it sends +0.0 instead, the same value in the sum), plus its
+  own epochs [max_rows] (how many calls each row index has done), in plain device memory.
 - Call e (the row's epoch + 1) uses slot e % 2. A program pushes its partial row into slot e % 2,
-  source `rank`, of every peer (NVLink stores), then sets flag[rank][row] = e in every peer
-  (release, system scope), waits until its own flag[peer][row] has reached e for every peer
-  (acquire), and sums the sources from its own buffer in rank order (fp32, one rounding to the
-  model dtype: NCCL's result for two ranks, and the same bits on every rank).
-- Two slots make the buffers safe to reuse: a peer can only write slot e % 2 again in call e + 2,
-  which needs this rank's flag of call e + 1, which this rank sets after it has finished call e.
-  Flags compare by wrapping difference, so epochs may overflow.
+  source `rank`, of every peer (NVLink stores), then reads each peer's row from its own buffer
+  (volatile loads) until no element is -0.0, sums the sources in rank order (fp32, one rounding
+  to the model dtype: NCCL's result for two ranks, and the same bits on every rank, except that
+  a sum of zeros is +0.0) and writes -0.0 back over what it read.
+- Two slots make the buffers safe to reuse: a peer writes slot e % 2 again only in call e + 2,
+  which needs this rank's data of call e + 1, which this rank pushes after its call e (and so
+  its reset) has finished.
 Then residual += sum and out = RMSNorm(residual) * weight, rounded as `fused_ops._rms_norm_kernel`.
 
 Rows beyond `max_rows` (long prefills) and every CPU run take the unfused path: NCCL/gloo
@@ -41,49 +44,60 @@ MAX_WORLD = 8
 
 
 @triton.jit
+def _unwritten(v, HALF_WIDTH: tl.constexpr):
+    # True where v holds the -0.0 sentinel: the bit pattern with only the sign bit set.
+    if HALF_WIDTH:
+        return v.to(tl.int16, bitcast=True) == -32768
+    else:
+        return v.to(tl.int32, bitcast=True) == -2147483648
+
+
+@triton.jit
+def _sentinel(BLOCK: tl.constexpr, DTYPE: tl.constexpr, HALF_WIDTH: tl.constexpr):
+    # [BLOCK] of -0.0, built from its bits (a -0.0 literal could be folded to +0.0).
+    if HALF_WIDTH:
+        return tl.full([BLOCK], -32768, tl.int16).to(DTYPE, bitcast=True)
+    else:
+        return tl.full([BLOCK], -2147483648, tl.int32).to(DTYPE, bitcast=True)
+
+
+@triton.jit
 def _reduce_add_norm_kernel(
     x_ptr,  # [T, N]: this rank's partial sums
     res_ptr,  # [T, N]: residual, updated in place
     w_ptr,  # [N]
     out_ptr,  # [T, N]
     data_ptrs,  # int64 [WORLD]: every rank's data buffer [2, WORLD, max_rows, N]
-    flag_ptrs,  # int64 [WORLD]: every rank's flags [WORLD, max_rows] then its epochs [max_rows]
+    epoch_ptr,  # int32 [max_rows]: this rank's calls so far per row index
     stride_x, stride_r, stride_o,
     n_cols, inv_n, eps, max_rows,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, HALF_WIDTH: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dtype = x_ptr.dtype.element_ty
-    my_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-    epoch_ptr = my_flags + WORLD * max_rows + row
-    e = tl.load(epoch_ptr) + 1
-    slot = e % 2
+    e = tl.load(epoch_ptr + row) + 1
+    slot = e & 1  # not e % 2, which is negative once e wraps
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0: -0.0 means "not yet written" in the buffers
     mine = ((slot * WORLD + RANK) * max_rows + row).to(tl.int64) * n_cols
     for peer in tl.static_range(WORLD):
         if peer != RANK:
             peer_data = tl.load(data_ptrs + peer).to(tl.pointer_type(dtype))
             tl.store(peer_data + mine + offs, x, mask=mask)
-    tl.debug_barrier()  # every thread's stores precede the flags
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer_flags + RANK * max_rows + row, e, sem="release", scope="sys")
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            while tl.atomic_add(my_flags + peer * max_rows + row, 0, sem="acquire", scope="sys") - e < 0:
-                pass
-    tl.debug_barrier()
     my_data = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype))
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for src in tl.static_range(WORLD):
         if src == RANK:
             acc += x.to(tl.float32)
         else:
-            theirs = ((slot * WORLD + src) * max_rows + row).to(tl.int64) * n_cols
-            acc += tl.load(my_data + theirs + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            theirs = my_data + ((slot * WORLD + src) * max_rows + row).to(tl.int64) * n_cols + offs
+            v = tl.load(theirs, mask=mask, other=0.0, volatile=True)
+            while tl.max(_unwritten(v, HALF_WIDTH).to(tl.int32), axis=0) > 0:
+                v = tl.load(theirs, mask=mask, other=0.0, volatile=True)
+            acc += v.to(tl.float32)
+            tl.store(theirs, _sentinel(BLOCK, dtype, HALF_WIDTH), mask=mask)  # for this slot's next call
     total = acc.to(dtype).to(tl.float32)
     r_row = res_ptr + row.to(tl.int64) * stride_r + offs
     h = (total + tl.load(r_row, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -93,7 +107,7 @@ def _reduce_add_norm_kernel(
     hn = (hf * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + offs, (w * hn).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(epoch_ptr, e)
+    tl.store(epoch_ptr + row, e)
 
 
 class TpReduce:
@@ -108,19 +122,16 @@ class TpReduce:
             raise ValueError(f"TpReduce serves 2..{MAX_WORLD} ranks, not {tp.size}")
         self.tp, self.dtype, self.hidden, self.max_rows = tp, dtype, hidden, max_rows
         group = dist.group.WORLD.group_name
-        world = tp.size
-        self.data = symm_mem.empty(2 * world * max_rows * hidden, dtype=dtype, device=device)
-        self.flags = symm_mem.empty((world + 1) * max_rows, dtype=torch.int32, device=device)
-        self.flags.zero_()
-        ptrs = []
-        for buf in (self.data, self.flags):
-            handle = symm_mem.rendezvous(buf, group)
-            assert handle.buffer_ptrs[tp.rank] == buf.data_ptr()
-            ptrs.append(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device))
-        self.data_ptrs, self.flag_ptrs = ptrs
+        self.data = symm_mem.empty(2 * tp.size * max_rows * hidden, dtype=dtype, device=device)
+        bits = torch.int16 if self.data.element_size() == 2 else torch.int32
+        self.data.view(bits).fill_(torch.iinfo(bits).min)  # -0.0: "not yet written" (module docstring)
+        handle = symm_mem.rendezvous(self.data, group)
+        assert handle.buffer_ptrs[tp.rank] == self.data.data_ptr()
+        self.data_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are zero before any peer writes one
-        self.nbytes = self.data.numel() * self.data.element_size() + self.flags.numel() * 4
+        dist.barrier()  # every rank's buffer holds sentinels before any peer writes into it
+        self.nbytes = self.data.numel() * self.data.element_size() + self.epochs.numel() * 4
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden and x.dtype == self.dtype
@@ -138,9 +149,10 @@ class TpReduce:
             raise ValueError("TpReduce.add_rms_norm needs unit last strides")
         block = 1 << max(0, (n - 1).bit_length())
         _reduce_add_norm_kernel[(rows,)](
-            x, residual, weight, out, self.data_ptrs, self.flag_ptrs,
+            x, residual, weight, out, self.data_ptrs, self.epochs,
             x.stride(0), residual.stride(0), out.stride(0),
             n, 1.0 / n, eps, self.max_rows,
-            RANK=self.tp.rank, WORLD=self.tp.size, BLOCK=block, num_warps=max(1, min(16, block // 256)),
+            RANK=self.tp.rank, WORLD=self.tp.size, BLOCK=block, HALF_WIDTH=x.element_size() == 2,
+            num_warps=max(1, min(16, block // 256)),
         )  # fmt: skip
         return out, residual
