@@ -7,7 +7,10 @@ math on the same half-precision inputs and against cuBLAS (F.linear) on them:
   then layers.SiluAndMul's torch code) bit for bit: the epilogue rounds where they round;
 - a row's result does not depend on how many rows run with it (a graph padded to 64 rows gives
   the rows of an eager forward of 5 the same bits), and a CUDA-graph replay equals the eager call;
-- bias, K and N that are not multiples of the blocks, fp16; bad inputs are refused.
+- bias, K and N that are not multiples of the blocks, fp16; bad inputs are refused;
+- `prefetch` (a PDL launch that runs ahead of the kernel before it, engine/pdl.py) reads its x
+  only after that kernel has written it: a graph of norm -> GEMV -> norm -> ... chained calls
+  gives the bits of the same chain without it, replay after replay.
 """
 
 from __future__ import annotations
@@ -90,6 +93,41 @@ def test_rows_are_independent_and_a_graph_replays_the_same_bits() -> None:
         static_x.copy_(torch.randn_like(x))
         graph.replay()
         assert torch.equal(out, skinny_linear(static_x, w, b, silu_mul=silu_mul))
+
+
+def test_prefetching_gemvs_wait_for_the_kernel_before_them() -> None:
+    from engine.models import fused_ops
+    from engine.models.skinny_linear import skinny_linear
+
+    n = k = 2048
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(8)]
+    norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
+    x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    res0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain(x: torch.Tensor, res: torch.Tensor, prefetch: bool) -> torch.Tensor:
+        for w in ws * 3:  # each GEMV reads the norm's output, the next norm the GEMV's
+            h, res = fused_ops.fused_add_rms_norm(x, res, norm_w, 1e-6)
+            x = skinny_linear(h, w, silu_mul=False, prefetch=prefetch)
+        return x
+
+    want = chain(x0, res0.clone(), prefetch=False)
+    x_in, res_in = x0.clone(), res0.clone()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        chain(x_in, res0.clone(), prefetch=True)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x_in, res_in, prefetch=True)
+    for _ in range(20):
+        res_in.copy_(res0)
+        graph.replay()
+        assert torch.equal(out, want)
+    res_in.copy_(res0)
+    assert torch.equal(chain(x_in, res_in, prefetch=True), want)  # eager too
 
 
 def test_refuses_what_it_does_not_run() -> None:

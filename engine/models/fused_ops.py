@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine import pdl
+
 # libdevice's expf, as torch's CUDA silu calls; Triton's interpreter (TRITON_INTERPRET=1, for
 # CPU checks of these kernels) has no libdevice, so it gets tl.exp.
 _LIBDEVICE_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -62,8 +64,10 @@ def _rms_norm_kernel(
     out_ptr,  # [T, N]
     stride_x, stride_r, stride_o,
     n_cols, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # engine/pdl.py: the GEMV after the norm is scheduled and prefetches now
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -95,7 +99,7 @@ def _launch_norm(x2, res2, weight, out2, eps, has_residual):
         x2, res2, weight, out2,
         x2.stride(0), res2.stride(0), out2.stride(0),
         n, 1.0 / n, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_warps(block),
+        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=pdl.enabled(x2.device), num_warps=_warps(block),
     )  # fmt: skip
 
 

@@ -73,10 +73,14 @@ class Linear(nn.Module):
         self.fused = fused
         self.shards: dict[str, Shard] = {}
 
+    # Whether the skinny kernel prefetches this weight while the kernel before it runs (see
+    # engine/pdl.py): the packed linears, which always follow a norm.
+    prefetch = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skinny = _skinny(x) if self.fused else None
         if skinny is not None:
-            return skinny.skinny_linear(x, self.weight, self.bias)
+            return skinny.skinny_linear(x, self.weight, self.bias, prefetch=self.prefetch)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -109,6 +113,8 @@ class MergedLinear(Linear):
     matmul: e.g. q/k/v -> qkv_proj, gate/up -> gate_up_proj. `shards` (the constructor's) maps each
     checkpoint module name (`q_proj`) to the part of its output features this rank holds, in
     packing order; `rows` maps it to its rows of `weight` (and `bias`), which the loader fills."""
+
+    prefetch = True
 
     def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool = False, fused: bool = False) -> None:
         super().__init__(in_features, sum(s.length for s in shards.values()), bias, fused)
@@ -280,5 +286,5 @@ class MLP(nn.Module):
         skinny = _skinny(x) if self.fused else None
         if skinny is not None:
             w = self.gate_up_proj
-            return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True))
+            return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True, prefetch=w.prefetch))
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -18,6 +18,11 @@ Rules:
   (gate and up rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE
   division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
 - Grid and output are fixed by the shapes: CUDA-graph capturable.
+- `prefetch` (on Hopper; engine/pdl.py): launched with PDL, the kernel prefetches the
+  first columns of its weight rows (up to PREFETCH_BYTES in all) into L2 before it waits for x.
+  For the GEMVs after a norm (qkv, gate_up): the norm, or at TP > 1 the cross-rank reduce, is
+  one latency-bound program per row and leaves HBM idle. Between back-to-back GEMVs it would
+  only take bandwidth from the running one (bench_linear.py: slower), so they launch plainly.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from engine import pdl
 
 # Rows up to which layers use the skinny kernel (bench/bench_linear.py, H200, the 0.6B and 8B
 # layer shapes in CUDA graphs): up to 16 rows it matches cuBLAS or beats it (2.1x on 0.6B's o_proj
@@ -56,6 +63,17 @@ def _block_n(n: int, sms: int) -> int:
     return 32 if triton.cdiv(n, 32) >= sms // 2 else 16
 
 
+# Bytes of a weight pulled into L2 before the wait (engine/pdl.py): what HBM streams in
+# the ~4 us of a cross-rank reduce; a third of a Hopper GPU's L2.
+PREFETCH_BYTES = 16 << 20
+
+
+def _prefetch_lines(weight_bytes: int, k: int, line: int) -> int:
+    """Lines per weight row to prefetch: a power of two (0 for none), at most the row."""
+    lines = min(k // line, PREFETCH_BYTES * (k // line) // max(1, weight_bytes))
+    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
+
+
 @triton.jit
 def _silu_mul(gate, up, DTYPE: tl.constexpr):
     # gate, up: fp32 accumulators; rounds as layers.SiluAndMul on the rounded matmul outputs.
@@ -74,6 +92,7 @@ def _skinny_kernel(
     M, N, K, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -82,6 +101,17 @@ def _skinny_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     rows_n = offs_n.to(tl.int64)
+    if USE_PDL:
+        # engine/pdl.py: the weights are no kernel's output, so this program's first
+        # PREFETCH_LINES lines of each weight row go to L2 while the previous kernel runs.
+        if PREFETCH_LINES > 0:
+            rows = tl.minimum(rows_n, N - 1)[:, None] * K
+            lines = (tl.arange(0, PREFETCH_LINES) * LINE)[None, :]
+            pdl.prefetch_l2(w_ptr + rows + lines)
+            if SILU_MUL:
+                pdl.prefetch_l2(w_ptr + N.to(tl.int64) * K + rows + lines)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptrs = w_ptrs + N.to(tl.int64) * K  # the up half of a gate | up weight
@@ -125,6 +155,7 @@ def skinny_linear(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch: bool = False,  # launch with PDL and prefetch weights: for a GEMV right after a norm
 ) -> torch.Tensor:  # [M, N] ([M, I] with silu_mul)
     if x.dim() != 2 or not applies(x, KERNEL_MAX_ROWS):
         raise ValueError(f"skinny_linear: x must be a CUDA bf16/fp16 [M, K] with 1 <= M <= {KERNEL_MAX_ROWS}, got {tuple(x.shape)} {x.dtype}")
@@ -137,11 +168,15 @@ def skinny_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_n = block_n or _block_n(n, _num_sms(x.device.index or 0))
     block_k = block_k or (128 if k >= 128 else max(16, 1 << (k - 1).bit_length()))
+    use_pdl = pdl.enabled(x.device)
+    line = 128 // x.element_size()  # elements per 128-byte line
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
         BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps or 4, num_stages=num_stages or 5,
+        USE_PDL=use_pdl, LINE=line,
+        PREFETCH_LINES=_prefetch_lines(weight.numel() * x.element_size(), k, line) if prefetch else 0,
+        num_warps=num_warps or 4, num_stages=num_stages or 5, launch_pdl=use_pdl and prefetch,
     )  # fmt: skip
     return out

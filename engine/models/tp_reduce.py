@@ -37,6 +37,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from engine import pdl
 from engine.parallel import TensorParallel
 
 # The most ranks one kernel serves (peers are unrolled at compile time).
@@ -72,7 +73,11 @@ def _reduce_add_norm_kernel(
     stride_x, stride_r, stride_o,
     n_cols, inv_n, eps, max_rows,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, HALF_WIDTH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # engine/pdl.py: the next GEMV gets scheduled (and prefetches) meanwhile
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -121,6 +126,7 @@ class TpReduce:
         if not 1 < tp.size <= MAX_WORLD:
             raise ValueError(f"TpReduce serves 2..{MAX_WORLD} ranks, not {tp.size}")
         self.tp, self.dtype, self.hidden, self.max_rows = tp, dtype, hidden, max_rows
+        self.pdl = pdl.enabled(device)
         group = dist.group.WORLD.group_name
         self.data = symm_mem.empty(2 * tp.size * max_rows * hidden, dtype=dtype, device=device)
         bits = torch.int16 if self.data.element_size() == 2 else torch.int32
@@ -153,6 +159,6 @@ class TpReduce:
             x.stride(0), residual.stride(0), out.stride(0),
             n, 1.0 / n, eps, self.max_rows,
             RANK=self.tp.rank, WORLD=self.tp.size, BLOCK=block, HALF_WIDTH=x.element_size() == 2,
-            num_warps=max(1, min(16, block // 256)),
+            USE_PDL=self.pdl, num_warps=max(1, min(16, block // 256)), launch_pdl=self.pdl,
         )  # fmt: skip
         return out, residual
