@@ -130,6 +130,24 @@ def test_prefetching_gemvs_wait_for_the_kernel_before_them() -> None:
     assert torch.equal(chain(x_in, res_in, prefetch=True), want)  # eager too
 
 
+def test_siesta_pdl_0_turns_programmatic_launch_off() -> None:
+    import os
+    import subprocess
+    import sys
+
+    probe = "import torch; from engine import pdl; print(pdl.enabled(torch.device('cuda')))"
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+
+    def run(value: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "SIESTA_PDL"}
+        if value is not None:
+            env["SIESTA_PDL"] = value
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert run(None) == str(hopper)
+    assert run("0") == "False"
+
+
 def test_refuses_what_it_does_not_run() -> None:
     from engine.models.skinny_linear import KERNEL_MAX_ROWS, MAX_ROWS, applies, skinny_linear
 
