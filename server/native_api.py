@@ -200,11 +200,13 @@ async def _with_timeout(coro: Any) -> Any:
     return await asyncio.wait_for(coro, HEALTH_GENERATE_TIMEOUT_S)
 
 
+@router.get("/model_info")  # SGLang's newer name; the gateway (smg) asks it first
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
     info = await _client(request).call(calls.GetInfo())
     keys = ("model_path", "architecture", "dtype", "max_context_length", "weight_version")
-    return {k: info[k] for k in keys} | {"tokenizer_path": info["model_path"], "is_generation": True}
+    extra = {"tokenizer_path": info["model_path"], "is_generation": True, "architectures": [info["architecture"]]}
+    return {k: info[k] for k in keys} | extra
 
 
 @router.get("/metrics")

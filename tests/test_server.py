@@ -85,6 +85,7 @@ def test_info_health_and_metrics(demo_server: ServerProcess) -> None:
         info = http.get("/get_model_info").json()
         assert info["architecture"] == "Qwen3ForCausalLM" and info["max_context_length"] == 512
         assert info["dtype"] == "float32" and info["weight_version"] == "default"
+        assert info["architectures"] == ["Qwen3ForCausalLM"] and http.get("/model_info").json() == info
         server = http.get("/get_server_info").json()
         assert server["kv_blocks_total"] > 0 and server["config"]["block_size"] == 16
         assert server["server_args"]["port"] == demo_server.port
