@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_util import ServerProcess, free_port
+from server_util import ServerProcess, free_port, stop_process
 
 pytest.importorskip("smg")
 
@@ -72,13 +72,7 @@ class Gateway:
 
     def stop(self) -> None:
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 
