@@ -8,7 +8,9 @@ by `python -m smg.launch_router` on loopback ports), as RL frameworks deploy rep
   (cache-aware routing);
 - `/v1/rl/engine/...` fan-outs selected by `engine=sglang` release and resume memory on both,
   and an `update_weights_from_disk` leaves both generating what a fresh server on the new
-  checkpoint generates.
+  checkpoint generates;
+- smg's own RL client (`smg.rl.RL.fanout`, `smg.rl.paused`) pauses both, flushes their caches
+  and lets them continue.
 """
 
 from __future__ import annotations
@@ -167,3 +169,29 @@ def test_rl_fanouts_release_resume_and_update_weights_on_both(replicas, tmp_path
         with s.client() as http:
             got = http.post("/generate", json={"text": prompts[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
             assert got.json()["output_ids"] == want[0]
+
+
+def test_smg_rl_client_pauses_flushes_and_continues_both(replicas) -> None:
+    """smg's own Python client (`smg.rl.RL`, `smg.rl.paused`), as a trainer drives a refit."""
+    from smg.rl import RL, paused
+
+    gateway, servers = replicas
+
+    def paused_flags() -> list[bool]:
+        flags = []
+        for s in servers:
+            with s.client() as http:
+                flags.append(http.get("/server_info").json()["paused"])
+        return flags
+
+    rl = RL(gateway.url, timeout=60.0)
+    assert {w.url for w in rl.workers()} == {s.url for s in servers}
+    with paused(rl, "engine=sglang", mode="abort") as pause:
+        assert pause.succeeded == 2 and not pause.failed
+        assert paused_flags() == [True, True]
+        flushed = rl.fanout("flush_cache", {}, selector="engine=sglang")
+        assert flushed.succeeded == 2
+        assert all(r.status == 200 and r.body["success"] for r in flushed.results.values())
+    assert paused_flags() == [False, False]
+    r = gateway.generate("after the pause")
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
