@@ -94,11 +94,12 @@ def replicas(demo_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def _requests_served(server: ServerProcess) -> float:
+    """Requests the replica finished, over every outcome label of siesta_requests_total."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with server.client() as http:
-        for line in http.get("/metrics").text.splitlines():
-            if line.startswith("siesta_requests_total"):
-                return float(line.split()[-1])
-    return 0.0
+        families = text_string_to_metric_families(http.get("/metrics").text)
+        return sum(s.value for f in families for s in f.samples if s.name == "siesta_requests_total")
 
 
 def test_the_gateway_registers_siesta_as_an_sglang_worker(replicas) -> None:
