@@ -46,7 +46,7 @@ async def list_models(request: Request) -> dict[str, Any]:
         "id": request.app.state.model_name,
         "object": "model",
         "created": _STARTED,
-        "owned_by": "siesta",
+        "owned_by": "sglang",  # the runtime the SGLang Model Gateway detects from data[0] (docs/SMG_GATEWAY.md)
         "root": client.config.model,
         "max_model_len": client.info["max_context_length"],
     }

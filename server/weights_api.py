@@ -2,6 +2,7 @@
 or shared memory), and over a process group the trainer broadcasts on. Each answers
 `{"success": true, "message", "weight_version", "seconds"}`; a bad update is a 400 naming the
 first bad tensor (the old weights stay in use), a path outside --allowed-model-dirs a 403.
+`/update_weight_version` only renames the weights in use (`{"success", "message", "new_version"}`).
 
 The three update routes decode their JSON with msgspec straight into their call
 (engine/core/calls.py) and encode the reply the same way: they sit on the RL flip's critical path,
@@ -85,6 +86,11 @@ async def init_weights_update_group(body: InitGroupIn, request: Request) -> Resp
 @router.post("/update_weights_from_distributed", openapi_extra=_body(calls.UpdateWeightsFromDistributed))
 async def update_weights_from_distributed(request: Request) -> Response:
     return await _answer(request, await _decoded(request, calls.UpdateWeightsFromDistributed))
+
+
+@router.post("/update_weight_version", openapi_extra=_body(calls.UpdateWeightVersion))
+async def update_weight_version(request: Request) -> Response:
+    return await _answer(request, await _decoded(request, calls.UpdateWeightVersion))
 
 
 @router.post("/destroy_weights_update_group")

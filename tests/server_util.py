@@ -23,13 +23,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m server.cli serve --model DIR --device cpu ...`, ready when /health says 200."""
+    """`python -m server.cli serve --model DIR --device cpu ...`, ready when /health says 200.
+    `port` restarts a server on the URL a stopped one had (a gateway knows workers by URL)."""
 
     def __init__(
         self, model: str | None, *args: str, api_key: str | None = None, log_path: str | None = None,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--device", "cpu", *args]

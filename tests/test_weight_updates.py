@@ -106,6 +106,28 @@ def test_update_while_a_request_streams(server: ServerProcess, qwen3_dir: str, a
             assert last["weight_version"] != r.json()["weight_version"]
 
 
+def test_update_weight_version_renames_the_weights_in_use(server: ServerProcess, expected) -> None:
+    """SGLang's /update_weight_version: outputs carry the new name, the weights stay as they are;
+    with abort_all_requests the running request ends first."""
+    stream = BackgroundStream(server.url, LONG)
+    assert stream.started()
+    with server.client() as http:
+        before = _generate(http)
+        r = http.post("/update_weight_version", json={"new_version": "base-0", "abort_all_requests": True})
+        assert r.status_code == 200 and r.json() == {
+            "success": True, "message": "weight version updated to base-0", "new_version": "base-0"}
+        last = stream.join()
+        assert last["finish_reason"]["type"] == "abort" and last["completion_tokens"] < 300
+        assert http.get("/get_weight_version").json() == {"weight_version": "base-0"}
+        out = http.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}).json()
+        assert out["meta_info"]["weight_version"] == "base-0"
+        assert _generate(http) == before
+        assert http.post("/update_weight_version", json={"new_version": 7}).json()["new_version"] == "7"
+        bad = http.post("/update_weight_version", json={"version": "x"})
+        assert bad.status_code == 400 and "new_version" in bad.json()["error"]["message"]
+        assert http.get("/get_weight_version").json() == {"weight_version": "7"}
+
+
 def test_http_update_from_tensor(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
     from engine.weights.payload import flatten_bucket, serialize_named_tensors, serialize_payload
 

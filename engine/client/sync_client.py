@@ -173,6 +173,9 @@ class Engine:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return self._answer(calls.DestroyWeightsUpdateGroup(group_name=group_name))
 
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+        return self._answer(calls.UpdateWeightVersion(new_version=new_version, abort_all_requests=abort_all_requests))
+
     def check_weights(self, action: str = "checksum") -> dict[str, Any]:
         """SGLang's weights checker (engine/core/checks.py): snapshot, reset_tensors, compare, checksum."""
         return self.call(calls.CheckWeights(action=action))

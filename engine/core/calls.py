@@ -87,6 +87,12 @@ class GroupReply(Reply):
     message: str
 
 
+class VersionReply(Reply):
+    success: bool
+    message: str
+    new_version: str
+
+
 # ---- the calls -----------------------------------------------------------------------------------
 
 
@@ -183,6 +189,15 @@ class UpdateWeightsFromDistributed(Call):
     reply = WeightUpdateReply
 
 
+class UpdateWeightVersion(Call):
+    """Name the weights in use without touching them (SGLang's update_weight_version): for a
+    trainer that declares its starting checkpoint's version before the first rollout."""
+
+    new_version: str | int
+    abort_all_requests: bool = False
+    reply = VersionReply
+
+
 class DestroyWeightsUpdateGroup(Call):
     group_name: str = DEFAULT_GROUP
     reply = GroupReply
@@ -213,5 +228,6 @@ class StopProfile(Call):
 ControlCall = (
     Ping | GetInfo | GetLoad | GetMemoryOccupation | FlushCache | PauseGeneration | ContinueGeneration | Abort
     | ReleaseMemory | ResumeMemory | UpdateWeightsFromDisk | UpdateWeightsFromTensor | InitWeightsUpdateGroup
-    | UpdateWeightsFromDistributed | DestroyWeightsUpdateGroup | CheckWeights | StartProfile | StopProfile
+    | UpdateWeightsFromDistributed | DestroyWeightsUpdateGroup | UpdateWeightVersion | CheckWeights | StartProfile
+    | StopProfile
 )

@@ -275,6 +275,7 @@ _HANDLERS: dict[type, Callable[[EngineCore, Any], Any]] = {
     calls.InitWeightsUpdateGroup: EngineCore.init_weights_update_group,
     calls.UpdateWeightsFromDistributed: EngineCore.update_weights_from_distributed,
     calls.DestroyWeightsUpdateGroup: EngineCore.destroy_weights_update_group,
+    calls.UpdateWeightVersion: EngineCore.update_weight_version,
     calls.CheckWeights: EngineCore.check_weights,
     calls.StartProfile: EngineCore.start_profile,
     calls.StopProfile: EngineCore.stop_profile,

@@ -55,6 +55,13 @@ class WeightUpdateCalls:
         self.ranks.run(LeaveGroup(call.group_name))
         return calls.GroupReply(success=True, message=f"left group {call.group_name!r}")
 
+    def update_weight_version(self, call: calls.UpdateWeightVersion) -> calls.VersionReply:
+        """Outputs from here on carry `new_version`; requests aborted first when asked."""
+        if call.abort_all_requests:
+            self.pending += self.abort(None)
+        self.availability.weight_version = version = str(call.new_version)
+        return calls.VersionReply(success=True, message=f"weight version updated to {version}", new_version=version)
+
     def _write(self, call: WeightUpdate) -> str | None:
         """Every rank validates the update against its own slice of the model before any rank
         writes a byte (one rank's bad tensor: nothing written anywhere); then every rank writes.
