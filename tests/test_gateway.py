@@ -1,110 +1,42 @@
-"""Two real Siesta servers behind the real SGLang Model Gateway (`smg`, its Rust binary started
-by `python -m smg.launch_router` on loopback ports), as RL frameworks deploy replicas
-(docs/SMG_GATEWAY.md says what the gateway asks a worker):
+"""Two real Siesta servers behind the real SGLang Model Gateway (tests/gateway_util.py), as RL
+frameworks deploy replicas: what the gateway learns of them, and the traffic it routes.
 
 - the gateway registers both as SGLang workers (engine `sglang`, model, capacity, limits) and
   parses their `/v1/loads`;
-- `/generate` through it reaches both replicas, and one prompt family stays on one replica
-  (cache-aware routing);
-- `/v1/rl/engine/...` fan-outs selected by `engine=sglang` release and resume memory on both,
-  and an `update_weights_from_disk` leaves both generating what a fresh server on the new
-  checkpoint generates;
-- smg's own RL client (`smg.rl.RL.fanout`, `smg.rl.paused`) pauses both, flushes their caches
-  and lets them continue.
+- `/generate` through it reaches both replicas, one prompt family stays on one replica
+  (cache-aware routing), and the prefix cache hits as often as on one replica alone;
+- streamed `/generate` and the OpenAI routes (the official client) pass through unchanged;
+- `X-SMG-Routing-Key` pins a session to one replica (`--sticky-sessions`).
+
+The RL control plane through the gateway is tests/test_gateway_rl.py; a killed replica,
+tests/test_gateway_failover.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from server_util import ServerProcess, free_port, stop_process
+from gateway_util import Gateway, replicas, requests_served
+from server_util import ServerProcess
 
 pytest.importorskip("smg")
 
-READY_TIMEOUT_S = 60.0
-
-
-class Gateway:
-    """`python -m smg.launch_router` in front of `workers`, ready once every worker is."""
-
-    def __init__(self, workers: list[str], log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable, "-m", "smg.launch_router", "--worker-urls", *workers,
-            "--policy", "cache_aware", "--enable-rl", "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--health-check-interval-secs", "1", "--load-monitor-interval", "1",
-            "--worker-startup-check-interval", "1",
-        ]  # fmt: skip
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.url, timeout=60.0)
-        self._wait_workers(len(workers))
-
-    def _wait_workers(self, n: int) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"smg exited with {self.proc.returncode}")
-            try:
-                workers = self.http.get("/v1/rl/workers").json()["workers"]
-                if len(workers) == n and all(w["health"] == "ready" for w in workers):
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"smg did not report {n} ready workers within {READY_TIMEOUT_S} s")
-
-    def generate(self, text: str, max_new_tokens: int = 4) -> httpx.Response:
-        body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
-        return self.http.post("/generate", json=body)
-
-    def fanout(self, path: str, body: dict) -> dict:
-        r = self.http.post(f"/v1/rl/engine/{path}", params={"selector": "engine=sglang"}, json=body)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def stop(self) -> None:
-        self.http.close()
-        stop_process(self.proc)
-        self.log.close()
+# Routing keys go to the replica with the fewest keys; requests without one route cache-aware.
+STICKY = ("--sticky-sessions", "--assignment-mode", "min_group")
 
 
 @pytest.fixture(scope="module")
-def replicas(demo_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, list[ServerProcess]]]:
-    logs = tmp_path_factory.mktemp("gateway")
-    servers = [ServerProcess(demo_dir, "--max-model-len", "512", log_path=str(logs / f"siesta{i}.log")) for i in range(2)]
-    gateway = None
-    try:
-        gateway = Gateway([s.url for s in servers], str(logs / "smg.log"))
-        yield gateway, servers
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for s in servers:
-            s.stop()
+def pair(demo_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, list[ServerProcess]]]:
+    with replicas(demo_dir, str(tmp_path_factory.mktemp("gateway")), 2, *STICKY) as both:
+        yield both
 
 
-def _requests_served(server: ServerProcess) -> float:
-    """Requests the replica finished, over every outcome label of siesta_requests_total."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with server.client() as http:
-        families = text_string_to_metric_families(http.get("/metrics").text)
-        return sum(s.value for f in families for s in f.samples if s.name == "siesta_requests_total")
-
-
-def test_the_gateway_registers_siesta_as_an_sglang_worker(replicas) -> None:
-    gateway, servers = replicas
-    workers = {w["url"]: w for w in gateway.http.get("/v1/rl/workers").json()["workers"]}
+def test_the_gateway_registers_siesta_as_an_sglang_worker(pair) -> None:
+    gateway, servers = pair
+    workers = gateway.workers()
     assert set(workers) == {s.url for s in servers}
     for w in workers.values():
         assert w["engine"] == "sglang" and w["health"] == "ready" and w["tp_size"] == 1
@@ -119,9 +51,9 @@ def test_the_gateway_registers_siesta_as_an_sglang_worker(replicas) -> None:
     assert all(entry["max_running_requests"] == 256 and entry["max_total_num_tokens"] > 0 for entry in loads)
 
 
-def test_generate_reaches_both_replicas_and_a_prompt_family_stays_on_one(replicas) -> None:
-    gateway, servers = replicas
-    before = [_requests_served(s) for s in servers]
+def test_generate_reaches_both_replicas_and_a_prompt_family_stays_on_one(pair) -> None:
+    gateway, servers = pair
+    before = [requests_served(s) for s in servers]
     routed = {}
     words = ["apple", "zebra", "quantum", "mango", "violet", "kettle", "orbit", "nectar", "bishop", "delta"]
     for word in words:
@@ -129,70 +61,88 @@ def test_generate_reaches_both_replicas_and_a_prompt_family_stays_on_one(replica
         assert r.status_code == 200, r.text
         assert r.json()["meta_info"]["completion_tokens"] == 4
         routed[word] = r.headers["x-smg-routed-worker-id"]
-    served = [_requests_served(s) - b for s, b in zip(servers, before, strict=True)]
+    served = [requests_served(s) - b for s, b in zip(servers, before, strict=True)]
     assert sum(served) == len(words) and min(served) > 0, served  # both replicas did work
     assert sorted(set(routed.values())) == sorted(s.url for s in servers)
     family = {gateway.generate(f"zebra is where this prompt starts, then goes on {i}").headers["x-smg-routed-worker-id"] for i in range(5)}
     assert family == {routed["zebra"]}  # the family's prefix lives in that replica's cache
 
 
-def test_rl_fanouts_release_resume_and_update_weights_on_both(replicas, tmp_path_factory: pytest.TempPathFactory) -> None:
-    from engine.demo_model import create_demo_model
+def test_the_prefix_cache_hits_as_often_as_on_one_replica_alone(pair) -> None:
+    """Prompt families (a long shared prefix, a short own suffix) sent interleaved: cache-aware
+    routing keeps each family where its prefix is cached, so the hit rate over both replicas
+    equals that of one replica serving everything."""
+    import random
+    import string
 
-    gateway, servers = replicas
-    released = gateway.fanout("release_memory_occupation", {})
-    assert released["total"] == 2 and released["succeeded"] == 2 and not released["failed"]
-    for s in servers:
-        with s.client() as http:
-            assert http.get("/server_info").json()["memory"] == "released"
-    resumed = gateway.fanout("resume_memory_occupation", {})
-    assert resumed["succeeded"] == 2
-    for s in servers:
-        with s.client() as http:
-            assert http.get("/server_info").json()["memory"] == "resident"
+    gateway, servers = pair
+    families = [random.Random(f).choices(string.ascii_lowercase + "    ", k=200) for f in range(4)]
+    prompts = [f"{''.join(prefix)} question {j}: {j * 7919}" for j in range(4) for prefix in families]
 
-    new_dir = create_demo_model(str(tmp_path_factory.mktemp("demo-v2")), seed=7)
-    updated = gateway.fanout("update_weights_from_disk", {"model_path": new_dir, "weight_version": "v2"})
-    assert updated["succeeded"] == 2
-    assert all(r["body"]["success"] and r["body"]["weight_version"] == "v2" for r in updated["results"].values())
-    fresh = ServerProcess(new_dir, "--max-model-len", "512", log_path=os.devnull)
-    try:
-        with fresh.client() as http:
-            prompts = ["apple is where this prompt starts", "zebra is where this prompt starts"]
-            body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
-            want = [http.post("/generate", json=body | {"text": p}).json()["output_ids"] for p in prompts]
-    finally:
-        fresh.stop()
-    for prompt, ids in zip(prompts, want, strict=True):
-        r = gateway.generate(prompt, max_new_tokens=8)
-        assert r.json()["output_ids"] == ids and r.json()["meta_info"]["weight_version"] == "v2"
-    for s in servers:  # each replica itself, not only the ones the gateway picked
-        with s.client() as http:
-            got = http.post("/generate", json={"text": prompts[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
-            assert got.json()["output_ids"] == want[0]
+    def hit_rate(post) -> float:
+        metas = [post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"] for p in prompts]
+        return sum(m["cached_tokens"] for m in metas) / sum(m["prompt_tokens"] for m in metas)
+
+    assert gateway.fanout("flush_cache", {})["succeeded"] == 2
+    through_gateway = hit_rate(gateway.http.post)
+    with servers[0].client() as http:
+        assert http.post("/flush_cache").json()["success"]
+        alone = hit_rate(http.post)
+    print(f"prefix-cache hit rate: {through_gateway:.3f} through the gateway, {alone:.3f} on one replica alone")
+    assert alone > 0.5  # 3 of every family's 4 prompts find its prefix
+    assert through_gateway >= 0.98 * alone
 
 
-def test_smg_rl_client_pauses_flushes_and_continues_both(replicas) -> None:
-    """smg's own Python client (`smg.rl.RL`, `smg.rl.paused`), as a trainer drives a refit."""
-    from smg.rl import RL, paused
+def test_streamed_generate_passes_through_the_gateway(pair) -> None:
+    gateway, servers = pair
+    body = {"text": "a streamed prompt", "stream": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    with gateway.http.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        worker = r.headers["x-smg-routed-worker-id"]
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    ids = [e["output_ids"] for e in events]
+    assert len(events) > 1 and all(b[: len(a)] == a for a, b in zip(ids, ids[1:], strict=False))  # cumulative
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == 12
+    with next(s for s in servers if s.url == worker).client() as http:
+        plain = http.post("/generate", json=body | {"stream": False}).json()
+    assert (plain["output_ids"], plain["text"]) == (last["output_ids"], last["text"])
 
-    gateway, servers = replicas
 
-    def paused_flags() -> list[bool]:
-        flags = []
-        for s in servers:
-            with s.client() as http:
-                flags.append(http.get("/server_info").json()["paused"])
-        return flags
+def test_openai_routes_pass_through_the_gateway(pair) -> None:
+    """The official client against the gateway gets what it gets from a replica directly."""
+    import openai
 
-    rl = RL(gateway.url, timeout=60.0)
-    assert {w.url for w in rl.workers()} == {s.url for s in servers}
-    with paused(rl, "engine=sglang", mode="abort") as pause:
-        assert pause.succeeded == 2 and not pause.failed
-        assert paused_flags() == [True, True]
-        flushed = rl.fanout("flush_cache", {}, selector="engine=sglang")
-        assert flushed.succeeded == 2
-        assert all(r.status == 200 and r.body["success"] for r in flushed.results.values())
-    assert paused_flags() == [False, False]
-    r = gateway.generate("after the pause")
-    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+    gateway, servers = pair
+    model = gateway.http.get("/v1/models").json()["data"][0]["id"]
+    with servers[0].client() as http:
+        assert model == http.get("/v1/models").json()["data"][0]["id"]
+    via, direct = (openai.OpenAI(base_url=f"{url}/v1", api_key="unused") for url in (gateway.url, servers[0].url))
+    chat = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0}
+    got, want = (c.chat.completions.create(**chat) for c in (via, direct))
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.completion_tokens == want.usage.completion_tokens > 0
+    streamed = "".join(c.choices[0].delta.content or "" for c in via.chat.completions.create(**chat, stream=True) if c.choices)
+    assert streamed == want.choices[0].message.content
+    completion = {"model": model, "prompt": "once upon a time", "max_tokens": 5, "temperature": 0}
+    assert via.completions.create(**completion).choices[0].text == direct.completions.create(**completion).choices[0].text
+    with pytest.raises(openai.NotFoundError):  # the gateway routes by model: an unknown one has no worker
+        via.completions.create(**completion | {"model": "no-such-model"})
+
+
+def test_a_routing_key_pins_a_session_to_one_replica(pair) -> None:
+    """`X-SMG-Routing-Key` under --sticky-sessions: every request with a key lands on the replica
+    its first one did, whatever its text; keys spread over the replicas, so the same texts sent
+    under two keys may land on two replicas (the key wins over cache affinity)."""
+    gateway, servers = pair
+    placed: dict[str, set[str]] = {}
+    for key in ("agent-0", "agent-1", "agent-2", "agent-3"):
+        for turn in range(4):
+            r = gateway.generate(f"turn {turn} of a conversation {turn * 31}", headers={"X-SMG-Routing-Key": key})
+            assert r.status_code == 200, r.text
+            placed.setdefault(key, set()).add(r.headers["x-smg-routed-worker-id"])
+    assert all(len(urls) == 1 for urls in placed.values()), placed
+    assert set().union(*placed.values()) == {s.url for s in servers}, placed
