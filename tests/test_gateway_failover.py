@@ -1,0 +1,129 @@
+"""A replica killed while requests run through the real SGLang Model Gateway, then started again
+on its old URL (the gateway knows workers by URL; it keeps probing a dead one, as it does for
+`--worker-urls`).
+
+- streams on the killed replica end with an error event and `[DONE]`; those on the other replica
+  finish as asked;
+- non-streamed requests caught by the kill end within their timeout, either retried on the other
+  replica (smg retries a transport error) or with a JSON error, never a hang;
+- the gateway marks the dead replica not ready and routes everything to the other one;
+- once the replica is back and healthy, the gateway routes to it again.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from gateway_util import replicas
+from server_util import ServerProcess
+
+pytest.importorskip("smg")
+
+# One failed probe marks a worker not ready, one good probe ready again (probes every second).
+FAST_HEALTH = ("--health-failure-threshold", "1", "--health-success-threshold", "1")
+LONG = {"max_new_tokens": 440, "temperature": 0.0, "ignore_eos": True}
+
+
+class GatewayStream:
+    """A streamed `/generate` through the gateway, read on a thread."""
+
+    def __init__(self, url: str, text: str) -> None:
+        self.lines: list[str] = []
+        self.worker: str | None = None
+        self.error: Exception | None = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, text), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, text: str) -> None:
+        try:
+            body = {"text": text, "stream": True, "sampling_params": LONG}
+            with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
+                self.worker = r.headers.get("x-smg-routed-worker-id")
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self._started.set()
+        except Exception as e:  # reported by the test, not raised on the thread
+            self.error = e
+        finally:
+            self._started.set()
+
+    def started(self) -> bool:
+        return self._started.wait(30) and bool(self.lines)
+
+    def join(self) -> list[dict]:
+        """The events before `[DONE]`, once the stream has ended."""
+        self._thread.join(120)
+        assert not self._thread.is_alive() and self.error is None, self.error
+        assert self.lines[-1] == "data: [DONE]", self.lines[-3:]
+        return [json.loads(line.removeprefix("data: ")) for line in self.lines[:-1]]
+
+
+def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
+    demo_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    logs = str(tmp_path_factory.mktemp("gateway-failover"))
+    with replicas(demo_dir, logs, 2, *FAST_HEALTH) as (gateway, servers):
+        urls = [s.url for s in servers]
+        streams: list[GatewayStream] = []
+        for i in range(12):  # until both replicas run at least two streams
+            streams.append(GatewayStream(gateway.url, f"stream {i} starts with {i * 7} and goes on"))
+            assert streams[-1].started()
+            if all(sum(s.worker == u for s in streams) >= 2 for u in urls):
+                break
+        victim, survivor = servers
+        plain: list[httpx.Response | Exception] = []
+
+        def post(i: int) -> None:
+            try:
+                plain.append(httpx.post(f"{gateway.url}/generate", timeout=120, json={
+                    "text": f"plain request {i}", "sampling_params": LONG | {"max_new_tokens": 200}}))
+            except Exception as e:
+                plain.append(e)
+
+        posters = [threading.Thread(target=post, args=(i,)) for i in range(4)]
+        for t in posters:
+            t.start()
+        victim.proc.kill()  # SIGKILL: no graceful shutdown; its engine exits with it
+
+        for s in streams:
+            events = s.join()
+            if s.worker == victim.url:
+                assert "error" in events[-1] and "finish_reason" not in json.dumps(events[-1]), events[-1]
+                assert all(e.get("meta_info", {}).get("finish_reason") is None for e in events[:-1])
+            else:
+                assert s.worker == survivor.url
+                assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+                assert len(events[-1]["output_ids"]) == LONG["max_new_tokens"]
+        assert any(s.worker == victim.url for s in streams) and any(s.worker == survivor.url for s in streams)
+        for t in posters:
+            t.join(120)
+        assert len(plain) == 4
+        print("non-streamed requests caught by the kill:", [getattr(r, "status_code", r) for r in plain])
+        for r in plain:  # retried on the survivor, or a clear error
+            assert isinstance(r, httpx.Response), r
+            if r.status_code == 200:
+                assert r.json()["meta_info"]["completion_tokens"] == 200
+            else:
+                assert r.status_code >= 500 and r.json(), r.text
+
+        gateway.wait_health({victim.url: ("not_ready", "failed"), survivor.url: "ready"}, timeout_s=15)
+        for i in range(6):
+            r = gateway.generate(f"while one replica is down {i}")
+            assert r.status_code == 200 and r.headers["x-smg-routed-worker-id"] == survivor.url
+
+        servers[0] = ServerProcess(demo_dir, "--max-model-len", "512", port=victim.port, log_path=f"{logs}/siesta0-again.log")
+        gateway.wait_health({victim.url: "ready", survivor.url: "ready"}, timeout_s=30)
+        routed = set()
+        for i in range(20):
+            r = gateway.generate(f"{i} the replica is back {time.monotonic()}")
+            assert r.status_code == 200
+            routed.add(r.headers["x-smg-routed-worker-id"])
+            if victim.url in routed:
+                break
+        assert victim.url in routed
