@@ -4,8 +4,8 @@ on its old URL (the gateway knows workers by URL; it keeps probing a dead one, a
 
 - streams on the killed replica end with an error event and `[DONE]`; those on the other replica
   finish as asked;
-- non-streamed requests caught by the kill end within their timeout, either retried on the other
-  replica (smg retries a transport error) or with a JSON error, never a hang;
+- non-streamed requests caught by the kill are retried on the other replica (smg retries a
+  transport error) and answer in full;
 - the gateway marks the dead replica not ready and routes everything to the other one;
 - once the replica is back and healthy, the gateway routes to it again.
 """
@@ -105,12 +105,9 @@ def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
             t.join(120)
         assert len(plain) == 4
         print("non-streamed requests caught by the kill:", [getattr(r, "status_code", r) for r in plain])
-        for r in plain:  # retried on the survivor, or a clear error
-            assert isinstance(r, httpx.Response), r
-            if r.status_code == 200:
-                assert r.json()["meta_info"]["completion_tokens"] == 200
-            else:
-                assert r.status_code >= 500 and r.json(), r.text
+        for r in plain:  # a transport error: smg retries the request on the survivor
+            assert isinstance(r, httpx.Response) and r.status_code == 200, r
+            assert r.json()["meta_info"]["completion_tokens"] == 200
 
         gateway.wait_health({victim.url: ("not_ready", "failed"), survivor.url: "ready"}, timeout_s=15)
         for i in range(6):

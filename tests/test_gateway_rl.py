@@ -146,6 +146,33 @@ def test_update_from_distributed_joins_both_replicas_to_one_group(pair, new_weig
     assert left.succeeded == 2
 
 
+def test_the_readme_rl_step(pair, new_weights, qwen3_dir: str) -> None:
+    """README's "More than one GPU" RL step through smg's client, as written there."""
+    import httpx
+    from smg.rl import RL, paused
+
+    gateway_, servers = pair
+    new_dir, want = new_weights
+    assert _reset(gateway_, qwen3_dir) != want
+    gateway, every, ckpt = gateway_.url, "engine=sglang", new_dir
+    rl = RL(gateway)
+    with paused(rl, every, mode="abort"):
+        released = rl.fanout("release_memory_occupation", {}, selector=every)
+        assert released.succeeded == 2
+        assert all(set(r.body["tags"].values()) == {"released"} for r in released.results.values())
+        rl.fanout("resume_memory_occupation", {"tags": ["weights"]}, selector=every)
+        rl.fanout("update_weights_from_disk", {"model_path": ckpt, "weight_version": "42"}, selector=every)
+        rl.fanout("resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}, selector=every)
+    for w in rl.workers():
+        httpx.patch(f"{gateway}/workers/{w.id}", json={"labels": {"weight_version": "42"}})
+    _assert_both_generate(gateway_, servers, want)
+    assert gateway_.generate(PROMPTS[0]).json()["meta_info"]["weight_version"] == "42"
+    deadline = time.monotonic() + 10  # the gateway applies a patch in the background
+    while time.monotonic() < deadline and {w.weight_version for w in rl.workers()} != {"42"}:
+        time.sleep(0.1)
+    assert {w.weight_version for w in rl.workers()} == {"42"}
+
+
 def test_the_trainer_syncs_the_gateways_weight_version_label(pair) -> None:
     """smg reads `weight_version` from /server_info once, at registration. After a fanned-out
     update_weight_version every replica answers the new one at once; the gateway's own label
@@ -156,7 +183,7 @@ def test_the_trainer_syncs_the_gateways_weight_version_label(pair) -> None:
     versions = gateway.http.get("/v1/rl/engine/get_weight_version", params={"selector": "engine=sglang"}).json()
     assert {r["body"]["weight_version"] for r in versions["results"].values()} == {"step-5"}
     assert gateway.generate("which weights?").json()["meta_info"]["weight_version"] == "step-5"
-    assert {w["weight_version"] for w in gateway.workers().values()} != {"step-5"}  # not refreshed by smg
+    assert "step-5" not in {w["weight_version"] for w in gateway.workers().values()}  # not refreshed by smg
     for w in gateway.workers().values():
         assert gateway.http.patch(f"/workers/{w['id']}", json={"labels": {"weight_version": "step-5"}}).status_code == 202
     deadline = time.monotonic() + 10  # the gateway applies a patch in the background
