@@ -75,13 +75,18 @@ class Gateway:
 
 
 @contextmanager
-def replicas(model_dir: str, logs: str, n: int = 2, *gateway_args: str) -> Iterator[tuple[Gateway, list[ServerProcess]]]:
-    """`n` Siesta servers on `model_dir` (512-token context) and a gateway in front of them."""
+def replicas(
+    model_dir: str, logs: str, n: int = 2, *gateway_args: str, server_args: tuple[str, ...] = (),
+    envs: list[dict[str, str]] | None = None,
+) -> Iterator[tuple[Gateway, list[ServerProcess]]]:
+    """`n` Siesta servers on `model_dir` (512-token context, then `server_args`; replica i with
+    `envs[i]` added to its environment) and a gateway in front of them."""
     servers: list[ServerProcess] = []
     gateway = None
     try:
         for i in range(n):
-            servers.append(ServerProcess(model_dir, "--max-model-len", "512", log_path=f"{logs}/siesta{i}.log"))
+            servers.append(ServerProcess(model_dir, "--max-model-len", "512", *server_args,
+                                         log_path=f"{logs}/siesta{i}.log", env=envs[i] if envs else None))
         gateway = Gateway([s.url for s in servers], f"{logs}/smg.log", *gateway_args)
         yield gateway, servers
     finally:
