@@ -61,14 +61,19 @@ def test_the_rl_flip_fans_out_to_both_replicas(pair, qwen3_dir: str, qwen3_next_
     for s in servers:
         assert _outputs(s.url)[0] == old
     devices = sorted({i % torch.cuda.device_count() for i in range(2)})
+    held = []  # each replica's regions: weights, KV cache, graphs and workspaces
+    for s in servers:
+        info = httpx.get(f"{s.url}/server_info", timeout=30).json()
+        held.append(info["weights_bytes"] + info["kv_cache_bytes"] + info["cuda_graph_bytes"])
     rl = RL(gateway.url, timeout=300.0)
     with paused(rl, EVERY, mode="abort"):
         before = _free_bytes(devices)
         released = rl.fanout("release_memory_occupation", {}, selector=EVERY)
-        freed = [r.body["bytes_freed"] for r in released.results.values()]
-        assert len(freed) == 2 and min(freed) > 512 << 20, freed  # at least each replica's KV cache
         gained = sum(a - b for a, b in zip(_free_bytes(devices), before, strict=True))
-        assert gained >= 0.95 * sum(freed), (gained, freed)  # the pages went back to the driver
+        assert gained >= 0.95 * sum(held), (gained, held)  # both replicas' pages went back to the driver
+        # A replica measures the device's free memory: on a shared GPU it also sees the other's pages.
+        freed = sorted(r.body["bytes_freed"] for r in released.results.values())
+        assert all(f >= 0.95 * h for f, h in zip(freed, sorted(held), strict=True)), (freed, held)
         def resume(tags: list[str]) -> None:
             resumed = rl.fanout("resume_memory_occupation", {"tags": tags}, selector=EVERY)
             assert all(r.body["success"] for r in resumed.results.values())
