@@ -1,8 +1,8 @@
 """The benchmark scripts run on the device machine only, so CI checks what it can of them: each
 parses its arguments (`--help`) without a GPU, bench_memory.py without a GPU exits 2 with a JSON
 file that says why, instead of a traceback, and bench_engine.py and bench_serving.py run every code
-path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked); so does
-bench_flip.py, with every push mode a CPU has."""
+path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked); so do
+bench_flip.py, with every push mode a CPU has, and bench_replicas.py, where smg is installed."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         "bench_fused_ops.py",
         "probe_vmm_driver.py",
         "bench_serving.py",
+        "bench_replicas.py",
         "bench_flip.py",
         "bench_allreduce.py",
         "bench_tp.py",
@@ -125,6 +126,35 @@ def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     metrics = [row["metric"] for row in res["table"]]
     assert any("batched" in m and "Engine" in m for m in metrics) and any("online" in m for m in metrics)
     assert "| N=8 one batched /generate" in p.stdout
+
+
+def test_bench_replicas_tiny_runs_every_section(tmp_path: str) -> None:
+    """Two CPU replicas alone and behind the real gateway (smg, which the GPU machine lacks): every
+    request answered, both replicas served some, the flip fanned out to both left their greedy
+    outputs unchanged under the new weight version."""
+    pytest.importorskip("smg")
+    out = os.path.join(tmp_path, "r.json")
+    p = _run(os.path.join("bench", "bench_replicas.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["errors"] == {} and res["skipped"] == []
+    for name in ("one", "gateway"):
+        sec = res[name]
+        assert sec["requests"] == sec["ok"] == 16 and sec["failed"] == 0, (name, sec)
+        assert sec["output_tokens"] == sec["expected_output_tokens"] == 16 * 8, (name, sec)
+        assert sum(sec["requests_per_replica"]) == 16 and len(sec["engine_cpu_pct"]) == len(sec["requests_per_replica"])
+    assert len(res["gateway"]["requests_per_replica"]) == 2 and min(res["gateway"]["requests_per_replica"]) > 0
+    assert res["gateway"]["gateway_cpu_pct"] is not None and res["one"]["gateway_cpu_pct"] is None
+    flip = res["flip"]
+    assert flip["ok"] and flip["identical"] and flip["all_calls_ok"] and flip["versions_after"] == ["flip-1"]
+    assert list(flip["phases"]) == ["release", "resume weights", "update from disk", "resume kv_cache + cuda_graph"]
+    for phase in flip["phases"].values():
+        assert phase["status"] == 200 and phase["succeeded"] == 2 and phase["wall_ms"] > 0
+    assert all(len(b["output_ids"]) == 4 for b in flip["before"]) and len(flip["bytes_freed"]) == 2
+    rows = {r["metric"]: r for r in res["table"]}
+    assert rows["2 replicas via the gateway: output tok/s; ref = one replica"]["target"] == "n/a (cpu)"
+    assert "| 2 replicas via the gateway: output tok/s" in p.stdout and "| flip: greedy outputs identical" in p.stdout
 
 
 def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
