@@ -38,7 +38,6 @@ import platform
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ from typing import Any
 
 import bench_serving as serving
 import httpx
-from bench_serving import Server, cpu_pct, cpu_s, say, write_json
+from bench_serving import Server, cpu_pct, cpu_s, free_port, say, write_json
 from replicas_table import FLIP_VERSION, print_table, table_rows
 from serving_clients import ClientPool, random_prompts, rl_specs, summarize
 
@@ -61,12 +60,6 @@ FLIP_PROMPTS, FLIP_TOKENS = 4, 8
 FLIP_STEPS = (("release", "release_memory_occupation", {}), ("resume weights", "resume_memory_occupation", {"tags": ["weights"]}),
               ("update from disk", "update_weights_from_disk", None),
               ("resume kv_cache + cuda_graph", "resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def checkpoint_and_gpus(shape: str, model_dir: str | None, seed: int, tiny: bool) -> dict[str, Any]:

@@ -107,14 +107,18 @@ def build_checkpoint(shape: str, model_dir: str | None, seed: int, tiny: bool) -
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
     """`python -m server.cli serve` (what `siesta serve` runs) in a session of its own, on a free
     loopback port; `stop` ends it and then its engine process, waiting a bounded time for each."""
 
     def __init__(self, model: str, flags: list[str], log_path: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, *flags, "--host", "127.0.0.1", "--port", str(port)]

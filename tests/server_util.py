@@ -90,26 +90,42 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
 
 
 class BackgroundStream:
-    """A streamed `/generate` read on a thread: `events` fills as they come; `started` waits for
-    the first one (the request is running), `join` for the end."""
+    """A streamed `/generate` read on a thread: `events` fills as they come (error events
+    included); `started` waits for the first one (the request is running), `join` for the end.
+    `headers` are the response's, `done` says whether `[DONE]` ended it, `error` what broke the read."""
 
     def __init__(self, url: str, body: dict) -> None:
         self.events: list[dict] = []
+        self.headers: httpx.Headers | None = None
+        self.done = False
+        self.error: Exception | None = None
         self._first = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(url, body))
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
         self._thread.start()
 
     def _read(self, url: str, body: dict) -> None:
-        with httpx.stream("POST", f"{url}/generate", json=body | {"stream": True}, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    self.events.append(json.loads(line[len("data: "):]))
-                    self._first.set()
+        try:
+            with httpx.stream("POST", f"{url}/generate", json=body | {"stream": True}, timeout=120) as r:
+                self.headers = r.headers
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[len("data: "):]))
+                        self.done = False  # [DONE] counts only as the stream's last line
+                        self._first.set()
+        except Exception as e:  # the test reads it; a thread's exception would be lost
+            self.error = e
 
     def started(self, timeout: float = 30) -> bool:
         return self._first.wait(timeout)
 
+    def wait(self, timeout: float = 120) -> list[dict]:
+        """Every event, once the stream has ended."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive() and self.error is None, self.error
+        return self.events
+
     def join(self, timeout: float = 120) -> dict:
         """The last event's meta_info."""
-        self._thread.join(timeout)
-        return self.events[-1]["meta_info"]
+        return self.wait(timeout)[-1]["meta_info"]

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 from gateway_util import replicas
-from server_util import ServerProcess
+from server_util import BackgroundStream, ServerProcess
 
 pytest.importorskip("smg")
 
@@ -28,40 +28,9 @@ FAST_HEALTH = ("--health-failure-threshold", "1", "--health-success-threshold", 
 LONG = {"max_new_tokens": 440, "temperature": 0.0, "ignore_eos": True}
 
 
-class GatewayStream:
-    """A streamed `/generate` through the gateway, read on a thread."""
-
-    def __init__(self, url: str, text: str) -> None:
-        self.lines: list[str] = []
-        self.worker: str | None = None
-        self.error: Exception | None = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(url, text), daemon=True)
-        self._thread.start()
-
-    def _read(self, url: str, text: str) -> None:
-        try:
-            body = {"text": text, "stream": True, "sampling_params": LONG}
-            with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as r:
-                self.worker = r.headers.get("x-smg-routed-worker-id")
-                for line in r.iter_lines():
-                    if line:
-                        self.lines.append(line)
-                        self._started.set()
-        except Exception as e:  # reported by the test, not raised on the thread
-            self.error = e
-        finally:
-            self._started.set()
-
-    def started(self) -> bool:
-        return self._started.wait(30) and bool(self.lines)
-
-    def join(self) -> list[dict]:
-        """The events before `[DONE]`, once the stream has ended."""
-        self._thread.join(120)
-        assert not self._thread.is_alive() and self.error is None, self.error
-        assert self.lines[-1] == "data: [DONE]", self.lines[-3:]
-        return [json.loads(line.removeprefix("data: ")) for line in self.lines[:-1]]
+def _worker(stream: BackgroundStream) -> str:
+    """The replica the gateway routed the stream to."""
+    return stream.headers["x-smg-routed-worker-id"]
 
 
 def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
@@ -70,11 +39,12 @@ def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
     logs = str(tmp_path_factory.mktemp("gateway-failover"))
     with replicas(demo_dir, logs, 2, *FAST_HEALTH) as (gateway, servers):
         urls = [s.url for s in servers]
-        streams: list[GatewayStream] = []
+        streams: list[BackgroundStream] = []
         for i in range(12):  # until both replicas run at least two streams
-            streams.append(GatewayStream(gateway.url, f"stream {i} starts with {i * 7} and goes on"))
+            streams.append(BackgroundStream(gateway.url, {"text": f"stream {i} starts with {i * 7} and goes on",
+                                                          "sampling_params": LONG}))
             assert streams[-1].started()
-            if all(sum(s.worker == u for s in streams) >= 2 for u in urls):
+            if all(sum(_worker(s) == u for s in streams) >= 2 for u in urls):
                 break
         victim, survivor = servers
         plain: list[httpx.Response | Exception] = []
@@ -92,15 +62,16 @@ def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
         victim.proc.kill()  # SIGKILL: no graceful shutdown; its engine exits with it
 
         for s in streams:
-            events = s.join()
-            if s.worker == victim.url:
+            events = s.wait()
+            assert s.done  # the gateway ends a broken stream with [DONE] too
+            if _worker(s) == victim.url:
                 assert "error" in events[-1] and "finish_reason" not in json.dumps(events[-1]), events[-1]
                 assert all(e.get("meta_info", {}).get("finish_reason") is None for e in events[:-1])
             else:
-                assert s.worker == survivor.url
+                assert _worker(s) == survivor.url
                 assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
                 assert len(events[-1]["output_ids"]) == LONG["max_new_tokens"]
-        assert any(s.worker == victim.url for s in streams) and any(s.worker == survivor.url for s in streams)
+        assert {_worker(s) for s in streams} == {victim.url, survivor.url}
         for t in posters:
             t.join(120)
         assert len(plain) == 4
