@@ -233,6 +233,12 @@ def test_image_install_steps_build_a_working_siesta(tmp_path):
 # docker compose
 
 
+def _built_from(compose: Path, svc: dict) -> Path:
+    """The Dockerfile a compose service builds."""
+    build = svc["build"]
+    return (compose.parent / build["context"] / build.get("dockerfile", "Dockerfile")).resolve()
+
+
 def _compose_service() -> dict:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
@@ -243,7 +249,7 @@ def _compose_service() -> dict:
 def test_compose_file():
     svc = _compose_service()
     assert svc["image"] == IMAGE
-    assert (COMPOSE.parent / svc["build"]["context"] / svc["build"].get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+    assert _built_from(COMPOSE, svc) == DOCKERFILE
 
     command = [str(c) for c in svc["command"]]
     assert command[command.index("--port") + 1] == str(PORT)
@@ -269,9 +275,10 @@ def test_compose_file():
 # Kubernetes
 
 
-def _kube_docs() -> dict[tuple[str, str], dict]:
+def _kube_docs(*paths: Path) -> dict[tuple[str, str], dict]:
+    """The manifests' documents by (kind, name): of `paths`, or of every file in KUBE_DIR."""
     docs = {}
-    for path in sorted(KUBE_DIR.glob("*.yaml")):
+    for path in paths or sorted(KUBE_DIR.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
                 docs[(doc["kind"], doc["metadata"]["name"])] = doc
@@ -393,8 +400,7 @@ def _replicas_compose() -> tuple[dict[str, dict], dict]:
     services = yaml.safe_load(REPLICAS_COMPOSE.read_text())["services"]
     replicas = {name: svc for name, svc in services.items() if name != "gateway"}
     for name, svc in replicas.items():
-        build = svc["build"]
-        assert (REPLICAS_COMPOSE.parent / build["context"] / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE, name
+        assert _built_from(REPLICAS_COMPOSE, svc) == DOCKERFILE, name
     return replicas, services["gateway"]
 
 
@@ -419,8 +425,7 @@ def test_replicas_compose_replicas_match_the_one_gpu_file():
 
 def test_replicas_compose_gateway():
     replicas, gateway = _replicas_compose()
-    build = gateway["build"]
-    assert (REPLICAS_COMPOSE.parent / build["context"] / build.get("dockerfile", "Dockerfile")).resolve() == GATEWAY_DOCKERFILE
+    assert _built_from(REPLICAS_COMPOSE, gateway) == GATEWAY_DOCKERFILE
     assert gateway["image"] == _gateway_image()
 
     args = _gateway_args(gateway["command"])
@@ -446,11 +451,7 @@ def test_replicas_compose_gateway():
 
 
 def _gateway_kube() -> dict[tuple[str, str], dict]:
-    docs = {}
-    for doc in yaml.safe_load_all(GATEWAY_KUBE.read_text()):
-        if doc:
-            docs[(doc["kind"], doc["metadata"]["name"])] = doc
-    return docs
+    return _kube_docs(GATEWAY_KUBE)
 
 
 def _gateway_deployment() -> tuple[dict, dict, object]:
