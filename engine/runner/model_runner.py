@@ -130,6 +130,7 @@ class ModelRunner:
         piecewise_sizes = self._piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
+            self._fused_decode()
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
@@ -149,6 +150,22 @@ class ModelRunner:
         self.memory.bytes["cuda_graph"] += pool_bytes
         self.graph_bytes += pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
+
+    def _fused_decode(self) -> None:
+        """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py) where
+        the model, its device and the attention backend allow it."""
+        if self.device.type != "cuda":
+            return
+        from engine.models.fused_decode import MAX_ROWS, FusedDecode, unsupported
+
+        why = unsupported(self.model, self.attn_backend)
+        if why is not None:
+            log.info("fused decode off: %s", why)
+            return
+        fused = FusedDecode(self.model, self.attn_backend, min(MAX_ROWS, self.config.max_num_seqs))
+        self.model.model.fused_decode = fused
+        log.info("fused decode: steps of <= %d rows run one kernel per layer (%.1f MiB of scratch)",
+                 fused.max_rows, fused.nbytes / (1 << 20))
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
         mc = self.model_config

@@ -1,0 +1,131 @@
+"""Where the one-kernel-per-layer decode (engine/models/fused_decode.py) spends a step: each
+program stamps %globaltimer at the ends of the layer kernel's phases and barriers, and this
+prints, per row count, the timeline of a layer (median over layers of the last program's stamp
+minus the first program's start), the gap between layer launches, and the step replayed from a
+CUDA graph with and without the fused decode (the model forward only: no logits, no sampler).
+
+    python3 bench/profile_fused_decode.py --shape 0.6b --rows 1,8,16 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import torch
+from bench_runtime import say, write_json
+from engine_shapes import checkpoint
+
+from engine.attention import AttentionMetadata, ForwardContext
+from engine.attention.triton import TritonBackend
+from engine.config import ModelConfig
+from engine.models import get_model_class
+from engine.models.fused_decode import FusedDecode, unsupported
+from engine.weights.loader import load_checkpoint
+
+BLOCK = 16
+POINTS = ["start", "norm", "barrier", "qkv", "barrier", "attention", "barrier", "o_proj", "barrier", "norm",
+          "barrier", "gate_up", "barrier", "down"]
+
+
+def load(path: str) -> torch.nn.Module:
+    config = ModelConfig.from_hf(path)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = get_model_class(config.architecture)(config)
+    torch.set_default_dtype(torch.float32)
+    load_checkpoint(model, path)
+    return model.eval()
+
+
+def decode_inputs(rows: int, context: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    per = -(-(context + 1) // BLOCK)
+    tables = torch.arange(rows * per, dtype=torch.int32, device="cuda").view(rows, per)
+    slots = tables[:, context // BLOCK].long() * BLOCK + context % BLOCK
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((rows,), context + 1, dtype=torch.int32, device="cuda"),
+        block_tables=tables, slot_mapping=slots, query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=[context + 1] * rows, max_query_len=1, max_seq_len=context + 1,
+    )  # fmt: skip
+    ids = torch.randint(3, vocab, (rows,), device="cuda")
+    return ids, torch.full((rows,), context, dtype=torch.int64, device="cuda"), meta
+
+
+def graph_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.6b")
+    p.add_argument("--rows", default="1,8,16")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--ctas", default="1", help="programs per SM to try (comma-separated)")
+    p.add_argument("--prefetch", default="0", help="weight prefetch off/on to try: 0,1")
+    p.add_argument("--prefetch-kv", default="0", help="KV prefetch off/on to try: 0,1")
+    p.add_argument("--warps", default="4", help="warps per program to try (comma-separated)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    ck = checkpoint(args.shape, None, torch.device("cuda"), 0)
+    model = load(ck["path"])
+    c = model.config
+    rows_list = [int(r) for r in args.rows.split(",")]
+    blocks = max(rows_list) * (-(-(args.context + 1) // BLOCK)) + 1
+    cache = torch.randn(c.num_layers, 2, blocks, BLOCK, c.num_kv_heads, c.head_dim, device="cuda").to(torch.bfloat16)
+    backend = TritonBackend(cache, c.head_dim**-0.5, c.num_heads, max(rows_list), args.context + 64)
+    assert unsupported(model, backend) is None, unsupported(model, backend)
+    results = []
+    variants = list(itertools.product(*(map(int, a.split(",")) for a in (args.ctas, args.prefetch, args.warps, args.prefetch_kv))))
+    with torch.inference_mode():
+        for (ctas, prefetch, warps, kv), rows in itertools.product(variants, rows_list):
+            fused = FusedDecode(model, backend, max(rows_list), programs_per_sm=ctas, prefetch=bool(prefetch),
+                                 num_warps=warps, prefetch_kv=bool(kv))
+            ids, pos, meta = decode_inputs(rows, args.context, c.vocab_size)
+            ctx = ForwardContext(backend, meta)
+            model.model.fused_decode = None
+            plain = graph_ms(lambda: model(ids, pos, ctx), args.reps)  # noqa: B023
+            model.model.fused_decode = fused
+            fast = graph_ms(lambda: model(ids, pos, ctx), args.reps)  # noqa: B023
+            stamps = torch.zeros(c.num_layers, fused.programs, 16, dtype=torch.int64, device="cuda")
+            for _ in range(3):
+                fused.forward(ids, pos, ctx, timing=stamps)
+            torch.cuda.synchronize()
+            t = stamps[:, :, : len(POINTS)].double().cpu()
+            start = t[:, :, 0].min(1).values  # [L]
+            line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
+            gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
+            row = {"rows": rows, "prefetch_kv": kv, "warps": warps, "programs_per_sm": ctas, "prefetch": prefetch, "regs": fused.compiled.n_regs,
+                   "spills": fused.compiled.n_spills, "plain_ms": plain, "fused_ms": fast, "timeline_us": line,
+                   "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
+            results.append(row)
+            say(f"rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused")
+    print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
+    print("| KV prefetch, warps, CTAs/SM, prefetch, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | layer | gap to next | forward plain ms | fused ms |")
+    print("| --- " * (len(POINTS) + 5) + "|")
+    for r in results:
+        steps = [b - a for a, b in zip(r["timeline_us"], r["timeline_us"][1:], strict=False)]
+        print(f"| {r['prefetch_kv']}, {r['warps']}, {r['programs_per_sm']}, {r['prefetch']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
+              + f" | {r['timeline_us'][-1]:.2f} | {r['layer_gap_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+    if args.out:
+        write_json(args.out, {"shape": args.shape, "context": args.context, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+"""One decoder layer of a decode step in one kernel launch: a persistent Triton kernel whose
+programs (one per SM) run the layer's phases back to back, separated by grid barriers, instead
+of ten kernels each paying its own launch, ramp and tail (the 0.6B step at batch 1: 310
+kernels, each GEMV 5-8 us for a 2-12 MB read; bench/RESULTS.md). Only engine/models/
+fused_decode.py imports this module (it imports Triton).
+
+Phases of layer l, M rows (M <= 16), P programs, items dealt round-robin (item i -> program i % P):
+  1. stream + qkv: h = h_mid[l-1] + round(sum_c down_part[l-1][c]) (the embedding at layer 0),
+     written by program 0; qkv [M, (H + 2 Hkv) D] = norm(h) @ w_qkv.T (+ bias), tiles of BN cols.
+  2. attention, items (row, KV head g, split s): q/k per-head norm and rope in registers, the
+     new K/V row stored into the cache by split 0 (the other splits take it from registers, so no
+     barrier waits for the store), split-KV over the row's context; the last split of (row, g) to
+     arrive (an atomic counter) combines the splits into attn [M, H D].
+  3. o_proj, items (tile, K split c): o_part[c] [M, hidden] fp32 partial sums.
+  4. stream + gate_up: h_mid = h + round(sum_c o_part[c]), written by program 0; act [M, I] =
+     silu(gate) * up of norm(h_mid), tiles of BN (gate and up) cols.
+  5. down_proj, items (tile, K split c): down_part[c] [M, hidden] fp32; the next layer's phase 1
+     (or `finish`) adds them to h_mid.
+Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
+to the order of fp32 sums (split-K partials, two half-dim dots for q.k).
+
+Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so the sign bit
+flips once all P have arrived and the low bits return to 0 (no reset between barriers or
+launches; fused_decode.py zeroes it once per step). Release on arrival, acquire on leaving,
+CTA barriers around both; every program must be resident (cooperative launch, grid <= SMs).
+Scratch written by other programs is read with `.cg` (L2, not L1).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from engine.pdl import prefetch_l2
+
+
+@triton.jit
+def _grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
+    tl.debug_barrier()
+    add = 1
+    if tl.program_id(0) == 0:
+        add = FIRST_ADD
+    old = tl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
+    cur = tl.load(bar_ptr, volatile=True)
+    while (old ^ cur) >= 0:  # same sign bit: someone has not arrived
+        cur = tl.load(bar_ptr, volatile=True)
+    tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
+    # bench only (TIMING): this program's %globaltimer (ns) at point i of the layer.
+    if TIMING:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.program_id(0)], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(t_ptr + tl.program_id(0) * 16 + i, t)
+
+
+@triton.jit
+def _rnd(x, DTYPE: tl.constexpr):
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
+    # [BM, BK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add).
+    h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if KS > 0:
+        s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+        for c in tl.static_range(1, KS):
+            s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
+        h = _rnd(h + _rnd(s, DTYPE), DTYPE)
+    return h
+
+
+@triton.jit
+def _norm_phase(
+    base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps,
+    KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # Programs 0..M-1, one row each: the stream h = base + round(sum_c part[c]) -> h_out, and
+    # xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
+    row = tl.program_id(0)
+    if row < M:
+        offs = tl.arange(0, BLOCK)
+        ok = offs < HID
+        off = row * HID + offs
+        h = _stream(base_ptr, part_ptr, off, ok, stride_part, KS, DTYPE)
+        tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok)
+        rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(xn_ptr + off, (w * _rnd(h * rstd, DTYPE)).to(DTYPE), mask=ok)
+
+
+@triton.jit
+def _prefetch_phase(
+    w_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr,
+    BN: tl.constexpr, P: tl.constexpr, LINE: tl.constexpr,
+):  # fmt: skip
+    # Pull this program's weight tiles of a later `_gemv_phase` into L2 (one prefetch per
+    # 128-byte line): the phases between are latency-bound and leave HBM idle.
+    pid = tl.program_id(0)
+    KC: tl.constexpr = K // KS
+    tiles: tl.constexpr = (N + BN - 1) // BN
+    for item in range(pid, tiles * KS, P):
+        rows = tl.minimum((item // KS) * BN + tl.arange(0, BN), N - 1).to(tl.int64)[:, None] * K
+        for l0 in range(0, KC, 16 * LINE):
+            cols = (item % KS) * KC + tl.minimum(l0 + tl.arange(0, 16) * LINE, KC - 1)[None, :]
+            prefetch_l2(w_ptr + rows + cols)
+            if SILU:
+                prefetch_l2(w_ptr + N * K + rows + cols)
+
+
+@triton.jit
+def _gemv_phase(
+    x_ptr, w_ptr, b_ptr, out_ptr, stride_out, M,
+    N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # Items (tile of BN cols, K split c). PARTIAL: out[c] [M, N] fp32 partial sums of
+    # x[:, c-th K/KS] @ w[:, c-th K/KS].T. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded
+    # once (skinny_linear's rule), or silu(gate) * up of w = gate | up with SILU.
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    m_ok = rows < M
+    offs_k = tl.arange(0, BK)
+    tiles: tl.constexpr = (N + BN - 1) // BN
+    KC: tl.constexpr = K // KS
+    for item in range(pid, tiles * KS, P):
+        c = item % KS
+        offs_n = (item // KS) * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(c * KC, c * KC + KC, BK):
+            cols = (k0 + offs_k)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * K + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), acc)
+            if SILU:
+                acc_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), acc_up)
+        mask = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(out_ptr + c * stride_out + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                g = _rnd(acc, DTYPE)
+                acc = _rnd(tl.math.div_rn(g, 1.0 + libdevice.exp(-g)), DTYPE) * _rnd(acc_up, DTYPE)
+            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) and rotated, in DTYPE;
+    # the roundings of fused_ops._norm_rope_heads.
+    if QK_NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) * (1.0 / (2 * HALF)) + eps)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        x1 = _rnd(tl.load(w_ptr + d).to(tl.float32) * _rnd(x1 * rstd, DTYPE), DTYPE)
+        x2 = _rnd(tl.load(w_ptr + HALF + d).to(tl.float32) * _rnd(x2 * rstd, DTYPE), DTYPE)
+    o1 = _rnd(x1 * cos, DTYPE) - _rnd(x2 * sin, DTYPE)
+    o2 = _rnd(x2 * cos, DTYPE) + _rnd(x1 * sin, DTYPE)
+    return o1.to(DTYPE), o2.to(DTYPE)
+
+
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, cur, g, stride_cblk, stride_ctok, stride_chead,
+             HALF: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr):
+    # Cached K (two halves) and V rows of tokens n0..n0+ABN-1 below `end`, except the new one.
+    offs_n = n0 + tl.arange(0, ABN)
+    ok = (offs_n < end) & (offs_n != cur)
+    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    kv = (page * stride_cblk + (offs_n % BLOCK_SIZE) * stride_ctok + g * stride_chead)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    k1 = tl.load(k_cache_ptr + kv + d, mask=ok[:, None], other=0.0)
+    k2 = tl.load(k_cache_ptr + kv + HALF + d, mask=ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def _prefetch_kv(
+    k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, M, num_splits, g_stride_cblk, stride_ctok, stride_chead, stride_bt,
+    NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    # Pull the cached K/V rows of this program's attention items (the same deal as
+    # `_attention_phase`) into L2 while the norm and qkv phases run: none of them is this
+    # layer's output, and the attention phase is a chain of dependent loads.
+    pid = tl.program_id(0)
+    lines = tl.arange(0, D // 64)[None, :] * 64  # the 128-byte lines of a bf16/fp16 row
+    for item in range(pid, M * NKV * num_splits, P):
+        m = item // (NKV * num_splits)
+        g = (item // num_splits) % NKV
+        s = item % num_splits
+        seq_len = tl.load(seq_lens_ptr + m)
+        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), ABN) * ABN
+        start = s * chunk
+        end = tl.minimum(start + chunk, seq_len)
+        bt_row = bt_ptr + m.to(tl.int64) * stride_bt
+        for n0 in range(start, end, ABN):
+            offs_n = tl.minimum(n0 + tl.arange(0, ABN), end - 1)
+            page = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+            kv = (page * g_stride_cblk + (offs_n % BLOCK_SIZE) * stride_ctok + g * stride_chead)[:, None] + lines
+            prefetch_l2(k_cache_ptr + kv)
+            prefetch_l2(v_cache_ptr + kv)
+
+
+@triton.jit
+def _attention_phase(
+    qkv_ptr, pos_ptr, cos_sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+    part_o_ptr, part_lse_ptr, count_ptr, attn_ptr,
+    M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
+    NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ABN: tl.constexpr, BLOCK_S: tl.constexpr, BG: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    GROUP: tl.constexpr = NH // NKV
+    BH: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot's smallest M
+    HALF: tl.constexpr = D // 2
+    QKV: tl.constexpr = (NH + 2 * NKV) * D
+    hh = tl.arange(0, BH)
+    h_ok = hh < GROUP
+    d = tl.arange(0, HALF)[None, :]
+    dd = tl.arange(0, D)[None, :]
+    for item in range(pid, M * NKV * num_splits, P):
+        m = item // (NKV * num_splits)
+        g = (item // num_splits) % NKV
+        s = item % num_splits
+        heads = g * GROUP + hh
+        seq_len = tl.load(seq_lens_ptr + m)
+        attn_rows = attn_ptr + m * NH * D + heads[:, None] * D
+        if seq_len == 0:  # graph padding: zeros, no cache write
+            if s == 0:
+                tl.store(attn_rows + dd, tl.zeros([BH, D], DTYPE), mask=h_ok[:, None])
+        else:
+            cur = seq_len - 1  # the new token: taken from registers, not the cache
+            chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), ABN) * ABN
+            start = s * chunk
+            end = tl.minimum(start + chunk, seq_len)
+            bt_row = bt_ptr + m.to(tl.int64) * stride_bt
+            # The first tile's loads go out before q and k are ready (they need no phase-1 output).
+            k1, k2, v = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, cur, g, stride_cblk, stride_ctok,
+                                    stride_chead, HALF, D, BLOCK_SIZE, ABN)  # fmt: skip
+            pos = tl.load(pos_ptr + m).to(tl.int64)
+            cos = _rnd(tl.load(cos_sin_ptr + pos * D + d), DTYPE)
+            sin = _rnd(tl.load(cos_sin_ptr + pos * D + HALF + d), DTYPE)
+            row = qkv_ptr + m * QKV
+            qp = row + heads[:, None] * D + d
+            kp = row + NH * D + g * D + d
+            q1, q2 = _norm_rope(
+                tl.load(qp, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
+                tl.load(qp + HALF, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
+                qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+            )  # fmt: skip
+            k1c, k2c = _norm_rope(
+                tl.load(kp, cache_modifier=".cg").to(tl.float32), tl.load(kp + HALF, cache_modifier=".cg").to(tl.float32),
+                kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+            )  # fmt: skip
+            vc = tl.load(row + (NH + NKV) * D + g * D + dd, cache_modifier=".cg")  # [1, D]
+            slot = tl.load(slot_ptr + m)
+            if (s == 0) & (slot >= 0):
+                dst = slot * stride_ctok + g * stride_chead
+                tl.store(k_cache_ptr + dst + d, k1c)
+                tl.store(k_cache_ptr + dst + HALF + d, k2c)
+                tl.store(v_cache_ptr + dst + dd, vc)
+            m_i = tl.full([BH], float("-inf"), tl.float32)
+            l_i = tl.zeros([BH], tl.float32)
+            acc = tl.zeros([BH, D], tl.float32)
+            for n0 in range(start, end, ABN):
+                if n0 != start:
+                    k1, k2, v = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, cur, g, stride_cblk,
+                                         stride_ctok, stride_chead, HALF, D, BLOCK_SIZE, ABN)  # fmt: skip
+                offs_n = n0 + tl.arange(0, ABN)
+                is_cur = (offs_n == cur)[:, None]
+                k1 = tl.where(is_cur, k1c, k1)
+                k2 = tl.where(is_cur, k2c, k2)
+                v = tl.where(is_cur, vc, v)
+                sc = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale_log2
+                sc = tl.where((offs_n < end)[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v)
+                m_i = m_new
+            if num_splits == 1:
+                tl.store(attn_rows + dd, (acc / l_i[:, None]).to(DTYPE), mask=h_ok[:, None])
+            else:
+                # Empty splits write lse -inf and zeros.
+                part = (m * NH + heads) * num_splits + s  # [BH]
+                tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
+                tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=h_ok)
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + m * NKV + g, 1, sem="acq_rel", scope="gpu")
+                tl.debug_barrier()
+                if done == num_splits - 1:  # the last split of (m, g) combines the group's heads
+                    r = tl.arange(0, BG * BLOCK_S)
+                    j = r // BLOCK_S
+                    ok = (j < GROUP) & (r % BLOCK_S < num_splits)
+                    idx = (m * NH + g * GROUP + j) * num_splits + r % BLOCK_S
+                    lse = tl.reshape(tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg"), [BG, BLOCK_S])
+                    po = tl.load(part_o_ptr + idx[:, None] * D + dd, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                    mx = tl.max(lse, 1)
+                    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[:, None])  # [BG, BLOCK_S]
+                    out = tl.sum(tl.reshape(po, [BG, BLOCK_S, D]) * w[:, :, None], 1)
+                    out = out / tl.where(tl.sum(w, 1) > 0, tl.sum(w, 1), 1.0)[:, None]  # [BG, D]
+                    jj = tl.arange(0, BG)[:, None]
+                    tl.store(attn_ptr + m * NH * D + (g * GROUP + jj) * D + dd, out.to(DTYPE), mask=jj < GROUP)
+                    tl.atomic_xchg(count_ptr + m * NKV + g, 0)
+
+
+@triton.jit(do_not_specialize=["M", "num_splits", "stride_bt"])
+def decoder_layer_kernel(
+    h_prev_ptr,  # [M, HID]: the stream before the previous layer's MLP (h_mid), or the embedding
+    down_prev_ptr,  # [KS_D, MAX_M, HID] fp32: the previous layer's down_proj partials (KS_PREV > 0)
+    h_ptr,  # [M, HID]: this layer's input stream (written)
+    h_mid_ptr,  # [M, HID]: the stream after attention (written)
+    in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gate_up_w_ptr, down_w_ptr,
+    xn_ptr,  # [M, HID] scratch: the normed stream, input of qkv and gate_up
+    qkv_ptr,  # [M, QKV] scratch
+    pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+    part_o_ptr, part_lse_ptr, count_ptr,  # split-KV partials and per-(row, KV head) counters
+    attn_ptr,  # [M, H D] scratch
+    o_part_ptr,  # [KS_O, MAX_M, HID] fp32
+    act_ptr,  # [M, I] scratch
+    down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
+    bar_ptr,  # int32 grid-barrier counter
+    t_ptr,  # [P, 16] int64 timestamps (TIMING only)
+    M, num_splits, eps, sm_scale_log2, stride_part,
+    stride_cblk, stride_ctok, stride_chead, stride_bt,
+    HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
+    BLOCK_S: tl.constexpr, BG: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr = False,
+    PREFETCH: tl.constexpr = True, PREFETCH_KV: tl.constexpr = True,
+):  # fmt: skip
+    DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+    QKV: tl.constexpr = (NH + 2 * NKV) * D
+    LINE: tl.constexpr = 64  # bf16/fp16 elements per 128-byte line
+    _stamp(t_ptr, 0, TIMING)
+    if PREFETCH_KV:
+        _prefetch_kv(k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, M, num_splits, stride_cblk, stride_ctok, stride_chead,
+                     stride_bt, NKV, D, BLOCK_SIZE, ABN, P)  # fmt: skip
+    if PREFETCH:
+        _prefetch_phase(qkv_w_ptr, QKV, HID, 1, False, BN, P, LINE)
+    _norm_phase(h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, KS_PREV, HID, BLOCK_HID, DTYPE)
+    _stamp(t_ptr, 1, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, 2, TIMING)
+    _gemv_phase(xn_ptr, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
+    if PREFETCH:
+        _prefetch_phase(o_w_ptr, HID, NH * D, KS_O, False, BN, P, LINE)
+    if PREFETCH:
+        _prefetch_phase(gate_up_w_ptr, INTER, HID, 1, True, BN, P, LINE)
+    _stamp(t_ptr, 3, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, 4, TIMING)
+    _attention_phase(
+        qkv_ptr, pos_ptr, cos_sin_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+        part_o_ptr, part_lse_ptr, count_ptr, attn_ptr,
+        M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
+        NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, BLOCK_S, BG, P, DTYPE,
+    )  # fmt: skip
+    _stamp(t_ptr, 5, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, 6, TIMING)
+    _gemv_phase(attn_ptr, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+    if PREFETCH:
+        _prefetch_phase(down_w_ptr, HID, INTER, KS_D, False, BN, P, LINE)
+    _stamp(t_ptr, 7, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, 8, TIMING)
+    _norm_phase(h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
+    _stamp(t_ptr, 9, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, 10, TIMING)
+    _gemv_phase(xn_ptr, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
+    _stamp(t_ptr, 11, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, 12, TIMING)
+    _gemv_phase(act_ptr, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+    _stamp(t_ptr, 13, TIMING)
+
+
+@triton.jit
+def finish_kernel(
+    h_mid_ptr, down_ptr, norm_ptr, out_ptr, stride_part, eps,
+    HID: tl.constexpr, KS_D: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # out [M, HID] = norm(h_mid + round(sum_c down[c])): the model's final norm; one program per row.
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < HID
+    dtype = out_ptr.dtype.element_ty
+    h = _stream(h_mid_ptr, down_ptr, row * HID + offs, ok, stride_part, KS_D, dtype)
+    rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
+    w = tl.load(norm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * HID + offs, (w * _rnd(h * rstd, dtype)).to(dtype), mask=ok)

@@ -1,0 +1,184 @@
+"""The one-kernel-per-layer decode (engine/models/fused_decode.py, layer_kernel.py) on a GPU
+(`pytest -m gpu` on the device machine), on tiny checkpoints of the shapes it serves (hidden a
+multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
+
+- for Qwen3 (q/k norm, tied embeddings), Llama (llama3 rope scaling) and Qwen2 (q/k/v bias),
+  decode steps of 1, 3, 8 and 16 rows with contexts across blocks and splits: the hidden states
+  equal the layer-by-layer forward's within bf16 rounding, the new K/V rows are the same bits,
+  and no other cache row changes;
+- graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
+- captured in a CUDA graph, replays equal the eager call for new inputs;
+- through the engine: greedy decoding with it gives the tokens and logprobs of the engine
+  without it (SIESTA_FUSED_DECODE=0).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import TINY, _randomized, _save
+from test_piecewise_graph import (
+    load_model,
+    make_backend,
+    make_step,
+    random_cache,
+    written,
+)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from engine.attention import ForwardContext
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPE = TINY | dict(hidden_size=256, intermediate_size=384, head_dim=64, max_position_embeddings=1024)
+# bf16 hidden states after a few layers: split-K and half-dim dot orders move some elements an ULP.
+TOLERANCE = 3e-2
+
+
+def _checkpoint(arch: str, path: str) -> str:
+    if arch == "qwen3":
+        config = Qwen3Config(**SHAPE, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        return _save(_randomized(Qwen3ForCausalLM, config, seed=11), path)
+    if arch == "qwen2":
+        config = Qwen2Config(**SHAPE, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+        return _save(_randomized(Qwen2ForCausalLM, config, seed=12), path)
+    config = LlamaConfig(
+        **SHAPE, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        rope_scaling={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )  # fmt: skip
+    return _save(_randomized(LlamaForCausalLM, config, seed=13), path)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    from engine.attention.triton import TritonBackend
+    from engine.models.fused_decode import FusedDecode, unsupported
+
+    path = _checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
+    model = load_model(path, torch.bfloat16, "cuda")
+    cache = random_cache(model, torch.bfloat16, "cuda")
+    backend = make_backend(TritonBackend, model, cache)
+    assert unsupported(model, backend) is None
+    return model, backend, FusedDecode(model, backend, 16)
+
+
+def _decode_step(rows: int, seed: int, vocab: int):
+    rng = random.Random(seed)
+    # contexts across blocks and split boundaries, within the cache's 255 free blocks
+    return make_step([(rng.randint(1, min(700, 3600 // rows)), 1) for _ in range(rows)], "cuda", vocab, seed)
+
+
+def _both(model, backend, fused, step):
+    """(hidden, cache after) of the layer-by-layer forward and of the fused one, same start."""
+    cache0 = backend.kv_cache.clone()
+    ctx = ForwardContext(backend, step.meta)
+    with torch.inference_mode():
+        model.model.fused_decode = None
+        plain = model(step.input_ids, step.positions, ctx)
+        plain_cache = backend.kv_cache.clone()
+        backend.kv_cache.copy_(cache0)
+        model.model.fused_decode = fused
+        assert fused.applies(step.input_ids, ctx)
+        out = model(step.input_ids, step.positions, ctx)
+        torch.cuda.synchronize()
+    model.model.fused_decode = None
+    return plain, plain_cache, out, backend.kv_cache.clone(), cache0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_fused_decode_equals_the_layers(setup, rows: int) -> None:
+    model, backend, fused = setup
+    step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
+    plain, plain_cache, out, cache, cache0 = _both(model, backend, fused, step)
+    assert out.shape == plain.shape and torch.isfinite(out).all()
+    err = (out.float() - plain.float()).abs().max().item() / plain.float().abs().max().item()
+    assert err < TOLERANCE, err
+    new_plain, rest_plain = written(plain_cache, step.slots)
+    new_fused, rest_fused = written(cache, step.slots)
+    assert torch.equal(new_fused, new_plain)
+    assert torch.equal(rest_fused, written(cache0, step.slots)[1])
+    assert torch.equal(rest_plain, rest_fused)
+
+
+def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
+    model, backend, fused = setup
+    step = _decode_step(4, seed=5, vocab=model.config.vocab_size)
+    meta = step.meta
+
+    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:  # 4 real rows + 4 graph-padding rows
+        return torch.cat([t, torch.full((4, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
+
+    padded = replace(meta, seq_lens=pad(meta.seq_lens, 0), block_tables=pad(meta.block_tables, 0),
+                     slot_mapping=pad(meta.slot_mapping, -1), query_start_loc=torch.arange(9, dtype=torch.int32, device="cuda"),
+                     query_start_loc_cpu=list(range(9)), seq_lens_cpu=meta.seq_lens_cpu + [0] * 4)  # fmt: skip
+    cache0 = backend.kv_cache.clone()
+    with torch.inference_mode():
+        real = fused.forward(step.input_ids, step.positions, ForwardContext(backend, meta))
+        backend.kv_cache.copy_(cache0)
+        out = fused.forward(pad(step.input_ids, 0), pad(step.positions, 0), ForwardContext(backend, padded))
+    assert torch.isfinite(out).all()
+    # the 8-row step splits the KV into fewer parts: the same within rounding
+    assert (out[:4].float() - real.float()).abs().max().item() <= TOLERANCE * real.float().abs().max().item()
+    assert torch.equal(written(backend.kv_cache, step.slots)[1], written(cache0, step.slots)[1])
+
+
+def test_graph_replays_equal_the_eager_call(setup) -> None:
+    model, backend, fused = setup
+    vocab = model.config.vocab_size
+    static = _decode_step(2, seed=20, vocab=vocab)
+    width = static.meta.block_tables.shape[1]
+    ctx = ForwardContext(backend, static.meta)
+    with torch.inference_mode():
+        fused.forward(static.input_ids, static.positions, ctx)  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused.forward(static.input_ids, static.positions, ctx)
+        for seed in (21, 22):
+            step = make_step([(random.Random(seed).randint(1, 60), 1) for _ in range(2)], "cuda", vocab, seed)
+            cache0 = backend.kv_cache.clone()
+            want = fused.forward(step.input_ids, step.positions, ForwardContext(backend, step.meta)).clone()
+            backend.kv_cache.copy_(cache0)
+            static.input_ids.copy_(step.input_ids)
+            static.positions.copy_(step.positions)
+            static.meta.seq_lens.copy_(step.meta.seq_lens)
+            static.meta.slot_mapping.copy_(step.meta.slot_mapping)
+            static.meta.block_tables.zero_()
+            static.meta.block_tables[:, : min(width, step.meta.block_tables.shape[1])] = step.meta.block_tables[:, :width]
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+
+
+def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_gpu_engine import _core, _greedy
+
+    path = _checkpoint("qwen3", str(tmp_path / "qwen3"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(6)]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SIESTA_FUSED_DECODE", flag)
+        core = _core(path, max_model_len=1024)
+        assert (core.runner.model.model.fused_decode is not None) == (flag == "1")
+        results[flag] = _greedy(core, prompts, 24)
+        del core
+        torch.cuda.empty_cache()
+    (ids_on, lps_on), (ids_off, lps_off) = results["1"], results["0"]
+    assert ids_on == ids_off
+    for a, b in zip(lps_on, lps_off, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
