@@ -15,6 +15,7 @@ import statistics
 
 import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
+from bench_linear import time_graph
 from bench_runtime import say, write_json
 from engine_shapes import checkpoint
 
@@ -54,23 +55,6 @@ def decode_inputs(rows: int, context: int, vocab: int) -> tuple[torch.Tensor, to
     return ids, torch.full((rows,), context, dtype=torch.int64, device="cuda"), meta
 
 
-def graph_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.6b")
@@ -100,9 +84,9 @@ def main() -> None:
             ids, pos, meta = decode_inputs(rows, args.context, c.vocab_size)
             ctx = ForwardContext(backend, meta)
             model.model.fused_decode = None
-            plain = graph_ms(lambda: model(ids, pos, ctx), args.reps)  # noqa: B023
+            plain = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             model.model.fused_decode = fused
-            fast = graph_ms(lambda: model(ids, pos, ctx), args.reps)  # noqa: B023
+            fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             stamps = torch.zeros(c.num_layers, fused.programs, 16, dtype=torch.int64, device="cuda")
             for _ in range(3):
                 fused.forward(ids, pos, ctx, timing=stamps)
