@@ -262,7 +262,7 @@ def prefill_attention(
 
 
 @triton.jit
-def _split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
+def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     # Tokens per split for this row: an even share rounded up to whole tiles (0 when seq_len is 0).
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
@@ -289,7 +289,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_chunk(seq_len, num_splits, BLOCK_N)
+    chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if num_splits > 1:
@@ -351,7 +351,7 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = _split_chunk(seq_len, num_splits, BLOCK_N)
+    chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     num_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that wrote a partial; 0 for padding
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)

@@ -80,7 +80,7 @@ class FusedDecode:
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, prefetch: bool = False,
         prefetch_kv: bool = False, num_warps: int = 4,
     ) -> None:
-        from engine.models import layer_kernel  # noqa: F401  (compiles nothing yet; fails early without Triton)
+        import triton
 
         lm = self.lm = model.model
         self.backend = backend
@@ -93,9 +93,6 @@ class FusedDecode:
         self.qk_norm = attn.q_norm is not None
         self.max_rows = min(max_rows, KERNEL_MAX_ROWS)
         self.programs = P = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-        self.prefetch = prefetch
-        self.prefetch_kv = prefetch_kv
-        self.num_warps = num_warps
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
         tiles = self.hidden // _BN
         self.ks_o = _k_splits(tiles, self.nh * self.d, P)
@@ -116,7 +113,18 @@ class FusedDecode:
         self.part_o = torch.zeros(part_rows * self.nh * self.d, **f32)
         self.part_lse = torch.zeros(part_rows * self.nh, **f32)
         self.counters = torch.zeros(1 + rows * self.nkv, dtype=torch.int32, device=device)  # [0]: barrier
-        self.block_s = 1 << (max_splits - 1).bit_length()
+        self.attn_counters = self.counters[1:]
+        self.stride_part = rows * self.hidden  # of o_part and down, [KS, rows, hidden]
+        # The layer kernel's arguments that are the same at every layer and step.
+        self.consts = dict(
+            HID=self.hidden, NH=self.nh, NKV=self.nkv, D=self.d, INTER=self.inter, QK_NORM=self.qk_norm,
+            KS_O=self.ks_o, KS_D=self.ks_d, BM=16, BN=_BN, BK=_BK, BLOCK_SIZE=backend.kv_cache.shape[3],
+            ABN=64 if self.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(max_splits),
+            BG=triton.next_power_of_2(self.nh // self.nkv), BLOCK_HID=triton.next_power_of_2(self.hidden),
+            P=P, FIRST_ADD=2**31 - (P - 1), PREFETCH=prefetch, PREFETCH_KV=prefetch_kv,
+            num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
+        )  # fmt: skip
+        self.sm_scale_log2 = backend.scale * 1.4426950408889634
         self.nbytes = sum(
             t.numel() * t.element_size()
             for t in (self.h, self.h_mid, self.xn, self.qkv, self.attn, self.act, self.o_part, self.down, self.part_o, self.part_lse, self.counters)
@@ -133,40 +141,33 @@ class FusedDecode:
     ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers, P, 16] int64 (bench)
         from engine.models.layer_kernel import decoder_layer_kernel, finish_kernel
 
-        lm, meta, P = self.lm, ctx.meta, self.programs
+        lm, meta = self.lm, ctx.meta
         m = input_ids.shape[0]
         x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
         self.counters.zero_()
         kv = self.backend.kv_cache
         cos_sin = lm.rotary_emb.cos_sin_cache
-        stride_part = self.max_rows * self.hidden
+        splits = self.splits(m)
         for i, layer in enumerate(lm.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             qkv_b = attn.qkv_proj.bias
-            self.compiled = decoder_layer_kernel[(P,)](
+            self.compiled = decoder_layer_kernel[(self.programs,)](
                 x if i == 0 else self.h_mid, self.down, self.h, self.h_mid,
                 layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_b if qkv_b is not None else attn.qkv_proj.weight,
                 attn.q_norm.weight if self.qk_norm else cos_sin, attn.k_norm.weight if self.qk_norm else cos_sin,
                 attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
                 self.xn, self.qkv, positions, cos_sin, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping,
-                self.part_o, self.part_lse, self.counters[1:], self.attn, self.o_part, self.act, self.down, self.counters,
+                self.part_o, self.part_lse, self.attn_counters, self.attn, self.o_part, self.act, self.down, self.counters,
                 timing[i] if timing is not None else self.counters,
-                m, self.splits(m), self.eps, self.backend.scale * 1.4426950408889634, stride_part,
+                m, splits, self.eps, self.sm_scale_log2, self.stride_part,
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-                HID=self.hidden, NH=self.nh, NKV=self.nkv, D=self.d, INTER=self.inter,
-                QK_NORM=self.qk_norm, HAS_QKV_BIAS=qkv_b is not None,
-                KS_PREV=0 if i == 0 else self.ks_d, KS_O=self.ks_o, KS_D=self.ks_d,
-                BM=16, BN=_BN, BK=_BK, BLOCK_SIZE=k_cache.shape[1], ABN=64 if self.d <= 128 else 32,
-                BLOCK_S=self.block_s, BG=1 << (self.nh // self.nkv - 1).bit_length(),
-                BLOCK_HID=1 << (self.hidden - 1).bit_length(), P=P, FIRST_ADD=2**31 - (P - 1), TIMING=timing is not None, PREFETCH=self.prefetch, PREFETCH_KV=self.prefetch_kv,
-                num_warps=self.num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
+                HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, TIMING=timing is not None,
+                **self.consts,
             )  # fmt: skip
         out = torch.empty(m, self.hidden, dtype=x.dtype, device=x.device)
-        if not len(lm.layers):
-            return lm.norm(x)
         finish_kernel[(m,)](
-            self.h_mid, self.down, lm.norm.weight, out, stride_part, self.eps,
-            HID=self.hidden, KS_D=self.ks_d, BLOCK=1 << (self.hidden - 1).bit_length(), num_warps=4,
+            self.h_mid, self.down, lm.norm.weight, self.h, out, self.stride_part, m, self.eps,
+            HID=self.hidden, KS_D=self.ks_d, BLOCK=self.consts["BLOCK_HID"], num_warps=4,
         )  # fmt: skip
         return out

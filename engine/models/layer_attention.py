@@ -6,7 +6,7 @@ Items (row m, KV head g, split s), dealt round-robin over the P programs. An ite
 fused_ops._norm_rope_heads; split 0 stores the new K/V row into the cache, and every split takes
 it from registers instead of the cache, so no barrier waits for that store. Each split runs the
 online softmax (base 2) over its chunk of the row's context, in tiles of ABN tokens; the chunk is
-an even share rounded up to whole tiles, as engine/attention/triton_kernels.py's decode. With
+an even share rounded up to whole tiles (engine/attention/triton_kernels.py's `split_chunk`). With
 more than one split, each writes its normalized output and log-sum-exp, then adds one to the
 (m, g) counter (acq_rel); the split that arrives last combines the group's heads into attn and
 puts the counter back to 0. Empty splits write lse -inf and zeros. Rows of seq_len 0 (graph
@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.attention.triton_kernels import split_chunk
 from engine.pdl import prefetch_l2
 
 
@@ -56,28 +57,35 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, cur, g, stride_cblk, str
 
 
 @triton.jit
+def _item(item, seq_lens_ptr, num_splits, NKV: tl.constexpr, ABN: tl.constexpr):
+    # Attention item -> (row m, KV head g, split s, row's seq_len, the split's token range).
+    m = item // (NKV * num_splits)
+    g = (item // num_splits) % NKV
+    s = item % num_splits
+    seq_len = tl.load(seq_lens_ptr + m)
+    chunk = split_chunk(seq_len, num_splits, ABN)
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    return m, g, s, seq_len, start, end
+
+
+@triton.jit
 def prefetch_kv(
-    k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, M, num_splits, g_stride_cblk, stride_ctok, stride_chead, stride_bt,
+    k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr, P: tl.constexpr,
 ):  # fmt: skip
     # Pull the cached K/V rows of this program's attention items (the same deal as
-    # `_attention_phase`) into L2 while the norm and qkv phases run: none of them is this
+    # `attention_phase`) into L2 while the norm and qkv phases run: none of them is this
     # layer's output, and the attention phase is a chain of dependent loads.
     pid = tl.program_id(0)
     lines = tl.arange(0, D // 64)[None, :] * 64  # the 128-byte lines of a bf16/fp16 row
     for item in range(pid, M * NKV * num_splits, P):
-        m = item // (NKV * num_splits)
-        g = (item // num_splits) % NKV
-        s = item % num_splits
-        seq_len = tl.load(seq_lens_ptr + m)
-        chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), ABN) * ABN
-        start = s * chunk
-        end = tl.minimum(start + chunk, seq_len)
+        m, g, s, seq_len, start, end = _item(item, seq_lens_ptr, num_splits, NKV, ABN)
         bt_row = bt_ptr + m.to(tl.int64) * stride_bt
         for n0 in range(start, end, ABN):
             offs_n = tl.minimum(n0 + tl.arange(0, ABN), end - 1)
             page = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
-            kv = (page * g_stride_cblk + (offs_n % BLOCK_SIZE) * stride_ctok + g * stride_chead)[:, None] + lines
+            kv = (page * stride_cblk + (offs_n % BLOCK_SIZE) * stride_ctok + g * stride_chead)[:, None] + lines
             prefetch_l2(k_cache_ptr + kv)
             prefetch_l2(v_cache_ptr + kv)
 
@@ -100,20 +108,14 @@ def attention_phase(
     d = tl.arange(0, HALF)[None, :]
     dd = tl.arange(0, D)[None, :]
     for item in range(pid, M * NKV * num_splits, P):
-        m = item // (NKV * num_splits)
-        g = (item // num_splits) % NKV
-        s = item % num_splits
+        m, g, s, seq_len, start, end = _item(item, seq_lens_ptr, num_splits, NKV, ABN)
         heads = g * GROUP + hh
-        seq_len = tl.load(seq_lens_ptr + m)
         attn_rows = attn_ptr + m * NH * D + heads[:, None] * D
         if seq_len == 0:  # graph padding: zeros, no cache write
             if s == 0:
                 tl.store(attn_rows + dd, tl.zeros([BH, D], DTYPE), mask=h_ok[:, None])
         else:
             cur = seq_len - 1  # the new token: taken from registers, not the cache
-            chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), ABN) * ABN
-            start = s * chunk
-            end = tl.minimum(start + chunk, seq_len)
             bt_row = bt_ptr + m.to(tl.int64) * stride_bt
             # The first tile's loads go out before q and k are ready (they need no phase-1 output).
             k1, k2, v = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, cur, g, stride_cblk, stride_ctok,

@@ -225,15 +225,9 @@ def decoder_layer_kernel(
 
 @triton.jit
 def finish_kernel(
-    h_mid_ptr, down_ptr, norm_ptr, out_ptr, stride_part, eps,
+    h_mid_ptr, down_ptr, norm_ptr, h_ptr, out_ptr, stride_part, M, eps,
     HID: tl.constexpr, KS_D: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # out [M, HID] = norm(h_mid + round(sum_c down[c])): the model's final norm; one program per row.
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < HID
-    dtype = out_ptr.dtype.element_ty
-    h = _stream(h_mid_ptr, down_ptr, row * HID + offs, ok, stride_part, KS_D, dtype)
-    rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
-    w = tl.load(norm_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * HID + offs, (w * rnd(h * rstd, dtype)).to(dtype), mask=ok)
+    # out [M, HID] = norm(h_mid + round(sum_c down[c])): the model's final norm, one program per
+    # row; the stream itself lands in h (scratch).
+    _norm_phase(h_mid_ptr, down_ptr, stride_part, h_ptr, norm_ptr, out_ptr, M, eps, KS_D, HID, BLOCK, out_ptr.dtype.element_ty)
