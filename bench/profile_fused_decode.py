@@ -61,10 +61,11 @@ def main() -> None:
     p.add_argument("--rows", default="1,8,16")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--ctas", default="1", help="programs per SM to try (comma-separated)")
-    p.add_argument("--prefetch", default="0", help="weight prefetch off/on to try: 0,1")
-    p.add_argument("--prefetch-kv", default="0", help="KV prefetch off/on to try: 0,1")
-    p.add_argument("--warps", default="4", help="warps per program to try (comma-separated)")
+    p.add_argument(
+        "--variants", default="",
+        help="';'-separated FusedDecode keyword sets to compare, each 'key=int,...' (e.g. "
+        "'num_warps=8;bk=128;bn=16,programs_per_sm=2'); the empty set is the default kernel",
+    )  # fmt: skip
     p.add_argument("--out")
     args = p.parse_args()
     ck = checkpoint(args.shape, None, torch.device("cuda"), 0)
@@ -76,13 +77,18 @@ def main() -> None:
     backend = TritonBackend(cache, c.head_dim**-0.5, c.num_heads, max(rows_list), args.context + 64)
     assert unsupported(model, backend) is None, unsupported(model, backend)
     results = []
-    variants = list(itertools.product(*(map(int, a.split(",")) for a in (args.ctas, args.prefetch, args.warps, args.prefetch_kv))))
+    variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.variants.split(";")]
     with torch.inference_mode():
-        for (ctas, prefetch, warps, kv), rows in itertools.product(variants, rows_list):
-            fused = FusedDecode(model, backend, max(rows_list), programs_per_sm=ctas, prefetch=bool(prefetch),
-                                 num_warps=warps, prefetch_kv=bool(kv))
+        for knobs, rows in itertools.product(variants, rows_list):
+            name = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
             ids, pos, meta = decode_inputs(rows, args.context, c.vocab_size)
             ctx = ForwardContext(backend, meta)
+            try:
+                fused = FusedDecode(model, backend, max(rows_list), **knobs)
+                fused.forward(ids, pos, ctx)
+            except Exception as e:  # a variant that does not compile (shared memory, registers)
+                say(f"{name}, rows {rows}: {type(e).__name__}: {str(e)[:300]}")
+                continue
             model.model.fused_decode = None
             plain = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             model.model.fused_decode = fused
@@ -94,19 +100,23 @@ def main() -> None:
             t = stamps[:, :, : len(POINTS)].double().cpu()
             start = t[:, :, 0].min(1).values  # [L]
             line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
+            # Inside phases: the attention item's KV loop done (14), o_proj's split merge done (15).
+            sub = [statistics.median((stamps[:, :, i].double().cpu().max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
             gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
-            row = {"rows": rows, "prefetch_kv": kv, "warps": warps, "programs_per_sm": ctas, "prefetch": prefetch, "regs": fused.compiled.n_regs,
-                   "spills": fused.compiled.n_spills, "plain_ms": plain, "fused_ms": fast, "timeline_us": line,
+            row = {"rows": rows, "variant": name, "regs": fused.compiled.n_regs, "spills": fused.compiled.n_spills,
+                   "plain_ms": plain, "fused_ms": fast, "timeline_us": line, "attention_us": sub,
                    "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
             results.append(row)
-            say(f"rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused")
+            say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused")
     print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
-    print("| KV prefetch, warps, CTAs/SM, prefetch, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | layer | gap to next | forward plain ms | fused ms |")
-    print("| --- " * (len(POINTS) + 5) + "|")
+    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | gap to next | forward plain ms | fused ms |")
+    print("| --- " * (len(POINTS) + 6) + "|")
     for r in results:
         steps = [b - a for a, b in zip(r["timeline_us"], r["timeline_us"][1:], strict=False)]
-        print(f"| {r['prefetch_kv']}, {r['warps']}, {r['programs_per_sm']}, {r['prefetch']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
-              + f" | {r['timeline_us'][-1]:.2f} | {r['layer_gap_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+        # from the starts of the attention and o_proj phases (the barriers before them left)
+        loop, pub = (max(0.0, x - r["timeline_us"][i]) for x, i in zip(r["attention_us"], (4, 6), strict=True))
+        print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
+              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {r['layer_gap_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
     if args.out:
         write_json(args.out, {"shape": args.shape, "context": args.context, "results": results})
 

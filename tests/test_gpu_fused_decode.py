@@ -4,8 +4,8 @@ multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
 
 - for Qwen3 (q/k norm, tied embeddings), Llama (llama3 rope scaling) and Qwen2 (q/k/v bias),
   decode steps of 1, 3, 8 and 16 rows with contexts across blocks and splits: the hidden states
-  equal the layer-by-layer forward's within bf16 rounding, the new K/V rows are the same bits,
-  and no other cache row changes;
+  and the new K/V rows equal the layer-by-layer forward's within bf16 rounding (layer 0's K/V
+  rows bit for bit), and no other cache row changes;
 - graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
 - captured in a CUDA graph, replays equal the eager call for new inputs;
 - through the engine: greedy decoding with it gives the tokens and logprobs of the engine
@@ -43,7 +43,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-SHAPE = TINY | dict(hidden_size=256, intermediate_size=384, head_dim=64, max_position_embeddings=1024)
+# intermediate 512: every K a multiple of 256, the GEMVs' 256-wide K steps (Qwen2's 384: 128-wide)
+SHAPE = TINY | dict(hidden_size=256, intermediate_size=512, head_dim=64, max_position_embeddings=1024)
 # bf16 hidden states after a few layers: split-K and half-dim dot orders move some elements an ULP.
 TOLERANCE = 3e-2
 
@@ -53,7 +54,7 @@ def _checkpoint(arch: str, path: str) -> str:
         config = Qwen3Config(**SHAPE, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
         return _save(_randomized(Qwen3ForCausalLM, config, seed=11), path)
     if arch == "qwen2":
-        config = Qwen2Config(**SHAPE, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+        config = Qwen2Config(**(SHAPE | dict(intermediate_size=384)), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
         return _save(_randomized(Qwen2ForCausalLM, config, seed=12), path)
     config = LlamaConfig(
         **SHAPE, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
@@ -109,7 +110,11 @@ def test_fused_decode_equals_the_layers(setup, rows: int) -> None:
     assert err < TOLERANCE, err
     new_plain, rest_plain = written(plain_cache, step.slots)
     new_fused, rest_fused = written(cache, step.slots)
-    assert torch.equal(new_fused, new_plain)
+    # Layer 0's new K/V come before any attention: the same bits. Later layers' follow hidden
+    # states that the split-KV partition (its own, per row count) moves within rounding.
+    assert torch.equal(new_fused[0], new_plain[0])
+    kv_err = (new_fused.float() - new_plain.float()).abs().max().item() / new_plain.float().abs().max().item()
+    assert kv_err < TOLERANCE, kv_err
     assert torch.equal(rest_fused, written(cache0, step.slots)[1])
     assert torch.equal(rest_plain, rest_fused)
 
