@@ -286,3 +286,27 @@ def test_cuda_sampling_seeds_and_no_sync_before_the_read() -> None:
         ).token_ids[3:]
         == [alone] * 3
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab", [5, 1024, 1000, 151936])
+def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
+    """The sampler's CUDA log-sum-exp and argmax (engine/runner/lse_argmax.py) against torch's on
+    the same rows: banned (-inf) tokens, a row all -inf, ties broken toward the first index."""
+    from engine.runner.lse_argmax import lse_argmax
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    x = torch.randn(9, vocab, device="cuda", generator=g) * 4
+    x[1, ::3] = float("-inf")
+    x[2] = float("-inf")
+    top = x[3].max() + 1
+    x[3, [vocab - 1, vocab // 2, 1 % vocab]] = top  # the same maximum in up to three chunks
+    lse, tokens = lse_argmax(x)
+    want = torch.logsumexp(x.double(), dim=-1)
+    assert torch.equal(tokens, x.argmax(dim=-1))
+    assert lse[2].item() == float("-inf")
+    finite = torch.isfinite(want)
+    assert torch.allclose(lse[finite].double(), want[finite], rtol=1e-6, atol=1e-6)
+    empty_lse, empty_tokens = lse_argmax(x[:0])
+    assert empty_lse.shape == (0,) and empty_tokens.shape == (0,)

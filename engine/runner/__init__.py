@@ -7,7 +7,8 @@ process.
   tensor-parallel rank runs) and sent to the device as the step's input tensors.
 - `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
-- `sampler.py`: greedy and random sampling, logprobs.
+- `sampler.py`: greedy and random sampling, logprobs; `lse_argmax.py`: its per-row
+  log-sum-exp and argmax on CUDA (Triton), one read of the logits.
 - `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),
   `piecewise_graph.py` (mixed prefill + decode steps: the layers between attention calls).
 - `pinned.py`: pinned host staging buffers for the step inputs.

@@ -8,7 +8,9 @@ is `SampledOnDevice.wait`, which reads the results. Per-row choices that change 
 looking at a tensor.
 
 Order, per row: penalties, then logit_bias (added, as SGLang), then min_new_tokens masking, then
-logprobs = log_softmax(logits / T) (T 0 counts as 1), then greedy rows take the argmax and the
+logprobs = log_softmax(logits / T) (T 0 counts as 1; computed as x - logsumexp(x) for the tokens
+reported, never over the whole [B, V]: engine/runner/lse_argmax.py on CUDA), then greedy rows
+take the argmax and the
 others divide by T, truncate (top-k, top-p, min-p) and sample with an exponential race:
 argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i] / sum(probs), and
 lets a row draw q from its own generator.
@@ -16,6 +18,8 @@ lets a row draw q from its own generator.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -167,8 +171,7 @@ class Sampler:
         """Launch the sampling of `logits` [B, V]; nothing here waits for the device."""
         logits = self.process_logits(logits, batch)  # [B, V] float32
         scaled = logits / batch.temperatures[:, None]  # [B, V]
-        logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V]
-        tokens = scaled.argmax(dim=-1)  # [B]
+        lse, tokens = _lse_argmax(scaled)  # [B] each: logprobs = scaled - lse
         if not batch.all_greedy:
             probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
             if batch.use_min_p:
@@ -177,11 +180,11 @@ class Sampler:
                 probs = probs.masked_fill(cut, 0.0)
             sampled = (probs / self._exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
             tokens = torch.where(batch.greedy, tokens, sampled)
-        columns = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double()]
+        columns = [tokens[:, None].double(), (scaled.gather(1, tokens[:, None]) - lse[:, None]).double()]
         n_top = max(batch.top_logprobs_nums, default=0)
         if n_top > 0:
-            top_values, top_ids = logprobs.topk(n_top, dim=-1)  # [B, n_top] each
-            columns += [top_values.double(), top_ids.double()]
+            top_values, top_ids = scaled.topk(n_top, dim=-1)  # [B, n_top] each
+            columns += [(top_values - lse[:, None]).double(), top_ids.double()]
         packed = torch.cat(columns, dim=1)
         return SampledOnDevice(tokens, packed, batch.top_logprobs_nums, self._pinned)
 
@@ -240,3 +243,17 @@ class Sampler:
             noise[row].exponential_(generator=self._row_generator)
         # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _lse_argmax(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp [B], first argmax [B]) of scaled [B, V] float32."""
+    if scaled.is_cuda and _have_triton():
+        from engine.runner.lse_argmax import lse_argmax
+
+        return lse_argmax(scaled)
+    return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1)
