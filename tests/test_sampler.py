@@ -302,7 +302,10 @@ def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
     x[2] = float("-inf")
     top = x[3].max() + 1
     x[3, [vocab - 1, vocab // 2, 1 % vocab]] = top  # the same maximum in up to three chunks
-    lse, tokens = lse_argmax(x)
+    counts = torch.zeros(16, dtype=torch.int32, device="cuda")
+    lse, tokens = lse_argmax(x, counts)
+    assert torch.equal(lse_argmax(x, counts)[1], tokens)  # the counters came back to zero
+    assert not counts.any()
     want = torch.logsumexp(x.double(), dim=-1)
     assert torch.equal(tokens, x.argmax(dim=-1))
     assert lse[2].item() == float("-inf")

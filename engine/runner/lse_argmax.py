@@ -1,11 +1,14 @@
 """Per-row log-sum-exp and argmax of a [B, V] float32 tensor in one read: the sampler's logprobs
 (x - lse) and greedy tokens on CUDA. torch's log_softmax runs one program per row, 34 us for a
 batch-1 row of a 152k vocabulary on an H200, 60 us at batch 64 (bench/RESULTS.md, fifteenth
-session); here each row is cut into CHUNK-wide pieces, one program each, and a second kernel
-merges a row's pieces. Only CUDA code paths import this module (it imports Triton).
+session); here each row is cut into CHUNK-wide pieces, one program each, and the piece that
+finishes last merges the row. One launch: at batch 1 the step is host-bound, and every Triton
+launch costs the host tens of microseconds. Only CUDA code paths import this module (it imports
+Triton).
 
 Rules: -inf entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The
-argmax is the first index of the row's maximum, as torch.argmax's.
+argmax is the first index of the row's maximum, as torch.argmax's. `counts` (int32, one per
+row, zero) is the caller's to keep: the kernel leaves it zero again.
 """
 
 from __future__ import annotations
@@ -14,12 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 1024  # columns per program of the first kernel
+CHUNK = 1024  # columns per program
 
 
 @triton.jit
-def _chunk_kernel(x_ptr, max_ptr, sum_ptr, arg_ptr, V, stride_x, CHUNKS: tl.constexpr, CHUNK_: tl.constexpr):
-    # Program (row, c): max, sum of exp(x - max) and first argmax of x[row, c*CHUNK : +CHUNK].
+def _lse_argmax_kernel(
+    x_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, V, stride_x,
+    CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (row, c): max, sum of exp(x - max) and first argmax of x[row, c*CHUNK : +CHUNK];
+    # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
+    # argmax of the first chunk holding the row's maximum M.
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * CHUNK_ + tl.arange(0, CHUNK_)
@@ -30,40 +38,36 @@ def _chunk_kernel(x_ptr, max_ptr, sum_ptr, arg_ptr, V, stride_x, CHUNKS: tl.cons
     tl.store(max_ptr + out, mx)
     tl.store(sum_ptr + out, tl.sum(tl.exp(x - shift), 0))
     tl.store(arg_ptr + out, c * CHUNK_ + tl.argmax(x, 0, tie_break_left=True))
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+        k = tl.arange(0, BLOCK)
+        ok = k < CHUNKS
+        m = tl.load(max_ptr + row * CHUNKS + k, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        s = tl.load(sum_ptr + row * CHUNKS + k, mask=ok, other=0.0, cache_modifier=".cg")
+        top = tl.max(m, 0)
+        top_shift = tl.where(top == float("-inf"), 0.0, top)
+        tl.store(lse_ptr + row, top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0)))
+        first = tl.argmax(m, 0, tie_break_left=True)
+        tl.store(token_ptr + row, tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg"))
+        tl.atomic_xchg(count_ptr + row, 0)
 
 
-@triton.jit
-def _merge_kernel(max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
-    # Program row: lse = M + log(sum_c s_c * exp(m_c - M)); token = the first chunk's argmax
-    # among the chunks holding the row's maximum M.
-    row = tl.program_id(0)
-    c = tl.arange(0, BLOCK)
-    ok = c < CHUNKS
-    m = tl.load(max_ptr + row * CHUNKS + c, mask=ok, other=float("-inf"))
-    s = tl.load(sum_ptr + row * CHUNKS + c, mask=ok, other=0.0)
-    top = tl.max(m, 0)
-    shift = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(s * tl.exp(m - shift), 0)
-    tl.store(lse_ptr + row, shift + tl.log(total))
-    first = tl.argmax(m, 0, tie_break_left=True)
-    tl.store(token_ptr + row, tl.load(arg_ptr + row * CHUNKS + first))
-
-
-def lse_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, V] float32 CUDA (last dim contiguous) -> (lse [B] float32, argmax [B] int64)."""
+def lse_argmax(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, V] float32 CUDA (last dim contiguous) -> (lse [B] float32, argmax [B] int64).
+    counts: int32 zeros, at least B (module docstring); None allocates them."""
     if x.dim() != 2 or x.dtype != torch.float32 or not x.is_cuda or x.stride(1) != 1:
         raise ValueError(f"lse_argmax: a CUDA float32 [B, V] with contiguous rows, got {tuple(x.shape)} {x.dtype}")
     rows, vocab = x.shape
     chunks = triton.cdiv(vocab, CHUNK)
-    maxes = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
-    sums = torch.empty_like(maxes)
+    if counts is None:
+        counts = torch.zeros(rows, dtype=torch.int32, device=x.device)
+    stats = torch.empty(2, rows, chunks, dtype=torch.float32, device=x.device)  # maxima, sums
     args = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     lse = torch.empty(rows, dtype=torch.float32, device=x.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
-    if rows == 0:
-        return lse, tokens
-    _chunk_kernel[(rows, chunks)](x, maxes, sums, args, vocab, x.stride(0), CHUNKS=chunks, CHUNK_=CHUNK, num_warps=4)
-    _merge_kernel[(rows,)](
-        maxes, sums, args, lse, tokens, CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks), num_warps=4
-    )
+    if rows:
+        _lse_argmax_kernel[(rows, chunks)](
+            x, stats[0], stats[1], args, counts, lse, tokens, vocab, x.stride(0),
+            CHUNKS=chunks, CHUNK_=CHUNK, BLOCK=triton.next_power_of_2(chunks), num_warps=4,
+        )  # fmt: skip
     return lse, tokens

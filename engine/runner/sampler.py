@@ -163,6 +163,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # re-seeded for each seeded row
         self._pinned = PinnedRing() if self.device.type == "cuda" else None  # results' landing
+        self._counts: torch.Tensor | None = None  # lse_argmax's per-row counters (CUDA), zero
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).wait()
@@ -171,7 +172,7 @@ class Sampler:
         """Launch the sampling of `logits` [B, V]; nothing here waits for the device."""
         logits = self.process_logits(logits, batch)  # [B, V] float32
         scaled = logits / batch.temperatures[:, None]  # [B, V]
-        lse, tokens = _lse_argmax(scaled)  # [B] each: logprobs = scaled - lse
+        lse, tokens = self._lse_argmax(scaled)  # [B] each: logprobs = scaled - lse
         if not batch.all_greedy:
             probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
             if batch.use_min_p:
@@ -187,6 +188,16 @@ class Sampler:
             columns += [(top_values - lse[:, None]).double(), top_ids.double()]
         packed = torch.cat(columns, dim=1)
         return SampledOnDevice(tokens, packed, batch.top_logprobs_nums, self._pinned)
+
+    def _lse_argmax(self, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logsumexp [B], first argmax [B]) of scaled [B, V] float32."""
+        if not (scaled.is_cuda and _have_triton()):
+            return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1)
+        from engine.runner.lse_argmax import lse_argmax
+
+        if self._counts is None or self._counts.numel() < scaled.shape[0]:
+            self._counts = torch.zeros(max(256, scaled.shape[0]), dtype=torch.int32, device=scaled.device)
+        return lse_argmax(scaled, self._counts)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Penalties, logit bias, then min_new_tokens masking; returns a new [B, V] float32 tensor."""
@@ -249,11 +260,3 @@ class Sampler:
 def _have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
-
-def _lse_argmax(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logsumexp [B], first argmax [B]) of scaled [B, V] float32."""
-    if scaled.is_cuda and _have_triton():
-        from engine.runner.lse_argmax import lse_argmax
-
-        return lse_argmax(scaled)
-    return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1)
