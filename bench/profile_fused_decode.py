@@ -97,11 +97,12 @@ def main() -> None:
             for _ in range(3):
                 fused.forward(ids, pos, ctx, timing=stamps)
             torch.cuda.synchronize()
-            t = stamps[:, :, : len(POINTS)].double().cpu()
+            t_all = stamps.double().cpu()
+            t = t_all[:, :, : len(POINTS)]
             start = t[:, :, 0].min(1).values  # [L]
             line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
             # Inside phases: the attention item's KV loop done (14), o_proj's split merge done (15).
-            sub = [statistics.median((stamps[:, :, i].double().cpu().max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
+            sub = [statistics.median((t_all[:, :, i].max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
             gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
             row = {"rows": rows, "variant": name, "regs": fused.compiled.n_regs, "spills": fused.compiled.n_spills,
                    "plain_ms": plain, "fused_ms": fast, "timeline_us": line, "attention_us": sub,

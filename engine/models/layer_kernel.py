@@ -69,6 +69,14 @@ def _stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
+def _phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr):
+    # The grid barrier after a phase, stamped (TIMING) at arrival (POINT) and on leaving (POINT + 1).
+    _stamp(t_ptr, POINT, TIMING)
+    _grid_barrier(bar_ptr, FIRST_ADD)
+    _stamp(t_ptr, POINT + 1, TIMING)
+
+
+@triton.jit
 def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
     # [BM, BK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add).
     h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -176,22 +184,16 @@ def decoder_layer_kernel(
         M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE,
     )  # fmt: skip
     _norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, KS_PREV, HID, BLOCK_HID, DTYPE)
-    _stamp(t_ptr, 1, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, 2, TIMING)
+    _phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
     _gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
-    _stamp(t_ptr, 3, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, 4, TIMING)
+    _phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
     attention_phase(
         m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,
         qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
     )  # fmt: skip
-    _stamp(t_ptr, 5, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, 6, TIMING)
+    _phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
     # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
     # it merges the splits of its chunk's heads into its own scratch rows first.
     xo = xo_ptr + pid * (BM * KCO)
@@ -200,17 +202,11 @@ def decoder_layer_kernel(
     tl.debug_barrier()
     _stamp(t_ptr, 15, TIMING)
     _gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
-    _stamp(t_ptr, 7, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, 8, TIMING)
+    _phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
     _norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
-    _stamp(t_ptr, 9, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, 10, TIMING)
+    _phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
     _gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
-    _stamp(t_ptr, 11, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, 12, TIMING)
+    _phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
     _gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
     _stamp(t_ptr, 13, TIMING)
 

@@ -10,15 +10,13 @@ looking at a tensor.
 Order, per row: penalties, then logit_bias (added, as SGLang), then min_new_tokens masking, then
 logprobs = log_softmax(logits / T) (T 0 counts as 1; computed as x - logsumexp(x) for the tokens
 reported, never over the whole [B, V]: engine/runner/lse_argmax.py on CUDA), then greedy rows
-take the argmax and the
-others divide by T, truncate (top-k, top-p, min-p) and sample with an exponential race:
+take the argmax and the others divide by T, truncate (top-k, top-p, min-p) and sample with an exponential race:
 argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i] / sum(probs), and
 lets a row draw q from its own generator.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -163,7 +161,10 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # re-seeded for each seeded row
         self._pinned = PinnedRing() if self.device.type == "cuda" else None  # results' landing
-        self._counts: torch.Tensor | None = None  # lse_argmax's per-row counters (CUDA), zero
+        # lse_argmax's per-row counters, zero between calls; outside the memory regions, so a
+        # resume never hands them back as garbage. None: torch's logsumexp and argmax (CPU).
+        fast = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self._counts = torch.zeros(256, dtype=torch.int32, device=self.device) if fast else None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).wait()
@@ -191,12 +192,12 @@ class Sampler:
 
     def _lse_argmax(self, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logsumexp [B], first argmax [B]) of scaled [B, V] float32."""
-        if not (scaled.is_cuda and _have_triton()):
+        if self._counts is None:
             return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1)
         from engine.runner.lse_argmax import lse_argmax
 
-        if self._counts is None or self._counts.numel() < scaled.shape[0]:
-            self._counts = torch.zeros(max(256, scaled.shape[0]), dtype=torch.int32, device=scaled.device)
+        if self._counts.numel() < scaled.shape[0]:
+            self._counts = torch.zeros(scaled.shape[0], dtype=torch.int32, device=self.device)
         return lse_argmax(scaled, self._counts)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -254,9 +255,4 @@ class Sampler:
             noise[row].exponential_(generator=self._row_generator)
         # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-@functools.cache
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
