@@ -81,14 +81,7 @@ class TritonBackend(AttentionBackend):
         num_seqs = meta.seq_lens.shape[0]  # a shape, not a host value: fine inside a graph
         if meta.is_decode:
             # Row i is sequence i's only query; rows past num_seqs are padding.
-            splits = self.num_splits(num_seqs)
-            need = num_seqs * splits * self.num_heads * self.head_dim
-            if splits > 1 and need > self._part_out.numel():
-                raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
-            tk.decode_attention(
-                q[:num_seqs], k_cache, v_cache, meta.block_tables, meta.seq_lens, out[:num_seqs],
-                self.scale, splits, self._part_out, self._part_lse,
-            )  # fmt: skip
+            self.decode(layer_id, q[:num_seqs], meta, out[:num_seqs])
             if q.shape[0] > num_seqs:
                 out[num_seqs:].zero_()
         else:
@@ -100,6 +93,19 @@ class TritonBackend(AttentionBackend):
                 self.scale, meta.max_query_len,
             )  # fmt: skip
         return out
+
+    def decode(self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Decode attention of q [B, H, D] (row i: sequence i's one query) over layer_id's cache
+        as it stands, each row's new K/V already stored, into out [B, H, D]: the split-KV kernel
+        and, with more than one split, its reduce. Graph-capturable (splits follow B alone)."""
+        num_seqs = q.shape[0]
+        splits = self.num_splits(num_seqs)
+        if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():
+            raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
+        tk.decode_attention(
+            q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
+            self.scale, splits, self._part_out, self._part_lse,
+        )  # fmt: skip
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------
 

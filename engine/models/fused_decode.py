@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardContext
+from engine.models.batch_decode import k_splits
 
 FUSED_DECODE_ENV = "SIESTA_FUSED_DECODE"
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
@@ -48,12 +49,13 @@ _BK = 128  # K per step of the GEMV loops (256 where every K is a multiple)
 _PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
 
 
-def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why `FusedDecode` cannot serve this model and backend (None: it can)."""
+def unsupported(model: nn.Module, backend: object, env: str = FUSED_DECODE_ENV) -> str | None:
+    """Why `FusedDecode` (or batch_decode.py's `BatchDecode`, whose switch is `env`) cannot serve
+    this model and backend (None: it can)."""
     from engine.attention.triton import TritonBackend
 
-    if os.environ.get(FUSED_DECODE_ENV, "1") == "0":
-        return f"{FUSED_DECODE_ENV}=0"
+    if os.environ.get(env, "1") == "0":
+        return f"{env}=0"
     if not isinstance(backend, TritonBackend):
         return "attention backend is not triton"
     lm = model.model
@@ -74,11 +76,6 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
     if attn.head_dim not in (64, 128, 256) or attn.num_heads // attn.num_kv_heads > 16:
         return "head_dim or GQA group outside what the kernel tiles"
     return None
-
-
-def _k_splits(tiles: int, k: int, programs: int, unit: int) -> int:
-    # K splits of a row-parallel GEMV: items (tiles * splits) within one wave, chunks of whole units.
-    return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= programs and k % (s * unit) == 0))
 
 
 class FusedDecode:
@@ -106,8 +103,8 @@ class FusedDecode:
             bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (self.hidden, self.inter, self.nh * self.d)) else _BK
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
         tiles = self.hidden // bn
-        self.ks_o = _k_splits(tiles, self.nh * self.d, P, math.lcm(bk, self.d))
-        self.ks_d = _k_splits(tiles, self.inter, P, bk)
+        self.ks_o = k_splits(tiles, self.nh * self.d, P, math.lcm(bk, self.d))
+        self.ks_d = k_splits(tiles, self.inter, P, bk)
         rows = self.max_rows
         pairs = max(m * self.splits(m) for m in range(1, rows + 1))
         f32 = dict(dtype=torch.float32, device=device)

@@ -22,11 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_kernels import split_chunk
-
-
-@triton.jit
-def rnd(x, DTYPE: tl.constexpr):
-    return x.to(DTYPE).to(tl.float32)
+from engine.models.grid_phases import rnd
 
 
 @triton.jit
@@ -37,7 +33,7 @@ def _sub_stamp(t_ptr, i: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x1, x2, w_ptr, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+def norm_rope(x1, x2, w_ptr, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
     # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) and rotated, in DTYPE;
     # the roundings of fused_ops._norm_rope_heads.
     if QK_NORM:
@@ -127,12 +123,12 @@ def attention_phase(
             row = qkv_ptr + m * QKV
             qp = row + heads[:, None] * D + d
             kp = row + NH * D + g * D + d
-            q1, q2 = _norm_rope(
+            q1, q2 = norm_rope(
                 tl.load(qp, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
                 tl.load(qp + HALF, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
                 qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
             )  # fmt: skip
-            k1c, k2c = _norm_rope(
+            k1c, k2c = norm_rope(
                 tl.load(kp, cache_modifier=".cg").to(tl.float32), tl.load(kp + HALF, cache_modifier=".cg").to(tl.float32),
                 kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
             )  # fmt: skip

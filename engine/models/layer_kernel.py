@@ -23,127 +23,16 @@ i % P), a grid barrier after each but the last:
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
-Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so the sign bit
-flips once all P have arrived and the low bits return to 0 (no reset between barriers or
-launches; fused_decode.py zeroes it once per step). Release on arrival, acquire loads while
-waiting, CTA barriers around both; every program must be resident (cooperative launch, grid <=
-SMs).
-Scratch written by other programs is read with `.cg` (L2, not L1).
+The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads, rnd
-
-
-@triton.jit
-def _load_acquire(ptr):
-    return tl.inline_asm_elementwise(
-        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
-    tl.debug_barrier()
-    add = 1
-    if tl.program_id(0) == 0:
-        add = FIRST_ADD
-    old = tl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
-    cur = _load_acquire(bar_ptr)
-    while (old ^ cur) >= 0:  # same sign bit: someone has not arrived
-        cur = _load_acquire(bar_ptr)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
-    # bench only (TIMING): this program's %globaltimer (ns) at point i of the layer.
-    if TIMING:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.program_id(0)], dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(t_ptr + tl.program_id(0) * 16 + i, t)
-
-
-@triton.jit
-def _phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr):
-    # The grid barrier after a phase, stamped (TIMING) at arrival (POINT) and on leaving (POINT + 1).
-    _stamp(t_ptr, POINT, TIMING)
-    _grid_barrier(bar_ptr, FIRST_ADD)
-    _stamp(t_ptr, POINT + 1, TIMING)
-
-
-@triton.jit
-def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
-    # [BM, BK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add).
-    h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if KS > 0:
-        s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-        for c in tl.static_range(1, KS):
-            s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
-        h = rnd(h + rnd(s, DTYPE), DTYPE)
-    return h
-
-
-@triton.jit
-def _norm_phase(
-    row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps,
-    KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
-    # The program given row < M (one per row): the stream h = base + round(sum_c part[c]) ->
-    # h_out, and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
-    if row < M:
-        offs = tl.arange(0, BLOCK)
-        ok = offs < HID
-        off = row * HID + offs
-        h = _stream(base_ptr, part_ptr, off, ok, stride_part, KS, DTYPE)
-        tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok)
-        rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(xn_ptr + off, (w * rnd(h * rstd, DTYPE)).to(DTYPE), mask=ok)
-
-
-@triton.jit
-def _gemv_phase(
-    x_ptr, stride_x, w_ptr, b_ptr, out_ptr, stride_out, M,
-    N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
-    # Items (tile of BN cols, K split c); x [M, K] at row stride stride_x. PARTIAL: out[c] [M, N] fp32 partial sums of
-    # x[:, c-th K/KS] @ w[:, c-th K/KS].T. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded
-    # once (skinny_linear's rule), or silu(gate) * up of w = gate | up with SILU.
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BM)
-    m_ok = rows < M
-    offs_k = tl.arange(0, BK)
-    tiles: tl.constexpr = (N + BN - 1) // BN
-    KC: tl.constexpr = K // KS
-    for item in range(pid, tiles * KS, P):
-        c = item % KS
-        offs_n = (item // KS) * BN + tl.arange(0, BN)
-        n_ok = offs_n < N
-        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_up = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(c * KC, c * KC + KC, BK):
-            cols = (k0 + offs_k)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-            acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), acc)
-            if SILU:
-                acc_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), acc_up)
-        mask = m_ok[:, None] & n_ok[None, :]
-        if PARTIAL:
-            tl.store(out_ptr + c * stride_out + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if SILU:
-                g = rnd(acc, DTYPE)
-                acc = rnd(tl.math.div_rn(g, 1.0 + libdevice.exp(-g)), DTYPE) * rnd(acc_up, DTYPE)
-            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)
+from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
+from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "stride_bt"])
@@ -177,38 +66,38 @@ def decoder_layer_kernel(
     # The row phases run on the last programs, which the next GEMV phase leaves without an item
     # (its tiles fill at most P - M programs) or with the least to do.
     norm_row = P - 1 - pid
-    _stamp(t_ptr, 0, TIMING)
+    stamp(t_ptr, 0, TIMING)
     # The attention item's loads that need nothing of this layer: they land during norm and qkv.
     m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot = attention_prologue(
         pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
         M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE,
     )  # fmt: skip
-    _norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, KS_PREV, HID, BLOCK_HID, DTYPE)
-    _phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
-    _gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
-    _phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
+    norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, KS_PREV, HID, BLOCK_HID, DTYPE)
+    phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
+    gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
+    phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
     attention_phase(
         m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,
         qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
     )  # fmt: skip
-    _phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
+    phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
     # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
     # it merges the splits of its chunk's heads into its own scratch rows first.
     xo = xo_ptr + pid * (BM * KCO)
     if pid < (HID // BN) * KS_O:
         combine_heads(part_o_ptr, part_lse_ptr, xo, M, (pid % KS_O) * (KCO // D), num_splits, NH, D, KCO // D, 4, BLOCK_S, DTYPE)
     tl.debug_barrier()
-    _stamp(t_ptr, 15, TIMING)
-    _gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
-    _phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
-    _norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
-    _phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
-    _gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
-    _phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
-    _gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
-    _stamp(t_ptr, 13, TIMING)
+    stamp(t_ptr, 15, TIMING)
+    gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+    phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
+    norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
+    phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
+    gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
+    phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
+    gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+    stamp(t_ptr, 13, TIMING)
 
 
 @triton.jit
@@ -218,4 +107,4 @@ def finish_kernel(
 ):  # fmt: skip
     # out [M, HID] = norm(h_mid + round(sum_c down[c])): the model's final norm, one program per
     # row; the stream itself lands in h (scratch).
-    _norm_phase(tl.program_id(0), h_mid_ptr, down_ptr, stride_part, h_ptr, norm_ptr, out_ptr, M, eps, KS_D, HID, BLOCK, out_ptr.dtype.element_ty)
+    norm_phase(tl.program_id(0), h_mid_ptr, down_ptr, stride_part, h_ptr, norm_ptr, out_ptr, M, eps, KS_D, HID, BLOCK, out_ptr.dtype.element_ty)

@@ -40,6 +40,7 @@ from engine.models.rotary import RopeInputs, RotaryEmbedding
 from engine.parallel import TensorParallel
 
 if TYPE_CHECKING:
+    from engine.models.batch_decode import BatchDecode
     from engine.models.fused_decode import FusedDecode
 
 
@@ -117,14 +118,18 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        # The decode steps of few rows, one kernel per layer (fused_decode.py); set by the runner.
+        # Decode steps of few rows, one kernel per layer (fused_decode.py), and of a few to 64
+        # rows, two per layer (batch_decode.py); set by the runner.
         self.fused_decode: FusedDecode | None = None
+        self.batch_decode: BatchDecode | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, hidden]
         if self.fused_decode is not None and self.fused_decode.applies(input_ids, ctx):
             return self.fused_decode.forward(input_ids, positions, ctx)
+        if self.batch_decode is not None and self.batch_decode.applies(input_ids, ctx):
+            return self.batch_decode.forward(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)
         # The fused rope kernel reads the cos/sin cache itself; the torch path looks them up once.
         rope = self.rotary_emb(positions, gather=not (self.fused and positions.is_cuda))

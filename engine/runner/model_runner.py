@@ -152,20 +152,29 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed, device=self.device)
 
     def _fused_decode(self) -> None:
-        """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py) where
+        """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py), and
+        the steps above them up to 64 rows two per layer (engine/models/batch_decode.py), where
         the model, its device and the attention backend allow it."""
         if self.device.type != "cuda":
             return
-        from engine.models.fused_decode import MAX_ROWS, FusedDecode, unsupported
+        from engine.models import batch_decode, fused_decode
 
-        why = unsupported(self.model, self.attn_backend)
-        if why is not None:
+        lm, max_seqs = self.model.model, self.config.max_num_seqs
+        why = fused_decode.unsupported(self.model, self.attn_backend)
+        if why is None:
+            lm.fused_decode = fused_decode.FusedDecode(self.model, self.attn_backend, min(fused_decode.MAX_ROWS, max_seqs))
+            log.info("fused decode: steps of <= %d rows run one kernel per layer (%.1f MiB of scratch)",
+                     lm.fused_decode.max_rows, lm.fused_decode.nbytes / (1 << 20))
+        else:
             log.info("fused decode off: %s", why)
-            return
-        fused = FusedDecode(self.model, self.attn_backend, min(MAX_ROWS, self.config.max_num_seqs))
-        self.model.model.fused_decode = fused
-        log.info("fused decode: steps of <= %d rows run one kernel per layer (%.1f MiB of scratch)",
-                 fused.max_rows, fused.nbytes / (1 << 20))
+        first = lm.fused_decode.max_rows + 1 if lm.fused_decode is not None else 1
+        why = batch_decode.unsupported(self.model, self.attn_backend)
+        if why is None and first <= min(batch_decode.MAX_ROWS, max_seqs):
+            lm.batch_decode = batch_decode.BatchDecode(self.model, self.attn_backend, first, min(batch_decode.MAX_ROWS, max_seqs))
+            log.info("batch decode: steps of %d..%d rows run two kernels per layer (%.1f MiB of scratch)",
+                     first, lm.batch_decode.max_rows, lm.batch_decode.nbytes / (1 << 20))
+        elif why is not None:
+            log.info("batch decode off: %s", why)
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
         mc = self.model_config

@@ -1,0 +1,103 @@
+"""Where the two-launches-per-layer decode (engine/models/batch_decode.py) spends a step: each
+program of the persistent kernel stamps %globaltimer at the ends of its phases and barriers, and
+this prints, per row count, the timeline of one launch between two attention calls (median over
+the middle launches of the last program's stamp minus the first program's start), the time from
+one launch's end to the next one's start (the attention kernels and launch gaps), the attention
+kernels alone, and the model forward replayed from a CUDA graph with and without `BatchDecode`
+(no logits, no sampler).
+
+    python3 bench/profile_batch_decode.py --shape 0.6b --rows 8,16,32,64 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import torch
+from bench_linear import time_graph
+from bench_runtime import say, write_json
+from engine_shapes import checkpoint
+from profile_fused_decode import BLOCK, decode_inputs, load
+
+from engine.attention import ForwardContext
+from engine.attention.triton import TritonBackend
+from engine.models.batch_decode import BatchDecode, unsupported
+
+POINTS = ["start", "o_proj", "barrier", "norm", "barrier", "gate_up", "barrier", "down", "barrier", "norm",
+          "barrier", "qkv", "barrier", "rope"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.6b")
+    p.add_argument("--rows", default="8,16,32,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument(
+        "--variants", default="",
+        help="';'-separated BatchDecode keyword sets to compare, each 'key=int,...' (e.g. "
+        "'bn=128;bk=256,stages=2'); the empty set is the default kernel",
+    )  # fmt: skip
+    p.add_argument("--out")
+    args = p.parse_args()
+    ck = checkpoint(args.shape, None, torch.device("cuda"), 0)
+    model = load(ck["path"])
+    c = model.config
+    rows_list = [int(r) for r in args.rows.split(",")]
+    blocks = max(rows_list) * (-(-(args.context + 1) // BLOCK)) + 1
+    cache = torch.randn(c.num_layers, 2, blocks, BLOCK, c.num_kv_heads, c.head_dim, device="cuda").to(torch.bfloat16)
+    backend = TritonBackend(cache, c.head_dim**-0.5, c.num_heads, max(rows_list), args.context + 64)
+    assert unsupported(model, backend) is None, unsupported(model, backend)
+    variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.variants.split(";")]
+    results = []
+    with torch.inference_mode():
+        for knobs, rows in itertools.product(variants, rows_list):
+            name = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+            ids, pos, meta = decode_inputs(rows, args.context, c.vocab_size)
+            ctx = ForwardContext(backend, meta)
+            try:
+                batch = BatchDecode(model, backend, 1, max(rows_list), **knobs)
+                batch.forward(ids, pos, ctx)
+            except Exception as e:  # a variant that does not compile (shared memory, registers)
+                say(f"{name}, rows {rows}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            model.model.batch_decode = None
+            plain = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
+            model.model.batch_decode = batch
+            fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
+            model.model.batch_decode = None
+            q, out = batch.q[:rows], batch.attn[:rows]
+            attention = time_graph(
+                lambda: [backend.decode(i, q, meta, out) for i in range(c.num_layers)], c.num_layers, args.reps  # noqa: B023
+            )  # fmt: skip
+            stamps = torch.zeros(c.num_layers + 1, batch.programs, 16, dtype=torch.int64, device="cuda")
+            for _ in range(3):
+                batch.forward(ids, pos, ctx, timing=stamps)
+            torch.cuda.synchronize()
+            t = stamps[1:-1, :, : len(POINTS)].double().cpu()  # the middle launches: every phase
+            start = t[:, :, 0].min(1).values
+            line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
+            every = stamps.double().cpu()
+            ends = every[:-1, :, 13].max(1).values
+            gaps = (every[1:, :, 0].min(1).values - ends).tolist()
+            row = {"rows": rows, "variant": name, "regs": batch.compiled.n_regs, "spills": batch.compiled.n_spills,
+                   "plain_ms": plain, "batch_ms": fast, "attention_us": attention, "timeline_us": line,
+                   "between_us": statistics.median(gaps) / 1e3}  # fmt: skip
+            results.append(row)
+            say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms batch decode")
+    print(f"\n### batch decode, {args.shape}, context {args.context}: one launch's timeline (us, median over layers)\n")
+    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | launch | end to next start | attention alone | forward plain ms | batch ms |")
+    print("| --- " * (len(POINTS) + 6) + "|")
+    for r in results:
+        steps = [b - a for a, b in zip(r["timeline_us"], r["timeline_us"][1:], strict=False)]
+        print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
+              + f" | {r['timeline_us'][-1]:.2f} | {r['between_us']:.2f} | {r['attention_us']:.2f} | {r['plain_ms']:.3f} | {r['batch_ms']:.3f} |")
+    if args.out:
+        write_json(args.out, {"shape": args.shape, "context": args.context, "results": results})
+
+
+if __name__ == "__main__":
+    main()

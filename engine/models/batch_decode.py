@@ -1,0 +1,151 @@
+"""`BatchDecode`: the decode steps of a few to 64 rows in two launches per layer, the attention
+backend's split-KV kernel and one persistent kernel for everything between two attention calls
+(engine/models/batch_kernel.py), instead of ten kernels per layer.
+
+Past a few rows the one-kernel-per-layer decode (fused_decode.py) loses: its attention phase,
+one program per SM, reads the rows' KV slower than the split-KV kernel's four programs per SM
+(bench/RESULTS.md). So attention stays the backend's and the rest of each layer, o_proj to the
+next layer's rotated queries and new K/V rows, is one launch.
+
+Built by the model runner inside the `cuda_graph` region when fused_decode.unsupported() finds
+nothing against the model; the model's forward hands it the decode steps it `applies` to (rows
+in min_rows..max_rows, its backend), eager or captured.
+
+Rules:
+- Scratch (streams, the normed stream, activations, fp32 partial sums, queries, the attention
+  output, the barrier counter) is allocated once, for max_rows; kernels index rows up to M, so
+  every graph batch size shares it. The counter is zeroed at the start of every step.
+- One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
+  (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
+
+SIESTA_BATCH_DECODE=0 turns it off (read at construction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import ForwardContext
+
+BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
+KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
+# Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
+MAX_ROWS = 64
+_BK = 128  # K per step of the GEMV loops
+
+
+def unsupported(model: nn.Module, backend: object) -> str | None:
+    """Why `BatchDecode` cannot serve this model and backend (None: it can): fused_decode.py's
+    rules (the same shapes, measured on the same one), under its own switch."""
+    from engine.models.fused_decode import unsupported as fused_unsupported
+
+    return fused_unsupported(model, backend, BATCH_DECODE_ENV)
+
+
+def k_splits(tiles: int, k: int, programs: int, unit: int) -> int:
+    """K splits of a GEMV phase: items (tiles * splits) within one wave, chunks of whole units."""
+    return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= programs and k % (s * unit) == 0))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class BatchDecode:
+    def __init__(
+        self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
+        bn: int = 64, bn_gate: int = 32, bk: int = _BK, stages: int = 4,
+    ) -> None:  # fmt: skip
+        lm = self.lm = model.model
+        self.backend = backend
+        attn, mlp = lm.layers[0].self_attn, lm.layers[0].mlp
+        w = attn.qkv_proj.weight
+        device, dtype = w.device, w.dtype
+        self.hidden, self.inter = w.shape[1], mlp.down_proj.weight.shape[1]
+        self.nh, self.nkv, self.d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        qkv = (self.nh + 2 * self.nkv) * self.d
+        self.eps = lm.layers[0].input_layernorm.eps
+        self.qk_norm = attn.q_norm is not None
+        self.programs = P = torch.cuda.get_device_properties(device).multi_processor_count
+        self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
+        rows = self.max_rows
+        ks_o = k_splits(self.hidden // bn, self.nh * self.d, P, bk)
+        ks_d = k_splits(self.hidden // bn, self.inter, P, bk)
+        ks_q = k_splits(-(-qkv // bn), self.hidden, P, bk)
+        f32 = dict(dtype=torch.float32, device=device)
+        half = dict(dtype=dtype, device=device)
+        self.h = torch.zeros(rows, self.hidden, **half)
+        self.h_mid = torch.zeros(rows, self.hidden, **half)
+        self.xn = torch.zeros(rows, self.hidden, **half)
+        self.act = torch.zeros(rows, self.inter, **half)
+        self.q = torch.zeros(rows, self.nh, self.d, **half)
+        self.attn = torch.zeros(rows, self.nh, self.d, **half)
+        self.o_part = torch.zeros(ks_o, rows, self.hidden, **f32)
+        self.down_part = torch.zeros(ks_d, rows, self.hidden, **f32)
+        self.qkv_part = torch.zeros(ks_q, rows, qkv, **f32)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
+        self.nbytes = sum(
+            t.numel() * t.element_size()
+            for t in (self.h, self.h_mid, self.xn, self.act, self.q, self.attn, self.o_part, self.down_part, self.qkv_part)
+        )
+        self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
+        # The kernel's arguments that are the same at every layer and step.
+        self.consts = dict(
+            HID=self.hidden, NH=self.nh, NKV=self.nkv, D=self.d, INTER=self.inter, QK_NORM=self.qk_norm,
+            KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
+            BLOCK_HID=_pow2(self.hidden), BH=_pow2(self.nh), BKV=_pow2(self.nkv), P=P, FIRST_ADD=2**31 - (P - 1),
+            num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
+        )  # fmt: skip
+
+    def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
+        return (
+            ctx.backend is self.backend and ctx.meta.is_decode and self.min_rows <= input_ids.shape[0] <= self.max_rows
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, timing: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers + 1, P, 16] int64 (bench)
+        lm, meta = self.lm, ctx.meta
+        m = input_ids.shape[0]
+        x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
+        out = torch.empty(m, self.hidden, dtype=x.dtype, device=x.device)
+        self.barrier.zero_()
+        layers = list(lm.layers)
+        for i in range(len(layers) + 1):
+            prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
+            nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and rope run
+            self._launch(prev, nxt, i, x, out, positions, ctx, m, None if timing is None else timing[i])
+            if nxt is not None:
+                self.backend.decode(i, self.q[:m], meta, self.attn[:m])
+        return out
+
+    def _launch(
+        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, x: torch.Tensor, out: torch.Tensor,
+        positions: torch.Tensor, ctx: ForwardContext, m: int, timing: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        from engine.models.batch_kernel import batch_layer_kernel
+
+        lm, meta = self.lm, ctx.meta
+        kv = self.backend.kv_cache[min(i, len(lm.layers) - 1)]  # layer l+1's (TAIL: unused)
+        k_cache, v_cache = kv[0], kv[1]
+        cos_sin = lm.rotary_emb.cos_sin_cache
+        # layer l's weights (HEAD: any tensor), layer l+1's (TAIL: any tensor)
+        a, mlp = (prev.self_attn, prev.mlp) if prev is not None else (nxt.self_attn, nxt.mlp)
+        post = (prev or nxt).post_attention_layernorm.weight
+        na = (nxt or prev).self_attn
+        norm = nxt.input_layernorm.weight if nxt is not None else lm.norm.weight
+        qkv_b = na.qkv_proj.bias
+        self.compiled = batch_layer_kernel[(self.programs,)](
+            x, self.attn, self.h, self.h_mid,
+            a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            norm, na.qkv_proj.weight, qkv_b if qkv_b is not None else na.qkv_proj.weight,
+            na.q_norm.weight if self.qk_norm else cos_sin, na.k_norm.weight if self.qk_norm else cos_sin,
+            self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part, self.q,
+            positions, cos_sin, k_cache, v_cache, meta.slot_mapping, self.barrier,
+            timing if timing is not None else self.barrier,
+            m, self.eps, k_cache.stride(1), k_cache.stride(2),
+            HAS_QKV_BIAS=qkv_b is not None, HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None,
+            **self.consts,
+        )  # fmt: skip
