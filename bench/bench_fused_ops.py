@@ -92,7 +92,7 @@ def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[in
         graph = graphs.graphs[bs]
         graph.replay()
         torch.cuda.synchronize()
-        logits = graphs.logits[:bs].clone()
+        logits = graphs.logits[:bs].float()
         row: dict[str, Any] = {}
         if bs in ref:
             r = ref[bs]

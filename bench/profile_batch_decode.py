@@ -23,6 +23,7 @@ from engine_shapes import checkpoint
 from profile_fused_decode import BLOCK, decode_inputs, load
 
 from engine.attention import ForwardContext
+from engine.attention import triton_kernels as tk
 from engine.attention.triton import TritonBackend
 from engine.models.batch_decode import BatchDecode, unsupported
 
@@ -40,6 +41,11 @@ def main() -> None:
         "--variants", default="",
         help="';'-separated BatchDecode keyword sets to compare, each 'key=int,...' (e.g. "
         "'bn=128;bk=256,stages=2'); the empty set is the default kernel",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention-configs", default="",
+        help="','-separated decode-kernel configs BLOCK_NxWARPSxSTAGES to time alone at each row count "
+        "(e.g. '64x4x2,32x4x3'), beside the backend's own",
     )  # fmt: skip
     p.add_argument("--out")
     args = p.parse_args()
@@ -73,6 +79,19 @@ def main() -> None:
             attention = time_graph(
                 lambda: [backend.decode(i, q, meta, out) for i in range(c.num_layers)], c.num_layers, args.reps  # noqa: B023
             )  # fmt: skip
+            configs = {}
+            for spec in filter(None, args.attention_configs.split(",")):
+                config = tuple(int(v) for v in spec.split("x"))
+                splits, po, pl = backend.num_splits(rows), backend._part_out, backend._part_lse
+                configs[spec] = time_graph(
+                    lambda: [tk.decode_attention(q, cache[i, 0], cache[i, 1], meta.block_tables, meta.seq_lens, out,  # noqa: B023
+                                                 backend.scale, splits, po, pl, config) for i in range(c.num_layers)],  # noqa: B023
+                    c.num_layers, args.reps,
+                )  # fmt: skip
+            if configs:
+                kernels = [k for ks in tk._decode_kernel.device_caches.values() for k in ks[0].values()]
+                say(f"rows {rows}: decode kernel variants (regs, shared): {[(k.n_regs, k.metadata.shared) for k in kernels]}")
+                say(f"rows {rows}: attention alone by config, us per layer: " + ", ".join(f"{k} {v:.2f}" for k, v in configs.items()))
             stamps = torch.zeros(c.num_layers + 1, batch.programs, 16, dtype=torch.int64, device="cuda")
             for _ in range(3):
                 batch.forward(ids, pos, ctx, timing=stamps)
@@ -85,7 +104,7 @@ def main() -> None:
             gaps = (every[1:, :, 0].min(1).values - ends).tolist()
             row = {"rows": rows, "variant": name, "regs": batch.compiled.n_regs, "spills": batch.compiled.n_spills,
                    "plain_ms": plain, "batch_ms": fast, "attention_us": attention, "timeline_us": line,
-                   "between_us": statistics.median(gaps) / 1e3}  # fmt: skip
+                   "between_us": statistics.median(gaps) / 1e3, "attention_configs_us": configs}  # fmt: skip
             results.append(row)
             say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms batch decode")
     print(f"\n### batch decode, {args.shape}, context {args.context}: one launch's timeline (us, median over layers)\n")

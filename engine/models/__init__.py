@@ -2,7 +2,7 @@
 
 Every class follows the interface of `engine.models.llama.LlamaForCausalLM`:
 `cls(config)` (built in the caller's default device and dtype), `model(input_ids, positions, ctx)
--> hidden [T, hidden]`, `model.compute_logits(hidden) -> [n, vocab] float32`, `init_buffers()`.
+-> hidden [T, hidden]`, `model.compute_logits(hidden) -> [n, vocab]` (model dtype), `init_buffers()`.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     """A causal LM over the ragged batch layout.
 
     hidden = model(input_ids [T], positions [T], ctx) -> [T, hidden]
-    logits = model.compute_logits(hidden[rows]) -> [n, vocab] float32
+    logits = model.compute_logits(hidden[rows]) -> [n, vocab] in the model dtype
     """
 
     def __init__(self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None) -> None:
@@ -174,12 +174,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits in the model dtype (the sampler computes in fp32),
+        written into `out` [n, vocab] when given (a CUDA graph's static buffer: no copy)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()  # [n, vocab rows of this rank]
         if not self.tp.enabled:
-            return logits
-        return self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+            return torch.matmul(hidden, weight.T, out=out)
+        logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, : self.config.vocab_size]
+        return logits if out is None else out.copy_(logits)
 
     def init_buffers(self) -> None:
         """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""

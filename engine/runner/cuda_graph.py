@@ -71,7 +71,8 @@ class CudaGraphRunner:
         self.device = device
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [max_bs]
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [max_bs]
-        self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device)  # [max_bs, V]
+        dtype = next(model.parameters()).dtype  # compute_logits gives the model's
+        self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)  # [max_bs, V]
         backend.init_graph_buffers(max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool
@@ -94,7 +95,7 @@ class CudaGraphRunner:
         """The captured work: model and logits for `bs` rows, into the static logits buffer."""
         ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs))
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
-        self.logits[:bs] = self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self, graph_context: Callable[..., AbstractContextManager] = torch.cuda.graph) -> None:
@@ -131,7 +132,7 @@ class CudaGraphRunner:
         input_ids: torch.Tensor,  # [n] int64, one token per sequence
         positions: torch.Tensor,  # [n] int64
         meta: AttentionMetadata,  # eager decode metadata of the n sequences
-    ) -> torch.Tensor:  # [n, V] float32 logits (a view of the static buffer: use before the next run)
+    ) -> torch.Tensor:  # [n, V] logits in the model dtype (a view of the static buffer: use before the next run)
         n = meta.num_seqs
         bs = self.padded_size(n)
         load_padded([self.input_ids, self.positions], [input_ids, positions], n, bs)

@@ -279,10 +279,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        reserve = self.graph_max_bs * mc.vocab_size * 4 + _GRAPH_MARGIN if self.graph_max_bs else 0
+        itemsize = torch.finfo(self.dtype).bits // 8
+        reserve = self.graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if self.graph_max_bs else 0
         pieces = self._piecewise_sizes(budget)
         if pieces:  # their pool holds the activations of their largest size: at most the peak
-            itemsize = torch.finfo(self.dtype).bits // 8
             reserve += peak + pieces[-1] * (self.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
         return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
 
@@ -338,5 +338,5 @@ class ModelRunner:
         of token row q - 1 (one extra host sync, in steps that need it only)."""
         index = torch.tensor([r for _, _, r in plan.prompt_logprob_rows], device=self.device)
         targets = torch.tensor(plan.prompt_logprob_targets, device=self.device)
-        logits = self.model.compute_logits(hidden[index])  # [n, V] float32
+        logits = self.model.compute_logits(hidden[index]).float()  # [n, V]
         return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()

@@ -171,8 +171,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledOnDevice:
         """Launch the sampling of `logits` [B, V]; nothing here waits for the device."""
-        logits = self.process_logits(logits, batch)  # [B, V] float32
-        scaled = logits / batch.temperatures[:, None]  # [B, V]
+        logits = self.process_logits(logits, batch)  # [B, V]
+        scaled = torch.div(logits, batch.temperatures[:, None])  # [B, V] float32 (bf16 logits promote)
         lse, tokens = self._lse_argmax(scaled)  # [B] each: logprobs = scaled - lse
         if not batch.all_greedy:
             probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
@@ -201,7 +201,10 @@ class Sampler:
         return lse_argmax(scaled, self._counts)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Penalties, logit bias, then min_new_tokens masking; returns a new [B, V] float32 tensor."""
+        """Penalties, logit bias, then min_new_tokens masking: a new [B, V] float32 tensor, or
+        `logits` itself (any dtype, left as it is) when no row has any of them."""
+        if batch.repetition_penalties is None and batch.output_pairs is None and batch.bias_pairs is None and batch.banned_pairs is None:
+            return logits
         logits = logits.to(torch.float32, copy=True)
         batch_size, vocab_size = logits.shape
         if batch.repetition_penalties is not None and batch.seen_pairs is not None:
