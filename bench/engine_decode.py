@@ -4,9 +4,11 @@ decode step reads, and the decode step time at one batch size (section decode)."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +52,25 @@ def decode_weight_bytes(core: EngineCore) -> int:
     return total - embed.numel() * embed.element_size()
 
 
+@contextlib.contextmanager
+def device_waits() -> Iterator[list[float]]:
+    """Seconds the host spends blocked in torch.cuda.Event.synchronize, one entry per call: a
+    decode step's waits for the device (the engine reads each step's results through one)."""
+    waits: list[float] = []
+    original = torch.cuda.Event.synchronize
+
+    def timed(event: torch.cuda.Event) -> None:
+        t = time.perf_counter()
+        original(event)
+        waits.append(time.perf_counter() - t)
+
+    torch.cuda.Event.synchronize = timed  # type: ignore[method-assign]
+    try:
+        yield waits
+    finally:
+        torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
+
+
 def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: random.Random,
                  weight_bytes: int, kv_token_bytes: int, bandwidth: float, replays: list[int]) -> dict[str, Any]:
     if bs > core.config.max_num_seqs:
@@ -80,16 +101,18 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
         core.step()
     replays0 = replays[0]
     times, kv_tokens = [], []
-    for _ in range(args.decode_steps):
-        running = core.scheduler.running
-        if len(running) != bs or core.scheduler.num_waiting:
-            raise RuntimeError(f"expected {bs} running requests, found {len(running)} (preemption?)")
-        kv_tokens.append(sum(r.num_tokens for r in running))  # KV positions each sequence reads
-        t = time.perf_counter()
-        deltas = core.step()
-        times.append(time.perf_counter() - t)
-        if sum(len(d.new_token_ids) for d in deltas) != bs:
-            raise RuntimeError(f"a decode step at batch {bs} produced {len(deltas)} deltas")
+    with device_waits() as waits:
+        for _ in range(args.decode_steps):
+            running = core.scheduler.running
+            if len(running) != bs or core.scheduler.num_waiting:
+                raise RuntimeError(f"expected {bs} running requests, found {len(running)} (preemption?)")
+            kv_tokens.append(sum(r.num_tokens for r in running))  # KV positions each sequence reads
+            t = time.perf_counter()
+            deltas = core.step()
+            times.append(time.perf_counter() - t)
+            if sum(len(d.new_token_ids) for d in deltas) != bs:
+                raise RuntimeError(f"a decode step at batch {bs} produced {len(deltas)} deltas")
+    host_busy_s = (sum(times) - sum(waits)) / len(times)
     graph_steps = replays[0] - replays0
     core.abort(None)
     mean_s = sum(times) / len(times)
@@ -103,8 +126,10 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
         "weight_bytes_read": weight_bytes, "roofline_s": roofline_s, "measured_over_roofline": mean_s / roofline_s,
         "roofline_bandwidth_fraction": roofline_s / mean_s,
         "preemptions": core.scheduler.num_preemptions - preempt0,
+        "host_busy_mean_s": host_busy_s,  # the step minus its waits for the device
     }
     say(f"decode bs={bs}: step {mean_s * 1e3:.3f} ms (median {out['step_median_s'] * 1e3:.3f}), roofline "
         f"{roofline_s * 1e3:.3f} ms, measured/roofline {out['measured_over_roofline']:.2f}, "
-        f"{graph_steps}/{len(times)} steps from CUDA graphs, prefill {prefill_s:.2f} s in {prefill_steps} steps")
+        f"{graph_steps}/{len(times)} steps from CUDA graphs, host busy {host_busy_s * 1e3:.3f} ms per step, "
+        f"prefill {prefill_s:.2f} s in {prefill_steps} steps")
     return out

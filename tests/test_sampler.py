@@ -292,8 +292,9 @@ def test_cuda_sampling_seeds_and_no_sync_before_the_read() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("vocab", [5, 1024, 1000, 151936])
 def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
-    """The sampler's CUDA log-sum-exp and argmax (engine/runner/lse_argmax.py) against torch's on
-    the same rows: banned (-inf) tokens, a row all -inf, ties broken toward the first index."""
+    """The sampler's CUDA log-sum-exp and argmax of logits / T (engine/runner/lse_argmax.py)
+    against torch's on the same quotient, for float32 and bf16 logits: banned (-inf) tokens, a
+    row all -inf, ties broken toward the first index."""
     from engine.runner.lse_argmax import lse_argmax
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
@@ -303,13 +304,17 @@ def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
     top = x[3].max() + 1
     x[3, [vocab - 1, vocab // 2, 1 % vocab]] = top  # the same maximum in up to three chunks
     counts = torch.zeros(16, dtype=torch.int32, device="cuda")
-    lse, tokens = lse_argmax(x, counts)
-    assert torch.equal(lse_argmax(x, counts)[1], tokens)  # the counters came back to zero
-    assert not counts.any()
-    want = torch.logsumexp(x.double(), dim=-1)
-    assert torch.equal(tokens, x.argmax(dim=-1))
-    assert lse[2].item() == float("-inf")
-    finite = torch.isfinite(want)
-    assert torch.allclose(lse[finite].double(), want[finite], rtol=1e-6, atol=1e-6)
-    empty_lse, empty_tokens = lse_argmax(x[:0])
+    temps = torch.rand(9, device="cuda", generator=g) + 0.25
+    temps[0] = 1.0
+    for logits in (x, x.to(torch.bfloat16)):
+        scaled = logits / temps[:, None]  # the sampler's division: float32, bf16 promoted
+        lse, tokens = lse_argmax(logits, temps, counts)
+        assert torch.equal(lse_argmax(logits, temps, counts)[1], tokens)  # the counters came back to zero
+        assert not counts.any()
+        want = torch.logsumexp(scaled.double(), dim=-1)
+        assert torch.equal(tokens, scaled.argmax(dim=-1))
+        assert lse[2].item() == float("-inf")
+        finite = torch.isfinite(want)
+        assert torch.allclose(lse[finite].double(), want[finite], rtol=1e-6, atol=1e-6)
+    empty_lse, empty_tokens = lse_argmax(x[:0], temps[:0])
     assert empty_lse.shape == (0,) and empty_tokens.shape == (0,)

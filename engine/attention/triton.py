@@ -94,17 +94,21 @@ class TritonBackend(AttentionBackend):
             )  # fmt: skip
         return out
 
-    def decode(self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    def decode(
+        self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, pdl_launch: bool = False
+    ) -> None:
         """Decode attention of q [B, H, D] (row i: sequence i's one query) over layer_id's cache
         as it stands, each row's new K/V already stored, into out [B, H, D]: the split-KV kernel
-        and, with more than one split, its reduce. Graph-capturable (splits follow B alone)."""
+        and, with more than one split, its reduce. Graph-capturable (splits follow B alone).
+        `pdl_launch`: launched with PDL (engine/pdl.py), for a caller whose kernel before writes
+        q and the new K/V rows and triggers its dependents."""
         num_seqs = q.shape[0]
         splits = self.num_splits(num_seqs)
         if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():
             raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
         tk.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
-            self.scale, splits, self._part_out, self._part_lse,
+            self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
         )  # fmt: skip
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -284,6 +286,7 @@ def _decode_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (tl.dot's smallest M)
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr = False, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -300,10 +303,20 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     h_mask = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
+    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if USE_PDL:
+        # engine/pdl.py: launched while the kernel that writes q and the new K/V row still runs.
+        # The metadata is the step's upload; the first tile's K/V lines go to L2 (a prefetch
+        # holds no value, so the new row's line cannot be stale); then wait.
+        first = start + tl.arange(0, BLOCK_N)
+        first_off = _kv_offsets(bt_row_ptr, first, first < end, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
+        lines = (tl.arange(0, HEAD_DIM // LINE) * LINE)[None, :]
+        pdl.prefetch_l2(k_cache_ptr + first_off[:, None] + lines)
+        pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
+        tl.extra.cuda.gdc_wait()
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0
     ).to(k_cache_ptr.dtype.element_ty)
-    bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -386,6 +399,7 @@ def decode_attention(
     part_out: torch.Tensor,  # fp32, at least B * H * num_splits * D elements (unused if 1 split)
     part_lse: torch.Tensor,  # fp32, at least B * H * num_splits elements
     config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages) override
+    pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
 ) -> None:
     batch, num_heads, head_dim = q.shape
     if batch == 0:
@@ -400,8 +414,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
-        IEEE=k_cache.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=128 // k_cache.element_size(),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import pdl
 from engine.attention import ForwardContext
 
 BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
@@ -56,7 +57,7 @@ def _pow2(n: int) -> int:
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
-        bn: int = 64, bn_gate: int = 32, bk: int = _BK, stages: int = 4,
+        bn: int = 64, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
     ) -> None:  # fmt: skip
         lm = self.lm = model.model
         self.backend = backend
@@ -90,12 +91,14 @@ class BatchDecode:
             t.numel() * t.element_size()
             for t in (self.h, self.h_mid, self.xn, self.act, self.q, self.attn, self.o_part, self.down_part, self.qkv_part)
         )
+        # engine/pdl.py: each attention kernel launches while the kernel before runs its rope phase.
+        self.pdl = pdl.enabled(device) and bool(use_pdl)
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
         # The kernel's arguments that are the same at every layer and step.
         self.consts = dict(
             HID=self.hidden, NH=self.nh, NKV=self.nkv, D=self.d, INTER=self.inter, QK_NORM=self.qk_norm,
             KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
-            BLOCK_HID=_pow2(self.hidden), BH=_pow2(self.nh), BKV=_pow2(self.nkv), P=P, FIRST_ADD=2**31 - (P - 1),
+            BLOCK_HID=_pow2(self.hidden), BH=_pow2(self.nh), BKV=_pow2(self.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl,
             num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         )  # fmt: skip
 
@@ -118,7 +121,7 @@ class BatchDecode:
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and rope run
             self._launch(prev, nxt, i, x, out, positions, ctx, m, None if timing is None else timing[i])
             if nxt is not None:
-                self.backend.decode(i, self.q[:m], meta, self.attn[:m])
+                self.backend.decode(i, self.q[:m], meta, self.attn[:m], pdl_launch=self.pdl)
         return out
 
     def _launch(

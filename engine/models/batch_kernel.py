@@ -107,7 +107,7 @@ def batch_layer_kernel(
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr,
     MAX_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_G: tl.constexpr, BK: tl.constexpr,
     BLOCK_HID: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
-    HEAD: tl.constexpr, TAIL: tl.constexpr, TIMING: tl.constexpr = False,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -132,6 +132,8 @@ def batch_layer_kernel(
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
         gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)
         phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
+        if USE_PDL:  # engine/pdl.py: the attention kernel after this one gets scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
         _rope_phase(
             pid, qkv_part_ptr, qkv_b_ptr, qn_ptr, kn_ptr, q_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
             M, eps, stride_ctok, stride_chead, KS_Q, MAX_M * QKV, HAS_QKV_BIAS, QK_NORM, NH, NKV, D, BH, BKV, DTYPE,

@@ -1,14 +1,16 @@
-"""Per-row log-sum-exp and argmax of a [B, V] float32 tensor in one read: the sampler's logprobs
-(x - lse) and greedy tokens on CUDA. torch's log_softmax runs one program per row, 34 us for a
-batch-1 row of a 152k vocabulary on an H200, 60 us at batch 64 (bench/RESULTS.md, fifteenth
-session); here each row is cut into CHUNK-wide pieces, one program each, and the piece that
-finishes last merges the row. One launch: at batch 1 the step is host-bound, and every Triton
-launch costs the host tens of microseconds. Only CUDA code paths import this module (it imports
-Triton).
+"""Per-row log-sum-exp and argmax of x / t, x [B, V] logits (bf16, fp16 or fp32) and t [B] the
+rows' temperatures, in one read of x: the sampler's logprobs (x / t - lse) and greedy tokens on
+CUDA. torch's log_softmax runs one program per row, 34 us for a batch-1 row of a 152k vocabulary
+on an H200, 60 us at batch 64 (bench/RESULTS.md, fifteenth session), and materializing x / t in
+fp32 cost another 43 us at batch 64 (sixteenth session); here each row is cut into CHUNK-wide
+pieces, one program each, and the piece that finishes last merges the row. One launch: at batch
+1 the step is host-bound, and every Triton launch costs the host tens of microseconds. Only CUDA
+code paths import this module (it imports Triton).
 
-Rules: -inf entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The
-argmax is the first index of the row's maximum, as torch.argmax's. `counts` (int32, one per
-row, zero) is the caller's to keep: the kernel leaves it zero again.
+Rules: x / t is fp32(x) divided by t with IEEE rounding, torch's `logits / t` bit for bit. -inf
+entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The argmax is the
+first index of the row's maximum, as torch.argmax's. `counts` (int32, one per row, zero) is the
+caller's to keep: the kernel leaves it zero again.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ CHUNK = 1024  # columns per program
 
 @triton.jit
 def _lse_argmax_kernel(
-    x_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, V, stride_x,
+    x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, V, stride_x,
     CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Program (row, c): max, sum of exp(x - max) and first argmax of x[row, c*CHUNK : +CHUNK];
+    # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
+    # exp(x - max) and first argmax;
     # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
     # argmax of the first chunk holding the row's maximum M.
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * CHUNK_ + tl.arange(0, CHUNK_)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf"))
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.math.div_rn(x, tl.load(t_ptr + row))
     mx = tl.max(x, 0)
     shift = tl.where(mx == float("-inf"), 0.0, mx)
     out = row * CHUNKS + c
@@ -52,12 +56,17 @@ def _lse_argmax_kernel(
         tl.atomic_xchg(count_ptr + row, 0)
 
 
-def lse_argmax(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, V] float32 CUDA (last dim contiguous) -> (lse [B] float32, argmax [B] int64).
-    counts: int32 zeros, at least B (module docstring); None allocates them."""
-    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_cuda or x.stride(1) != 1:
-        raise ValueError(f"lse_argmax: a CUDA float32 [B, V] with contiguous rows, got {tuple(x.shape)} {x.dtype}")
+def lse_argmax(
+    x: torch.Tensor, temperatures: torch.Tensor, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, V] CUDA logits (half or float32, last dim contiguous), temperatures [B] float32 ->
+    (lse [B] float32, argmax [B] int64) of x / t. counts: int32 zeros, at least B (module
+    docstring); None allocates them."""
+    if x.dim() != 2 or not x.dtype.is_floating_point or not x.is_cuda or x.stride(1) != 1:
+        raise ValueError(f"lse_argmax: CUDA [B, V] logits with contiguous rows, got {tuple(x.shape)} {x.dtype}")
     rows, vocab = x.shape
+    if temperatures.shape != (rows,) or temperatures.dtype != torch.float32:
+        raise ValueError(f"lse_argmax: temperatures must be float32 [{rows}], got {tuple(temperatures.shape)} {temperatures.dtype}")
     chunks = triton.cdiv(vocab, CHUNK)
     if counts is None:
         counts = torch.zeros(rows, dtype=torch.int32, device=x.device)
@@ -67,7 +76,7 @@ def lse_argmax(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[tor
     tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
         _lse_argmax_kernel[(rows, chunks)](
-            x, stats[0], stats[1], args, counts, lse, tokens, vocab, x.stride(0),
+            x, temperatures, stats[0], stats[1], args, counts, lse, tokens, vocab, x.stride(0),
             CHUNKS=chunks, CHUNK_=CHUNK, BLOCK=triton.next_power_of_2(chunks), num_warps=4,
         )  # fmt: skip
     return lse, tokens

@@ -172,9 +172,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledOnDevice:
         """Launch the sampling of `logits` [B, V]; nothing here waits for the device."""
         logits = self.process_logits(logits, batch)  # [B, V]
-        scaled = torch.div(logits, batch.temperatures[:, None])  # [B, V] float32 (bf16 logits promote)
-        lse, tokens = self._lse_argmax(scaled)  # [B] each: logprobs = scaled - lse
-        if not batch.all_greedy:
+        temps = batch.temperatures  # [B] float32
+        n_top = max(batch.top_logprobs_nums, default=0)
+        # [B, V] float32 logits / T (half logits promote), built only where the step needs it all
+        scaled = None
+        if not batch.all_greedy or n_top > 0 or self._counts is None:
+            scaled = torch.div(logits, temps[:, None])
+        lse, tokens = self._lse_argmax(logits, temps, scaled)  # [B] each, of logits / T
+        if scaled is not None and not batch.all_greedy:
             probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
             if batch.use_min_p:
                 # Relative to the row's best token, so no renormalisation is needed first or after.
@@ -182,23 +187,28 @@ class Sampler:
                 probs = probs.masked_fill(cut, 0.0)
             sampled = (probs / self._exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
             tokens = torch.where(batch.greedy, tokens, sampled)
-        columns = [tokens[:, None].double(), (scaled.gather(1, tokens[:, None]) - lse[:, None]).double()]
-        n_top = max(batch.top_logprobs_nums, default=0)
-        if n_top > 0:
+        # the chosen token's x / T, the same division as `scaled`'s
+        chosen = torch.div(logits.gather(1, tokens[:, None]), temps[:, None])
+        columns = [tokens[:, None].double(), (chosen - lse[:, None]).double()]
+        if scaled is not None and n_top > 0:
             top_values, top_ids = scaled.topk(n_top, dim=-1)  # [B, n_top] each
             columns += [(top_values - lse[:, None]).double(), top_ids.double()]
         packed = torch.cat(columns, dim=1)
         return SampledOnDevice(tokens, packed, batch.top_logprobs_nums, self._pinned)
 
-    def _lse_argmax(self, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logsumexp [B], first argmax [B]) of scaled [B, V] float32."""
+    def _lse_argmax(
+        self, logits: torch.Tensor, temps: torch.Tensor, scaled: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logsumexp [B], first argmax [B]) of logits [B, V] / temps [B] in float32: one read of
+        the logits on CUDA, torch's ops on `scaled` (their quotient) elsewhere."""
         if self._counts is None:
+            assert scaled is not None
             return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1)
         from engine.runner.lse_argmax import lse_argmax
 
-        if self._counts.numel() < scaled.shape[0]:
-            self._counts = torch.zeros(scaled.shape[0], dtype=torch.int32, device=self.device)
-        return lse_argmax(scaled, self._counts)
+        if self._counts.numel() < logits.shape[0]:
+            self._counts = torch.zeros(logits.shape[0], dtype=torch.int32, device=self.device)
+        return lse_argmax(logits, temps, self._counts)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Penalties, logit bias, then min_new_tokens masking: a new [B, V] float32 tensor, or
