@@ -4,11 +4,14 @@ size, one table: kernel | launches per step | device us per step | share, plus t
 time and the sum of its kernels' time (the gap between them is idle device time).
 
     python3 bench/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
+    python3 bench/profile_decode.py --shape 0.6b --batch-sizes 64 --host --out $OUT/p.json  # cProfile
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import time
 from collections import defaultdict
@@ -25,7 +28,8 @@ from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
 
 
-def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> dict[str, Any]:
+def start_decodes(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> None:
+    """bs requests of `context` random prompt tokens, run until every one decodes, then 5 steps."""
     vocab = core.model_config.vocab_size
     params = SamplingParams(max_new_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True)
     for i in range(bs):
@@ -39,6 +43,27 @@ def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: rand
     for _ in range(5):
         core.step()
     torch.cuda.synchronize()
+
+
+def profile_host(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random, top: int) -> None:
+    """cProfile of `steps` engine steps at bs running decodes: where the host's time per step goes."""
+    start_decodes(core, bs, context, steps, rng)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        core.step()
+    prof.disable()
+    say(f"host profile bs={bs}: {(time.perf_counter() - t0) / steps * 1e6:.0f} us per step under cProfile")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
+    core.abort(None)
+    while core.has_work():
+        core.step()
+
+
+def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> dict[str, Any]:
+    start_decodes(core, bs, context, steps, rng)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -105,6 +130,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--tp-size", type=int, default=1, help="profiles rank 0's kernels")
+    p.add_argument("--host", action="store_true", help="cProfile the host's side of the steps instead")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -116,6 +142,9 @@ def main() -> None:
     results = []
     for bs in sizes:
         say(f"profiling decode bs={bs}")
+        if args.host:
+            profile_host(core, bs, args.context, args.steps, rng, args.top)
+            continue
         results.append(profile_batch(core, bs, args.context, args.steps, rng))
         print_table(results[-1], args.top)
     write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "batches": results})
