@@ -19,45 +19,34 @@ import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
 from bench_linear import time_graph
 from bench_runtime import say, write_json
-from engine_shapes import checkpoint
-from profile_fused_decode import BLOCK, decode_inputs, load
+from profile_fused_decode import decode_inputs, parse, setup
 
 from engine.attention import ForwardContext
 from engine.attention import triton_kernels as tk
-from engine.attention.triton import TritonBackend
 from engine.models.batch_decode import BatchDecode, unsupported
 
 POINTS = ["start", "o_proj", "barrier", "norm", "barrier", "gate_up", "barrier", "down", "barrier", "norm",
           "barrier", "qkv", "barrier", "rope"]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="0.6b")
-    p.add_argument("--rows", default="8,16,32,64")
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--reps", type=int, default=50)
-    p.add_argument(
-        "--variants", default="",
-        help="';'-separated BatchDecode keyword sets to compare, each 'key=int,...' (e.g. "
-        "'bn=128;bk=256,stages=2'); the empty set is the default kernel",
-    )  # fmt: skip
+def _attention_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-configs", default="",
         help="','-separated decode-kernel configs BLOCK_NxWARPSxSTAGES to time alone at each row count "
         "(e.g. '64x4x2,32x4x3'), beside the backend's own",
     )  # fmt: skip
-    p.add_argument("--out")
-    args = p.parse_args()
-    ck = checkpoint(args.shape, None, torch.device("cuda"), 0)
-    model = load(ck["path"])
+
+
+def main() -> None:
+    args = parse(
+        __doc__, "8,16,32,64",
+        "';'-separated BatchDecode keyword sets to compare, each 'key=int,...' (e.g. "
+        "'bn=128;bk=256,stages=2'); the empty set is the default kernel",
+        _attention_flag,
+    )  # fmt: skip
+    model, cache, backend, rows_list, variants = setup(args)
     c = model.config
-    rows_list = [int(r) for r in args.rows.split(",")]
-    blocks = max(rows_list) * (-(-(args.context + 1) // BLOCK)) + 1
-    cache = torch.randn(c.num_layers, 2, blocks, BLOCK, c.num_kv_heads, c.head_dim, device="cuda").to(torch.bfloat16)
-    backend = TritonBackend(cache, c.head_dim**-0.5, c.num_heads, max(rows_list), args.context + 64)
     assert unsupported(model, backend) is None, unsupported(model, backend)
-    variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.variants.split(";")]
     results = []
     with torch.inference_mode():
         for knobs, rows in itertools.product(variants, rows_list):

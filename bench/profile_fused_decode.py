@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+from collections.abc import Callable
 
 import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
@@ -55,19 +56,22 @@ def decode_inputs(rows: int, context: int, vocab: int) -> tuple[torch.Tensor, to
     return ids, torch.full((rows,), context, dtype=torch.int64, device="cuda"), meta
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(doc: str, rows: str, variants_help: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The flags both persistent-decode profiles take (`extra` adds a script's own)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.6b")
-    p.add_argument("--rows", default="1,8,16")
+    p.add_argument("--rows", default=rows)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument(
-        "--variants", default="",
-        help="';'-separated FusedDecode keyword sets to compare, each 'key=int,...' (e.g. "
-        "'num_warps=8;bk=128;bn=16,programs_per_sm=2'); the empty set is the default kernel",
-    )  # fmt: skip
+    p.add_argument("--variants", default="", help=variants_help)
+    if extra is not None:
+        extra(p)
     p.add_argument("--out")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, TritonBackend, list[int], list[dict[str, int]]]:
+    """(model, random KV cache, Triton backend, row counts, variants) of the flags `parse` reads."""
     ck = checkpoint(args.shape, None, torch.device("cuda"), 0)
     model = load(ck["path"])
     c = model.config
@@ -75,9 +79,20 @@ def main() -> None:
     blocks = max(rows_list) * (-(-(args.context + 1) // BLOCK)) + 1
     cache = torch.randn(c.num_layers, 2, blocks, BLOCK, c.num_kv_heads, c.head_dim, device="cuda").to(torch.bfloat16)
     backend = TritonBackend(cache, c.head_dim**-0.5, c.num_heads, max(rows_list), args.context + 64)
+    variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.variants.split(";")]
+    return model, cache, backend, rows_list, variants
+
+
+def main() -> None:
+    args = parse(
+        __doc__, "1,8,16",
+        "';'-separated FusedDecode keyword sets to compare, each 'key=int,...' (e.g. "
+        "'num_warps=8;bk=128;bn=16,programs_per_sm=2'); the empty set is the default kernel",
+    )  # fmt: skip
+    model, cache, backend, rows_list, variants = setup(args)
+    c = model.config
     assert unsupported(model, backend) is None, unsupported(model, backend)
     results = []
-    variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.variants.split(";")]
     with torch.inference_mode():
         for knobs, rows in itertools.product(variants, rows_list):
             name = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"

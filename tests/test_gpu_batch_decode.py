@@ -14,12 +14,18 @@ attention, a random KV cache:
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 import torch
-from test_gpu_fused_decode import TOLERANCE, _checkpoint, _decode_step
-from test_piecewise_graph import load_model, make_backend, make_step, random_cache, written
+from test_gpu_fused_decode import (
+    TOLERANCE,
+    _checkpoint,
+    _decode_step,
+    engine_same_with_and_without,
+    graph_replays_equal_eager,
+    padding_rows_write_nothing,
+)
+from test_piecewise_graph import load_model, make_backend, random_cache, written
 
 from engine.attention import ForwardContext
 
@@ -76,73 +82,15 @@ def test_batch_decode_equals_the_layers(setup, rows: int) -> None:
 
 def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
     model, backend, batch = setup
-    step = _decode_step(6, seed=5, vocab=model.config.vocab_size)
-    meta = step.meta
-
-    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:  # 6 real rows + 6 graph-padding rows
-        return torch.cat([t, torch.full((6, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
-
-    padded = replace(meta, seq_lens=pad(meta.seq_lens, 0), block_tables=pad(meta.block_tables, 0),
-                     slot_mapping=pad(meta.slot_mapping, -1), query_start_loc=torch.arange(13, dtype=torch.int32, device="cuda"),
-                     query_start_loc_cpu=list(range(13)), seq_lens_cpu=meta.seq_lens_cpu + [0] * 6)  # fmt: skip
-    cache0 = backend.kv_cache.clone()
-    with torch.inference_mode():
-        real = batch.forward(step.input_ids, step.positions, ForwardContext(backend, meta)).clone()
-        backend.kv_cache.copy_(cache0)
-        out = batch.forward(pad(step.input_ids, 0), pad(step.positions, 0), ForwardContext(backend, padded))
-    assert torch.isfinite(out).all()
-    # the 12-row step splits the KV into fewer parts: the same within rounding
-    assert _rel(out[:6], real) <= TOLERANCE
-    assert torch.equal(written(backend.kv_cache, step.slots)[1], written(cache0, step.slots)[1])
+    padding_rows_write_nothing(model, backend, batch, 6)
 
 
 def test_graph_replays_equal_the_eager_call(setup) -> None:
     model, backend, batch = setup
-    vocab = model.config.vocab_size
-    static = _decode_step(24, seed=20, vocab=vocab)
-    width = static.meta.block_tables.shape[1]
-    ctx = ForwardContext(backend, static.meta)
-    with torch.inference_mode():
-        batch.forward(static.input_ids, static.positions, ctx)  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = batch.forward(static.input_ids, static.positions, ctx)
-        for seed in (21, 22):
-            rng = random.Random(seed)
-            step = make_step([(rng.randint(1, 100), 1) for _ in range(24)], "cuda", vocab, seed)
-            cache0 = backend.kv_cache.clone()
-            want = batch.forward(step.input_ids, step.positions, ForwardContext(backend, step.meta)).clone()
-            want_cache = backend.kv_cache.clone()
-            backend.kv_cache.copy_(cache0)
-            static.input_ids.copy_(step.input_ids)
-            static.positions.copy_(step.positions)
-            static.meta.seq_lens.copy_(step.meta.seq_lens)
-            static.meta.slot_mapping.copy_(step.meta.slot_mapping)
-            static.meta.block_tables.zero_()
-            cols = min(width, step.meta.block_tables.shape[1])
-            static.meta.block_tables[:, :cols] = step.meta.block_tables[:, :cols]
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want)
-            assert torch.equal(backend.kv_cache, want_cache)
+    graph_replays_equal_eager(model, backend, batch, 24, 100)
 
 
 def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_gpu_engine import _core, _greedy
-
-    path = _checkpoint("qwen3", str(tmp_path / "qwen3"))
-    rng = random.Random(1)
+    rng = random.Random(1)  # 20 requests: decode steps of 5..20 rows
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(20)]
-    results = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("SIESTA_BATCH_DECODE", flag)
-        core = _core(path, max_model_len=1024)
-        assert (core.runner.model.model.batch_decode is not None) == (flag == "1")
-        results[flag] = _greedy(core, prompts, 24)
-        del core
-        torch.cuda.empty_cache()
-    (ids_on, lps_on), (ids_off, lps_off) = results["1"], results["0"]
-    assert ids_on == ids_off
-    for a, b in zip(lps_on, lps_off, strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
+    engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), monkeypatch, "SIESTA_BATCH_DECODE", "batch_decode", prompts)

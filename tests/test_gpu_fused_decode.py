@@ -119,67 +119,83 @@ def test_fused_decode_equals_the_layers(setup, rows: int) -> None:
     assert torch.equal(rest_plain, rest_fused)
 
 
-def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
-    model, backend, fused = setup
-    step = _decode_step(4, seed=5, vocab=model.config.vocab_size)
+def padding_rows_write_nothing(model, backend, path, rows: int) -> None:
+    """A step of `rows` real rows plus as many graph-padding rows (seq_len 0, slot -1) through the
+    decode path `path`: padding writes no cache row and the real rows' outputs stay (within
+    rounding: the doubled step splits the KV into fewer parts)."""
+    step = _decode_step(rows, seed=5, vocab=model.config.vocab_size)
     meta = step.meta
 
-    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:  # 4 real rows + 4 graph-padding rows
-        return torch.cat([t, torch.full((4, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
+    def pad(t: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([t, torch.full((rows, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
 
     padded = replace(meta, seq_lens=pad(meta.seq_lens, 0), block_tables=pad(meta.block_tables, 0),
-                     slot_mapping=pad(meta.slot_mapping, -1), query_start_loc=torch.arange(9, dtype=torch.int32, device="cuda"),
-                     query_start_loc_cpu=list(range(9)), seq_lens_cpu=meta.seq_lens_cpu + [0] * 4)  # fmt: skip
+                     slot_mapping=pad(meta.slot_mapping, -1), query_start_loc=torch.arange(2 * rows + 1, dtype=torch.int32, device="cuda"),
+                     query_start_loc_cpu=list(range(2 * rows + 1)), seq_lens_cpu=meta.seq_lens_cpu + [0] * rows)  # fmt: skip
     cache0 = backend.kv_cache.clone()
     with torch.inference_mode():
-        real = fused.forward(step.input_ids, step.positions, ForwardContext(backend, meta))
+        real = path.forward(step.input_ids, step.positions, ForwardContext(backend, meta)).clone()
         backend.kv_cache.copy_(cache0)
-        out = fused.forward(pad(step.input_ids, 0), pad(step.positions, 0), ForwardContext(backend, padded))
+        out = path.forward(pad(step.input_ids, 0), pad(step.positions, 0), ForwardContext(backend, padded))
     assert torch.isfinite(out).all()
-    # the 8-row step splits the KV into fewer parts: the same within rounding
-    assert (out[:4].float() - real.float()).abs().max().item() <= TOLERANCE * real.float().abs().max().item()
+    assert (out[:rows].float() - real.float()).abs().max().item() <= TOLERANCE * real.float().abs().max().item()
     assert torch.equal(written(backend.kv_cache, step.slots)[1], written(cache0, step.slots)[1])
 
 
-def test_graph_replays_equal_the_eager_call(setup) -> None:
+def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
     model, backend, fused = setup
+    padding_rows_write_nothing(model, backend, fused, 4)
+
+
+def graph_replays_equal_eager(model, backend, path, rows: int, max_context: int) -> None:
+    """The decode path `path` captured in a CUDA graph for `rows` rows: replays on new inputs
+    equal the eager call, outputs and cache, bit for bit."""
     vocab = model.config.vocab_size
-    static = _decode_step(2, seed=20, vocab=vocab)
+    static = _decode_step(rows, seed=20, vocab=vocab)
     width = static.meta.block_tables.shape[1]
     ctx = ForwardContext(backend, static.meta)
     with torch.inference_mode():
-        fused.forward(static.input_ids, static.positions, ctx)  # compiles outside the capture
+        path.forward(static.input_ids, static.positions, ctx)  # compiles outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused.forward(static.input_ids, static.positions, ctx)
+            out = path.forward(static.input_ids, static.positions, ctx)
         for seed in (21, 22):
-            step = make_step([(random.Random(seed).randint(1, 60), 1) for _ in range(2)], "cuda", vocab, seed)
+            rng = random.Random(seed)
+            step = make_step([(rng.randint(1, max_context), 1) for _ in range(rows)], "cuda", vocab, seed)
             cache0 = backend.kv_cache.clone()
-            want = fused.forward(step.input_ids, step.positions, ForwardContext(backend, step.meta)).clone()
+            want = path.forward(step.input_ids, step.positions, ForwardContext(backend, step.meta)).clone()
+            want_cache = backend.kv_cache.clone()
             backend.kv_cache.copy_(cache0)
             static.input_ids.copy_(step.input_ids)
             static.positions.copy_(step.positions)
             static.meta.seq_lens.copy_(step.meta.seq_lens)
             static.meta.slot_mapping.copy_(step.meta.slot_mapping)
             static.meta.block_tables.zero_()
-            static.meta.block_tables[:, : min(width, step.meta.block_tables.shape[1])] = step.meta.block_tables[:, :width]
+            cols = min(width, step.meta.block_tables.shape[1])
+            static.meta.block_tables[:, :cols] = step.meta.block_tables[:, :cols]
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, want)
+            assert torch.equal(backend.kv_cache, want_cache)
 
 
-def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graph_replays_equal_the_eager_call(setup) -> None:
+    model, backend, fused = setup
+    graph_replays_equal_eager(model, backend, fused, 2, 60)
+
+
+def engine_same_with_and_without(path: str, monkeypatch: pytest.MonkeyPatch, env: str, attr: str,
+                                 prompts: list[list[int]]) -> None:  # fmt: skip
+    """Greedy decoding of `prompts` through the engine with the model's decode path `attr` on and
+    with `env`=0 gives the same tokens, logprobs within 0.05."""
     from test_gpu_engine import _core, _greedy
 
-    path = _checkpoint("qwen3", str(tmp_path / "qwen3"))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(6)]
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("SIESTA_FUSED_DECODE", flag)
+        monkeypatch.setenv(env, flag)
         core = _core(path, max_model_len=1024)
-        assert (core.runner.model.model.fused_decode is not None) == (flag == "1")
+        assert (getattr(core.runner.model.model, attr) is not None) == (flag == "1")
         results[flag] = _greedy(core, prompts, 24)
         del core
         torch.cuda.empty_cache()
@@ -187,3 +203,9 @@ def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pyte
     assert ids_on == ids_off
     for a, b in zip(lps_on, lps_off, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
+
+
+def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(6)]
+    engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), monkeypatch, "SIESTA_FUSED_DECODE", "fused_decode", prompts)

@@ -140,7 +140,8 @@ class Scheduler:
                 continue
             break  # `req` preempted itself: everything after it is gone too
 
-        prefilling = self._prompts_in_prefill()
+        # Only admission reads it: a decode step with nobody waiting skips the pass over running.
+        prefilling = self._prompts_in_prefill() if self.waiting and admit else None
         passed_over: list[Request] = []  # samples waiting for their prompt's prefill, in order
         while self.waiting and admit:
             req = self.waiting[0]

@@ -215,8 +215,8 @@ class BlockManager:
         pending token is not hashed). Idempotent, and O(new blocks): the request's chain
         remembers how far it got."""
         chain = self._chains.get(req.request_id)
-        if chain is None:
-            return  # prefix caching is off, or the request holds no blocks
+        if chain is None or req.num_computed_tokens < (chain.num_blocks + 1) * self.block_size:
+            return  # prefix caching is off, the request holds no blocks, or no new block is full
         bs = self.block_size
         num_full = min(min(req.num_computed_tokens, req.num_known_tokens) // bs, len(req.block_table))
         for i in range(chain.num_blocks, num_full):

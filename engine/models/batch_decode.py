@@ -7,8 +7,8 @@ one program per SM, reads the rows' KV slower than the split-KV kernel's four pr
 (bench/RESULTS.md). So attention stays the backend's and the rest of each layer, o_proj to the
 next layer's rotated queries and new K/V rows, is one launch.
 
-Built by the model runner inside the `cuda_graph` region when fused_decode.unsupported() finds
-nothing against the model; the model's forward hands it the decode steps it `applies` to (rows
+Built by the model runner inside the `cuda_graph` region when `unsupported()` (decode_path.py's
+rules) finds nothing against the model; the model's forward hands it the decode steps it `applies` to (rows
 in min_rows..max_rows, its backend), eager or captured.
 
 Rules:
@@ -29,6 +29,8 @@ from torch import nn
 
 from engine import pdl
 from engine.attention import ForwardContext
+from engine.models import decode_path
+from engine.models.decode_path import LayerShape, k_splits
 
 BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
@@ -38,16 +40,9 @@ _BK = 128  # K per step of the GEMV loops
 
 
 def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why `BatchDecode` cannot serve this model and backend (None: it can): fused_decode.py's
-    rules (the same shapes, measured on the same one), under its own switch."""
-    from engine.models.fused_decode import unsupported as fused_unsupported
-
-    return fused_unsupported(model, backend, BATCH_DECODE_ENV)
-
-
-def k_splits(tiles: int, k: int, programs: int, unit: int) -> int:
-    """K splits of a GEMV phase: items (tiles * splits) within one wave, chunks of whole units."""
-    return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= programs and k % (s * unit) == 0))
+    """Why `BatchDecode` cannot serve this model and backend (None: it can): decode_path.py's rules
+    (the same shapes, measured on the same one), under its own switch."""
+    return decode_path.unsupported(model, backend, BATCH_DECODE_ENV)
 
 
 def _pow2(n: int) -> int:
@@ -59,32 +54,27 @@ class BatchDecode:
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
         bn: int = 64, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
     ) -> None:  # fmt: skip
-        lm = self.lm = model.model
+        self.lm = model.model
         self.backend = backend
-        attn, mlp = lm.layers[0].self_attn, lm.layers[0].mlp
-        w = attn.qkv_proj.weight
-        device, dtype = w.device, w.dtype
-        self.hidden, self.inter = w.shape[1], mlp.down_proj.weight.shape[1]
-        self.nh, self.nkv, self.d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        qkv = (self.nh + 2 * self.nkv) * self.d
-        self.eps = lm.layers[0].input_layernorm.eps
-        self.qk_norm = attn.q_norm is not None
+        self.shape = LayerShape.of(model)
+        device, dtype = self.shape.device, self.shape.dtype
+        qkv = (self.shape.nh + 2 * self.shape.nkv) * self.shape.d
         self.programs = P = torch.cuda.get_device_properties(device).multi_processor_count
         self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
         rows = self.max_rows
-        ks_o = k_splits(self.hidden // bn, self.nh * self.d, P, bk)
-        ks_d = k_splits(self.hidden // bn, self.inter, P, bk)
-        ks_q = k_splits(-(-qkv // bn), self.hidden, P, bk)
+        ks_o = k_splits(self.shape.hidden // bn, self.shape.nh * self.shape.d, P, bk)
+        ks_d = k_splits(self.shape.hidden // bn, self.shape.inter, P, bk)
+        ks_q = k_splits(-(-qkv // bn), self.shape.hidden, P, bk)
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
-        self.h = torch.zeros(rows, self.hidden, **half)
-        self.h_mid = torch.zeros(rows, self.hidden, **half)
-        self.xn = torch.zeros(rows, self.hidden, **half)
-        self.act = torch.zeros(rows, self.inter, **half)
-        self.q = torch.zeros(rows, self.nh, self.d, **half)
-        self.attn = torch.zeros(rows, self.nh, self.d, **half)
-        self.o_part = torch.zeros(ks_o, rows, self.hidden, **f32)
-        self.down_part = torch.zeros(ks_d, rows, self.hidden, **f32)
+        self.h = torch.zeros(rows, self.shape.hidden, **half)
+        self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
+        self.xn = torch.zeros(rows, self.shape.hidden, **half)
+        self.act = torch.zeros(rows, self.shape.inter, **half)
+        self.q = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
+        self.attn = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
+        self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
+        self.down_part = torch.zeros(ks_d, rows, self.shape.hidden, **f32)
         self.qkv_part = torch.zeros(ks_q, rows, qkv, **f32)
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(
@@ -96,9 +86,9 @@ class BatchDecode:
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
         # The kernel's arguments that are the same at every layer and step.
         self.consts = dict(
-            HID=self.hidden, NH=self.nh, NKV=self.nkv, D=self.d, INTER=self.inter, QK_NORM=self.qk_norm,
+            HID=self.shape.hidden, NH=self.shape.nh, NKV=self.shape.nkv, D=self.shape.d, INTER=self.shape.inter, QK_NORM=self.shape.qk_norm,
             KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
-            BLOCK_HID=_pow2(self.hidden), BH=_pow2(self.nh), BKV=_pow2(self.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl,
+            BLOCK_HID=_pow2(self.shape.hidden), BH=_pow2(self.shape.nh), BKV=_pow2(self.shape.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl,
             num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         )  # fmt: skip
 
@@ -113,7 +103,7 @@ class BatchDecode:
         lm, meta = self.lm, ctx.meta
         m = input_ids.shape[0]
         x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
-        out = torch.empty(m, self.hidden, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)
         self.barrier.zero_()
         layers = list(lm.layers)
         for i in range(len(layers) + 1):
@@ -144,11 +134,11 @@ class BatchDecode:
             x, self.attn, self.h, self.h_mid,
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             norm, na.qkv_proj.weight, qkv_b if qkv_b is not None else na.qkv_proj.weight,
-            na.q_norm.weight if self.qk_norm else cos_sin, na.k_norm.weight if self.qk_norm else cos_sin,
+            na.q_norm.weight if self.shape.qk_norm else cos_sin, na.k_norm.weight if self.shape.qk_norm else cos_sin,
             self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part, self.q,
             positions, cos_sin, k_cache, v_cache, meta.slot_mapping, self.barrier,
             timing if timing is not None else self.barrier,
-            m, self.eps, k_cache.stride(1), k_cache.stride(2),
+            m, self.shape.eps, k_cache.stride(1), k_cache.stride(2),
             HAS_QKV_BIAS=qkv_b is not None, HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None,
             **self.consts,
         )  # fmt: skip

@@ -23,14 +23,14 @@ SIESTA_FUSED_DECODE=0 turns it off (read at construction).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardContext
-from engine.models.batch_decode import k_splits
+from engine.models import decode_path
+from engine.models.decode_path import LayerShape, k_splits
 
 FUSED_DECODE_ENV = "SIESTA_FUSED_DECODE"
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
@@ -39,43 +39,15 @@ KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every ste
 # 0.86x, 8 rows 1.02x, 16 rows 1.23x: its attention phase (one program per SM, tiles not pipelined) loses to the split-KV
 # kernel's four programs per SM once the rows bring enough KV to read.
 MAX_ROWS = 4
-# Models it serves: the same profile at the 8B shape (hidden 4096), 1 row, measured a 5.86 ms
-# forward against 4.46 layer by layer: one program per SM streams a 24-96 MB layer slower than the
-# skinny GEMVs' grids. Measured below: the 0.6B shape (1024). Shapes between are unmeasured.
-MAX_HIDDEN = 1024
 _BM = 16  # rows per GEMV tile (tl.dot's smallest M)
 _BN = 32  # output columns per GEMV item
 _BK = 128  # K per step of the GEMV loops (256 where every K is a multiple)
 _PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
 
 
-def unsupported(model: nn.Module, backend: object, env: str = FUSED_DECODE_ENV) -> str | None:
-    """Why `FusedDecode` (or batch_decode.py's `BatchDecode`, whose switch is `env`) cannot serve
-    this model and backend (None: it can)."""
-    from engine.attention.triton import TritonBackend
-
-    if os.environ.get(env, "1") == "0":
-        return f"{env}=0"
-    if not isinstance(backend, TritonBackend):
-        return "attention backend is not triton"
-    lm = model.model
-    layer = lm.layers[0] if len(lm.layers) else None
-    if layer is None or not lm.fused or model.tp.enabled:
-        return "no layers, fused ops off or tensor parallel"
-    attn, mlp = layer.self_attn, layer.mlp
-    w = attn.qkv_proj.weight
-    if not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16):
-        return "not a half-precision CUDA model"
-    if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
-        return "o_proj or MLP bias"
-    hidden, inter = w.shape[1], mlp.down_proj.weight.shape[1]
-    if hidden > MAX_HIDDEN:
-        return f"hidden {hidden} > {MAX_HIDDEN}: the layers' own GEMVs are faster there"
-    if hidden % _BK or inter % _BK or (attn.num_heads * attn.head_dim) % _BK:
-        return f"hidden {hidden}, intermediate {inter} or heads not multiples of {_BK}"
-    if attn.head_dim not in (64, 128, 256) or attn.num_heads // attn.num_kv_heads > 16:
-        return "head_dim or GQA group outside what the kernel tiles"
-    return None
+def unsupported(model: nn.Module, backend: object) -> str | None:
+    """Why `FusedDecode` cannot serve this model and backend (None: it can): decode_path.py's rules."""
+    return decode_path.unsupported(model, backend, FUSED_DECODE_ENV)
 
 
 class FusedDecode:
@@ -85,48 +57,43 @@ class FusedDecode:
     ) -> None:  # fmt: skip
         import triton
 
-        lm = self.lm = model.model
+        self.lm = model.model
         self.backend = backend
-        attn, mlp = lm.layers[0].self_attn, lm.layers[0].mlp
-        w = attn.qkv_proj.weight
-        device, dtype = w.device, w.dtype
-        self.hidden, self.inter = w.shape[1], mlp.down_proj.weight.shape[1]
-        self.nh, self.nkv, self.d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.eps = lm.layers[0].input_layernorm.eps
-        self.qk_norm = attn.q_norm is not None
+        self.shape = LayerShape.of(model)
+        device, dtype = self.shape.device, self.shape.dtype
         self.programs = P = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         # One attention item per program: rows * KV heads * splits <= P.
-        self.max_rows = min(max_rows, KERNEL_MAX_ROWS, P // self.nkv)
+        self.max_rows = min(max_rows, KERNEL_MAX_ROWS, P // self.shape.nkv)
         # (row, split) pairs per step: combine_heads holds them all, [4 heads, pairs, D] fp32.
-        self.max_pairs = max(1, _PAIR_ELEMENTS // self.d)
+        self.max_pairs = max(1, _PAIR_ELEMENTS // self.shape.d)
         if bk is None:
-            bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (self.hidden, self.inter, self.nh * self.d)) else _BK
+            bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (self.shape.hidden, self.shape.inter, self.shape.nh * self.shape.d)) else _BK
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
-        tiles = self.hidden // bn
-        self.ks_o = k_splits(tiles, self.nh * self.d, P, math.lcm(bk, self.d))
-        self.ks_d = k_splits(tiles, self.inter, P, bk)
+        tiles = self.shape.hidden // bn
+        self.ks_o = k_splits(tiles, self.shape.nh * self.shape.d, P, math.lcm(bk, self.shape.d))
+        self.ks_d = k_splits(tiles, self.shape.inter, P, bk)
         rows = self.max_rows
         pairs = max(m * self.splits(m) for m in range(1, rows + 1))
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
-        self.h = torch.zeros(rows, self.hidden, **half)
-        self.h_mid = torch.zeros(rows, self.hidden, **half)
-        self.xn = torch.zeros(rows, self.hidden, **half)
-        self.qkv = torch.zeros(rows, (self.nh + 2 * self.nkv) * self.d, **half)
-        self.xo = torch.zeros(P, _BM, self.nh * self.d // self.ks_o, **half)
-        self.act = torch.zeros(rows, self.inter, **half)
-        self.o_part = torch.zeros(self.ks_o, rows, self.hidden, **f32)
-        self.down = torch.zeros(self.ks_d, rows, self.hidden, **f32)
-        self.part_o = torch.zeros(pairs * self.nh * self.d, **f32)
-        self.part_lse = torch.zeros(pairs * self.nh, **f32)
+        self.h = torch.zeros(rows, self.shape.hidden, **half)
+        self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
+        self.xn = torch.zeros(rows, self.shape.hidden, **half)
+        self.qkv = torch.zeros(rows, (self.shape.nh + 2 * self.shape.nkv) * self.shape.d, **half)
+        self.xo = torch.zeros(P, _BM, self.shape.nh * self.shape.d // self.ks_o, **half)
+        self.act = torch.zeros(rows, self.shape.inter, **half)
+        self.o_part = torch.zeros(self.ks_o, rows, self.shape.hidden, **f32)
+        self.down = torch.zeros(self.ks_d, rows, self.shape.hidden, **f32)
+        self.part_o = torch.zeros(pairs * self.shape.nh * self.shape.d, **f32)
+        self.part_lse = torch.zeros(pairs * self.shape.nh, **f32)
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
-        self.stride_part = rows * self.hidden  # of o_part and down, [KS, rows, hidden]
+        self.stride_part = rows * self.shape.hidden  # of o_part and down, [KS, rows, hidden]
         # The layer kernel's arguments that are the same at every layer and step.
         self.consts = dict(
-            HID=self.hidden, NH=self.nh, NKV=self.nkv, D=self.d, INTER=self.inter, QK_NORM=self.qk_norm,
+            HID=self.shape.hidden, NH=self.shape.nh, NKV=self.shape.nkv, D=self.shape.d, INTER=self.shape.inter, QK_NORM=self.shape.qk_norm,
             KS_O=self.ks_o, KS_D=self.ks_d, BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=backend.kv_cache.shape[3],
-            ABN=64 if self.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(pairs),
-            BLOCK_HID=triton.next_power_of_2(self.hidden), P=P, FIRST_ADD=2**31 - (P - 1),
+            ABN=64 if self.shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(pairs),
+            BLOCK_HID=triton.next_power_of_2(self.shape.hidden), P=P, FIRST_ADD=2**31 - (P - 1),
             num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
         )  # fmt: skip
         self.sm_scale_log2 = backend.scale * 1.4426950408889634
@@ -137,7 +104,7 @@ class FusedDecode:
 
     def splits(self, rows: int) -> int:
         """Split-KV parts per (row, KV head): fill one wave of programs within the pair cap."""
-        return max(1, min(self.programs // (rows * self.nkv), self.max_pairs // rows))
+        return max(1, min(self.programs // (rows * self.shape.nkv), self.max_pairs // rows))
 
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         return ctx.backend is self.backend and ctx.meta.is_decode and 0 < input_ids.shape[0] <= self.max_rows
@@ -161,19 +128,19 @@ class FusedDecode:
             self.compiled = decoder_layer_kernel[(self.programs,)](
                 x if i == 0 else self.h_mid, self.down, self.h, self.h_mid,
                 layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_b if qkv_b is not None else attn.qkv_proj.weight,
-                attn.q_norm.weight if self.qk_norm else cos_sin, attn.k_norm.weight if self.qk_norm else cos_sin,
+                attn.q_norm.weight if self.shape.qk_norm else cos_sin, attn.k_norm.weight if self.shape.qk_norm else cos_sin,
                 attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
                 self.xn, self.qkv, positions, cos_sin, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping,
                 self.part_o, self.part_lse, self.xo, self.o_part, self.act, self.down, self.barrier,
                 timing[i] if timing is not None else self.barrier,
-                m, splits, self.eps, self.sm_scale_log2, self.stride_part,
+                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part,
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
                 HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, TIMING=timing is not None,
                 **self.consts,
             )  # fmt: skip
-        out = torch.empty(m, self.hidden, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)
         finish_kernel[(m,)](
-            self.h_mid, self.down, lm.norm.weight, self.h, out, self.stride_part, m, self.eps,
-            HID=self.hidden, KS_D=self.ks_d, BLOCK=self.consts["BLOCK_HID"], num_warps=4,
+            self.h_mid, self.down, lm.norm.weight, self.h, out, self.stride_part, m, self.shape.eps,
+            HID=self.shape.hidden, KS_D=self.ks_d, BLOCK=self.consts["BLOCK_HID"], num_warps=4,
         )  # fmt: skip
         return out
