@@ -52,7 +52,7 @@ def _pow2(n: int) -> int:
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
-        bn: int = 64, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
+        bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
     ) -> None:  # fmt: skip
         self.lm = model.model
         self.backend = backend
