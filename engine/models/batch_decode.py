@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import pdl
 from engine.attention import ForwardContext
 from engine.models import decode_path
 from engine.models.decode_path import LayerShape, k_splits
@@ -45,15 +44,15 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
     return decode_path.unsupported(model, backend, BATCH_DECODE_ENV)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
     ) -> None:  # fmt: skip
+        import triton
+
+        from engine import pdl
+
         self.lm = model.model
         self.backend = backend
         self.shape = LayerShape.of(model)
@@ -88,7 +87,8 @@ class BatchDecode:
         self.consts = dict(
             HID=self.shape.hidden, NH=self.shape.nh, NKV=self.shape.nkv, D=self.shape.d, INTER=self.shape.inter, QK_NORM=self.shape.qk_norm,
             KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
-            BLOCK_HID=_pow2(self.shape.hidden), BH=_pow2(self.shape.nh), BKV=_pow2(self.shape.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl,
+            BLOCK_HID=triton.next_power_of_2(self.shape.hidden), BH=triton.next_power_of_2(self.shape.nh),
+            BKV=triton.next_power_of_2(self.shape.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl,
             num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         )  # fmt: skip
 

@@ -36,8 +36,8 @@ FUSED_DECODE_ENV = "SIESTA_FUSED_DECODE"
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
 # Steps the runner hands it (bench/profile_fused_decode.py, H200, 0.6B, context 512, forward in a
 # graph against the layer-by-layer one; fifteenth session): 1 row 0.70x, 2 rows 0.79x, 4 rows
-# 0.86x, 8 rows 1.02x, 16 rows 1.23x: its attention phase (one program per SM, tiles not pipelined) loses to the split-KV
-# kernel's four programs per SM once the rows bring enough KV to read.
+# 0.86x, 8 rows 1.02x, 16 rows 1.23x: its attention phase (one program per SM, tiles not
+# pipelined) loses to the split-KV kernel's four programs per SM once the rows bring enough KV.
 MAX_ROWS = 4
 _BM = 16  # rows per GEMV tile (tl.dot's smallest M)
 _BN = 32  # output columns per GEMV item

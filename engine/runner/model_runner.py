@@ -130,7 +130,7 @@ class ModelRunner:
         piecewise_sizes = self._piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
-            self._fused_decode()
+            self._decode_paths()
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
@@ -151,7 +151,7 @@ class ModelRunner:
         self.graph_bytes += pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
 
-    def _fused_decode(self) -> None:
+    def _decode_paths(self) -> None:
         """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py), and
         the steps above them up to 64 rows two per layer (engine/models/batch_decode.py), where
         the model, its device and the attention backend allow it."""
@@ -168,9 +168,10 @@ class ModelRunner:
         else:
             log.info("fused decode off: %s", why)
         first = lm.fused_decode.max_rows + 1 if lm.fused_decode is not None else 1
+        last = min(batch_decode.MAX_ROWS, max_seqs)
         why = batch_decode.unsupported(self.model, self.attn_backend)
-        if why is None and first <= min(batch_decode.MAX_ROWS, max_seqs):
-            lm.batch_decode = batch_decode.BatchDecode(self.model, self.attn_backend, first, min(batch_decode.MAX_ROWS, max_seqs))
+        if why is None and first <= last:
+            lm.batch_decode = batch_decode.BatchDecode(self.model, self.attn_backend, first, last)
             log.info("batch decode: steps of %d..%d rows run two kernels per layer (%.1f MiB of scratch)",
                      first, lm.batch_decode.max_rows, lm.batch_decode.nbytes / (1 << 20))
         elif why is not None:

@@ -268,4 +268,3 @@ class Sampler:
             noise[row].exponential_(generator=self._row_generator)
         # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
