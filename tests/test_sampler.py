@@ -294,7 +294,8 @@ def test_cuda_sampling_seeds_and_no_sync_before_the_read() -> None:
 def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
     """The sampler's CUDA log-sum-exp and argmax of logits / T (engine/runner/lse_argmax.py)
     against torch's on the same quotient, for float32 and bf16 logits: banned (-inf) tokens, a
-    row all -inf, ties broken toward the first index."""
+    row all -inf, ties broken toward the first index; its (token, logprob) pairs are the torch
+    path's bit for bit (NaN where the row is all -inf)."""
     from engine.runner.lse_argmax import lse_argmax
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
@@ -308,7 +309,7 @@ def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
     temps[0] = 1.0
     for logits in (x, x.to(torch.bfloat16)):
         scaled = logits / temps[:, None]  # the sampler's division: float32, bf16 promoted
-        lse, tokens = lse_argmax(logits, temps, counts)
+        lse, tokens, pairs = lse_argmax(logits, temps, counts)
         assert torch.equal(lse_argmax(logits, temps, counts)[1], tokens)  # the counters came back to zero
         assert not counts.any()
         want = torch.logsumexp(scaled.double(), dim=-1)
@@ -316,5 +317,8 @@ def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
         assert lse[2].item() == float("-inf")
         finite = torch.isfinite(want)
         assert torch.allclose(lse[finite].double(), want[finite], rtol=1e-6, atol=1e-6)
-    empty_lse, empty_tokens = lse_argmax(x[:0], temps[:0])
-    assert empty_lse.shape == (0,) and empty_tokens.shape == (0,)
+        chosen = torch.div(logits.gather(1, tokens[:, None]), temps[:, None])  # the sampler's torch path
+        torch.testing.assert_close(pairs, torch.cat([tokens[:, None].double(), (chosen - lse[:, None]).double()], 1),
+                                   rtol=0, atol=0, equal_nan=True)  # fmt: skip
+    empty_lse, empty_tokens, empty_pairs = lse_argmax(x[:0], temps[:0])
+    assert empty_lse.shape == (0,) and empty_tokens.shape == (0,) and empty_pairs.shape == (0, 2)

@@ -151,8 +151,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"{n} sequences do not fit a graph batch of {bs} (max {self._graph_max_bs})")
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block tables of width {width} exceed max_blocks_per_seq {self.max_blocks_per_seq}")
-        self._g_block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        self._g_seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self._g_seq_lens[n:bs].zero_()
-        self._g_slot_mapping[:n].copy_(meta.slot_mapping[:n], non_blocking=True)
-        self._g_slot_mapping[n:bs].fill_(-1)
+        tk.load_graph_metadata(
+            meta.block_tables, meta.seq_lens, meta.slot_mapping[:n],
+            self._g_block_tables[:bs], self._g_seq_lens[:bs], self._g_slot_mapping[:bs],
+        )  # fmt: skip

@@ -380,6 +380,38 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit(do_not_specialize=["n", "width", "stride_src"])
+def _graph_metadata_kernel(
+    src_bt_ptr, src_len_ptr, src_slot_ptr,  # a decode step's n rows: [n, width] int32, [n] int32, [n] int64
+    dst_bt_ptr, dst_len_ptr, dst_slot_ptr,  # a graph's static buffers: [bs, max_blocks], [bs], [bs]
+    n, width, stride_src, stride_dst, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program r: row r of the step into the static buffers; rows r >= n become padding (seq_len 0,
+    # slot -1, table untouched: never read past seq_len).
+    r = tl.program_id(0)
+    live = r < n
+    tl.store(dst_len_ptr + r, tl.load(src_len_ptr + r, mask=live, other=0))
+    tl.store(dst_slot_ptr + r, tl.load(src_slot_ptr + r, mask=live, other=-1))
+    if live:
+        for c0 in range(0, width, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = cols < width
+            row = tl.load(src_bt_ptr + r.to(tl.int64) * stride_src + cols, mask=ok)
+            tl.store(dst_bt_ptr + r.to(tl.int64) * stride_dst + cols, row, mask=ok)
+
+
+def load_graph_metadata(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,  # the step's n rows
+    static_tables: torch.Tensor, static_lens: torch.Tensor, static_slots: torch.Tensor,  # the graph's bs rows
+) -> None:
+    """A decode step into a graph's static metadata, padding rows included: one launch."""
+    n, width = block_tables.shape
+    _graph_metadata_kernel[(static_lens.shape[0],)](
+        block_tables, seq_lens, slot_mapping, static_tables, static_lens, static_slots,
+        n, width, block_tables.stride(0), static_tables.stride(0), BLOCK=256, num_warps=1,
+    )  # fmt: skip
+
+
 def decode_config(head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel."""
     row_bytes = head_dim * elem_bytes  # one K row

@@ -37,13 +37,20 @@ def graph_pool_bytes(pool: Any) -> int:
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == key)
 
 
-def load_padded(static: list[torch.Tensor], values: list[torch.Tensor], n: int, size: int) -> None:
-    """Copy each step input into the first n rows of its static buffer and zero rows n..size
-    (graph padding: token 0 at position 0)."""
-    for buf, value in zip(static, values, strict=True):
-        buf[:n].copy_(value, non_blocking=True)
-        if size > n:
-            buf[n:size].zero_()
+def load_padded(static: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, n: int, size: int) -> None:
+    """Copy a step's token ids and positions ([n] int64 each) into rows 0 and 1 of `static`
+    [2, >= size], and zero columns n..size (graph padding: token 0 at position 0). Both come from
+    one upload (engine/runner/step_inputs.py), positions a fixed distance after the ids, so one
+    strided copy moves both."""
+    gap, rest = divmod(positions.data_ptr() - input_ids.data_ptr(), input_ids.element_size())
+    shared = positions.untyped_storage().data_ptr() == input_ids.untyped_storage().data_ptr()
+    if shared and rest == 0 and gap >= n and input_ids.stride(0) == positions.stride(0) == 1:
+        static[:, :n].copy_(input_ids.as_strided((2, n), (gap, 1)), non_blocking=True)
+    else:
+        static[0, :n].copy_(input_ids, non_blocking=True)
+        static[1, :n].copy_(positions, non_blocking=True)
+    if size > n:
+        static[:, n:size].zero_()
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -69,14 +76,14 @@ class CudaGraphRunner:
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_bs)
         self.max_bs = max_bs
         self.device = device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [max_bs]
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [max_bs]
+        self.inputs = torch.zeros(2, max_bs, dtype=torch.int64, device=device)  # token ids, positions
+        self.input_ids, self.positions = self.inputs[0], self.inputs[1]  # [max_bs] each
         dtype = next(model.parameters()).dtype  # compute_logits gives the model's
         self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)  # [max_bs, V]
         backend.init_graph_buffers(max_bs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool
-        self.static_bytes = sum(t.numel() * t.element_size() for t in (self.input_ids, self.positions, self.logits))
+        self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.logits))
         self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
 
     def static_tensors(self, bs: int) -> dict[str, torch.Tensor]:
@@ -135,7 +142,7 @@ class CudaGraphRunner:
     ) -> torch.Tensor:  # [n, V] logits in the model dtype (a view of the static buffer: use before the next run)
         n = meta.num_seqs
         bs = self.padded_size(n)
-        load_padded([self.input_ids, self.positions], [input_ids, positions], n, bs)
+        load_padded(self.inputs, input_ids, positions, n, bs)
         self.backend.load_graph_metadata(meta, bs)
         self.graphs[bs].replay()
         return self.logits[:n]

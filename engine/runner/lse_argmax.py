@@ -1,6 +1,7 @@
 """Per-row log-sum-exp and argmax of x / t, x [B, V] logits (bf16, fp16 or fp32) and t [B] the
 rows' temperatures, in one read of x: the sampler's logprobs (x / t - lse) and greedy tokens on
-CUDA. torch's log_softmax runs one program per row, 34 us for a batch-1 row of a 152k vocabulary
+CUDA, and the greedy step's whole result, (token, its logprob) per row as the float64 pair the
+sampler copies to the host, so a greedy step samples in one launch. torch's log_softmax runs one program per row, 34 us for a batch-1 row of a 152k vocabulary
 on an H200, 60 us at batch 64 (bench/RESULTS.md, fifteenth session), and materializing x / t in
 fp32 cost another 43 us at batch 64 (sixteenth session); here each row is cut into CHUNK-wide
 pieces, one program each, and the piece that finishes last merges the row. One launch: at batch
@@ -9,7 +10,8 @@ code paths import this module (it imports Triton).
 
 Rules: x / t is fp32(x) divided by t with IEEE rounding, torch's `logits / t` bit for bit. -inf
 entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The argmax is the
-first index of the row's maximum, as torch.argmax's. `counts` (int32, one per row, zero) is the
+first index of the row's maximum, as torch.argmax's. The token's logprob is fp32 x[token] / t
+minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is the
 caller's to keep: the kernel leaves it zero again.
 """
 
@@ -24,18 +26,19 @@ CHUNK = 1024  # columns per program
 
 @triton.jit
 def _lse_argmax_kernel(
-    x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, V, stride_x,
+    x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, pair_ptr, V, stride_x,
     CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
     # exp(x - max) and first argmax;
     # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
-    # argmax of the first chunk holding the row's maximum M.
+    # argmax of the first chunk holding the row's maximum M, pair [row] = (token, x[token] - lse).
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * CHUNK_ + tl.arange(0, CHUNK_)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    x = tl.math.div_rn(x, tl.load(t_ptr + row))
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    t = tl.load(t_ptr + row)
+    x = tl.math.div_rn(tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32), t)
     mx = tl.max(x, 0)
     shift = tl.where(mx == float("-inf"), 0.0, mx)
     out = row * CHUNKS + c
@@ -50,18 +53,23 @@ def _lse_argmax_kernel(
         s = tl.load(sum_ptr + row * CHUNKS + k, mask=ok, other=0.0, cache_modifier=".cg")
         top = tl.max(m, 0)
         top_shift = tl.where(top == float("-inf"), 0.0, top)
-        tl.store(lse_ptr + row, top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0)))
+        lse = top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0))
+        tl.store(lse_ptr + row, lse)
         first = tl.argmax(m, 0, tie_break_left=True)
-        tl.store(token_ptr + row, tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg"))
+        token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
+        tl.store(token_ptr + row, token)
+        chosen = tl.math.div_rn(tl.load(x_row + token).to(tl.float32), t)
+        tl.store(pair_ptr + row * 2, token.to(tl.float64))
+        tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
         tl.atomic_xchg(count_ptr + row, 0)
 
 
 def lse_argmax(
     x: torch.Tensor, temperatures: torch.Tensor, counts: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, V] CUDA logits (half or float32, last dim contiguous), temperatures [B] float32 ->
-    (lse [B] float32, argmax [B] int64) of x / t. counts: int32 zeros, at least B (module
-    docstring); None allocates them."""
+    (lse [B] float32, argmax [B] int64, pairs [B, 2] float64: the argmax and its logprob) of
+    x / t. counts: int32 zeros, at least B (module docstring); None allocates them."""
     if x.dim() != 2 or not x.dtype.is_floating_point or not x.is_cuda or x.stride(1) != 1:
         raise ValueError(f"lse_argmax: CUDA [B, V] logits with contiguous rows, got {tuple(x.shape)} {x.dtype}")
     rows, vocab = x.shape
@@ -74,9 +82,10 @@ def lse_argmax(
     args = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     lse = torch.empty(rows, dtype=torch.float32, device=x.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
+    pairs = torch.empty(rows, 2, dtype=torch.float64, device=x.device)
     if rows:
         _lse_argmax_kernel[(rows, chunks)](
-            x, temperatures, stats[0], stats[1], args, counts, lse, tokens, vocab, x.stride(0),
+            x, temperatures, stats[0], stats[1], args, counts, lse, tokens, pairs, vocab, x.stride(0),
             CHUNKS=chunks, CHUNK_=CHUNK, BLOCK=triton.next_power_of_2(chunks), num_warps=4,
         )  # fmt: skip
-    return lse, tokens
+    return lse, tokens, pairs

@@ -172,12 +172,12 @@ class PiecewiseGraphRunner:
         self.max_tokens = self.token_sizes[-1]
         self.device = device
         t_max = self.max_tokens
-        self.input_ids = torch.zeros(t_max, dtype=torch.int64, device=device)  # [T_max]
-        self.positions = torch.zeros(t_max, dtype=torch.int64, device=device)  # [T_max]
+        self.inputs = torch.zeros(2, t_max, dtype=torch.int64, device=device)  # token ids, positions
+        self.input_ids, self.positions = self.inputs[0], self.inputs[1]  # [T_max] each
         self.attn_out = torch.zeros(t_max, num_heads, head_dim, dtype=dtype, device=device)  # [T_max, H, D]
         self.hidden = torch.zeros(t_max, hidden_size, dtype=dtype, device=device)  # [T_max, hidden]
         self.static_bytes = sum(
-            t.numel() * t.element_size() for t in (self.input_ids, self.positions, self.attn_out, self.hidden)
+            t.numel() * t.element_size() for t in (self.inputs, self.attn_out, self.hidden)
         )
         self.splitter = _Splitter(backend, self.attn_out)
         self._meta = _placeholder_meta(device)
@@ -260,7 +260,7 @@ class PiecewiseGraphRunner:
         if meta.query_start_loc_cpu[-1] != n or positions.shape[0] != n:
             raise ValueError(f"metadata covers {meta.query_start_loc_cpu[-1]} tokens and positions {positions.shape[0]}, not {n}")
         size = self.padded_size(n)
-        load_padded([self.input_ids, self.positions], [input_ids, positions], n, size)
+        load_padded(self.inputs, input_ids, positions, n, size)
         self.attn_out[n:size].zero_()
         return n, size
 

@@ -34,8 +34,8 @@ class SamplingBatch:
     building them needs no vocabulary size."""
 
     temperatures: torch.Tensor  # [B] float32; 1.0 where the request's temperature is 0
-    greedy: torch.Tensor  # [B] bool: temperature 0 or top_k 1
-    top_ks: torch.Tensor  # [B] int64; 0 = off
+    greedy: torch.Tensor | None  # [B] bool: temperature 0 or top_k 1; None when every row is
+    top_ks: torch.Tensor | None  # [B] int64; 0 = off; None without top-k (no launch for either)
     top_ps: torch.Tensor  # [B] float32; 1.0 = off
     min_ps: torch.Tensor  # [B] float32; 0.0 = off
     repetition_penalties: torch.Tensor | None  # [B] float32; None when every row is neutral
@@ -77,8 +77,8 @@ class SamplingBatch:
         rows = upload.floats([plan.scalars])[0].view(5, n)  # one host-to-device copy
         return cls(
             temperatures=rows[0],
-            greedy=rows[1] > 0.5,
-            top_ks=rows[2].long(),
+            greedy=None if plan.all_greedy else rows[1] > 0.5,
+            top_ks=rows[2].long() if plan.use_top_k else None,
             top_ps=rows[3],
             min_ps=rows[4],
             repetition_penalties=floats(plan.repetition),
@@ -132,7 +132,7 @@ class SampledOnDevice:
             buffer, self._copied = pinned.take(packed.numel(), packed.dtype)
             self._host = buffer.view(packed.shape)
             self._host.copy_(packed, non_blocking=True)
-            self._copied.record()
+            pinned.record(self._copied)
 
     def wait(self) -> SamplerOutput:
         """The step's results on the host: the step's only host sync (ids < 2**53 stay exact)."""
@@ -160,7 +160,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._row_generator = torch.Generator(device=self.device)  # re-seeded for each seeded row
-        self._pinned = PinnedRing() if self.device.type == "cuda" else None  # results' landing
+        self._pinned = PinnedRing(self.device) if self.device.type == "cuda" else None  # results' landing
         # lse_argmax's per-row counters, zero between calls; outside the memory regions, so a
         # resume never hands them back as garbage. None: torch's logsumexp and argmax (CPU).
         fast = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
@@ -178,7 +178,8 @@ class Sampler:
         scaled = None
         if not batch.all_greedy or n_top > 0 or self._counts is None:
             scaled = torch.div(logits, temps[:, None])
-        lse, tokens = self._lse_argmax(logits, temps, scaled)  # [B] each, of logits / T
+        # [B] each, of logits / T; pairs [B, 2] (argmax, its logprob) on CUDA, else None
+        lse, tokens, pairs = self._lse_argmax(logits, temps, scaled)
         if scaled is not None and not batch.all_greedy:
             probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
             if batch.use_min_p:
@@ -186,24 +187,28 @@ class Sampler:
                 cut = probs < batch.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
                 probs = probs.masked_fill(cut, 0.0)
             sampled = (probs / self._exponential_noise(probs, batch)).argmax(dim=-1)  # [B]
+            assert batch.greedy is not None
             tokens = torch.where(batch.greedy, tokens, sampled)
-        # the chosen token's x / T, the same division as `scaled`'s
-        chosen = torch.div(logits.gather(1, tokens[:, None]), temps[:, None])
-        columns = [tokens[:, None].double(), (chosen - lse[:, None]).double()]
-        if scaled is not None and n_top > 0:
-            top_values, top_ids = scaled.topk(n_top, dim=-1)  # [B, n_top] each
-            columns += [(top_values - lse[:, None]).double(), top_ids.double()]
-        packed = torch.cat(columns, dim=1)
-        return SampledOnDevice(tokens, packed, batch.top_logprobs_nums, self._pinned)
+            pairs = None
+        if pairs is None or n_top > 0:
+            # the chosen token's x / T, the same division as `scaled`'s
+            chosen = torch.div(logits.gather(1, tokens[:, None]), temps[:, None])
+            columns = [tokens[:, None].double(), (chosen - lse[:, None]).double()]
+            if scaled is not None and n_top > 0:
+                top_values, top_ids = scaled.topk(n_top, dim=-1)  # [B, n_top] each
+                columns += [(top_values - lse[:, None]).double(), top_ids.double()]
+            pairs = torch.cat(columns, dim=1)
+        return SampledOnDevice(tokens, pairs, batch.top_logprobs_nums, self._pinned)
 
     def _lse_argmax(
         self, logits: torch.Tensor, temps: torch.Tensor, scaled: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logsumexp [B], first argmax [B]) of logits [B, V] / temps [B] in float32: one read of
-        the logits on CUDA, torch's ops on `scaled` (their quotient) elsewhere."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logsumexp [B], first argmax [B], the argmax rows' (token, logprob) [B, 2] float64 or
+        None) of logits [B, V] / temps [B] in float32: one read of the logits on CUDA, torch's
+        ops on `scaled` (their quotient) elsewhere."""
         if self._counts is None:
             assert scaled is not None
-            return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1)
+            return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1), None
         from engine.runner.lse_argmax import lse_argmax
 
         if self._counts.numel() < logits.shape[0]:
@@ -249,6 +254,7 @@ class Sampler:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V] each
         vocab_size = scaled.shape[-1]
         if batch.use_top_k:
+            assert batch.top_ks is not None
             rank = torch.arange(vocab_size, device=scaled.device)[None, :]  # [1, V]
             k = torch.where(batch.top_ks > 0, batch.top_ks, vocab_size)[:, None]  # [B, 1]
             sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))

@@ -3,7 +3,7 @@ which rows sample), built on the host and sent to the device in ONE copy.
 
 Rule: every integer the step needs is packed into one int64 host buffer (an `array`, no Python
 int list of the whole), copied once (on CUDA from a pinned staging buffer, asynchronously), and
-sliced into views there; int32 fields are cast on the device. Nothing here waits for the device:
+sliced into views there; the int32 fields, packed last, are cast on the device in one launch. Nothing here waits for the device:
 the next step is packed while the previous one runs (overlap scheduling), so a staging buffer is
 reused only once the copy that last read it has finished, and an input token the host does not
 know yet (`PENDING_TOKEN`) is taken on the device from the previous step's sampled tokens.
@@ -44,8 +44,10 @@ class PendingTokens:
     rows: dict[Request, int]
 
 
-# Alignment of every part of an upload on the device, bytes.
+# Alignment of every part of an upload on the device, bytes, and in elements: a part starts at a
+# multiple of 4 elements, so its int32 cast starts 16-byte aligned too.
 _ALIGN_BYTES = 16
+_ALIGN_ELEMENTS = 4
 
 
 class Uploader:
@@ -54,21 +56,29 @@ class Uploader:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._staging = PinnedRing() if device.type == "cuda" else None
+        self._staging = PinnedRing(device) if device.type == "cuda" else None
 
-    def __call__(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """The parts, concatenated into one int64 buffer, copied once; one device view per part."""
-        return self._upload(parts, "q", torch.int64)
+    def __call__(self, parts: list[list[int]], int32_tail: int = 0) -> list[torch.Tensor]:
+        """The parts, concatenated into one int64 buffer, copied once; one device view per part,
+        the last `int32_tail` of them int32 (one cast of their span)."""
+        flat, offsets = self._upload(parts, "q", torch.int64)
+        views = [flat[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
+        if int32_tail:
+            first = offsets[-int32_tail]
+            narrow = flat[first:].to(torch.int32)
+            views[-int32_tail:] = [narrow[o - first : o - first + len(p)] for o, p in zip(offsets[-int32_tail:], parts[-int32_tail:], strict=True)]
+        return views
 
     def floats(self, parts: list[list[float]]) -> list[torch.Tensor]:
         """As `__call__`, in float32."""
-        return self._upload(parts, "f", torch.float32)
+        flat, offsets = self._upload(parts, "f", torch.float32)
+        return [flat[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
 
-    def _upload(self, parts: list[list], typecode: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    def _upload(self, parts: list[list], typecode: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
         # Each part starts on a 16-byte boundary: Triton specializes a kernel on whether each
         # pointer argument is 16-byte aligned, so views at arbitrary offsets would compile a new
         # kernel variant for some batch shapes in the middle of serving (a cold-cache TTFT spike).
-        per = _ALIGN_BYTES // dtype.itemsize
+        per = max(_ALIGN_ELEMENTS, _ALIGN_BYTES // dtype.itemsize)
         packed = array(typecode)
         offsets = []
         for part in parts:
@@ -76,8 +86,7 @@ class Uploader:
             packed.extend(part)
             packed.extend([0] * (-len(part) % per))
         host = torch.frombuffer(packed, dtype=dtype) if packed else torch.empty(0, dtype=dtype)
-        flat = self._copy(host)
-        return [flat[o : o + len(p)] for o, p in zip(offsets, parts, strict=True)]
+        return self._copy(host), offsets
 
     def _copy(self, host: torch.Tensor) -> torch.Tensor:
         if self._staging is None:
@@ -85,15 +94,16 @@ class Uploader:
         staging, copied = self._staging.take(host.numel(), host.dtype)
         staging.copy_(host)
         device = staging.to(self.device, non_blocking=True)
-        copied.record()
+        self._staging.record(copied)
         return device
 
 
 class StepPlan(msgspec.Struct, array_like=True):
     """One step as plain numbers: what rank 0 schedules and every tensor-parallel rank runs.
     `parts` are the integer lists uploaded in one copy: input ids, positions, sample indices,
-    pending-fill rows and their sources, then the attention metadata (query_start_loc, seq_lens,
-    slot_mapping, block tables padded to the widest and flattened row-major)."""
+    pending-fill rows and their sources, then the attention metadata (slot_mapping, then the
+    int32 fields: query_start_loc, seq_lens, block tables padded to the widest and flattened
+    row-major)."""
 
     parts: list[list[int]]
     num_seqs: int
@@ -107,6 +117,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     prompt_logprob_rows: list[tuple[int, int, int]]
     prompt_logprob_targets: list[int]
     sampling: SamplingPlan | None  # None when no row samples
+
+
+_INT32_FIELDS = 3  # the metadata's last parts: query_start_loc, seq_lens, block tables
 
 
 def plan_step(batch: Batch, block_size: int, pending: PendingTokens | None = None) -> StepPlan:
@@ -158,8 +171,8 @@ def plan_step(batch: Batch, block_size: int, pending: PendingTokens | None = Non
 def step_inputs(plan: StepPlan, upload: Uploader, pending_tokens: torch.Tensor | None = None) -> StepInputs:
     """The plan on the device, in one copy; pending input ids taken from `pending_tokens` (the
     previous step's sampled tokens [S] on the device)."""
-    views = upload(plan.parts)
-    input_ids, positions, sample_indices, fill_rows, fill_from, qsl, seq_lens, slots, tables_flat = views
+    views = upload(plan.parts, int32_tail=_INT32_FIELDS)
+    input_ids, positions, sample_indices, fill_rows, fill_from, slots, qsl, seq_lens, tables_flat = views
     if plan.parts[3]:
         if pending_tokens is None:
             raise RuntimeError("a step takes pending tokens but no step is in flight")
@@ -168,9 +181,9 @@ def step_inputs(plan: StepPlan, upload: Uploader, pending_tokens: torch.Tensor |
         input_ids=input_ids,
         positions=positions,
         meta=AttentionMetadata(
-            query_start_loc=qsl.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            block_tables=tables_flat.view(plan.num_seqs, -1).to(torch.int32),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables_flat.view(plan.num_seqs, -1),
             slot_mapping=slots,
             query_start_loc_cpu=plan.query_start_loc_cpu,
             seq_lens_cpu=plan.seq_lens_cpu,
@@ -188,11 +201,11 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata of sequences whose tokens starts[i]..ends[i] are new (for a profiling forward)."""
     meta, values = _metadata_values(ends, starts, tables, block_size)
-    qsl, seq_lens, slots, tables_flat = upload(values)
+    slots, qsl, seq_lens, tables_flat = upload(values, int32_tail=_INT32_FIELDS)
     return AttentionMetadata(
-        query_start_loc=qsl.to(torch.int32),
-        seq_lens=seq_lens.to(torch.int32),
-        block_tables=tables_flat.view(len(tables), -1).to(torch.int32),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=tables_flat.view(len(tables), -1),
         slot_mapping=slots,
         **meta,
     )
@@ -201,8 +214,9 @@ def build_metadata(
 def _metadata_values(
     ends: list[int], starts: list[int], tables: list[list[int]], block_size: int
 ) -> tuple[dict, list[list[int]]]:
-    """(the host-side metadata fields, the integer lists to upload: query_start_loc, seq_lens,
-    slot_mapping, block tables padded with 0 to the widest and flattened row-major)."""
+    """(the host-side metadata fields, the integer lists to upload: slot_mapping, then the
+    _INT32_FIELDS int32 ones: query_start_loc, seq_lens, block tables padded with 0 to the widest
+    and flattened row-major)."""
     query_start = [0]
     slots: list[int] = []
     for start, end, table in zip(starts, ends, tables, strict=True):
@@ -219,4 +233,4 @@ def _metadata_values(
         "max_query_len": max(e - s for s, e in zip(starts, ends, strict=True)),
         "max_seq_len": max(ends),
     }
-    return host_fields, [query_start, list(ends), slots, padded]
+    return host_fields, [slots, query_start, list(ends), padded]
