@@ -176,7 +176,11 @@ def step_inputs(plan: StepPlan, upload: Uploader, pending_tokens: torch.Tensor |
     if plan.parts[3]:
         if pending_tokens is None:
             raise RuntimeError("a step takes pending tokens but no step is in flight")
-        input_ids.index_copy_(0, fill_rows, pending_tokens.index_select(0, fill_from))
+        rows, sources = plan.parts[3], plan.parts[4]
+        if len(rows) == len(input_ids) == len(pending_tokens) and rows == sources == list(range(len(rows))):
+            input_ids.copy_(pending_tokens)  # steady decode: row i's input is last step's token i
+        else:
+            input_ids.index_copy_(0, fill_rows, pending_tokens.index_select(0, fill_from))
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
