@@ -9,7 +9,7 @@ The helpers here (tiny models, random caches, mixed steps) serve tests/test_gpu_
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -241,7 +241,7 @@ def test_sdpa_writes_into_out_and_zeroes_its_padding_rows(qwen3_dir: str) -> Non
     # A view longer than the step's tokens: its rows past the last sequence become zero.
     q_pad = torch.cat([q[:20], q[20:]])
     k_pad, v_pad = torch.cat([k, k[:pad]]), torch.cat([v, v[:pad]])
-    meta = AttentionMetadata(**{**step.meta.__dict__, "slot_mapping": torch.cat([step.slots, torch.full((pad,), -1)])})
+    meta = replace(step.meta, slot_mapping=torch.cat([step.slots, torch.full((pad,), -1)]))
     got = backend.forward(1, q_pad, k_pad, v_pad, meta, out=out)
     assert torch.equal(got[:20], want) and torch.equal(got[20:], torch.zeros_like(got[20:]))
     with pytest.raises(ValueError, match="does not match"):

@@ -171,6 +171,25 @@ def test_decode_matches_sdpa(shape: Shape) -> None:
         check(shape, cache, new_batch(shape, [(n, 1) for n in lens], num_blocks, pad=2), max_model_len=8192)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_mixed_step_matches_sdpa(shape: Shape) -> None:
+    """Decode rows (one new token) among prefill chunks, interleaved, few and many of them: the
+    decode kernel attends the one-token sequences at their token rows and the prefill kernel
+    the rest (with and without KV splits), each row as SDPA."""
+    torch.manual_seed(2)
+    backend = make_backend(shape, new_cache(shape, 1), max_model_len=8192)
+    wide = cdiv(backend._target_programs, shape.num_kv_heads)
+    for decodes in ([2, 700, 33], torch.randint(2, 300, (wide,)).tolist()):
+        specs = [(n, 1) for n in decodes]
+        specs[1:1] = [(300, 300)]  # a fresh prompt after the first decode row
+        specs.append((1000, 129))  # a chunk after a cached prefix, last
+        num_blocks = sum(cdiv(n, shape.block_size) for n, _ in specs) + 5
+        batch = new_batch(shape, specs, num_blocks, pad=2)
+        assert 0 < batch.meta.single_query_rows < len(specs)
+        assert (backend.num_splits(len(specs)) > 1) == (len(decodes) == 3)
+        check(shape, new_cache(shape, num_blocks), batch, max_model_len=8192)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_long_prefill(dtype: torch.dtype) -> None:
     torch.manual_seed(2)

@@ -11,6 +11,7 @@ KV cache layout: one tensor `[num_layers, 2, num_blocks, block_size, num_kv_head
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -37,6 +38,12 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @functools.cached_property
+    def single_query_rows(self) -> int:
+        """Sequences with exactly one new token (a mixed step's decodes), counted once per step."""
+        q = self.query_start_loc_cpu
+        return sum(b - a == 1 for a, b in zip(q, q[1:], strict=False))
 
 
 class AttentionBackend(ABC):

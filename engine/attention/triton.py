@@ -2,7 +2,9 @@
 
 - Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing).
 - Prefill (any step with a sequence of more than one new token): one ragged-batch kernel, causal
-  with each sequence's cached prefix; eager only (its grid uses the host's `max_query_len`).
+  with each sequence's cached prefix; eager only (its grid uses the host's `max_query_len`). In
+  a mixed step the sequences of one new token (decodes) run the decode kernels instead, at their
+  token rows (`meta.single_query_rows` says whether there are any).
 - Decode (`meta.is_decode`: one new token per sequence): split-KV kernel + reduce. The number of
   splits is a fixed function of the batch size (`num_splits`), the partial-results workspace is
   allocated once here at its largest, and the kernels read no host-side value, so decode is
@@ -88,10 +90,20 @@ class TritonBackend(AttentionBackend):
             end = meta.query_start_loc_cpu[-1]
             if end < q.shape[0]:
                 out[end:].zero_()
+            # A mixed step's one-token sequences (decodes) go to the split-KV kernel, which reads
+            # each KV head once for its GROUP query heads; the prefill kernel, one program per
+            # query head and BLOCK_M query rows, read it GROUP times to fill one row of 128
+            # (bench/RESULTS.md, seventeenth session).
+            mixed = meta.single_query_rows > 0
             tk.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                self.scale, meta.max_query_len,
+                self.scale, meta.max_query_len, skip_single=mixed,
             )  # fmt: skip
+            if mixed:
+                tk.decode_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, self.scale,
+                    self.num_splits(num_seqs), self._part_out, self._part_lse, query_start_loc=meta.query_start_loc,
+                )  # fmt: skip
         return out
 
     def decode(

@@ -159,7 +159,7 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "skip_single"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -171,6 +171,7 @@ def _prefill_kernel(
     sm_scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
+    skip_single,  # 1: sequences of one query are the decode kernel's (a mixed step); a runtime flag, one variant
     GROUP: tl.constexpr,  # H // Hkv
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -182,6 +183,9 @@ def _prefill_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:
         return
+    if skip_single != 0:
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # cached tokens before this step's first query
     kv_head = head // GROUP
@@ -242,6 +246,7 @@ def prefill_attention(
     scale: float,
     max_query_len: int,  # host value: sizes the grid
     config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, warps, stages) override
+    skip_single: bool = False,  # leave sequences of one query to decode_attention(query_start_loc=...)
 ) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -253,7 +258,7 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), int(skip_single),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=k_cache.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
@@ -269,7 +274,7 @@ def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "mixed"])
 def _decode_kernel(
     q_ptr,  # [B, H, D]: one query per sequence
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -283,6 +288,8 @@ def _decode_kernel(
     num_splits,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
+    qsl_ptr,  # [B + 1] int32, read when mixed: sequence seq's query is token row qsl[seq], if it has one
+    mixed,  # 1: a mixed step (decode_attention's query_start_loc); a runtime flag, one variant
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (tl.dot's smallest M)
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -291,6 +298,11 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    row = seq
+    if mixed != 0:
+        row = tl.load(qsl_ptr + seq)
+        if tl.load(qsl_ptr + seq + 1) - row != 1:  # a prefill chunk: the prefill kernel's
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
@@ -315,7 +327,7 @@ def _decode_kernel(
         pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
         tl.extra.cuda.gdc_wait()
     q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0
     ).to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -340,7 +352,7 @@ def _decode_kernel(
         # seq_len 0 leaves l_i == 0 and acc == 0: output zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=h_mask[:, None],
         )
@@ -350,7 +362,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "mixed"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [B, H, num_splits, D] fp32
     part_lse_ptr,  # [B, H, num_splits] fp32
@@ -358,11 +370,17 @@ def _decode_reduce_kernel(
     out_ptr,  # [B, H, D]
     num_splits,
     stride_ob, stride_oh,
+    qsl_ptr, mixed,  # as _decode_kernel's
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    row = seq
+    if mixed != 0:
+        row = tl.load(qsl_ptr + seq)
+        if tl.load(qsl_ptr + seq + 1) - row != 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     num_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that wrote a partial; 0 for padding
@@ -377,7 +395,7 @@ def _decode_reduce_kernel(
     part = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["n", "width", "stride_src"])
@@ -432,18 +450,26 @@ def decode_attention(
     part_lse: torch.Tensor,  # fp32, at least B * H * num_splits elements
     config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages) override
     pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
+    query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
 ) -> None:
-    batch, num_heads, head_dim = q.shape
+    """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
+    `query_start_loc` (a mixed step): q and out are the step's [T, H, D] token rows, and only the
+    sequences of exactly one new token are attended, at their row; the others are left to
+    prefill_attention(skip_single=True)."""
+    batch = seq_lens.shape[0] if query_start_loc is not None else q.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
     if batch == 0:
         return
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_n, num_warps, num_stages = config or decode_config(head_dim, k_cache.element_size())
+    mixed = int(query_start_loc is not None)
+    qsl = query_start_loc if query_start_loc is not None else seq_lens  # unread unless mixed
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), qsl, mixed,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=128 // k_cache.element_size(),
@@ -451,7 +477,7 @@ def decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
+            part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1), qsl, mixed,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=_next_pow2(num_splits),
             num_warps=4 if head_dim * _next_pow2(num_splits) >= 4096 else 1,
         )  # fmt: skip
