@@ -46,6 +46,16 @@ def event_time(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def graph_time(step) -> float:
+    """Median seconds of one replay of a CUDA graph of step() (run once eagerly first)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return event_time(graph.replay)
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy, counting bytes read plus written."""
     x = torch.randn(1 << 29, device="cuda").to(torch.bfloat16)
@@ -98,12 +108,7 @@ def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) ->
                 tk.store_kv(k, v, kc, vc, meta.slot_mapping)
                 tk.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, out, D**-0.5, splits, part_out, part_lse, config)
 
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        t = event_time(graph.replay) / layers
+        t = graph_time(step) / layers
         nbytes = per_layer + 2 * batch * H * D * 2 + 2 * batch * HKV * D * 2
         if splits > 1:
             nbytes += 2 * batch * H * splits * (D + 1) * 4
@@ -114,7 +119,6 @@ def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) ->
                 us_per_layer=t * 1e6, gbps=nbytes / t / 1e9, frac_copy=nbytes / t / copy_bw,
             )
         )  # fmt: skip
-        del graph
     return rows
 
 

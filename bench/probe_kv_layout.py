@@ -19,7 +19,7 @@ import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
 import triton
 import triton.language as tl
-from attention_kernels import event_time
+from attention_kernels import event_time, graph_time
 
 from engine import pdl
 from engine.attention import triton_kernels as tk
@@ -114,13 +114,7 @@ def case(batch: int, ctx: int, block: int, head_major: bool, shuffled: bool, con
                 continue
             tk.decode_attention(q, cache[layer, 0], cache[layer, 1], tables, seq_lens, out, D**-0.5, splits, part_out, part_lse, config)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    t = event_time(graph.replay) / layers
-    del graph
+    t = graph_time(step) / layers
     torch.cuda.empty_cache()
     return t
 
