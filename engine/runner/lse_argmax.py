@@ -1,18 +1,19 @@
 """Per-row log-sum-exp and argmax of x / t, x [B, V] logits (bf16, fp16 or fp32) and t [B] the
 rows' temperatures, in one read of x: the sampler's logprobs (x / t - lse) and greedy tokens on
-CUDA, and the greedy step's whole result, (token, its logprob) per row as the float64 pair the
-sampler copies to the host, so a greedy step samples in one launch. torch's log_softmax runs one program per row, 34 us for a batch-1 row of a 152k vocabulary
-on an H200, 60 us at batch 64 (bench/RESULTS.md, fifteenth session), and materializing x / t in
-fp32 cost another 43 us at batch 64 (sixteenth session); here each row is cut into CHUNK-wide
-pieces, one program each, and the piece that finishes last merges the row. One launch: at batch
-1 the step is host-bound, and every Triton launch costs the host tens of microseconds. Only CUDA
-code paths import this module (it imports Triton).
+CUDA, and the greedy step's (token, its logprob) per row as the float64 pair the sampler copies
+to the host, so a greedy step samples in one launch. torch's log_softmax runs one program per
+row, 34 us for a batch-1 row of a 152k vocabulary on an H200, 60 us at batch 64
+(bench/RESULTS.md, fifteenth session), and materializing x / t in fp32 cost another 43 us at
+batch 64 (sixteenth session); here each row is cut into CHUNK-wide pieces, one program each,
+and the piece that finishes last merges the row. One launch: at batch 1 the step is host-bound,
+and every Triton launch costs the host tens of microseconds. Only CUDA code paths import this
+module (it imports Triton).
 
 Rules: x / t is fp32(x) divided by t with IEEE rounding, torch's `logits / t` bit for bit. -inf
 entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The argmax is the
 first index of the row's maximum, as torch.argmax's. The token's logprob is fp32 x[token] / t
-minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is the
-caller's to keep: the kernel leaves it zero again.
+minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is
+the caller's to keep: the kernel leaves it zero again.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@ which rows sample), built on the host and sent to the device in ONE copy.
 
 Rule: every integer the step needs is packed into one int64 host buffer (an `array`, no Python
 int list of the whole), copied once (on CUDA from a pinned staging buffer, asynchronously), and
-sliced into views there; the int32 fields, packed last, are cast on the device in one launch. Nothing here waits for the device:
-the next step is packed while the previous one runs (overlap scheduling), so a staging buffer is
-reused only once the copy that last read it has finished, and an input token the host does not
-know yet (`PENDING_TOKEN`) is taken on the device from the previous step's sampled tokens.
+sliced into views there; the int32 fields, packed last, are cast on the device in one launch.
+Nothing here waits for the device: the next step is packed while the previous one runs (overlap
+scheduling), so a staging buffer is reused only once the copy that last read it has finished,
+and an input token the host does not know yet (`PENDING_TOKEN`) is taken on the device from the
+previous step's sampled tokens.
 """
 
 from __future__ import annotations
