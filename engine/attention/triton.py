@@ -100,27 +100,27 @@ class TritonBackend(AttentionBackend):
                 self.scale, meta.max_query_len, skip_single=mixed,
             )  # fmt: skip
             if mixed:
-                tk.decode_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out, self.scale,
-                    self.num_splits(num_seqs), self._part_out, self._part_lse, query_start_loc=meta.query_start_loc,
-                )  # fmt: skip
+                self.decode(layer_id, q, meta, out, mixed=True)
         return out
 
     def decode(
-        self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, pdl_launch: bool = False
-    ) -> None:
+        self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, pdl_launch: bool = False,
+        mixed: bool = False,
+    ) -> None:  # fmt: skip
         """Decode attention of q [B, H, D] (row i: sequence i's one query) over layer_id's cache
         as it stands, each row's new K/V already stored, into out [B, H, D]: the split-KV kernel
         and, with more than one split, its reduce. Graph-capturable (splits follow B alone).
         `pdl_launch`: launched with PDL (engine/pdl.py), for a caller whose kernel before writes
-        q and the new K/V rows and triggers its dependents."""
-        num_seqs = q.shape[0]
+        q and the new K/V rows and triggers its dependents. `mixed`: q and out are a mixed step's
+        [T, H, D] token rows, and only its sequences of one new token are attended (forward)."""
+        num_seqs = meta.seq_lens.shape[0]
         splits = self.num_splits(num_seqs)
         if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():
             raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
         tk.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
+            query_start_loc=meta.query_start_loc if mixed else None,
         )  # fmt: skip
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------

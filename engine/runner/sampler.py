@@ -190,14 +190,14 @@ class Sampler:
             assert batch.greedy is not None
             tokens = torch.where(batch.greedy, tokens, sampled)
             pairs = None
-        if pairs is None or n_top > 0:
+        if pairs is None:
             # the chosen token's x / T, the same division as `scaled`'s
             chosen = torch.div(logits.gather(1, tokens[:, None]), temps[:, None])
-            columns = [tokens[:, None].double(), (chosen - lse[:, None]).double()]
-            if scaled is not None and n_top > 0:
-                top_values, top_ids = scaled.topk(n_top, dim=-1)  # [B, n_top] each
-                columns += [(top_values - lse[:, None]).double(), top_ids.double()]
-            pairs = torch.cat(columns, dim=1)
+            pairs = torch.cat([tokens[:, None].double(), (chosen - lse[:, None]).double()], dim=1)
+        if n_top > 0:
+            assert scaled is not None
+            top_values, top_ids = scaled.topk(n_top, dim=-1)  # [B, n_top] each
+            pairs = torch.cat([pairs, (top_values - lse[:, None]).double(), top_ids.double()], dim=1)
         return SampledOnDevice(tokens, pairs, batch.top_logprobs_nums, self._pinned)
 
     def _lse_argmax(
