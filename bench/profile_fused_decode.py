@@ -105,6 +105,10 @@ def main() -> None:
                 say(f"{name}, rows {rows}: {type(e).__name__}: {str(e)[:300]}")
                 continue
             model.model.fused_decode = None
+            want = model(ids, pos, ctx).float()
+            model.model.fused_decode = fused
+            err = (model(ids, pos, ctx).float() - want).abs().max().item() / want.abs().max().item()
+            model.model.fused_decode = None
             plain = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             model.model.fused_decode = fused
             fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
@@ -120,10 +124,10 @@ def main() -> None:
             sub = [statistics.median((t_all[:, :, i].max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
             gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
             row = {"rows": rows, "variant": name, "regs": fused.compiled.n_regs, "spills": fused.compiled.n_spills,
-                   "plain_ms": plain, "fused_ms": fast, "timeline_us": line, "attention_us": sub,
+                   "plain_ms": plain, "fused_ms": fast, "rel_err": err, "timeline_us": line, "attention_us": sub,
                    "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
             results.append(row)
-            say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused")
+            say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused, max error {err:.2e} of max |out|")
     print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
     print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | gap to next | forward plain ms | fused ms |")
     print("| --- " * (len(POINTS) + 6) + "|")

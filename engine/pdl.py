@@ -20,6 +20,8 @@ waits for it anyway. Who does what in a decode layer:
   `prefetch=True`). The other GEMVs launch plainly, measured (bench/RESULTS.md, twelfth session):
   down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
   attention kernels made both TP=1 and TP=2 steps slower.
+- In the one-kernel-per-layer decode (models/layer_kernel.py): every layer's launch waits after
+  its attention prologue (the next layer's KV loads) and triggers after its o_proj.
 - In the batch decode (models/batch_decode.py): the persistent kernel triggers before its rope
   phase; the split-KV attention kernel after it launches with PDL, reads the step's metadata
   (uploaded before any kernel ran), prefetches its first K/V tile into L2, then waits.

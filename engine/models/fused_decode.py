@@ -12,6 +12,7 @@ Rules:
   zeroed at the start of every step (captured too), so a resume that hands back garbage cannot
   stall a barrier.
 - One program per SM, launched cooperatively: the grid barriers need every program resident.
+  On Hopper also with PDL (engine/pdl.py, layer_kernel.py's USE_PDL).
 - K splits of o_proj and down_proj: as many (1, 2, 4, 8) as keep the items within one wave
   (o_proj's of whole heads), so each program has at most one o_proj item.
 - Split-KV: one attention item per program (rows * KV heads * splits <= P); splits fill that
@@ -53,9 +54,11 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
-        bn: int = _BN, bk: int | None = None,
+        bn: int = _BN, bk: int | None = None, use_pdl: int = 1,
     ) -> None:  # fmt: skip
         import triton
+
+        from engine import pdl
 
         self.lm = model.model
         self.backend = backend
@@ -69,6 +72,8 @@ class FusedDecode:
         if bk is None:
             bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (self.shape.hidden, self.shape.inter, self.shape.nh * self.shape.d)) else _BK
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
+        # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
+        self.pdl = pdl.enabled(device) and bool(use_pdl)
         tiles = self.shape.hidden // bn
         self.ks_o = k_splits(tiles, self.shape.nh * self.shape.d, P, math.lcm(bk, self.shape.d))
         self.ks_d = k_splits(tiles, self.shape.inter, P, bk)
@@ -94,7 +99,8 @@ class FusedDecode:
             KS_O=self.ks_o, KS_D=self.ks_d, BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=backend.kv_cache.shape[3],
             ABN=64 if self.shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(pairs),
             BLOCK_HID=triton.next_power_of_2(self.shape.hidden), P=P, FIRST_ADD=2**31 - (P - 1),
-            num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
+            USE_PDL=self.pdl, num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
+            launch_pdl=self.pdl,
         )  # fmt: skip
         self.sm_scale_log2 = backend.scale * 1.4426950408889634
         self.nbytes = sum(

@@ -23,6 +23,11 @@ i % P), a grid barrier after each but the last:
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
+USE_PDL (engine/pdl.py): each layer's launch is programmatic. A layer triggers its dependents
+after o_proj's barrier, so the next layer's programs get scheduled during phases 5-7, issue their
+phase-0 loads (the layer's KV cache and the step's metadata: nothing a layer kernel writes),
+and wait before phase 1. No gap between layer launches (bench/RESULTS.md, eighteenth session).
+
 The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """
 
@@ -57,7 +62,8 @@ def decoder_layer_kernel(
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
+    USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -72,6 +78,8 @@ def decoder_layer_kernel(
         pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
         M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE,
     )  # fmt: skip
+    if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
+        tl.extra.cuda.gdc_wait()
     norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, KS_PREV, HID, BLOCK_HID, DTYPE)
     phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
@@ -92,6 +100,8 @@ def decoder_layer_kernel(
     stamp(t_ptr, 15, TIMING)
     gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
+    if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
+        tl.extra.cuda.gdc_launch_dependents()
     norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
     phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
