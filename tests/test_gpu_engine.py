@@ -166,5 +166,14 @@ def test_no_kernel_compiles_after_the_first_request(qwen3_dir: str) -> None:
     for bs in (1, 3, 7, 17, 24):
         prompts = [[rng.randrange(3, 512) for _ in range(rng.choice(lengths))] for _ in range(bs)]
         _greedy(core, prompts + prompts[:2], rng.choice([1, 5, 40]))  # repeats hit the prefix cache
+    # Requests joining running decodes one at a time, as online traffic arrives: mixed steps of one
+    # prompt beside 1, 2, 3... decodes (few sequences: the split-KV reduce with many splits).
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(_prompts(6, 8, 20, 60)):
+        assert core.add_request(AddRequest(request_id=f"join-{i}", prompt_token_ids=p, sampling_params=params)) is None
+        core.step()
+        core.step()
+    while core.has_work():
+        core.step()
     grown = {k: (before.get(k, 0), v) for k, v in _compiled_variants().items() if v != before.get(k, 0)}
     assert not grown, f"kernels compiled while serving (before, after): {grown}"

@@ -190,6 +190,35 @@ def test_mixed_step_matches_sdpa(shape: Shape) -> None:
         check(shape, new_cache(shape, num_blocks), batch, max_model_len=8192)
 
 
+def test_one_reduce_variant_for_every_batch() -> None:
+    """The split-KV reduce compiles once per backend: decode batches of every size, and mixed
+    steps of few sequences (which the decode graphs of a persistent-kernel model never run), use
+    the variant the first call compiled. Sized by the batch's split count, batches of 2-3
+    sequences met a new one while serving (bench/RESULTS.md, eighteenth session)."""
+    from engine.attention import triton_kernels as tk
+
+    def variants() -> int:
+        return sum(len(c[0]) for c in tk._decode_reduce_kernel.device_caches.values())
+
+    torch.manual_seed(3)
+    shape = Shape(128, 16, 8, 16, torch.bfloat16)  # the Qwen3-0.6B attention shape
+    batches = list(range(1, 21))
+    num_blocks = batches[-1] * cdiv(700, shape.block_size) + 5
+    backend = make_backend(shape, new_cache(shape, num_blocks), max_model_len=8192)
+    blocks = {1 << (backend.num_splits(b) - 1).bit_length() for b in batches if backend.num_splits(b) > 1}
+    assert len(blocks) > 1, "every batch would share one split block: the test could not fail"
+    first = None
+    for b in batches:
+        batch = new_batch(shape, [(700, 1)] * b, num_blocks)
+        backend.decode(LAYER, batch.q, batch.meta, torch.empty_like(batch.q))
+        first = variants() if first is None else first
+    for decodes in (1, 2, 3):  # a prompt beside 1-3 decodes
+        batch = new_batch(shape, [(300, 1)] * decodes + [(40, 40)], num_blocks)
+        backend.forward(LAYER, batch.q, batch.k, batch.v, batch.meta)
+    torch.cuda.synchronize()
+    assert variants() == first, f"{variants() - first} more reduce variants compiled after the first"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_long_prefill(dtype: torch.dtype) -> None:
     torch.manual_seed(2)

@@ -23,7 +23,9 @@ Kernels:
 Compiled variants: Triton specializes a kernel on each integer argument (== 1, divisible by 16)
 and on each pointer's 16-byte alignment. The block-table row stride follows the widest table of
 the batch and the decode split count the batch size, so neither is specialized
-(`do_not_specialize`), and the step's uploads start every
+(`do_not_specialize`); the reduce's split block is sized for the backend's most splits, not the
+batch's (a mixed step of two or three sequences met it first while serving: 250-290 ms online p99
+TTFT, bench/RESULTS.md, eighteenth session); and the step's uploads start every
 tensor 16-byte aligned (engine/runner/step_inputs.py): one variant per kernel and model serves every
 batch, compiled at startup, never while a request waits.
 """
@@ -451,11 +453,13 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages) override
     pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
+    max_splits: int | None = None,  # the most splits any call of the caller passes (one reduce variant)
 ) -> None:
     """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
     `query_start_loc` (a mixed step): q and out are the step's [T, H, D] token rows, and only the
     sequences of exactly one new token are attended, at their row; the others are left to
-    prefill_attention(skip_single=True)."""
+    prefill_attention(skip_single=True). The reduce's split block follows `max_splits` (else
+    `num_splits`): a caller that passes its largest compiles one reduce for every batch size."""
     batch = seq_lens.shape[0] if query_start_loc is not None else q.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     if batch == 0:
@@ -476,8 +480,9 @@ def decode_attention(
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
     if num_splits > 1:
+        block_s = _next_pow2(max(num_splits, max_splits or 0))
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1), qsl, mixed,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=_next_pow2(num_splits),
-            num_warps=4 if head_dim * _next_pow2(num_splits) >= 4096 else 1,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=block_s,
+            num_warps=4 if head_dim * block_s >= 4096 else 1,
         )  # fmt: skip
