@@ -120,7 +120,7 @@ class TritonBackend(AttentionBackend):
         tk.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
-            query_start_loc=meta.query_start_loc if mixed else None, max_splits=self._max_splits,
+            query_start_loc=meta.query_start_loc if mixed else None,
         )  # fmt: skip
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------

@@ -23,9 +23,10 @@ Kernels:
 Compiled variants: Triton specializes a kernel on each integer argument (== 1, divisible by 16)
 and on each pointer's 16-byte alignment. The block-table row stride follows the widest table of
 the batch and the decode split count the batch size, so neither is specialized
-(`do_not_specialize`); the reduce's split block is sized for the backend's most splits, not the
-batch's (a mixed step of two or three sequences met it first while serving: 250-290 ms online p99
-TTFT, bench/RESULTS.md, eighteenth session); and the step's uploads start every
+(`do_not_specialize`); the reduce merges any count of splits BLOCK_S at a time, not in one block
+sized by the batch (mixed steps of two or three sequences, which no decode graph runs, compiled
+new blocks while serving: 250-290 ms online p99 TTFT, bench/RESULTS.md, eighteenth session); and
+the step's uploads start every
 tensor 16-byte aligned (engine/runner/step_inputs.py): one variant per kernel and model serves every
 batch, compiled at startup, never while a request waits.
 """
@@ -39,6 +40,7 @@ import triton.language as tl
 from engine import pdl
 
 _LOG2E = 1.4426950408889634
+_REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
 
 
 def _next_pow2(n: int) -> int:
@@ -374,7 +376,7 @@ def _decode_reduce_kernel(
     stride_ob, stride_oh,
     qsl_ptr, mixed,  # as _decode_kernel's
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    BLOCK_S: tl.constexpr,  # splits merged per iteration (any count of splits: one variant)
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -386,17 +388,26 @@ def _decode_reduce_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     num_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that wrote a partial; 0 for padding
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_valid
     base = (seq * NUM_HEADS + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # [BLOCK_S], 0 for missing splits
-    part = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    # Online merge over BLOCK_S splits at a time, base 2: m the running max lse, total the sum of
+    # exp2(lse - m), acc the weighted partial outputs (one iteration: the plain weighted mean).
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_valid, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < num_valid
+        lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+        scale = tl.exp2(m - m_ref)  # 0 on the first iteration
+        w = tl.exp2(lse - m_ref)  # [BLOCK_S], 0 for missing splits
+        part = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * scale + tl.sum(w[:, None] * part, 0)
+        total = total * scale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -453,13 +464,11 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages) override
     pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
-    max_splits: int | None = None,  # the most splits any call of the caller passes (one reduce variant)
 ) -> None:
     """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
     `query_start_loc` (a mixed step): q and out are the step's [T, H, D] token rows, and only the
     sequences of exactly one new token are attended, at their row; the others are left to
-    prefill_attention(skip_single=True). The reduce's split block follows `max_splits` (else
-    `num_splits`): a caller that passes its largest compiles one reduce for every batch size."""
+    prefill_attention(skip_single=True)."""
     batch = seq_lens.shape[0] if query_start_loc is not None else q.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     if batch == 0:
@@ -480,9 +489,8 @@ def decode_attention(
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
     if num_splits > 1:
-        block_s = _next_pow2(max(num_splits, max_splits or 0))
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1), qsl, mixed,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=block_s,
-            num_warps=4 if head_dim * block_s >= 4096 else 1,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=_REDUCE_BLOCK_S,
+            num_warps=4 if head_dim * _REDUCE_BLOCK_S >= 4096 else 1,
         )  # fmt: skip
