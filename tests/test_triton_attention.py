@@ -205,7 +205,7 @@ def test_one_reduce_variant_for_every_batch() -> None:
     batches = list(range(1, 21))
     num_blocks = batches[-1] * cdiv(700, shape.block_size) + 5
     backend = make_backend(shape, new_cache(shape, num_blocks), max_model_len=8192)
-    blocks = {1 << (backend.num_splits(b) - 1).bit_length() for b in batches if backend.num_splits(b) > 1}
+    blocks = {tk._next_pow2(backend.num_splits(b)) for b in batches if backend.num_splits(b) > 1}
     assert len(blocks) > 1, "every batch would share one split block: the test could not fail"
     first = None
     for b in batches:
