@@ -5,6 +5,10 @@ time and the sum of its kernels' time (the gap between them is idle device time)
 
     python3 bench/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
     python3 bench/profile_decode.py --shape 0.6b --batch-sizes 64 --host --out $OUT/p.json  # cProfile
+    python3 bench/profile_decode.py --batch-sizes 64 --mixed 512 --host --out $OUT/p.json  # mixed steps
+
+`--mixed C`: every profiled step also admits a fresh prompt of C random tokens with
+max_new_tokens 1, prefilled whole beside the B decodes (bench_engine.py's mixed step).
 """
 
 from __future__ import annotations
@@ -45,13 +49,23 @@ def start_decodes(core: EngineCore, bs: int, context: int, steps: int, rng: rand
     torch.cuda.synchronize()
 
 
-def profile_host(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random, top: int) -> None:
-    """cProfile of `steps` engine steps at bs running decodes: where the host's time per step goes."""
+def admit(core: EngineCore, chunk: int, rng: random.Random) -> None:
+    """With chunk > 0: a fresh prompt of `chunk` random tokens, one new token, for the next step."""
+    if chunk > 0:
+        prompt = [rng.randrange(core.model_config.vocab_size) for _ in range(chunk)]
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        assert core.add_request(AddRequest(request_id=f"chunk-{rng.random()}", prompt_token_ids=prompt, sampling_params=params)) is None
+
+
+def profile_host(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random, top: int, chunk: int) -> None:
+    """cProfile of `steps` engine steps at bs running decodes (each with a `chunk`-token prompt
+    beside them if chunk > 0): where the host's time per step goes."""
     start_decodes(core, bs, context, steps, rng)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(steps):
+        admit(core, chunk, rng)
         core.step()
     prof.disable()
     say(f"host profile bs={bs}: {(time.perf_counter() - t0) / steps * 1e6:.0f} us per step under cProfile")
@@ -62,11 +76,12 @@ def profile_host(core: EngineCore, bs: int, context: int, steps: int, rng: rando
         core.step()
 
 
-def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> dict[str, Any]:
+def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random, chunk: int) -> dict[str, Any]:
     start_decodes(core, bs, context, steps, rng)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
+            admit(core, chunk, rng)
             core.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
@@ -131,21 +146,22 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--tp-size", type=int, default=1, help="profiles rank 0's kernels")
     p.add_argument("--host", action="store_true", help="cProfile the host's side of the steps instead")
+    p.add_argument("--mixed", type=int, default=0, help="C: each step also prefills a fresh C-token prompt")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
     ckpt = checkpoint(args.shape, args.model_dir, device, seed=0)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=2048,
-                                   max_num_seqs=max(sizes), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size))
+                                   max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size))
     rng = random.Random(0)
     results = []
     for bs in sizes:
         say(f"profiling decode bs={bs}")
         if args.host:
-            profile_host(core, bs, args.context, args.steps, rng, args.top)
+            profile_host(core, bs, args.context, args.steps, rng, args.top, args.mixed)
             continue
-        results.append(profile_batch(core, bs, args.context, args.steps, rng))
+        results.append(profile_batch(core, bs, args.context, args.steps, rng, args.mixed))
         print_table(results[-1], args.top)
     write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "batches": results})
     core.close()

@@ -10,7 +10,7 @@ import pathlib
 import engine
 
 # Lowest first. config, errors, request and limits are the shared vocabulary of every process.
-LAYERS = ["config", "errors", "request", "limits", "parallel", "pdl", "attention", "models", "memory", "weights", "runner", "core", "client"]
+LAYERS = ["config", "errors", "request", "limits", "parallel", "pdl", "launcher", "attention", "models", "memory", "weights", "runner", "core", "client"]
 ROOT = pathlib.Path(engine.__file__).parent
 
 

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
+from engine.launcher import Launcher
 
 _LOG2E = 1.4426950408889634
 _REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
@@ -77,6 +78,7 @@ def _kv_offsets(
 # ---- store --------------------------------------------------------------------------------------
 
 
+@Launcher
 @triton.jit
 def _store_kv_kernel(
     k_ptr,  # [T, Hkv, D] new keys (last dim contiguous)
@@ -163,6 +165,7 @@ def _prefill_tile(
     return m_new, l_i, acc
 
 
+@Launcher
 @triton.jit(do_not_specialize=["stride_bt", "skip_single"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
@@ -278,6 +281,7 @@ def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@Launcher
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "mixed"])
 def _decode_kernel(
     q_ptr,  # [B, H, D]: one query per sequence
@@ -366,6 +370,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["num_splits", "mixed"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [B, H, num_splits, D] fp32
@@ -411,6 +416,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
+@Launcher
 @triton.jit(do_not_specialize=["n", "width", "stride_src"])
 def _graph_metadata_kernel(
     src_bt_ptr, src_len_ptr, src_slot_ptr,  # a decode step's n rows: [n, width] int32, [n] int32, [n] int64

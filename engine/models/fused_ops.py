@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine import pdl
+from engine.launcher import Launcher
 
 # libdevice's expf, as torch's CUDA silu calls; Triton's interpreter (TRITON_INTERPRET=1, for
 # CPU checks of these kernels) has no libdevice, so it gets tl.exp.
@@ -56,6 +57,7 @@ def _round(x, DTYPE: tl.constexpr):
 # ---- RMSNorm (plain and fused with the residual add) --------------------------------------------
 
 
+@Launcher
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [T, N]
@@ -153,6 +155,7 @@ def _norm_rope_heads(
     tl.store(p1 + HALF, o2.to(dtype), mask=mask)
 
 
+@Launcher
 @triton.jit
 def _rotary_kernel(
     q_ptr,  # [T, H, D], last dim contiguous; rotated in place
@@ -226,6 +229,7 @@ def rotary(
 # ---- SiLU and multiply --------------------------------------------------------------------------
 
 
+@Launcher
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2I]: gate | up

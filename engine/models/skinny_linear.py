@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine import pdl
+from engine.launcher import Launcher
 
 # Rows up to which layers use the skinny kernel (bench/bench_linear.py, H200, the 0.6B and 8B
 # layer shapes in CUDA graphs): up to 16 rows it matches cuBLAS or beats it (2.1x on 0.6B's o_proj
@@ -83,6 +84,7 @@ def _silu_mul(gate, up, DTYPE: tl.constexpr):
     return act * u
 
 
+@Launcher
 @triton.jit(do_not_specialize=["M"])  # one variant per BLOCK_M, whatever the batch
 def _skinny_kernel(
     x_ptr,  # [M, K], unit last stride

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
+from engine.launcher import Launcher
 from engine.parallel import TensorParallel
 
 # The most ranks one kernel serves (peers are unrolled at compile time).
@@ -62,6 +63,7 @@ def _sentinel(BLOCK: tl.constexpr, DTYPE: tl.constexpr, HALF_WIDTH: tl.constexpr
         return tl.full([BLOCK], -2147483648, tl.int32).to(DTYPE, bitcast=True)
 
 
+@Launcher
 @triton.jit
 def _reduce_add_norm_kernel(
     x_ptr,  # [T, N]: this rank's partial sums

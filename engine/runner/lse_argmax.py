@@ -22,9 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.launcher import Launcher
+
 CHUNK = 1024  # columns per program
 
 
+@Launcher
 @triton.jit
 def _lse_argmax_kernel(
     x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, pair_ptr, V, stride_x,
