@@ -3,10 +3,11 @@
 kernel every step). Only CUDA code paths import this module (it imports Triton).
 
 Triton's `kernel[grid](*args)` binds the arguments, derives their specialization, turns the
-options into a string for its cache key, checks the kernel's globals and looks up the device and
-stream before the driver launch: 43-47 us per attention launch on the H200 machine's host against
-8.7 us for the compiled kernel's own launcher (bench/profile_launch.py, bench/RESULTS.md, nineteenth
-session). A 28-layer mixed step paid ~3.8 ms of it and was host-bound.
+options into a string for its cache key, builds launch metadata for its (empty) hook chain,
+checks the kernel's globals and looks up the device and stream before the driver launch. On the
+H200 machine's host an attention launch took 19-29 us that way (43-47 in a slower process); the
+binding is 3.4 us of it and the compiled kernel's own launcher 5.7. A 28-layer mixed step makes
+84 such launches (bench/profile_launch.py, bench/RESULTS.md, nineteenth session).
 
 `Launcher(jit_fn)` keeps the call syntax, `launcher[grid](*args, **kwargs)`. Rules:
 - The key is Triton's own specialization of the arguments (its native binder: dtypes, 16-byte
@@ -15,7 +16,8 @@ session). A 28-layer mixed step paid ~3.8 ms of it and was host-bound.
 - A key seen before launches that variant's launcher directly on the current stream; launch
   attributes compiled into it (cooperative grid, PDL) come with its packed metadata.
 - A new key goes through Triton's JIT path (compiles or loads the variant, launches it) and keeps
-  the compiled kernel it returns. So does every call while a launch hook is set (profilers).
+  the compiled kernel it returns. So does every call while a launch hook or a pre-run hook is set
+  (profilers, tools).
 - Where this Triton's internals differ from what the rules need (another version), every call
   takes the JIT path: slower, never wrong.
 Attribute access falls through to the JIT function (`device_caches`, `warmup`, ...).
@@ -26,10 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
+try:
+    from triton import knobs
+except ImportError:  # Triton before 3.4: every launch takes the JIT path
+    knobs = None
 Grid = tuple[int, ...]
 
 
@@ -39,23 +44,27 @@ class Launcher:
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
         self._compiled: dict[tuple, Any] = {}  # key -> triton.compiler.CompiledKernel
-        self._fast = hasattr(fn, "device_caches")
+        self._fast = knobs is not None and hasattr(fn, "device_caches")
         self.hits = 0  # launches that skipped the JIT path (tests, bench)
         self.misses = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
 
+    def variants(self) -> int:
+        """Compiled variants of this kernel in the process, on every device (Triton's own count)."""
+        return sum(len(cache[0]) for cache in self.fn.device_caches.values())
+
     def __getitem__(self, grid: Grid) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: Grid, args: tuple, kwargs: dict[str, Any]) -> None:
-        # The options the JIT path adds before it binds, so both paths key the same variant.
-        kwargs["debug"] = kwargs.get("debug", self.fn.debug) or knobs.runtime.debug
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        device = driver.active.get_current_device()
         key = None
-        if self._fast and not _hooks_set():
+        if self._fast and not _hooks_set() and not getattr(self.fn, "pre_run_hooks", None):
+            # The options the JIT path adds before it binds, so both paths key the same variant.
+            kwargs["debug"] = kwargs.get("debug", self.fn.debug) or knobs.runtime.debug
+            kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+            device = driver.active.get_current_device()
             try:
                 bound, specialization, options = self.fn.device_caches[device][4](*args, **kwargs)
                 key = (device, tuple(specialization), tuple(options.items()))

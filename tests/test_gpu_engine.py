@@ -139,16 +139,15 @@ def test_server_info_reports_graph_memory(qwen3_dir: str) -> None:
 
 def _compiled_variants() -> dict[str, int]:
     """How many compiled variants of each of the engine's Triton kernels this process holds."""
-    import triton
-
     from engine.attention import triton_kernels
+    from engine.launcher import Launcher
     from engine.models import fused_ops, skinny_linear
 
     counts = {}
     for module in (triton_kernels, fused_ops, skinny_linear):
         for name, fn in vars(module).items():
-            if isinstance(fn, triton.runtime.JITFunction):
-                counts[name] = sum(len(cache[0]) for cache in fn.device_caches.values())
+            if isinstance(fn, Launcher):
+                counts[name] = fn.variants()
     return counts
 
 

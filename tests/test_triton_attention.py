@@ -197,9 +197,7 @@ def test_one_reduce_variant_for_every_batch() -> None:
     sequences met a new one while serving (bench/RESULTS.md, eighteenth session)."""
     from engine.attention import triton_kernels as tk
 
-    def variants() -> int:
-        return sum(len(c[0]) for c in tk._decode_reduce_kernel.device_caches.values())
-
+    variants = tk._decode_reduce_kernel.variants
     torch.manual_seed(3)
     shape = Shape(128, 16, 8, 16, torch.bfloat16)  # the Qwen3-0.6B attention shape
     batches = list(range(1, 21))
