@@ -19,7 +19,9 @@ import statistics
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention import triton_decode as td
 from engine.attention import triton_kernels as tk
+from engine.attention import triton_prefill as tp
 from engine.attention.triton import TritonBackend
 
 H, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B / Qwen-7B-like attention
@@ -106,7 +108,7 @@ def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) ->
             for layer in range(layers):
                 kc, vc = cache[layer, 0], cache[layer, 1]
                 tk.store_kv(k, v, kc, vc, meta.slot_mapping)
-                tk.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, out, D**-0.5, splits, part_out, part_lse, config)
+                td.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, out, D**-0.5, splits, part_out, part_lse, config)
 
         t = graph_time(step) / layers
         nbytes = per_layer + 2 * batch * H * D * 2 + 2 * batch * HKV * D * 2
@@ -135,7 +137,7 @@ def prefill_case(batch: int, q_len: int, ctx: int, config=None) -> dict:
     kc, vc = cache[0, 0], cache[0, 1]
 
     def ours():
-        tk.prefill_attention(q, kc, vc, tables, seq_lens, qsl, out, D**-0.5, q_len, config)
+        tp.prefill_attention(q, kc, vc, tables, seq_lens, qsl, out, D**-0.5, q_len, config)
 
     t = event_time(ours)
     flops = batch * 4 * H * D * (q_len * ctx + q_len * (q_len + 1) / 2)
@@ -146,13 +148,13 @@ def prefill_case(batch: int, q_len: int, ctx: int, config=None) -> dict:
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=ctx == 0)  # noqa: E731
     t_ref = event_time(sdpa)
     ref_flops = flops if ctx == 0 else batch * 4 * H * D * q_len * seq_len
-    name = "x".join(map(str, config or tk._prefill_config(D, 2)))
+    name = "x".join(map(str, config or tp._prefill_config(D, 2)))
     return dict(batch=batch, q_len=q_len, ctx=ctx, config=name, ms=t * 1e3, tflops=flops / t / 1e12, sdpa_tflops=ref_flops / t_ref / 1e12)
 
 
 def kernel_resources() -> list[str]:
     lines = []
-    for fn in (tk._decode_kernel, tk._decode_reduce_kernel, tk._prefill_kernel, tk._store_kv_kernel):
+    for fn in (td._decode_kernel, td._decode_reduce_kernel, tp._prefill_kernel, tk._store_kv_kernel):
         try:
             for kernels in fn.device_caches.values():
                 for kernel in kernels[0].values():
@@ -172,7 +174,7 @@ def main() -> None:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
-    configs = [tk.decode_config(D, 2)]
+    configs = [td.decode_config(D, 2)]
     if not args.quick:
         configs += [(32, 4, 3), (128, 4, 2)]
     targets = [] if args.quick else [2, 8]

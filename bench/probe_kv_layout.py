@@ -22,6 +22,7 @@ import triton.language as tl
 from attention_kernels import event_time, graph_time
 
 from engine import pdl
+from engine.attention import triton_decode as td
 from engine.attention import triton_kernels as tk
 
 H, HKV, D = 16, 8, 128
@@ -49,7 +50,7 @@ def _persistent_decode(
             nxt = item + progs
             if nxt < B * NKV:
                 first = tl.arange(0, BLOCK_N)
-                off = tk._kv_offsets(bt_ptr + (nxt // NKV).to(tl.int64) * stride_bt, first, first < BLOCK_N, nxt % NKV,
+                off = tk.kv_offsets(bt_ptr + (nxt // NKV).to(tl.int64) * stride_bt, first, first < BLOCK_N, nxt % NKV,
                                      stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
                 lines = (tl.arange(0, HEAD_DIM // LINE) * LINE)[None, :]
                 pdl.prefetch_l2(k_cache_ptr + off[:, None] + lines)
@@ -62,7 +63,7 @@ def _persistent_decode(
         for n0 in range(0, seq_len, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_mask = offs_n < seq_len
-            kv_off = tk._kv_offsets(bt_row, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
+            kv_off = tk.kv_offsets(bt_row, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
             k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * sm_scale_log2
@@ -112,7 +113,7 @@ def case(batch: int, ctx: int, block: int, head_major: bool, shuffled: bool, con
                     PREFETCH_NEXT=config[1] == 1, LINE=64, num_warps=4, num_stages=config[2],
                 )  # fmt: skip
                 continue
-            tk.decode_attention(q, cache[layer, 0], cache[layer, 1], tables, seq_lens, out, D**-0.5, splits, part_out, part_lse, config)
+            td.decode_attention(q, cache[layer, 0], cache[layer, 1], tables, seq_lens, out, D**-0.5, splits, part_out, part_lse, config)
 
     t = graph_time(step) / layers
     torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ from bench_runtime import say, write_json
 from profile_fused_decode import decode_inputs, parse, setup
 
 from engine.attention import ForwardContext
-from engine.attention import triton_kernels as tk
+from engine.attention import triton_decode as td
 from engine.models.batch_decode import BatchDecode, unsupported
 
 POINTS = ["start", "o_proj", "barrier", "norm", "barrier", "gate_up", "barrier", "down", "barrier", "norm",
@@ -73,12 +73,12 @@ def main() -> None:
                 config = tuple(int(v) for v in spec.split("x"))
                 splits, po, pl = backend.num_splits(rows), backend._part_out, backend._part_lse
                 configs[spec] = time_graph(
-                    lambda: [tk.decode_attention(q, cache[i, 0], cache[i, 1], meta.block_tables, meta.seq_lens, out,  # noqa: B023
+                    lambda: [td.decode_attention(q, cache[i, 0], cache[i, 1], meta.block_tables, meta.seq_lens, out,  # noqa: B023
                                                  backend.scale, splits, po, pl, config) for i in range(c.num_layers)],  # noqa: B023
                     c.num_layers, args.reps,
                 )  # fmt: skip
             if configs:
-                kernels = [k for ks in tk._decode_kernel.device_caches.values() for k in ks[0].values()]
+                kernels = [k for ks in td._decode_kernel.device_caches.values() for k in ks[0].values()]
                 say(f"rows {rows}: decode kernel variants (regs, shared): {[(k.n_regs, k.metadata.shared) for k in kernels]}")
                 say(f"rows {rows}: attention alone by config, us per layer: " + ", ".join(f"{k} {v:.2f}" for k, v in configs.items()))
             stamps = torch.zeros(c.num_layers + 1, batch.programs, 16, dtype=torch.int64, device="cuda")

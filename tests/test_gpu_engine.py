@@ -139,12 +139,12 @@ def test_server_info_reports_graph_memory(qwen3_dir: str) -> None:
 
 def _compiled_variants() -> dict[str, int]:
     """How many compiled variants of each of the engine's Triton kernels this process holds."""
-    from engine.attention import triton_kernels
+    from engine.attention import triton_decode, triton_kernels, triton_prefill
     from engine.launcher import Launcher
     from engine.models import fused_ops, skinny_linear
 
     counts = {}
-    for module in (triton_kernels, fused_ops, skinny_linear):
+    for module in (triton_kernels, triton_prefill, triton_decode, fused_ops, skinny_linear):
         for name, fn in vars(module).items():
             if isinstance(fn, Launcher):
                 counts[name] = fn.variants()

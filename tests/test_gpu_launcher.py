@@ -63,7 +63,7 @@ def test_arguments_triton_specializes_differently_get_their_own_variant() -> Non
 
 
 def test_a_pdl_variant_replays_in_a_graph_with_the_same_output() -> None:
-    from engine.attention import triton_kernels as tk
+    from engine.attention import triton_decode as td
 
     heads, batch, blocks_per_seq = 8, 3, 4
     k_cache, v_cache = _cache(batch * blocks_per_seq)
@@ -76,7 +76,7 @@ def test_a_pdl_variant_replays_in_a_graph_with_the_same_output() -> None:
     part_lse = torch.empty(batch * heads * 2, device="cuda")
 
     def run(out: torch.Tensor, pdl: bool) -> None:
-        tk.decode_attention(q, k_cache, v_cache, tables, lens, out, D**-0.5, 2, part_out, part_lse, pdl_launch=pdl)
+        td.decode_attention(q, k_cache, v_cache, tables, lens, out, D**-0.5, 2, part_out, part_lse, pdl_launch=pdl)
 
     ref = torch.empty_like(q)
     run(ref, False)
@@ -92,4 +92,4 @@ def test_a_pdl_variant_replays_in_a_graph_with_the_same_output() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
-    assert tk._decode_kernel.hits > 0
+    assert td._decode_kernel.hits > 0

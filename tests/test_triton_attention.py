@@ -195,15 +195,16 @@ def test_one_reduce_variant_for_every_batch() -> None:
     steps of few sequences (which the decode graphs of a persistent-kernel model never run), use
     the variant the first call compiled. Sized by the batch's split count, batches of 2-3
     sequences met a new one while serving (bench/RESULTS.md, eighteenth session)."""
+    from engine.attention import triton_decode as td
     from engine.attention import triton_kernels as tk
 
-    variants = tk._decode_reduce_kernel.variants
+    variants = td._decode_reduce_kernel.variants
     torch.manual_seed(3)
     shape = Shape(128, 16, 8, 16, torch.bfloat16)  # the Qwen3-0.6B attention shape
     batches = list(range(1, 21))
     num_blocks = batches[-1] * cdiv(700, shape.block_size) + 5
     backend = make_backend(shape, new_cache(shape, num_blocks), max_model_len=8192)
-    blocks = {tk._next_pow2(backend.num_splits(b)) for b in batches if backend.num_splits(b) > 1}
+    blocks = {tk.next_pow2(backend.num_splits(b)) for b in batches if backend.num_splits(b) > 1}
     assert len(blocks) > 1, "every batch would share one split block: the test could not fail"
     first = None
     for b in batches:

@@ -1,4 +1,5 @@
-"""`TritonBackend`: paged attention with the Triton kernels of `triton_kernels.py`, for CUDA.
+"""`TritonBackend`: paged attention with the Triton kernels of `triton_kernels.py` (layout, K/V store,
+graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV), for CUDA.
 
 - Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing).
 - Prefill (any step with a sequence of more than one new token): one ragged-batch kernel, causal
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import triton_decode as td
 from engine.attention import triton_kernels as tk
+from engine.attention import triton_prefill as tp
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
@@ -49,7 +52,7 @@ class TritonBackend(AttentionBackend):
         device = kv_cache.device
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._target_programs = _PROGRAMS_PER_SM * num_sms
-        self._decode_block_n = tk.decode_config(self.head_dim, kv_cache.element_size())[0]
+        self._decode_block_n = td.decode_config(self.head_dim, kv_cache.element_size())[0]
         self._max_splits = max(1, min(_MAX_SPLITS, -(-max_model_len // self._decode_block_n)))
         # Decode workspace, allocated once: a batch of b rows with s = num_splits(b) > 1 uses the
         # first b * s * H * D (partial outputs) and b * s * H (their log-sum-exp) elements, viewed
@@ -95,7 +98,7 @@ class TritonBackend(AttentionBackend):
             # query head and BLOCK_M query rows, read it GROUP times to fill one row of 128
             # (bench/RESULTS.md, seventeenth session).
             mixed = meta.single_query_rows > 0
-            tk.prefill_attention(
+            tp.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
                 self.scale, meta.max_query_len, skip_single=mixed,
             )  # fmt: skip
@@ -117,7 +120,7 @@ class TritonBackend(AttentionBackend):
         splits = self.num_splits(num_seqs)
         if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():
             raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
-        tk.decode_attention(
+        td.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
             query_start_loc=meta.query_start_loc if mixed else None,
