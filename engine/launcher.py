@@ -21,10 +21,13 @@ binding is 3.4 us of it and the compiled kernel's own launcher 5.7. A 28-layer m
 - Where this Triton's internals differ from what the rules need (another version), every call
   takes the JIT path: slower, never wrong.
 Attribute access falls through to the JIT function (`device_caches`, `warmup`, ...).
+
+SIESTA_FAST_LAUNCH=0 (read once, at import) sends every launch down Triton's JIT path.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +39,8 @@ try:
 except ImportError:  # Triton before 3.4: every launch takes the JIT path
     knobs = None
 Grid = tuple[int, ...]
+FAST_LAUNCH_ENV = "SIESTA_FAST_LAUNCH"
+_ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
 
 
 class Launcher:
@@ -44,7 +49,7 @@ class Launcher:
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
         self._compiled: dict[tuple, Any] = {}  # key -> triton.compiler.CompiledKernel
-        self._fast = knobs is not None and hasattr(fn, "device_caches")
+        self._fast = _ENABLED and knobs is not None and hasattr(fn, "device_caches")
         self.hits = 0  # launches that skipped the JIT path (tests, bench)
         self.misses = 0
 
