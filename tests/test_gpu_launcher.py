@@ -93,3 +93,28 @@ def test_a_pdl_variant_replays_in_a_graph_with_the_same_output() -> None:
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
     assert td._decode_kernel.hits > 0
+
+
+def test_siesta_fast_launch_0_sends_every_launch_down_the_jit_path() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from engine.attention import triton_kernels as tk\n"
+        "k = torch.randn(4, 4, 64, device='cuda').to(torch.bfloat16)\n"
+        "c = torch.zeros(8, 16, 4, 64, dtype=torch.bfloat16, device='cuda')\n"
+        "s = torch.arange(4, device='cuda')\n"
+        "for _ in range(3):\n"
+        "    tk.store_kv(k, k, c, c, s)\n"
+        "torch.cuda.synchronize()\n"
+        "assert torch.equal(c.view(-1, 4, 64)[:4], k)\n"
+        "print(tk._store_kv_kernel.hits, tk._store_kv_kernel.misses)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for flag, expected in (("0", "0 3"), ("1", "2 1")):
+        env = dict(os.environ, SIESTA_FAST_LAUNCH=flag)
+        p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.split("\n")[-2] == expected, (flag, p.stdout)
