@@ -76,6 +76,8 @@ def _decode_kernel(
     row, attend = decode_row(qsl_ptr, seq, mixed)
     if not attend:
         return
+    # seq_len after the early return: loaded (with the split) before it, inside decode_row, the
+    # batch-64 layer took 47 us instead of 38 (bench/RESULTS.md, nineteenth session).
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
