@@ -38,6 +38,7 @@ try:
     from triton import knobs
 except ImportError:  # Triton before 3.4: every launch takes the JIT path
     knobs = None
+
 Grid = tuple[int, ...]
 FAST_LAUNCH_ENV = "SIESTA_FAST_LAUNCH"
 _ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"

@@ -28,7 +28,6 @@ from engine.launcher import Launcher
 REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
 
 
-
 @triton.jit
 def decode_row(qsl_ptr, seq, mixed):
     # -> (token row of sequence seq's query, whether this kernel attends it). Mixed steps: the
