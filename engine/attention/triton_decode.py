@@ -100,6 +100,8 @@ def _decode_kernel(
         pdl.prefetch_l2(k_cache_ptr + first_off[:, None] + lines)
         pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
         tl.extra.cuda.gdc_wait()
+        # The persistent kernel after it (models/batch_kernel.py) gets scheduled as programs end.
+        tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(
         q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0
     ).to(k_cache_ptr.dtype.element_ty)

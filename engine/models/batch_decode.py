@@ -88,7 +88,7 @@ class BatchDecode:
             HID=self.shape.hidden, NH=self.shape.nh, NKV=self.shape.nkv, D=self.shape.d, INTER=self.shape.inter, QK_NORM=self.shape.qk_norm,
             KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
             BLOCK_HID=triton.next_power_of_2(self.shape.hidden), BH=triton.next_power_of_2(self.shape.nh),
-            BKV=triton.next_power_of_2(self.shape.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl,
+            BKV=triton.next_power_of_2(self.shape.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl, launch_pdl=self.pdl,
             num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         )  # fmt: skip
 

@@ -116,18 +116,20 @@ def batch_layer_kernel(
     # The row phases run on the last programs, which the GEMV phases fill last.
     row = P - 1 - pid
     stamp(t_ptr, 0, TIMING)
+    if USE_PDL:  # engine/pdl.py: scheduled as the attention kernel before ends; wait for all of it
+        tl.extra.cuda.gdc_wait()
     if HEAD:
-        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, 0, HID, BLOCK_HID, DTYPE)
+        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE)
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
         phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
-        norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
+        norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE)
         phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE)
         phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
         gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
         phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
-        norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, norm_ptr, out_ptr, M, eps, KS_D, HID, BLOCK_HID, DTYPE)
+        norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE)
     if not TAIL:
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
         gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)

@@ -54,7 +54,7 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
-        bn: int = _BN, bk: int | None = None, use_pdl: int = 1,
+        bn: int = _BN, bk: int | None = None, use_pdl: int = 1, norm_everywhere: int = 1,
     ) -> None:  # fmt: skip
         import triton
 
@@ -83,7 +83,10 @@ class FusedDecode:
         half = dict(dtype=dtype, device=device)
         self.h = torch.zeros(rows, self.shape.hidden, **half)
         self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
-        self.xn = torch.zeros(rows, self.shape.hidden, **half)
+        # The normed stream: every program's own rows (steps of up to norm_everywhere rows), or
+        # one shared set.
+        self.norm_everywhere = norm_everywhere
+        self.xn = torch.zeros(P if norm_everywhere else 1, rows, self.shape.hidden, **half)
         self.qkv = torch.zeros(rows, (self.shape.nh + 2 * self.shape.nkv) * self.shape.d, **half)
         self.xo = torch.zeros(P, _BM, self.shape.nh * self.shape.d // self.ks_o, **half)
         self.act = torch.zeros(rows, self.shape.inter, **half)
@@ -127,6 +130,8 @@ class FusedDecode:
         kv = self.backend.kv_cache
         cos_sin = lm.rotary_emb.cos_sin_cache
         splits = self.splits(m)
+        everywhere = m <= self.norm_everywhere
+        stride_xn = self.xn.stride(0) if everywhere else 0
         for i, layer in enumerate(lm.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv[i, 0], kv[i, 1]
@@ -139,9 +144,9 @@ class FusedDecode:
                 self.xn, self.qkv, positions, cos_sin, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping,
                 self.part_o, self.part_lse, self.xo, self.o_part, self.act, self.down, self.barrier,
                 timing[i] if timing is not None else self.barrier,
-                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part,
+                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn,
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-                HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, TIMING=timing is not None,
+                HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, NORM_EVERYWHERE=everywhere, TIMING=timing is not None,
                 **self.consts,
             )  # fmt: skip
         out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)

@@ -76,18 +76,18 @@ def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE:
 
 @triton.jit
 def norm_phase(
-    row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps,
+    row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, store_h,
     KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    # The program given row < M (one per row): the stream h = base + round(sum_c part[c]) (KS 0:
-    # base alone) -> h_out, and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
+    # The program given row < M: the stream h = base + round(sum_c part[c]) (KS 0: base alone)
+    # -> h_out (if store_h), and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
     # Rows at stride HID in every buffer; part [KS, *, HID] at stride_part.
     if row < M:
         offs = tl.arange(0, BLOCK)
         ok = offs < HID
         off = row * HID + offs
         h = _stream(base_ptr, part_ptr, off, ok, stride_part, KS, DTYPE)
-        tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok)
+        tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok & store_h)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(xn_ptr + off, (w * rnd(h * rstd, DTYPE)).to(DTYPE), mask=ok)

@@ -5,18 +5,23 @@ kernels, each GEMV 5-8 us for a 2-12 MB read; bench/RESULTS.md). Only engine/mod
 fused_decode.py imports this module (it imports Triton).
 
 Phases of layer l, M rows (M <= 16), P programs, GEMV items dealt round-robin (item i -> program
-i % P), a grid barrier after each but the last:
+i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
   0. (no barrier) the program's attention item's loads that need nothing of this layer
      (layer_attention.attention_prologue): they land while the norm and qkv phases run.
   1. norm (programs P-1..P-M, a row each: the ones qkv leaves idle): h = h_mid[l-1] +
      round(sum_c down_part[c]) (the embedding at layer 0) -> h; its RMSNorm -> xn.
+     NORM_EVERYWHERE (steps of one row): every program normalizes the row into its own xn rows
+     and program 0 keeps h; no barrier after it. One row: 0.796 -> 0.783 ms a forward; two rows
+     0.928 -> 0.957, every program then reads twice the partials (bench/RESULTS.md, twentieth
+     session).
   2. qkv = xn @ w_qkv.T (+ bias), tiles of BN columns.
   3. attention (layer_attention.py): q/k norm and rope in registers, the new K/V row into the
      cache, split-KV over each row's context; every split writes its partial output and lse.
   4. o_proj, one item per program (tile, K split c of whole heads): the item merges the splits
      of its heads into its own scratch (combine_heads), then o_part[c] [M, hidden] fp32 partial
      sums.
-  5. norm (programs P-1..P-M): h_mid = h + round(sum_c o_part[c]) -> h_mid; its RMSNorm -> xn.
+  5. norm (programs P-1..P-M; NORM_EVERYWHERE as phase 1): h_mid = h + round(sum_c o_part[c])
+     -> h_mid; its RMSNorm -> xn.
   6. act = silu(gate) * up of xn @ w_gate_up.T.
   7. down_proj, items (tile, K split c): down_part[c] [M, hidden] fp32; the next layer's phase 1
      (or `finish_kernel`) adds them to h_mid.
@@ -47,7 +52,7 @@ def decoder_layer_kernel(
     h_ptr,  # [M, HID]: this layer's input stream (written)
     h_mid_ptr,  # [M, HID]: the stream after attention (written)
     in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gate_up_w_ptr, down_w_ptr,
-    xn_ptr,  # [M, HID] scratch: the normed stream, input of qkv and gate_up
+    xn_ptr,  # [P or 1, M, HID] scratch at stride_xn (0: one shared): the normed stream, input of qkv and gate_up
     qkv_ptr,  # [M, QKV] scratch
     pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
     part_o_ptr, part_lse_ptr,  # split-KV partials: [pairs * NH, D] fp32 and [pairs * NH] fp32
@@ -57,13 +62,13 @@ def decoder_layer_kernel(
     down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, 16] int64 timestamps (TIMING only)
-    M, num_splits, eps, sm_scale_log2, stride_part,
+    M, num_splits, eps, sm_scale_log2, stride_part, stride_xn,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
-    USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
+    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -80,8 +85,18 @@ def decoder_layer_kernel(
     )  # fmt: skip
     if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
-    norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, KS_PREV, HID, BLOCK_HID, DTYPE)
-    phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
+    # NORM_EVERYWHERE: every program normalizes every row into its own xn rows (program 0 keeps
+    # the stream): no norm phase and no barrier after it. Else one program per row, a barrier.
+    xn_ptr += pid * stride_xn
+    if NORM_EVERYWHERE:
+        for r in range(M):
+            norm_phase(r, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, pid == 0, KS_PREV, HID, BLOCK_HID, DTYPE)
+        stamp(t_ptr, 1, TIMING)
+        tl.debug_barrier()
+        stamp(t_ptr, 2, TIMING)
+    else:
+        norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, True, KS_PREV, HID, BLOCK_HID, DTYPE)
+        phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
     attention_phase(
@@ -102,8 +117,15 @@ def decoder_layer_kernel(
     phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
-    norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, KS_O, HID, BLOCK_HID, DTYPE)
-    phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
+    if NORM_EVERYWHERE:
+        for r in range(M):
+            norm_phase(r, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, pid == 0, KS_O, HID, BLOCK_HID, DTYPE)
+        stamp(t_ptr, 9, TIMING)
+        tl.debug_barrier()
+        stamp(t_ptr, 10, TIMING)
+    else:
+        norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE)
+        phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
@@ -117,4 +139,4 @@ def finish_kernel(
 ):  # fmt: skip
     # out [M, HID] = norm(h_mid + round(sum_c down[c])): the model's final norm, one program per
     # row; the stream itself lands in h (scratch).
-    norm_phase(tl.program_id(0), h_mid_ptr, down_ptr, stride_part, h_ptr, norm_ptr, out_ptr, M, eps, KS_D, HID, BLOCK, out_ptr.dtype.element_ty)
+    norm_phase(tl.program_id(0), h_mid_ptr, down_ptr, stride_part, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK, out_ptr.dtype.element_ty)
