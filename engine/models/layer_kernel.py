@@ -45,6 +45,26 @@ from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
 from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
 
 
+@triton.jit
+def _norm(
+    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+    POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, FIRST_ADD: tl.constexpr,
+    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # A norm phase and what ends it, stamped at POINT and POINT + 1. EVERYWHERE: every program
+    # normalizes every row into its own xn rows, program 0 keeps the stream, a CTA barrier. Else
+    # program norm_row normalizes its row (if any) into the shared rows, a grid barrier.
+    if EVERYWHERE:
+        for r in range(M):
+            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE)
+        stamp(t_ptr, POINT, TIMING)
+        tl.debug_barrier()
+        stamp(t_ptr, POINT + 1, TIMING)
+    else:
+        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE)
+        phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING)
+
+
 @triton.jit(do_not_specialize=["M", "num_splits", "stride_bt"])
 def decoder_layer_kernel(
     h_prev_ptr,  # [M, HID]: the stream before the previous layer's MLP (h_mid), or the embedding
@@ -85,18 +105,9 @@ def decoder_layer_kernel(
     )  # fmt: skip
     if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
-    # NORM_EVERYWHERE: every program normalizes every row into its own xn rows (program 0 keeps
-    # the stream): no norm phase and no barrier after it. Else one program per row, a barrier.
-    xn_ptr += pid * stride_xn
-    if NORM_EVERYWHERE:
-        for r in range(M):
-            norm_phase(r, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, pid == 0, KS_PREV, HID, BLOCK_HID, DTYPE)
-        stamp(t_ptr, 1, TIMING)
-        tl.debug_barrier()
-        stamp(t_ptr, 2, TIMING)
-    else:
-        norm_phase(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, M, eps, True, KS_PREV, HID, BLOCK_HID, DTYPE)
-        phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
+    xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
+    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
     attention_phase(
@@ -117,15 +128,8 @@ def decoder_layer_kernel(
     phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
-    if NORM_EVERYWHERE:
-        for r in range(M):
-            norm_phase(r, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, pid == 0, KS_O, HID, BLOCK_HID, DTYPE)
-        stamp(t_ptr, 9, TIMING)
-        tl.debug_barrier()
-        stamp(t_ptr, 10, TIMING)
-    else:
-        norm_phase(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE)
-        phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
+    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
