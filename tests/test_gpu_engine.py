@@ -142,9 +142,10 @@ def _compiled_variants() -> dict[str, int]:
     from engine.attention import triton_decode, triton_kernels, triton_prefill
     from engine.launcher import Launcher
     from engine.models import fused_ops, skinny_linear
+    from engine.runner import lse_argmax
 
     counts = {}
-    for module in (triton_kernels, triton_prefill, triton_decode, fused_ops, skinny_linear):
+    for module in (triton_kernels, triton_prefill, triton_decode, fused_ops, skinny_linear, lse_argmax):
         for name, fn in vars(module).items():
             if isinstance(fn, Launcher):
                 counts[name] = fn.variants()

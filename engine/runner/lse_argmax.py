@@ -31,6 +31,15 @@ CHUNK = 2048
 WARPS = 4
 
 
+@triton.jit
+def _over_t(x, t):
+    # x / t with IEEE rounding, torch's; x / 1 is x, so rows of temperature 1 (greedy rows too)
+    # skip the division, the kernel's arithmetic bound.
+    if t != 1.0:
+        x = tl.math.div_rn(x, t)
+    return x
+
+
 @Launcher
 @triton.jit
 def _lse_argmax_kernel(
@@ -46,9 +55,7 @@ def _lse_argmax_kernel(
     cols = c * CHUNK_ + tl.arange(0, CHUNK_)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row)
-    x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    if t != 1.0:  # x / 1 is x: greedy rows and temperature 1 skip the IEEE division
-        x = tl.math.div_rn(x, t)
+    x = _over_t(tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32), t)
     mx = tl.max(x, 0)
     shift = tl.where(mx == float("-inf"), 0.0, mx)
     out = row * CHUNKS + c
@@ -68,9 +75,7 @@ def _lse_argmax_kernel(
         first = tl.argmax(m, 0, tie_break_left=True)
         token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
         tl.store(token_ptr + row, token)
-        chosen = tl.load(x_row + token).to(tl.float32)
-        if t != 1.0:
-            chosen = tl.math.div_rn(chosen, t)
+        chosen = _over_t(tl.load(x_row + token).to(tl.float32), t)
         tl.store(pair_ptr + row * 2, token.to(tl.float64))
         tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
         tl.atomic_xchg(count_ptr + row, 0)
@@ -83,7 +88,7 @@ def lse_argmax(
     """x [B, V] CUDA logits (half or float32, last dim contiguous), temperatures [B] float32 ->
     (lse [B] float32, argmax [B] int64, pairs [B, 2] float64: the argmax and its logprob) of
     x / t. counts: int32 zeros, at least B (module docstring); None allocates them. config:
-    (columns per program, warps) in place of (CHUNK, 4) (bench/bench_lse_argmax.py)."""
+    (columns per program, warps) in place of (CHUNK, WARPS) (bench/bench_lse_argmax.py)."""
     if x.dim() != 2 or not x.dtype.is_floating_point or not x.is_cuda or x.stride(1) != 1:
         raise ValueError(f"lse_argmax: CUDA [B, V] logits with contiguous rows, got {tuple(x.shape)} {x.dtype}")
     rows, vocab = x.shape
