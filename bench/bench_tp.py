@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             replays = count_graph_replays(core)
             for bs in batch_sizes:
-                out = decode_steps(core, args, bs, random.Random(bs), 1, 0, 1.0, replays)
+                out = decode_steps(core, args, bs, random.Random(bs), 0, 0, None, replays)
                 steps.setdefault(bs, {})[tp] = out["step_mean_s"]
                 say(f"tp={tp} bs={bs}: {out['step_mean_s'] * 1e3:.3f} ms, {out['graph_replayed_steps']}/{out['steps']} from graphs")
         finally:

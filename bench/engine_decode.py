@@ -72,7 +72,7 @@ def device_waits() -> Iterator[list[float]]:
 
 
 def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: random.Random,
-                 weight_bytes: int, kv_token_bytes: int, bandwidth: float, replays: list[int]) -> dict[str, Any]:
+                 weight_bytes: int, kv_token_bytes: int, bandwidth: float | None, replays: list[int]) -> dict[str, Any]:
     if bs > core.config.max_num_seqs:
         raise RuntimeError(f"batch {bs} is more than the engine's max_num_seqs ({core.config.max_num_seqs})")
     vocab = core.model_config.vocab_size
@@ -117,19 +117,20 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
     core.abort(None)
     mean_s = sum(times) / len(times)
     kv_bytes = kv_token_bytes * sum(kv_tokens) / len(kv_tokens)
-    roofline_s = (weight_bytes + kv_bytes) / bandwidth
+    roofline_s = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None  # None: no roofline asked for
     out = {
         "batch_size": bs, "context": args.decode_context, "prefill_steps": prefill_steps, "prefill_s": prefill_s,
         "steps": len(times), "step_mean_s": mean_s, "step_median_s": statistics.median(times),
         "step_min_s": min(times), "step_max_s": max(times), "graph_replayed_steps": graph_steps,
         "mean_kv_tokens_read": sum(kv_tokens) / len(kv_tokens), "kv_bytes_read": kv_bytes,
-        "weight_bytes_read": weight_bytes, "roofline_s": roofline_s, "measured_over_roofline": mean_s / roofline_s,
-        "roofline_bandwidth_fraction": roofline_s / mean_s,
+        "weight_bytes_read": weight_bytes, "roofline_s": roofline_s,
+        "measured_over_roofline": mean_s / roofline_s if roofline_s else None,
+        "roofline_bandwidth_fraction": roofline_s / mean_s if roofline_s else None,
         "preemptions": core.scheduler.num_preemptions - preempt0,
         "host_busy_mean_s": host_busy_s,  # the step minus its waits for the device
     }
-    say(f"decode bs={bs}: step {mean_s * 1e3:.3f} ms (median {out['step_median_s'] * 1e3:.3f}), roofline "
-        f"{roofline_s * 1e3:.3f} ms, measured/roofline {out['measured_over_roofline']:.2f}, "
+    roof = f"roofline {roofline_s * 1e3:.3f} ms, measured/roofline {out['measured_over_roofline']:.2f}, " if roofline_s else ""
+    say(f"decode bs={bs}: step {mean_s * 1e3:.3f} ms (median {out['step_median_s'] * 1e3:.3f}), {roof}"
         f"{graph_steps}/{len(times)} steps from CUDA graphs, host busy {host_busy_s * 1e3:.3f} ms per step, "
         f"prefill {prefill_s:.2f} s in {prefill_steps} steps")
     return out
