@@ -6,7 +6,9 @@ the first forward restores what no update wrote since (engine/weights/store.py).
 - resume, full push, generate: the pushed weights (equal to transformers on them), and only the
   computed rotary table restored: not one checkpoint byte copied back from the host;
 - resume, partial push, generate: the pushed tensors and the old ones beside them (equal to
-  transformers on that mix), and the host copy took the push (another release keeps it).
+  transformers on that mix), and the host copy took the push (another release keeps it);
+- a refused per-tensor push (one bad shape among good tensors; no handle is opened) and an
+  accepted one: both leave nothing of the sender's memory held once it drops its tensors.
 
 Pushes are CUDA IPC handles from this process (the trainer) to the engine process, as verl and
 slime send them; both routes (per-tensor and one flattened bucket)."""
@@ -123,6 +125,43 @@ def test_partial_push_keeps_the_other_weights_and_the_host_copy_takes_it(qwen3_d
         llm.release_memory_occupation()
         llm.resume_memory_occupation()
         assert _greedy(llm) == mixed
+
+
+def _sender_frees(before: int, timeout_s: float = 10.0) -> bool:
+    """Whether this process's CUDA memory returns to `before` once the engine has let go of the
+    tensors it sent (torch keeps a sent block in limbo until the receiver's reference is back)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        torch.cuda.ipc_collect()
+        if torch.cuda.memory_allocated() <= before:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_refused_and_accepted_pushes_leave_none_of_the_senders_memory_held(qwen3_dir: str) -> None:
+    from engine.errors import InvalidRequest
+
+    hf = _hf(qwen3_dir)
+    with Engine(model=qwen3_dir, **KNOBS) as llm:
+        expected = _greedy(llm)
+        names = [n for n, _ in hf.named_parameters() if n.startswith("model.layers.0.")]
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        pairs = _perturb(hf, names, seed=13)
+        bad = [*pairs[:-1], (pairs[-1][0], pairs[-1][1][:-1].clone())]  # the last one a row short
+        with pytest.raises(InvalidRequest, match=bad[-1][0]):
+            llm.update_weights_from_tensor([serialize_named_tensors(bad)])
+        assert _greedy(llm) == expected  # the old weights in use
+        del pairs, bad
+        assert _sender_frees(before), torch.cuda.memory_allocated() - before
+        pairs = _perturb(hf, names, seed=14)
+        assert llm.update_weights_from_tensor([serialize_named_tensors(pairs)])["success"]
+        del pairs
+        assert _sender_frees(before), torch.cuda.memory_allocated() - before
+        assert _greedy(llm) == _hf_greedy(hf)
 
 
 def _join_group(llm: Engine, answers: list[Any]) -> Any:
