@@ -156,7 +156,8 @@ def test_no_kernel_compiles_after_the_first_request(qwen3_dir: str) -> None:
     """Triton compiles a kernel variant per specialization of its arguments (an int == 1 or
     divisible by 16, a pointer 16-byte aligned or not); a variant first met while serving costs
     its request a compile (~1 s). After startup and one request, prompts of every length class,
-    batches above and below the graph ladder, chunked prefills and prefix hits compile nothing."""
+    batches above and below the graph ladder, chunked prefills, prefix hits and sampled batches of
+    every size compile nothing."""
     core = _core(qwen3_dir, max_num_batched_tokens=96, max_num_seqs=64)
     _greedy(core, _prompts(0, 1, 20, 20), 3)
     before = _compiled_variants()
@@ -175,5 +176,13 @@ def test_no_kernel_compiles_after_the_first_request(qwen3_dir: str) -> None:
         core.step()
     while core.has_work():
         core.step()
+    # Sampled rows (RL rollouts sample at temperature 1) at every row count from 1 to 9: the
+    # sampler's kernel must not specialize on the rows (its scratch's alignment did, once).
+    for bs in range(1, 10):
+        sampled = SamplingParams(max_new_tokens=3, temperature=1.0 if bs % 2 else 0.7, top_p=0.9, ignore_eos=True, logprobs=True)
+        for i, p in enumerate(_prompts(20 + bs, bs)):
+            assert core.add_request(AddRequest(request_id=f"s{bs}-{i}", prompt_token_ids=p, sampling_params=sampled)) is None
+        while core.has_work():
+            core.step()
     grown = {k: (before.get(k, 0), v) for k, v in _compiled_variants().items() if v != before.get(k, 0)}
     assert not grown, f"kernels compiled while serving (before, after): {grown}"

@@ -98,14 +98,17 @@ def lse_argmax(
     chunks = triton.cdiv(vocab, chunk)
     if counts is None:
         counts = torch.zeros(rows, dtype=torch.int32, device=x.device)
-    stats = torch.empty(2, rows, chunks, dtype=torch.float32, device=x.device)  # maxima, sums
+    # Two allocations, not halves of one: the second half's address would be 16-byte aligned or
+    # not with rows * chunks, a new Triton specialization (a compile while serving) for some rows.
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    sums = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     args = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     lse = torch.empty(rows, dtype=torch.float32, device=x.device)
     tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
     pairs = torch.empty(rows, 2, dtype=torch.float64, device=x.device)
     if rows:
         _lse_argmax_kernel[(rows, chunks)](
-            x, temperatures, stats[0], stats[1], args, counts, lse, tokens, pairs, vocab, x.stride(0),
+            x, temperatures, maxima, sums, args, counts, lse, tokens, pairs, vocab, x.stride(0),
             CHUNKS=chunks, CHUNK_=chunk, BLOCK=triton.next_power_of_2(chunks), num_warps=num_warps,
         )  # fmt: skip
     return lse, tokens, pairs
