@@ -7,8 +7,8 @@ the first forward restores what no update wrote since (engine/weights/store.py).
   computed rotary table restored: not one checkpoint byte copied back from the host;
 - resume, partial push, generate: the pushed tensors and the old ones beside them (equal to
   transformers on that mix), and the host copy took the push (another release keeps it);
-- a refused per-tensor push (one bad shape among good tensors; no handle is opened) and an
-  accepted one: both leave nothing of the sender's memory held once it drops its tensors.
+- a refused per-tensor push (one bad shape among good tensors) and an accepted one: both
+  leave nothing of the sender's memory held once it drops its tensors.
 
 Pushes are CUDA IPC handles from this process (the trainer) to the engine process, as verl and
 slime send them; both routes (per-tensor and one flattened bucket)."""
