@@ -98,6 +98,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @functools.cached_property
+    def plan_row(self) -> tuple[float, float, float, float, float, float, float, float, int]:
+        """This request's entries of every step's `SamplingPlan` that never change, computed once:
+        temperature (1.0 when greedy), greedy (0/1), top_k (0 = off), top_p, min_p, the
+        repetition, frequency and presence penalties, top_logprobs_num."""
+        return (
+            self.temperature if self.temperature > 0 else 1.0, float(self.greedy), float(max(self.top_k, 0)),
+            self.top_p, self.min_p, self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+            self.top_logprobs_num,
+        )  # fmt: skip
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -50,17 +50,16 @@ class SamplingPlan(msgspec.Struct, array_like=True):
     @classmethod
     def from_requests(cls, requests: list[Request]) -> SamplingPlan:
         params = [r.sampling_params for r in requests]
-        greedy = [p.greedy for p in params]
+        # The fixed entries, one column each (SamplingParams.plan_row; top_k 0 when off, so > 1 is "on").
+        columns = zip(*(p.plan_row for p in params), strict=True) if params else [()] * 9
+        temps, greedy, top_k, top_p, min_p, rep, freq, pres, top_n = columns
         seeds = [
             (i, step_seed(p.seed, r.num_output_tokens))
             for i, (r, p) in enumerate(zip(requests, params, strict=True))
             if p.seed is not None and not greedy[i]
         ]
-        rep = [p.repetition_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-        pres = [p.presence_penalty for p in params]
         use_rep = any(x != 1.0 for x in rep)
-        use_out = any(x != 0.0 for x in freq + pres)
+        use_out = any(x != 0.0 for x in freq) or any(x != 0.0 for x in pres)
         seen = outputs = counts = None
         if use_rep:
             rows, cols = [], []
@@ -84,21 +83,18 @@ class SamplingPlan(msgspec.Struct, array_like=True):
         ban_rows: list[int] = []
         ban_cols: list[int] = []
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-            if r.num_output_tokens < p.min_new_tokens:
+            if p.min_new_tokens and r.num_output_tokens < p.min_new_tokens:
                 ended_by = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 ban_rows += [i] * len(ended_by)
                 ban_cols += ended_by
         bias_rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
         bias = [pair for p in params for pair in p.logit_bias]
+        sampled = [g == 0.0 for g in greedy]
         return cls(
-            scalars=[p.temperature if p.temperature > 0 else 1.0 for p in params]
-            + [float(g) for g in greedy]
-            + [float(max(p.top_k, 0)) for p in params]  # top_k < 2**24 is exact in float32
-            + [p.top_p for p in params]
-            + [p.min_p for p in params],
-            repetition=rep if use_rep else None,
-            frequency=freq if use_out else None,
-            presence=pres if use_out else None,
+            scalars=[*temps, *greedy, *top_k, *top_p, *min_p],  # top_k < 2**24 is exact in float32
+            repetition=list(rep) if use_rep else None,
+            frequency=list(freq) if use_out else None,
+            presence=list(pres) if use_out else None,
             seen_pairs=seen,
             output_pairs=outputs,
             output_counts=counts,
@@ -106,9 +102,9 @@ class SamplingPlan(msgspec.Struct, array_like=True):
             bias_pairs=bias_rows + [t for t, _ in bias] if bias else None,
             bias_values=[b for _, b in bias] if bias else None,
             seeds=seeds,
-            top_logprobs_nums=[p.top_logprobs_num for p in params],
-            all_greedy=all(greedy),
-            use_top_k=any(p.top_k > 1 and not g for p, g in zip(params, greedy, strict=True)),
-            use_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True)),
-            use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True)),
+            top_logprobs_nums=list(top_n),
+            all_greedy=not any(sampled),
+            use_top_k=any(k > 1 and s for k, s in zip(top_k, sampled, strict=True)),
+            use_top_p=any(p < 1.0 and s for p, s in zip(top_p, sampled, strict=True)),
+            use_min_p=any(m > 0.0 and s for m, s in zip(min_p, sampled, strict=True)),
         )

@@ -127,6 +127,43 @@ def plan_step(batch: Batch, block_size: int, pending: PendingTokens | None = Non
     """Request i runs its tokens num_computed_tokens .. + num_new_tokens[i]; its KV goes to the
     slots its block table gives; it samples iff that chunk reaches its last token. A chunk ending
     in a pending token (the one decode input the host may not know) reads it from `pending`."""
+    decode = _plan_decode(batch, block_size, pending)
+    return decode if decode is not None else _plan_any(batch, block_size, pending)
+
+
+def _plan_decode(batch: Batch, block_size: int, pending: PendingTokens | None) -> StepPlan | None:
+    """`plan_step` of a step in which every request runs its last token and samples (a decode
+    step: the common one, and the one whose host time grows with the batch), the same plan as
+    `_plan_any`'s, built column by column; None for any other step. Such a row asks for no prompt
+    logprob: its one token is past the prompt's last scored position."""
+    reqs = batch.requests
+    starts = [r.num_computed_tokens for r in reqs]
+    if not batch.is_decode or any(s + 1 != len(r.token_ids) for s, r in zip(starts, reqs, strict=True)):
+        return None
+    fill_rows = [i for i, r in enumerate(reqs) if r.num_pending]
+    if fill_rows and (pending is None or any(reqs[i].num_pending != 1 or reqs[i] not in pending.rows for i in fill_rows)):
+        raise RuntimeError("a decode input token is pending but not in flight")
+    fill_from = [pending.rows[reqs[i]] for i in fill_rows] if fill_rows else []
+    ends = [s + 1 for s in starts]
+    tables = [r.block_table for r in reqs]
+    rows = list(range(len(reqs)))
+    slots = [t[p // block_size] * block_size + p % block_size for p, t in zip(starts, tables, strict=True)]
+    return StepPlan(
+        parts=[[r.token_ids[-1] for r in reqs], starts, rows, fill_rows, fill_from, slots, [*rows, len(reqs)], ends,
+               _padded(tables)],
+        num_seqs=len(reqs),
+        query_start_loc_cpu=[*rows, len(reqs)],
+        seq_lens_cpu=ends,
+        max_query_len=1,
+        max_seq_len=max(ends),
+        sample_rows=rows,
+        prompt_logprob_rows=[],
+        prompt_logprob_targets=[],
+        sampling=SamplingPlan.from_requests(reqs),
+    )
+
+
+def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> StepPlan:
     input_ids: list[int] = []
     positions: list[int] = []
     starts: list[int] = []
@@ -227,15 +264,21 @@ def _metadata_values(
     for start, end, table in zip(starts, ends, tables, strict=True):
         query_start.append(query_start[-1] + end - start)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-    width = max(len(t) for t in tables)
-    padded: list[int] = []
-    for t in tables:
-        padded += t
-        padded += [0] * (width - len(t))
     host_fields = {
         "query_start_loc_cpu": query_start,
         "seq_lens_cpu": list(ends),
         "max_query_len": max(e - s for s, e in zip(starts, ends, strict=True)),
         "max_seq_len": max(ends),
     }
-    return host_fields, [slots, query_start, list(ends), padded]
+    return host_fields, [slots, query_start, list(ends), _padded(tables)]
+
+
+def _padded(tables: list[list[int]]) -> list[int]:
+    """Block tables padded with 0 to the widest, flattened row-major."""
+    width = max(map(len, tables))
+    zeros = [0] * width
+    padded: list[int] = []
+    for t in tables:
+        padded += t
+        padded += zeros[len(t) :]
+    return padded

@@ -1,0 +1,80 @@
+"""`plan_step` (engine/runner/step_inputs.py): a decode step's plan, built column by column
+(`_plan_decode`), is the plan the general loop builds (`_plan_any`) field for field, with and
+without pending input tokens and with every sampling option set somewhere; any other step
+(a prefill chunk, a one-token chunk that does not reach the end) takes the general loop; a
+pending token that is not in flight is refused by both."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import torch
+
+from engine.request import PENDING_TOKEN, Batch, Request, SamplingParams
+from engine.runner.step_inputs import PendingTokens, _plan_any, _plan_decode, plan_step
+
+BLOCK = 16
+
+
+def _request(rng: random.Random, i: int, prompt: int, outputs: int, pending: bool) -> Request:
+    params = rng.choice([
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=i),
+        SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={7: 1.5}),
+        SamplingParams(temperature=1.0, min_new_tokens=outputs + 3, stop_token_ids=[3], logprobs=True, top_logprobs_num=2),
+        SamplingParams(temperature=1.0, logprob_start_len=0),
+    ])  # fmt: skip
+    r = Request(request_id=str(i), prompt_token_ids=[rng.randrange(4, 500) for _ in range(prompt)],
+                sampling_params=params, eos_token_ids=(2,))
+    r.token_ids += [rng.randrange(4, 500) for _ in range(outputs)]
+    if pending:
+        r.token_ids.append(PENDING_TOKEN)
+        r.num_pending = 1
+    r.num_computed_tokens = len(r.token_ids) - 1
+    first = rng.randrange(1000)
+    r.block_table = list(range(first, first + -(-len(r.token_ids) // BLOCK)))
+    return r
+
+
+def _same(a: object, b: object) -> None:
+    assert msgspec.to_builtins(a) == msgspec.to_builtins(b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_decode_plan_is_the_general_plan(seed: int) -> None:
+    rng = random.Random(seed)
+    reqs = [_request(rng, i, rng.randint(1, 70), rng.randint(0, 40), rng.random() < 0.7) for i in range(rng.randint(1, 40))]
+    batch = Batch(requests=reqs, num_new_tokens=[1] * len(reqs))
+    flight = [r for r in reqs if r.num_pending]
+    pending = PendingTokens(torch.zeros(len(flight) + 2, dtype=torch.int64), {r: j + 2 for j, r in enumerate(flight)})
+    fast = _plan_decode(batch, BLOCK, pending)
+    assert fast is not None
+    _same(fast, _plan_any(batch, BLOCK, pending))
+    _same(plan_step(batch, BLOCK, pending), fast)
+
+
+def test_other_steps_take_the_general_loop() -> None:
+    rng = random.Random(7)
+    decodes = [_request(rng, i, 20, 5, False) for i in range(3)]
+    chunk = _request(rng, 3, 40, 0, False)
+    chunk.num_computed_tokens = 16  # a one-token chunk in the middle of the prompt: it does not sample
+    batch = Batch(requests=[*decodes, chunk], num_new_tokens=[1] * 4)
+    assert _plan_decode(batch, BLOCK, None) is None
+    assert plan_step(batch, BLOCK).sample_rows == [0, 1, 2]
+    prefill = Batch(requests=decodes[:2] + [_request(rng, 4, 30, 0, False)], num_new_tokens=[1, 1, 5])
+    prefill.requests[2].num_computed_tokens = 25
+    assert _plan_decode(prefill, BLOCK, None) is None
+
+
+def test_a_pending_token_not_in_flight_is_refused() -> None:
+    rng = random.Random(8)
+    reqs = [_request(rng, i, 10, 3, True) for i in range(2)]
+    batch = Batch(requests=reqs, num_new_tokens=[1, 1])
+    partial = PendingTokens(torch.zeros(1, dtype=torch.int64), {reqs[0]: 0})
+    for plan in (_plan_decode, _plan_any):
+        with pytest.raises(RuntimeError, match="pending but not in flight"):
+            plan(batch, BLOCK, partial)
+        with pytest.raises(RuntimeError, match="pending but not in flight"):
+            plan(batch, BLOCK, None)
