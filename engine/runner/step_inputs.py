@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 import msgspec
 import torch
@@ -144,22 +145,16 @@ def _plan_decode(batch: Batch, block_size: int, pending: PendingTokens | None) -
     if fill_rows and (pending is None or any(reqs[i].num_pending != 1 or reqs[i] not in pending.rows for i in fill_rows)):
         raise RuntimeError("a decode input token is pending but not in flight")
     fill_from = [pending.rows[reqs[i]] for i in fill_rows] if fill_rows else []
-    ends = [s + 1 for s in starts]
-    tables = [r.block_table for r in reqs]
     rows = list(range(len(reqs)))
-    slots = [t[p // block_size] * block_size + p % block_size for p, t in zip(starts, tables, strict=True)]
+    meta, meta_values = _metadata_values([s + 1 for s in starts], starts, [r.block_table for r in reqs], block_size)
     return StepPlan(
-        parts=[[r.token_ids[-1] for r in reqs], starts, rows, fill_rows, fill_from, slots, [*rows, len(reqs)], ends,
-               _padded(tables)],
+        parts=[[r.token_ids[-1] for r in reqs], starts, rows, fill_rows, fill_from, *meta_values],
         num_seqs=len(reqs),
-        query_start_loc_cpu=[*rows, len(reqs)],
-        seq_lens_cpu=ends,
-        max_query_len=1,
-        max_seq_len=max(ends),
         sample_rows=rows,
         prompt_logprob_rows=[],
         prompt_logprob_targets=[],
         sampling=SamplingPlan.from_requests(reqs),
+        **meta,
     )
 
 
@@ -259,15 +254,14 @@ def _metadata_values(
     """(the host-side metadata fields, the integer lists to upload: slot_mapping, then the
     _INT32_FIELDS int32 ones: query_start_loc, seq_lens, block tables padded with 0 to the widest
     and flattened row-major)."""
-    query_start = [0]
-    slots: list[int] = []
-    for start, end, table in zip(starts, ends, tables, strict=True):
-        query_start.append(query_start[-1] + end - start)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    lengths = [e - s for s, e in zip(starts, ends, strict=True)]
+    query_start = [0, *accumulate(lengths)]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for s, e, t in zip(starts, ends, tables, strict=True) for p in range(s, e)]  # fmt: skip
     host_fields = {
         "query_start_loc_cpu": query_start,
         "seq_lens_cpu": list(ends),
-        "max_query_len": max(e - s for s, e in zip(starts, ends, strict=True)),
+        "max_query_len": max(lengths),
         "max_seq_len": max(ends),
     }
     return host_fields, [slots, query_start, list(ends), _padded(tables)]
