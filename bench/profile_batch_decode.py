@@ -7,6 +7,11 @@ kernels alone, and the model forward replayed from a CUDA graph with and without
 (no logits, no sampler).
 
     python3 bench/profile_batch_decode.py --shape 0.6b --rows 8,16,32,64 --context 512
+
+Every row has the same context, so the attention's last K/V tile holds (context + 1) % 64 tokens:
+at 512, the new token alone. A change to which tokens the attention loop reads (the new one from
+registers, say) can save that whole tile here and nowhere else; compare such changes at a
+second context too (530: bench/RESULTS.md, twenty-second session).
 """
 
 from __future__ import annotations
