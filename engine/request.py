@@ -119,6 +119,8 @@ class RequestStatus(enum.Enum):
 # finish_reason values, as SGLang's `meta_info.finish_reason.type` ("error" is ours: a request
 # the engine could never run, with `error` saying why).
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
+# Sample i of a request with n > 1 has id f"{rid}{SAMPLE_SEP}{i}"; aborting rid aborts them all.
+SAMPLE_SEP = "#"
 
 # Stands in `Request.token_ids` for a token sampled on the device and not yet read back. Never a
 # model input: the step that consumes it takes the id from the previous step's device output.

@@ -1,1 +1,2 @@
-"""Siesta's front end: the command line and (later) the HTTP server."""
+"""Siesta's front end: the command line (`cli.py`), the HTTP app (`app.py` and its routers) and,
+with `--api-server-count N`, API server processes 1..N-1 (`api_servers.py`)."""

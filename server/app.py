@@ -43,6 +43,7 @@ class ServerConfig:
     max_request_bytes: int = 64 << 20
     served_model_name: str | None = None  # the `model` of /v1 routes (default: --model)
     log_level: str = "INFO"
+    api_server_count: int = 1  # HTTP processes in front of the one engine (server/api_servers.py)
 
     def public(self) -> dict[str, Any]:
         """Settings safe to show: keys are redacted."""
@@ -53,10 +54,13 @@ class ServerConfig:
 
 
 def build_app(
-    client: AsyncEngineClient, config: ServerConfig, on_engine_death: Callable[[], None] | None = None
+    client: AsyncEngineClient, config: ServerConfig, on_engine_death: Callable[[], None] | None = None,
+    api_server_index: int = 0, before_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     """`on_engine_death` runs DEATH_GRACE_S after the engine process is found dead (the CLI stops
-    the server with a non-zero exit)."""
+    the server with a non-zero exit). `api_server_index`: which of `config.api_server_count`
+    processes this app serves in. `before_shutdown` runs (in a thread) when the server stops,
+    before the engine does (process 0 stops the other API servers there)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,12 +68,15 @@ def build_app(
         watcher = asyncio.create_task(_after_death(client, on_engine_death))
         yield
         watcher.cancel()
+        if before_shutdown is not None:
+            await asyncio.to_thread(before_shutdown)
         await client.shutdown()
 
     app = FastAPI(title="Siesta", lifespan=lifespan)
     app.state.client = client
     app.state.server_config = config
     app.state.metrics = Metrics()
+    app.state.api_server_index = api_server_index
     app.state.model_name = config.served_model_name or client.config.model
     install_error_handlers(app)
     app.add_middleware(KeyCheck, api_key=config.api_key, admin_key=config.admin_api_key)

@@ -72,6 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.client.async_client import AsyncEngineClient
+    from server.api_servers import ApiServers, listen_socket, share_metrics
     from server.app import build_app
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -85,11 +86,16 @@ def _serve(args: argparse.Namespace) -> int:
     server = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
         max_request_bytes=args.max_request_bytes, served_model_name=args.served_model_name, log_level=args.log_level,
+        api_server_count=args.api_server_count,
     )
+    if server.api_server_count < 1:
+        log.error("--api-server-count must be >= 1, got %d", server.api_server_count)
+        return 2
     warning = bind_warning(server)
     if warning:
         log.warning(warning)
-    client = AsyncEngineClient(config, log_level=args.log_level)
+    metrics_dir = share_metrics() if server.api_server_count > 1 else None
+    client = AsyncEngineClient(config, log_level=args.log_level, num_clients=server.api_server_count)
     info = client.info
     log.info(
         "engine ready in %.1f s: %s (%s) on %s in %s, context %d; weights %.1f MiB, KV cache %.1f MiB "
@@ -98,20 +104,30 @@ def _serve(args: argparse.Namespace) -> int:
         info["max_context_length"], info["weights_bytes"] / (1 << 20), info["kv_cache_bytes"] / (1 << 20),
         info["kv_blocks_total"], info["block_size"],
     )
-    engine_died = []
+    died: list[str] = []
 
-    def on_engine_death() -> None:  # stop serving, exit non-zero: a supervisor restarts us
-        engine_died.append(True)
+    def on_death(why: str = "the engine process died") -> None:  # stop serving, exit non-zero: a supervisor restarts us
+        died.append(why)
         uv.should_exit = True
 
-    app = build_app(client, server, on_engine_death)
+    helpers = ApiServers(config, server, client.pipes[1:], client.pid, metrics_dir) if metrics_dir else None
+    app = build_app(client, server, on_death, before_shutdown=helpers.stop if helpers else None)
     uv = uvicorn.Server(uvicorn.Config(
         app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
     ))
-    log.info("serving on http://%s:%d", server.host, server.port)
-    uv.run()
-    if engine_died:
-        log.error("the engine process died: exiting with status 1")
+    log.info("serving on http://%s:%d with %d API server process(es)", server.host, server.port, server.api_server_count)
+    if helpers is None:
+        uv.run()
+    else:
+        sock = listen_socket(server.host, server.port)  # bound before the helpers start, so they bind beside it
+        try:
+            helpers.start(on_death)
+        except RuntimeError as e:
+            log.error("%s: exiting with status 1", e)
+            return 1  # the engine, a daemon child, stops with this process
+        uv.run(sockets=[sock])
+    if died:
+        log.error("%s: exiting with status 1", died[0])
         return 1
     return 0
 
@@ -138,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                        help="larger request bodies get 413")
     serve.add_argument("--served-model-name", default=None, help="model name of the /v1 routes (default: --model)")
+    serve.add_argument("--api-server-count", type=int, default=defaults.api_server_count,
+                       help="HTTP processes in front of the one engine, sharing the port (as vLLM's; more admit "
+                            "bursts of requests faster)")
     serve.add_argument("--log-level", default=defaults.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="DEBUG, INFO, WARNING or ERROR")
     add_engine_flags(serve)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.client.async_client import SAMPLE_SEP, AsyncEngineClient
+from engine.client.async_client import AsyncEngineClient
 from engine.client.output import GenerationOutput, StepUpdate
 from engine.errors import EngineUnavailable, InvalidRequest
 from engine.limits import RequestLimits, prompt_error, vocab_error
-from engine.request import SamplingParams
+from engine.request import SAMPLE_SEP, SamplingParams
 from server.metrics import Metrics
 
 
@@ -96,6 +96,8 @@ async def _events(
         async for update, out in updates:
             if out.unavailable:
                 raise EngineUnavailable(out.error or "the engine cannot serve now")
+            if out.refused:
+                raise InvalidRequest(out.error or "the engine refused the request")
             if update.finished:
                 outcome = out.finish_reason or "abort"
             yield update, out
@@ -120,14 +122,20 @@ async def run_jobs(client: AsyncEngineClient, metrics: Metrics, jobs: list[Job],
         assert last is not None  # a job always ends with a finished update
         return last
 
-    work = asyncio.gather(*(one(j) for j in jobs))
+    tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+    work = asyncio.gather(*tasks)
     watcher = asyncio.create_task(_wait_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
+        if work in done and work.exception() is None:
             return work.result()
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
+        # A job failed (refused, unavailable) or the client is gone: the other jobs stop too
+        # (closing a job aborts it in the engine).
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if work in done:
+            return work.result()  # raises the job's error
         raise ClientDisconnected()
     finally:
         watcher.cancel()

@@ -3,7 +3,7 @@
 
 Rules:
 - `/server_info` carries our own keys (engine info, KV blocks, queue lengths, `server_args`,
-  `engine_pid`) and the keys of SGLang's that clients read or assert: parallel sizes (all 1: one
+  `engine_pid`, `api_server`: which API server process answered, of how many, its pid) and the keys of SGLang's that clients read or assert: parallel sizes (all 1: one
   engine on one device), `enable_memory_saver` (true only when memory regions are really on),
   `disaggregation_mode` "null", `encoder_only` false, `max_total_num_tokens` (KV blocks times
   the block size), `max_running_requests`, `max_req_input_len`, `status` "ready", `version`,
@@ -18,6 +18,7 @@ Rules:
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from datetime import datetime, timezone
 from typing import Any
 
@@ -93,7 +94,9 @@ async def server_info(request: Request) -> dict[str, Any]:
         }],
     }
     state = msgspec.to_builtins(client.state)  # as of the GetInfo reply just received
-    return info | sglang | {"server_args": server.public(), "engine_pid": client.pid, "engine_state": state}
+    api_server = {"index": request.app.state.api_server_index, "count": server.api_server_count, "pid": os.getpid()}
+    return info | sglang | {"server_args": server.public(), "engine_pid": client.pid, "engine_state": state,
+                            "api_server": api_server}
 
 
 @router.get("/get_weight_version")

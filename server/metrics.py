@@ -1,20 +1,25 @@
 """Prometheus metrics of one server: requests by outcome, tokens, latencies, and the engine's
-queue and KV usage (read from the engine at scrape time). Each app has its own registry.
+queue and KV usage (read from the engine at scrape time). Each app has its own registry; with
+several API server processes (server/api_servers.py) the values live in prometheus_client's
+multiprocess files and any process's `/metrics` counts them all.
 
-The inter-token latency is observed for every request on every engine step: it is a
-`StepHistogram`, which costs a bisect and two additions per observation (prometheus_client's
-Histogram takes a lock per bucket and per sum) and is exposed with the same samples.
+The inter-token latency is observed for every request on every engine step: in one process it is
+a `StepHistogram`, which costs a bisect and two additions per observation (prometheus_client's
+Histogram takes a lock per bucket and per sum) and is exposed with the same samples; across
+processes it is prometheus_client's Histogram, whose multiprocess files the collector reads.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import os
 import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -22,7 +27,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0
 
 class Metrics:
     def __init__(self) -> None:
+        """With several API server processes (PROMETHEUS_MULTIPROC_DIR set: server/api_servers.py)
+        every metric is prometheus_client's multiprocess kind and `render` counts every process."""
         self.registry = CollectorRegistry()
+        self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         r = self.registry
         self.requests = Counter("siesta_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.prompt_tokens = Counter("siesta_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -30,13 +38,18 @@ class Metrics:
         self.ttft = Histogram(
             "siesta_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.itl = StepHistogram("siesta_inter_token_latency_seconds", "Time between tokens", _LATENCY_BUCKETS, r)
+        self.itl: Histogram | StepHistogram = (
+            Histogram("siesta_inter_token_latency_seconds", "Time between tokens", buckets=_LATENCY_BUCKETS, registry=r)
+            if self.shared else StepHistogram("siesta_inter_token_latency_seconds", "Time between tokens", _LATENCY_BUCKETS, r)
+        )
         self.e2e = Histogram(
             "siesta_e2e_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.running = Gauge("siesta_num_requests_running", "Requests running in the engine", registry=r)
-        self.waiting = Gauge("siesta_num_requests_waiting", "Requests waiting in the engine", registry=r)
-        self.kv_usage = Gauge("siesta_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        # Read from the engine at scrape time: the latest scrape's value, whichever process made it.
+        recent = {"multiprocess_mode": "livemostrecent"}
+        self.running = Gauge("siesta_num_requests_running", "Requests running in the engine", registry=r, **recent)
+        self.waiting = Gauge("siesta_num_requests_waiting", "Requests waiting in the engine", registry=r, **recent)
+        self.kv_usage = Gauge("siesta_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r, **recent)
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
@@ -47,7 +60,11 @@ class Metrics:
         self.waiting.set(info["num_waiting"])
         total = info["kv_blocks_total"]
         self.kv_usage.set((total - info["kv_blocks_free"]) / total if total else 0.0)
-        return generate_latest(self.registry)
+        if not self.shared:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process)
+        return generate_latest(every_process)
 
 
 class RequestTracker:

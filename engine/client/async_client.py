@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.client.core_process import CoreProcess, reply_result
+from engine.client.core_process import CoreLink, CoreProcess, reply_result
 from engine.client.output import (
     Consumer,
     GenerationOutput,
@@ -42,7 +42,14 @@ from engine.client.output import (
 from engine.config import EngineConfig
 from engine.core.availability import EngineState
 from engine.core.calls import Abort, Call
-from engine.core.protocol import AbortRequests, AddRequest, ControlReply, StepOutputs, ToCore
+from engine.core.protocol import (
+    AbortRequests,
+    AddRequest,
+    ControlReply,
+    StateUpdate,
+    StepOutputs,
+    ToCore,
+)
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.request import SamplingParams
 
@@ -50,8 +57,6 @@ log = logging.getLogger("siesta.client")
 
 # How often the watchdog looks at the engine process, seconds.
 WATCHDOG_PERIOD_S = 0.2
-# Sample i of a request with n > 1 has id f"{rid}{SAMPLE_SEP}{i}"; aborting rid aborts them all.
-SAMPLE_SEP = "#"
 # The reader calls its push consumers back once the queued engine messages are applied, or after
 # this many in a row: a reader that the engine outruns still sends every MAX_DRAIN steps.
 MAX_DRAIN = 32
@@ -63,13 +68,17 @@ def _ignore_outcome(future: asyncio.Future[Any]) -> None:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        """Start the engine process and wait until it is ready (blocking: call before serving)."""
+    def __init__(
+        self, config: EngineConfig, log_level: str = "INFO", num_clients: int = 1, link: CoreLink | None = None
+    ) -> None:
+        """Start the engine process with room for `num_clients` clients (API server processes), or
+        with `link` use one another process started, and wait until it is ready (blocking: call
+        before serving)."""
         from transformers import AutoTokenizer
 
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self._core = CoreProcess(config, log_level=log_level)
+        self._core = link if link is not None else CoreProcess(config, log_level=log_level, num_clients=num_clients)
         self.info = self._core.info
         self._live: dict[str, LiveRequest] = {}
         self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}  # call id -> (future, reply type)
@@ -81,7 +90,12 @@ class AsyncEngineClient:
 
     @property
     def pid(self) -> int | None:
-        return self._core.process.pid
+        return self._core.pid
+
+    @property
+    def pipes(self) -> list[tuple[str, str]]:
+        """Every client's socket addresses, when this client started the engine (else its own)."""
+        return getattr(self._core, "pipes", [self._core.pipe])
 
     @property
     def dead(self) -> str | None:
@@ -138,6 +152,8 @@ class AsyncEngineClient:
                 await self._apply(msg)
             elif isinstance(msg, ControlReply):
                 self._on_reply(msg)
+            elif isinstance(msg, StateUpdate):
+                self._on_state(msg.state)
             if self._after_drain and (applied >= MAX_DRAIN or not sock.get(zmq.EVENTS) & zmq.POLLIN):
                 applied = 0
                 self._run_after_drain()
@@ -145,8 +161,7 @@ class AsyncEngineClient:
 
     def _on_reply(self, reply: ControlReply) -> None:
         """Take the engine's state from a control reply, then resolve its call."""
-        self.state = reply.state
-        self.info["weight_version"] = reply.state.weight_version
+        self._on_state(reply.state)
         fut, reply_type = self._calls.pop(reply.call_id, (None, None))
         if fut is None or fut.done():
             return
@@ -154,6 +169,10 @@ class AsyncEngineClient:
             fut.set_result(reply_result(reply, reply_type))
         except Exception as e:
             fut.set_exception(e)
+
+    def _on_state(self, state: EngineState) -> None:
+        self.state = state
+        self.info["weight_version"] = state.weight_version
 
     def after_drain(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the reader has applied every engine message queued by then (or at
@@ -261,19 +280,11 @@ class AsyncEngineClient:
         finally:
             self.close(live)
 
-    def active_ids(self, rid: str) -> list[str]:
-        """The engine ids of `rid`: itself and its samples when it was sent with n > 1."""
-        prefix = rid + SAMPLE_SEP
-        return [i for i in self._live if i == rid or i.startswith(prefix)]
-
     async def abort(self, rid: str | None) -> int:
-        """Abort a request (and its samples), or every request when `rid` is None; returns how
-        many the engine found."""
+        """Abort a request and its samples (sent with n > 1), whichever API server process it came
+        through, or every request when `rid` is None; returns how many the engine found."""
         self.check_alive()
-        ids = None if rid is None else self.active_ids(rid)
-        if ids == []:
-            return 0
-        return await self.call(Abort(request_ids=ids))
+        return await self.call(Abort(request_ids=None if rid is None else [rid], samples=True))
 
     # ---- control --------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""`CoreProcess`: the engine process and the two IPC sockets to it, as both clients use them.
+"""`CoreProcess`: the engine process and the two IPC sockets to it, as both clients use them;
+`CoreLink`: one client's end of its sockets.
 
-The client binds both sockets, then spawns the core, which connects to them; the core says `Ready`
-(or `Failed`) once it has built everything.
+Each client binds its two sockets; the core connects to every client's pair and says `Ready` (or
+`Failed`) to each once it has built everything. The process that spawns the core is client 0;
+other API server processes (`--api-server-count`) attach to it with pairs of their own.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -46,37 +49,60 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class CoreProcess:
-    """The engine process and the two sockets to it."""
+def _pid_alive(pid: int) -> bool:
+    """Whether a process that is not our child is alive (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 at least says whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
-        self._dir = tempfile.mkdtemp(prefix="siesta-")
-        in_addr = f"ipc://{os.path.join(self._dir, 'to_core')}"
-        out_addr = f"ipc://{os.path.join(self._dir, 'from_core')}"
+
+class CoreLink:
+    """One client's end of its two sockets to the engine process (`pipe`: to-core and from-core
+    addresses, which this end binds and the engine connects to), and what the engine said in
+    `Ready`. The process that starts the engine holds a `CoreProcess`; another API server process
+    attaches to the same engine with `CoreLink.attach`."""
+
+    def __init__(self, pipe: tuple[str, str], pid: int | None = None) -> None:
+        self.pipe = pipe
+        self.engine_pid = pid
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.LINGER, 0)
-        self._to_core.bind(in_addr)
+        self._to_core.bind(pipe[0])
         self._from_core = self._ctx.socket(zmq.PULL)
         self._from_core.setsockopt(zmq.LINGER, 0)
-        self._from_core.bind(out_addr)
+        self._from_core.bind(pipe[1])
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
-        self.process = mp.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr, log_level), name="siesta-engine", daemon=True
-        )
-        with _memory_saver_hook(config):
-            self.process.start()
         self.dead: str | None = None
-        ready = self._wait_ready()
-        self.info, self.state = ready.info, ready.state
+        self.info: dict[str, Any] = {}
 
-    def _wait_ready(self) -> Ready:
+    @classmethod
+    def attach(cls, pipe: tuple[str, str], engine_pid: int) -> CoreLink:
+        """This process's link to an engine another process started, once it has said Ready."""
+        link = cls(pipe, engine_pid)
+        link.wait_ready()
+        return link
+
+    @property
+    def pid(self) -> int | None:
+        return self.engine_pid
+
+    def wait_ready(self) -> None:
         waited = 0.0
         while waited < STARTUP_TIMEOUT_S:
             msg = self.recv(timeout_ms=POLL_MS)
             if isinstance(msg, Ready):
-                return msg
+                self.info, self.state = msg.info, msg.state
+                return
             if self.dead is not None:
                 self.close()
                 raise EngineDeadError(self.dead)
@@ -99,8 +125,8 @@ class CoreProcess:
 
     def check_alive(self) -> bool:
         """False once the core has said it failed or its process has exited."""
-        if self.dead is None and not self.process.is_alive():
-            self.dead = f"engine process exited with code {self.process.exitcode}"
+        if self.dead is None and self.engine_pid is not None and not _pid_alive(self.engine_pid):
+            self.dead = "engine process exited"
         return self.dead is None
 
     def send(self, msg: ToCore) -> None:
@@ -123,6 +149,35 @@ class CoreProcess:
         return None
 
     def close(self) -> None:
+        """Close this end (the engine goes on: it is its starter's to stop)."""
+        self._to_core.close()
+        self._from_core.close()
+        self._ctx.term()
+
+
+class CoreProcess(CoreLink):
+    """The engine process, started here, and client 0's link to it. `pipes` are the addresses of
+    all `num_clients` clients (the others attach from their own processes: `CoreLink.attach`)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", num_clients: int = 1) -> None:
+        self._dir = tempfile.mkdtemp(prefix="siesta-")
+        self.pipes = [(f"ipc://{os.path.join(self._dir, f'to_core{i}')}", f"ipc://{os.path.join(self._dir, f'from_core{i}')}")
+                      for i in range(num_clients)]
+        super().__init__(self.pipes[0])
+        self.process = mp.get_context("spawn").Process(
+            target=run_engine_core, args=(config, self.pipes, log_level), name="siesta-engine", daemon=True
+        )
+        with _memory_saver_hook(config):
+            self.process.start()
+        self.engine_pid = self.process.pid
+        self.wait_ready()
+
+    def check_alive(self) -> bool:
+        if self.dead is None and not self.process.is_alive():
+            self.dead = f"engine process exited with code {self.process.exitcode}"
+        return self.dead is None
+
+    def close(self) -> None:
         if self.process.is_alive():
             try:
                 self._to_core.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
@@ -132,15 +187,8 @@ class CoreProcess:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
-        self._to_core.close()
-        self._from_core.close()
-        self._ctx.term()
-        for name in ("to_core", "from_core"):
-            try:
-                os.unlink(os.path.join(self._dir, name))
-            except FileNotFoundError:
-                pass
-        os.rmdir(self._dir)
+        super().close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def reply_result(reply: ControlReply, reply_type: Any) -> Any:

@@ -35,6 +35,7 @@ class GenerationOutput:
     cached_tokens: int = 0
     e2e_latency: float = 0.0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released)
+    refused: bool = False  # refused by the engine at arrival, `error` says why (e.g. its id runs already)
 
     @property
     def finished(self) -> bool:
@@ -117,6 +118,7 @@ class RequestState:
             reason = FINISH_ABORT if delta.finish_reason == FINISH_ERROR else delta.finish_reason
             self._finish(reason, delta.stop_matched, delta.error)
             out.unavailable = delta.unavailable
+            out.refused = delta.finish_reason == FINISH_ERROR and not delta.unavailable
         return StepUpdate(text=text, token_ids=new_ids, finished=finished)
 
     def _finish(self, reason: str | None, matched: int | str | None, error: str | None) -> None:

@@ -4,6 +4,8 @@ ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns
 - `loop.py`: the process's entry point; takes messages, answers control calls, runs steps.
 - `engine_core.py`: `EngineCore`, built in startup order; a step schedules, launches and reads back.
 - `protocol.py`: the msgspec messages between a client and this process.
+- `client_pipes.py`: `ClientPipes`, this process's sockets to its clients (one pair each: the
+  `Engine`, or each API server process), which client a request's deltas go to.
 - `calls.py`: one struct per control call and the reply each answers with, dispatched by type.
 - `availability.py`: `Availability`, the one owner of whether the engine serves; `EngineState`,
   its value, carried by every control reply.

@@ -131,9 +131,11 @@ class ContinueGeneration(Call):
 
 
 class Abort(Call):
-    """Abort the named requests (None: all); answers how many were found."""
+    """Abort the named requests (None: all), with `samples` also the samples of each (`rid#i`,
+    engine/request.py SAMPLE_SEP); answers how many were found."""
 
     request_ids: list[str] | None = None
+    samples: bool = False
     reply = int
 
 

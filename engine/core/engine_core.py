@@ -29,15 +29,15 @@ from engine.limits import RequestLimits, prompt_error
 from engine.memory.kv_cache import BlockManager
 from engine.memory.regions import RELEASED, RESIDENT
 from engine.parallel import TensorParallel
-from engine.request import FINISH_ABORT, FINISH_ERROR, Request
+from engine.request import FINISH_ABORT, FINISH_ERROR, SAMPLE_SEP, Request
 from engine.runner.launched_step import LaunchedStep
 
 log = logging.getLogger("siesta.engine")
 
 
 class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
-    def __init__(self, config: EngineConfig, log_level: str = "INFO", client_addr: str | None = None) -> None:
-        """`client_addr`: where a dead tensor-parallel worker is reported (engine/core/ranks.py)."""
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", client_addrs: list[str] | None = None) -> None:
+        """`client_addrs`: where a dead tensor-parallel worker is reported (engine/core/ranks.py)."""
         t0 = time.perf_counter()
         self.config = config
         self.model_config = ModelConfig.from_hf(config.model)
@@ -45,7 +45,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         # Tensor parallelism: the other ranks' workers start, every rank joins the group, then
         # each builds its own Rank in step (their startup forwards run collectives).
         tp = TensorParallel(0, config.tp_size)
-        self.ranks = Ranks.start(config, log_level, client_addr)
+        self.ranks = Ranks.start(config, log_level, client_addrs or [])
         try:
             self.rank = Rank(config, self.model_config, self.max_model_len, tp, self.ranks.init_method)
             self.ranks.attach(self.rank)
@@ -88,6 +88,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             req.finish(FINISH_ERROR, error=unavailable)
             return _final_delta(req, unavailable=True)
         error = prompt_error(req.prompt_token_ids, req.sampling_params, self.limits)
+        if error is None and self.scheduler.has(req.request_id):  # another API server's request
+            error = f"request id {req.request_id!r} is already running"
         if error is not None:
             req.finish(FINISH_ERROR, error=error)
             return _final_delta(req)
@@ -211,8 +213,13 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         return calls.PauseReply(paused=False)
 
     def abort_requests(self, call: calls.Abort) -> int:
-        """Abort the named requests (None: all); returns how many were found."""
-        deltas = self.abort(call.request_ids)
+        """Abort the named requests (None: all), with `samples` also their samples (id + SAMPLE_SEP
+        + i); returns how many were found."""
+        ids = call.request_ids
+        if ids is not None and call.samples:
+            names, samples = set(ids), tuple(rid + SAMPLE_SEP for rid in ids)
+            ids = [r for r in self.scheduler.request_ids() if r in names or r.startswith(samples)]
+        deltas = self.abort(ids)
         self.pending += deltas
         return len(deltas)
 

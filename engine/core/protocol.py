@@ -1,8 +1,8 @@
 """Messages between the clients (`Engine`, the HTTP server) and the `EngineCore` process.
 
-Two ZeroMQ IPC sockets carry them, msgspec-encoded: client -> core (PUSH/PULL) for requests and
-control calls (one struct per call: engine/core/calls.py), core -> client (PUSH/PULL) for token
-deltas and replies. Each message is a tagged struct so one decoder reads a union.
+Two ZeroMQ IPC sockets per client carry them, msgspec-encoded: client -> core (PUSH/PULL) for
+requests and control calls (one struct per call: engine/core/calls.py), core -> client (PUSH/PULL)
+for token deltas and replies (the engine's end of several clients: engine/core/client_pipes.py). Each message is a tagged struct so one decoder reads a union.
 """
 
 from __future__ import annotations
@@ -95,6 +95,13 @@ class Ready(msgspec.Struct, tag=True):
     state: EngineState
 
 
+class StateUpdate(msgspec.Struct, tag=True):
+    """The engine's state after a control call that another client made (several API server
+    processes: engine/core/client_pipes.py)."""
+
+    state: EngineState
+
+
 class Failed(msgspec.Struct, tag=True):
     """Sent when the core cannot start or dies; the client raises `EngineDeadError` with it."""
 
@@ -102,4 +109,4 @@ class Failed(msgspec.Struct, tag=True):
 
 
 ToCore = AddRequest | AbortRequests | Shutdown | ControlCall
-FromCore = StepOutputs | ControlReply | Ready | Failed
+FromCore = StepOutputs | ControlReply | StateUpdate | Ready | Failed

@@ -66,9 +66,9 @@ class Ranks:
         self._decoder = msgspec.msgpack.Decoder(rp.FromRank)
 
     @classmethod
-    def start(cls, config: EngineConfig, log_level: str = "INFO", client_addr: str | None = None) -> Ranks:
-        """Spawn the workers of ranks 1 .. tp_size - 1 (none at tp_size 1); `client_addr` is where
-        the watchdog reports a dead worker."""
+    def start(cls, config: EngineConfig, log_level: str = "INFO", client_addrs: list[str] | None = None) -> Ranks:
+        """Spawn the workers of ranks 1 .. tp_size - 1 (none at tp_size 1); `client_addrs` are where
+        the watchdog reports a dead worker (every client's from-core socket)."""
         ranks = cls(config.tp_size)
         if ranks.size == 1:
             return ranks
@@ -89,7 +89,7 @@ class Ranks:
             argv = [sys.executable, "-m", "engine.core.worker", str(r), str(ranks.size), ranks.init_method,
                     to_addr, from_addr, log_level, config_json]
             ranks._procs.append(subprocess.Popen(argv))
-        threading.Thread(target=ranks._watch, args=(client_addr,), name="siesta-rank-watchdog", daemon=True).start()
+        threading.Thread(target=ranks._watch, args=(client_addrs or [],), name="siesta-rank-watchdog", daemon=True).start()
         return ranks
 
     @property
@@ -166,7 +166,7 @@ class Ranks:
             time.sleep(0.05)
         return None
 
-    def _watch(self, client_addr: str | None) -> None:
+    def _watch(self, client_addrs: list[str]) -> None:
         while True:
             codes = [p.poll() for p in self._procs]
             if self._stopping:
@@ -177,14 +177,14 @@ class Ranks:
         rank, code = next((r, c) for r, c in enumerate(codes, start=1) if c is not None)
         error = f"engine died: tensor-parallel rank {rank} exited with code {code}"
         log.error("%s; rank 0 exits", error)
-        if client_addr is not None:
-            ctx = zmq.Context()
+        ctx = zmq.Context()
+        for addr in client_addrs:
             out = ctx.socket(zmq.PUSH)
             out.setsockopt(zmq.LINGER, 2000)
-            out.connect(client_addr)
+            out.connect(addr)
             out.send(msgspec.msgpack.encode(Failed(error=error)))
             out.close()
-            ctx.term()
+        ctx.term()
         for p in self._procs:
             if p.poll() is None:
                 p.kill()

@@ -64,6 +64,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has(self, request_id: str) -> bool:
+        """Whether an unfinished request has this id."""
+        return request_id in self._requests
+
     def request_ids(self) -> list[str]:
         """Ids of every unfinished request: running, then waiting."""
         return [r.request_id for r in (*self.running, *self.waiting)]
