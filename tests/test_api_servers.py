@@ -55,9 +55,12 @@ def _generate(http: httpx.Client, prompts: list[list[int]] = PROMPTS) -> list[di
     return r.json()
 
 
-def _requests_total(http: httpx.Client) -> float:
+def _counts(http: httpx.Client) -> dict[str, float]:
+    """Finished requests, first tokens and inter-token gaps that /metrics counts."""
     lines = http.get("/metrics").text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith("siesta_requests_total{"))
+    names = {"requests": "siesta_requests_total{", "first": "siesta_time_to_first_token_seconds_count ",
+             "gaps": "siesta_inter_token_latency_seconds_count "}
+    return {k: sum(float(line.split()[-1]) for line in lines if line.startswith(prefix)) for k, prefix in names.items()}
 
 
 def test_both_processes_serve_one_engine(server: ServerProcess, expected) -> None:
@@ -67,7 +70,7 @@ def test_both_processes_serve_one_engine(server: ServerProcess, expected) -> Non
         assert infos[0]["api_server"]["pid"] != infos[1]["api_server"]["pid"]
         assert infos[0]["api_server"]["pid"] == server.proc.pid  # process 0 is the one `siesta serve` started
         assert infos[0]["engine_pid"] == infos[1]["engine_pid"]
-        before = _requests_total(first)
+        before = _counts(first)
         outs: dict[str, list[dict]] = {}
         threads = [threading.Thread(target=lambda n=n, h=h: outs.__setitem__(n, _generate(h)))
                    for n, h in (("first", first), ("second", second))]
@@ -77,9 +80,11 @@ def test_both_processes_serve_one_engine(server: ServerProcess, expected) -> Non
             t.join(120)
         for name in ("first", "second"):
             assert [o["output_ids"] for o in outs[name]] == expected["old"], name
-        # /metrics on either process counts the requests of both (multiprocess metrics).
-        assert _requests_total(second) - before == 2 * len(PROMPTS)
-        assert _requests_total(first) == _requests_total(second)
+        # /metrics on either process counts the requests and tokens of both (multiprocess metrics).
+        after = _counts(second)
+        assert after == _counts(first)
+        n = 2 * len(PROMPTS)
+        assert {k: after[k] - before[k] for k in after} == {"requests": n, "first": n, "gaps": n * (N - 1)}
 
 
 def test_a_weight_update_through_one_process_shows_in_the_other(
