@@ -176,3 +176,12 @@ def demo_server(demo_dir: str, tmp_path_factory: pytest.TempPathFactory):
     server = ServerProcess(demo_dir, "--max-model-len", "512", log_path=log)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(request: pytest.FixtureRequest, qwen3_dir: str, qwen3_next_dir: str) -> dict[str, list[list[int]]]:
+    """transformers' greedy continuations of the test module's PROMPTS (N new tokens each) on
+    qwen3_dir ("old") and on qwen3_next_dir, which weight updates load ("new")."""
+    from oracle import greedy_before_after
+
+    return greedy_before_after(qwen3_dir, qwen3_next_dir, request.module.PROMPTS, request.module.N)

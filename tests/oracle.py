@@ -32,3 +32,8 @@ def greedy_of(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[
         )
         outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def greedy_before_after(old_dir: str, new_dir: str, prompts: list[list[int]], n: int) -> dict[str, list[list[int]]]:
+    """`hf_greedy` of the prompts on a checkpoint ("old") and on the one a weight update loads ("new")."""
+    return {"old": hf_greedy(old_dir, prompts, n), "new": hf_greedy(new_dir, prompts, n)}

@@ -69,6 +69,11 @@ class ServerProcess:
         self.log.close()
 
 
+def logged_server(model: str, logs: str, name: str, *args: str) -> ServerProcess:
+    """A server on `model` (context 512, extra flags `args`) whose log is `{logs}/{name}.log`."""
+    return ServerProcess(model, "--max-model-len", "512", *args, log_path=os.path.join(logs, f"{name}.log"))
+
+
 def stop_process(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL after 15 s; returns once the process is gone."""
     if proc.poll() is None:

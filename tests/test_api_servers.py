@@ -16,8 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from oracle import hf_greedy
-from server_util import ServerProcess
+from server_util import ServerProcess, logged_server
 
 PROMPTS = [[3, 17, 29, 41, 5], [7, 11, 13], [19, 23, 31, 37, 43, 47, 53]]
 N = 12
@@ -27,15 +26,9 @@ LONG = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    log = str(tmp_path_factory.mktemp("logs") / "api_servers.log")
-    proc = ServerProcess(qwen3_dir, "--max-model-len", "512", "--api-server-count", "2", log_path=log)
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "api_servers", "--api-server-count", "2")
     yield proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def expected(qwen3_dir: str, qwen3_next_dir: str) -> dict[str, list[list[int]]]:
-    return {"old": hf_greedy(qwen3_dir, PROMPTS, N), "new": hf_greedy(qwen3_next_dir, PROMPTS, N)}
 
 
 @contextlib.contextmanager

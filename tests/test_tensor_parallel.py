@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from oracle import hf_greedy, hf_named_parameters
-from server_util import BackgroundStream, ServerProcess, free_port
+from server_util import BackgroundStream, ServerProcess, free_port, logged_server
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine import Engine, EngineDeadError, SamplingParams
@@ -95,15 +95,9 @@ def test_each_rank_reads_only_its_slice(odd_vocab_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    log = str(tmp_path_factory.mktemp("logs") / "tp_server.log")
-    proc = ServerProcess(qwen3_dir, "--max-model-len", "512", "--tp-size", "2", log_path=log)
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "tp_server", "--tp-size", "2")
     yield proc
     proc.stop()
-
-
-@pytest.fixture(scope="module")
-def expected(qwen3_dir: str, qwen3_next_dir: str) -> dict[str, list[list[int]]]:
-    return {"old": hf_greedy(qwen3_dir, PROMPTS, N), "new": hf_greedy(qwen3_next_dir, PROMPTS, N)}
 
 
 def _generate(http: httpx.Client) -> list[list[int]]:

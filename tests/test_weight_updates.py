@@ -11,7 +11,7 @@ import threading
 import httpx
 import pytest
 import torch
-from oracle import hf_greedy, hf_named_parameters
+from oracle import hf_named_parameters
 from server_util import BackgroundStream, ServerProcess
 
 from engine import Engine, SamplingParams
@@ -20,11 +20,6 @@ from engine.errors import Forbidden, InvalidRequest
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 20]
 N = 12
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def expected(qwen3_dir: str, qwen3_next_dir: str) -> dict[str, list[list[int]]]:
-    return {"old": hf_greedy(qwen3_dir, PROMPTS, N), "new": hf_greedy(qwen3_next_dir, PROMPTS, N)}
 
 
 def _outputs(llm: Engine) -> list[list[int]]:
