@@ -22,6 +22,10 @@ Rules:
   section's wall time; each client process reports its own.
   A section with a client process above 90 % of a core is `invalid` (the load generator may have
   been the bottleneck: raise --client-procs).
+- `--rounds K`: each section (the Engine's too) runs K times, the modes interleaved (batched,
+  singles, streams, n8, batched, ...), and the round with the median tok/s is reported, with every
+  round's tok/s beside it (`rounds_tokens_per_s`): on a machine whose speed drifts by +-10 %
+  between runs, ratios of medians say what one round cannot.
 - Bounded: every request has `--request-timeout-s`; no section starts after `--deadline-s`; the
   server (its own session) is stopped in `finally`, on Ctrl-C and SIGTERM too. Loopback only.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -252,20 +257,30 @@ def engine_runs(args: argparse.Namespace, model: str, flags: list[str], work: di
             if time.perf_counter() - T0 > args.deadline_s:
                 say(f"engine N={n}: skipped (past --deadline-s)")
                 continue
-            llm.flush_cache()
-            before, cpu0, t = cpu_s(pid), time.process_time(), time.perf_counter()
-            outs = llm.generate(input_ids=prompts, sampling_params=sp)
-            wall = time.perf_counter() - t
-            tokens = sum(len(o.output_ids) for o in outs)
-            bad = [o for o in outs if o.finish_reason != "length" or len(o.output_ids) != args.output_len
-                   or len(o.output_token_logprobs or []) != args.output_len]
-            res["rl"].setdefault(str(n), {})["engine"] = {
-                "requests": n, "ok": n - len(bad), "failed": len(bad), "output_tokens": tokens,
-                "expected_output_tokens": n * args.output_len, "wall_s": wall, "tokens_per_s": tokens / wall,
-                "engine_cpu_pct": cpu_pct(before, cpu_s(pid), wall),
-                "client_cpu_pct_max": 100.0 * (time.process_time() - cpu0) / wall, "invalid": False}
-            say(f"engine N={n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+            runs = []
+            for _ in range(args.rounds):
+                llm.flush_cache()
+                before, cpu0, t = cpu_s(pid), time.process_time(), time.perf_counter()
+                outs = llm.generate(input_ids=prompts, sampling_params=sp)
+                wall = time.perf_counter() - t
+                tokens = sum(len(o.output_ids) for o in outs)
+                bad = [o for o in outs if o.finish_reason != "length" or len(o.output_ids) != args.output_len
+                       or len(o.output_token_logprobs or []) != args.output_len]
+                runs.append({
+                    "requests": n, "ok": n - len(bad), "failed": len(bad), "output_tokens": tokens,
+                    "expected_output_tokens": n * args.output_len, "wall_s": wall, "tokens_per_s": tokens / wall,
+                    "engine_cpu_pct": cpu_pct(before, cpu_s(pid), wall),
+                    "client_cpu_pct_max": 100.0 * (time.process_time() - cpu0) / wall, "invalid": False})
+                say(f"engine N={n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+            res["rl"].setdefault(str(n), {})["engine"] = median_section(runs)
             write_json(args.out, res)
+
+
+def median_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of a section's rounds, the one with the median tok/s (the lower of two middles), with every
+    round's tok/s beside it: a mode's ratio is of medians, so one slow round moves nothing."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dict[int, list[list[int]]],
@@ -281,14 +296,17 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
         warm = rl_specs("batched", work[min(work)][:16], sampling | {"max_new_tokens": 4}, args.client_procs)
         http_section(server, pool, *warm)  # untimed: the first request's one-time costs
         for n, batched_prompts in work.items():
-            for i, mode in enumerate(MODES):
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+            for _, (i, mode) in itertools.product(range(args.rounds), enumerate(MODES)):
                 if mode in args.skip or (mode == "n8" and n < SAMPLES) or time.perf_counter() - T0 > args.deadline_s:
                     continue
                 prompts = batched_prompts if mode == "batched" else random_prompts(
                     random.Random(args.seed * 7919 + n * 10 + i), n, args.input_len, vocab)
                 shares = rl_specs(mode, prompts, sampling, args.client_procs, SAMPLES)
                 profile = (args.py_spy, f"{os.path.splitext(args.out)[0]}.{mode}.{n}")
-                r = res["rl"].setdefault(str(n), {})[mode] = http_section(server, pool, *shares, profile=profile)
+                r = http_section(server, pool, *shares, profile=profile)
+                runs[mode].append(r)
+                res["rl"].setdefault(str(n), {})[mode] = median_section(runs[mode])
                 say(f"{mode} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
                     f"{r['tokens_per_s']:.0f} tok/s; {r['failed']} failed; CPU server {r['server_cpu_pct'] or 0:.0f} % "
                     f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
@@ -386,6 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument("--deadline-s", type=float, help="no section starts after this, seconds from the start (default 480)")
+    p.add_argument("--rounds", type=int, default=1, help="run each section this many times, modes interleaved "
+                   "(batched, singles, ..., batched, ...); report the median round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--py-spy", help="py-spy binary: sample the server and the engine during each RL section "
                    "(files beside --out: <out>.<mode>.<N>.<server|engine>.txt, collapsed stacks)")

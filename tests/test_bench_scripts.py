@@ -100,14 +100,16 @@ def test_bench_engine_keeps_the_names_other_scripts_import() -> None:
 
 def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     out = os.path.join(tmp_path, "serving.json")
-    args = ["--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out]
+    server_args = "--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256 --api-server-count 2"
+    args = ["--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out, "--rounds", "3",
+            "--server-args", server_args]
     p = _run(os.path.join("bench", "bench_serving.py"), *args, timeout=300)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
     assert res["errors"] == {}
     assert res["checkpoint"]["shape"]["vocab_size"] == 512
-    assert res["server"]["engine_pid"] > 0
+    assert res["server"]["engine_pid"] > 0 and res["server"]["api_server"]["count"] == 2
     sections = res["rl"]["8"]
     assert set(sections) == {"engine", "batched", "singles", "streams", "n8"}
     requests = {"engine": 8, "batched": 1, "singles": 8, "streams": 8, "n8": 1}
@@ -116,8 +118,11 @@ def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
         assert r["output_tokens"] == r["expected_output_tokens"] == 8 * 8, (mode, r)
         assert r["tokens_per_s"] > 0 and r["wall_s"] > 0
         assert r["engine_cpu_pct"] is not None and r["client_cpu_pct_max"] >= 0
+        rounds = sorted(r["rounds_tokens_per_s"])  # each mode ran 3 times; the median round is reported
+        assert len(rounds) == 3 and r["tokens_per_s"] == rounds[1], (mode, r)
         if mode != "engine":
             assert r["server_cpu_pct"] is not None and len(r["client_cpu_pct"]) == 2
+            assert 0 <= r["server_cpu_pct_max"] <= r["server_cpu_pct"]  # the busiest of the two API processes
     assert sections["streams"]["ttft_ms"]["p50"] > 0
     online = res["online"]
     assert online["requests"] == online["ok"] == 6 and online["failed"] == 0
