@@ -105,10 +105,6 @@ class ApiServers:
                     return
             time.sleep(WATCH_S)
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if p.pid is not None]
-
     def stop(self) -> None:
         """Stop the helpers (SIGTERM: uvicorn finishes what it serves), killed after STOP_TIMEOUT_S;
         then remove the metrics' directory."""

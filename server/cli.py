@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         died.append(why)
         uv.should_exit = True
 
-    helpers = ApiServers(config, server, client.pipes[1:], client.pid, metrics_dir) if metrics_dir else None
+    helpers = ApiServers(config, server, client.pipes[1:], client.pid, metrics_dir) if metrics_dir is not None else None
     app = build_app(client, server, on_death, before_shutdown=helpers.stop if helpers else None)
     uv = uvicorn.Server(uvicorn.Config(
         app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5

@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from engine.client.async_client import AsyncEngineClient
 from engine.client.output import GenerationOutput, LiveRequest, StepUpdate
-from engine.errors import EngineUnavailable, InvalidRequest
+from engine.errors import EngineUnavailable
 from server.errors import error_body
 from server.generation import Job
 from server.metrics import Metrics, RequestTracker
@@ -132,10 +132,9 @@ class EventStream(Response):
                     raise live.error
                 if live.ready:
                     update, out = live.take(), live.state.output
-                    if out.unavailable:
-                        raise EngineUnavailable(out.error or "the engine cannot serve now")
-                    if out.refused:
-                        raise InvalidRequest(out.error or "the engine refused the request")
+                    refusal = out.refusal()
+                    if refusal is not None:
+                        raise refusal
                     ended = ended or update.finished
                     batch.append((job, update, out))
                     self._outs[job.index] = out

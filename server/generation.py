@@ -94,10 +94,9 @@ async def _events(
     try:
         updates = client.generate(job.request_id, job.prompt_token_ids, job.params, False, tracker.on_tokens)
         async for update, out in updates:
-            if out.unavailable:
-                raise EngineUnavailable(out.error or "the engine cannot serve now")
-            if out.refused:
-                raise InvalidRequest(out.error or "the engine refused the request")
+            refusal = out.refusal()
+            if refusal is not None:
+                raise refusal
             if update.finished:
                 outcome = out.finish_reason or "abort"
             yield update, out

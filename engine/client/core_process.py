@@ -67,7 +67,7 @@ class CoreLink:
 
     def __init__(self, pipe: tuple[str, str], pid: int | None = None) -> None:
         self.pipe = pipe
-        self.engine_pid = pid
+        self.pid = pid  # the engine process's
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.LINGER, 0)
@@ -86,10 +86,6 @@ class CoreLink:
         link = cls(pipe, engine_pid)
         link.wait_ready()
         return link
-
-    @property
-    def pid(self) -> int | None:
-        return self.engine_pid
 
     def wait_ready(self) -> None:
         waited = 0.0
@@ -120,7 +116,7 @@ class CoreLink:
 
     def check_alive(self) -> bool:
         """False once the core has said it failed or its process has exited."""
-        if self.dead is None and self.engine_pid is not None and not _pid_alive(self.engine_pid):
+        if self.dead is None and self.pid is not None and not _pid_alive(self.pid):
             self.dead = "engine process exited"
         return self.dead is None
 
@@ -164,7 +160,7 @@ class CoreProcess(CoreLink):
         )
         with _memory_saver_hook(config):
             self.process.start()
-        self.engine_pid = self.process.pid
+        self.pid = self.process.pid
         self.wait_ready()
 
     def check_alive(self) -> bool:

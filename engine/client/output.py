@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from engine.client.detokenizer import IncrementalDetokenizer
 from engine.core.protocol import RequestDelta
+from engine.errors import EngineUnavailable, InvalidRequest
 from engine.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingParams
 
 
@@ -40,6 +41,15 @@ class GenerationOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def refusal(self) -> Exception | None:
+        """What a route raises for a request the engine refused at arrival: `EngineUnavailable`
+        (503) while it cannot serve, `InvalidRequest` (400) otherwise; None for any other output."""
+        if self.unavailable:
+            return EngineUnavailable(self.error or "the engine cannot serve now")
+        if self.refused:
+            return InvalidRequest(self.error or "the engine refused the request")
+        return None
 
 
 @dataclass(slots=True)

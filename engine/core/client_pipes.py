@@ -15,13 +15,19 @@ With one client nothing is routed: every message goes to its one outbox.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import msgspec
 import zmq
 
 from engine.core.availability import EngineState
-from engine.core.protocol import FromCore, RequestDelta, StateUpdate, StepOutputs, ToCore
+from engine.core.protocol import (
+    FromCore,
+    RequestDelta,
+    StateUpdate,
+    StepOutputs,
+    ToCore,
+    connect_pipes,
+)
 
 
 class ClientPipes:
@@ -32,11 +38,7 @@ class ClientPipes:
         self.outboxes: list[zmq.Socket] = []
         self.poller = zmq.Poller()
         for in_addr, out_addr in pipes:
-            inbox = self.ctx.socket(zmq.PULL)
-            inbox.connect(in_addr)
-            outbox = self.ctx.socket(zmq.PUSH)
-            outbox.setsockopt(zmq.LINGER, 2000)  # a last Failed still goes out
-            outbox.connect(out_addr)
+            _, inbox, outbox = connect_pipes(in_addr, out_addr, self.ctx)
             self.poller.register(inbox, zmq.POLLIN)
             self.inboxes.append(inbox)
             self.outboxes.append(outbox)
@@ -84,16 +86,13 @@ class ClientPipes:
         if not self.routed:
             self.send(0, StepOutputs(deltas=deltas))
             return
-        for client, own in self._by_owner(deltas):
-            self.send(client, StepOutputs(deltas=own))
-
-    def _by_owner(self, deltas: list[RequestDelta]) -> Iterator[tuple[int, list[RequestDelta]]]:
         groups: dict[int, list[RequestDelta]] = {}
         owner = self._owner
-        for d in deltas:
+        for d in deltas:  # a finished request is forgotten
             client = owner.pop(d.request_id, 0) if d.finished else owner.get(d.request_id, 0)
             groups.setdefault(client, []).append(d)
-        return iter(groups.items())
+        for client, own in groups.items():
+            self.send(client, StepOutputs(deltas=own))
 
     def state_to_others(self, caller: int, state: EngineState) -> None:
         """The engine state after a control call, to every client but its caller (whose reply

@@ -45,7 +45,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         # Tensor parallelism: the other ranks' workers start, every rank joins the group, then
         # each builds its own Rank in step (their startup forwards run collectives).
         tp = TensorParallel(0, config.tp_size)
-        self.ranks = Ranks.start(config, log_level, client_addrs or [])
+        self.ranks = Ranks.start(config, log_level, client_addrs)
         try:
             self.rank = Rank(config, self.model_config, self.max_model_len, tp, self.ranks.init_method)
             self.ranks.attach(self.rank)

@@ -17,11 +17,13 @@ from engine.core.calls import ControlCall
 from engine.request import SamplingParams
 
 
-def connect_pipes(in_addr: str, out_addr: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
-    """A child process's end of its two sockets (the engine process, a tensor-parallel worker):
-    (context, inbox PULL from in_addr, outbox PUSH to out_addr, lingering 2 s at close so a last
-    Failed reply still goes out)."""
-    ctx = zmq.Context()
+def connect_pipes(
+    in_addr: str, out_addr: str, ctx: zmq.Context | None = None
+) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """A child process's end of two sockets (the engine process, for each client; a
+    tensor-parallel worker): (context, given or new, inbox PULL from in_addr, outbox PUSH to
+    out_addr, lingering 2 s at close so a last Failed reply still goes out)."""
+    ctx = ctx or zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(in_addr)
     outbox = ctx.socket(zmq.PUSH)
