@@ -2,12 +2,14 @@
 transformers, for every architecture (tied and untied embeddings, q/k/v biases, one KV head
 replicated across ranks, a vocabulary the ranks split unevenly); the loader reading only each
 rank's slice; release/resume and every weight update on both ranks over HTTP, all or nothing;
-a killed rank."""
+a killed rank, which leaves no socket behind."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -28,6 +30,11 @@ PROMPTS = [[5, 9, 13, 200, 7], [7] * 20, list(range(30, 70))]
 N = 16
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True, logprobs=True)
 KNOBS = dict(device="cpu", dtype="float32", max_model_len=512)
+
+
+def _rank_socket_dirs() -> set[str]:
+    """The ranks' socket directories anywhere under the temporary directory (engine/core/ranks.py)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "**", "siesta-tp-*"), recursive=True))
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +236,10 @@ def test_weights_checker_checks_every_rank(server: ServerProcess, qwen3_dir: str
 
 
 def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
+    before = _rank_socket_dirs()
     server = ServerProcess(qwen3_dir, "--max-model-len", "512", "--tp-size", "2")
     try:
+        assert _rank_socket_dirs() - before  # the ranks' sockets exist while they run
         info = httpx.get(f"{server.url}/get_server_info").json()
         worker, engine = info["tp_worker_pids"][0], info["engine_pid"]
         stream = BackgroundStream(server.url, {"input_ids": PROMPTS[1], "stream": True,
@@ -248,15 +257,20 @@ def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
         server.proc.wait(timeout=15)
         assert server.proc.returncode not in (0, None)
         assert not os.path.exists(f"/proc/{engine}") or "Z" in open(f"/proc/{engine}/stat").read().split()[2]
+        # Rank 0 died without closing its sockets: the server removed them with its own.
+        assert _rank_socket_dirs() == before
     finally:
         server.stop()
 
 
 def test_engine_api_raises_when_a_rank_dies(qwen3_dir: str) -> None:
+    before = _rank_socket_dirs()
     with Engine(model=qwen3_dir, tp_size=2, **KNOBS) as llm:
+        assert _rank_socket_dirs() - before
         os.kill(llm.get_server_info()["tp_worker_pids"][0], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="rank 1"):
             for _ in range(100):
                 llm.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert time.monotonic() - t0 < 15
+    assert _rank_socket_dirs() == before

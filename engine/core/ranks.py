@@ -53,6 +53,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _socket_dir(client_addrs: list[str]) -> str | None:
+    """The directory of the clients' IPC sockets (None: the system's temporary one). The ranks'
+    sockets go in it, so the client that made it removes them with its own, even after this
+    process was killed (engine/client/core_process.py `CoreProcess.close`)."""
+    paths = [a.removeprefix("ipc://") for a in client_addrs if a.startswith("ipc://")]
+    return os.path.dirname(paths[0]) if paths else None
+
+
 class Ranks:
     def __init__(self, size: int) -> None:
         self.size = size
@@ -72,7 +80,7 @@ class Ranks:
         ranks = cls(config.tp_size)
         if ranks.size == 1:
             return ranks
-        ranks._dir = tempfile.mkdtemp(prefix="siesta-tp-")
+        ranks._dir = tempfile.mkdtemp(prefix="siesta-tp-", dir=_socket_dir(client_addrs or []))
         ranks._ctx = zmq.Context()
         ranks._from = ranks._ctx.socket(zmq.PULL)
         from_addr = f"ipc://{os.path.join(ranks._dir, 'from_ranks')}"
