@@ -95,7 +95,7 @@ class AsyncEngineClient:
     @property
     def pipes(self) -> list[tuple[str, str]]:
         """Every client's socket addresses, when this client started the engine (else its own)."""
-        return getattr(self._core, "pipes", [self._core.pipe])
+        return self._core.pipes
 
     @property
     def dead(self) -> str | None:

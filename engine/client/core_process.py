@@ -67,6 +67,9 @@ class CoreLink:
 
     def __init__(self, pipe: tuple[str, str], pid: int | None = None) -> None:
         self.pipe = pipe
+        # The socket addresses of every client this link knows: its own; all of them where this
+        # process started the engine (CoreProcess).
+        self.pipes = [pipe]
         self.pid = pid  # the engine process's
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
@@ -152,9 +155,10 @@ class CoreProcess(CoreLink):
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO", num_clients: int = 1) -> None:
         self._dir = tempfile.mkdtemp(prefix="siesta-")
-        self.pipes = [(f"ipc://{os.path.join(self._dir, f'to_core{i}')}", f"ipc://{os.path.join(self._dir, f'from_core{i}')}")
-                      for i in range(num_clients)]
-        super().__init__(self.pipes[0])
+        pipes = [(f"ipc://{os.path.join(self._dir, f'to_core{i}')}", f"ipc://{os.path.join(self._dir, f'from_core{i}')}")
+                 for i in range(num_clients)]
+        super().__init__(pipes[0])
+        self.pipes = pipes
         self.process = mp.get_context("spawn").Process(
             target=run_engine_core, args=(config, self.pipes, log_level), name="siesta-engine", daemon=True
         )
