@@ -3,7 +3,10 @@ memory, by TMA, one phase ahead) shorten a chain of one-row GEMV phases? A Gluon
 (one program per SM) runs LAYERS x 4 phases shaped as the 0.6B layer kernel's at one row (per
 program: qkv 64 KB, o_proj 32 KB, gate_up 96 KB, down 48 KB; 128 programs with an item, ~30 MB a
 layer), a grid barrier between phases, x read after each barrier. AHEAD=0: each phase's TMA
-loads are issued after its barrier; AHEAD=1: after the phase two before it has read the buffer.
+loads are issued after its barrier; AHEAD=1: after the phase two before it has read the buffer
+(two buffers: one phase ahead). COMPUTE=0 skips the products, BARRIER=0 the grid barriers; each
+combination runs in one process beside a copy that gives the bandwidth floor. Results:
+bench/RESULTS.md, twenty-fourth session.
 
     python3 bench/probe_phase_weights.py --layers 28
 """
@@ -26,8 +29,10 @@ NB = (4, 2, 6, 3)  # boxes of BOX columns per item: qkv, o, gate_up, down
 
 
 @gluon.jit
-def _barrier(bar_ptr, FIRST_ADD: gl.constexpr):
+def _barrier(bar_ptr, FIRST_ADD: gl.constexpr, BARRIER: gl.constexpr = True):
     gl.thread_barrier()
+    if not BARRIER:
+        return
     add = 1
     if gl.program_id(0) == 0:
         add = FIRST_ADD
@@ -49,10 +54,13 @@ def _issue(desc, layer, smem, bars, b: gl.constexpr, N: gl.constexpr):
 
 
 @gluon.jit
-def _compute(smem, bars, b: gl.constexpr, parity: gl.constexpr, N: gl.constexpr, x_ptr, y_ptr, layout: gl.constexpr):
+def _compute(smem, bars, b: gl.constexpr, parity: gl.constexpr, N: gl.constexpr, x_ptr, y_ptr, layout: gl.constexpr,
+             COMPUTE: gl.constexpr = True):
     pid = gl.program_id(0)
     if pid < ITEMS:
         mbarrier.wait(bars.index(b), parity)
+        if not COMPUTE:
+            return
         acc = gl.zeros([BN], gl.float32, gl.SliceLayout(1, layout))
         ks = gl.arange(0, BOX, layout=gl.SliceLayout(0, layout))
         for j in gl.static_range(N):
@@ -64,6 +72,7 @@ def _compute(smem, bars, b: gl.constexpr, parity: gl.constexpr, N: gl.constexpr,
 
 @gluon.jit
 def probe_kernel(dq, do, dg, dd, x_ptr, y_ptr, bar_ptr, LAYERS, AHEAD: gl.constexpr, FIRST_ADD: gl.constexpr,
+                 COMPUTE: gl.constexpr, BARRIER: gl.constexpr,
                  SMEM_LAYOUT: gl.constexpr, NQ: gl.constexpr, NO: gl.constexpr, NG: gl.constexpr, ND: gl.constexpr):  # fmt: skip
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NBMAX, BN, BOX], SMEM_LAYOUT)
@@ -75,35 +84,35 @@ def probe_kernel(dq, do, dg, dd, x_ptr, y_ptr, bar_ptr, LAYERS, AHEAD: gl.conste
         _issue(do, 0, smem, bars, 1, NO)
     for layer in range(LAYERS):
         # phase 0 (qkv, buffer 0, its first use this layer: parity 0)
-        _barrier(bar_ptr, FIRST_ADD)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
         if not AHEAD:
             _issue(dq, layer, smem, bars, 0, NQ)
-        _compute(smem, bars, 0, 0, NQ, x_ptr, y_ptr, layout)
+        _compute(smem, bars, 0, 0, NQ, x_ptr, y_ptr, layout, COMPUTE)
         gl.thread_barrier()
         if AHEAD:
             _issue(dg, layer, smem, bars, 0, NG)
         # phase 1 (o_proj, buffer 1, parity 0)
-        _barrier(bar_ptr, FIRST_ADD)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
         if not AHEAD:
             _issue(do, layer, smem, bars, 1, NO)
-        _compute(smem, bars, 1, 0, NO, x_ptr, y_ptr, layout)
+        _compute(smem, bars, 1, 0, NO, x_ptr, y_ptr, layout, COMPUTE)
         gl.thread_barrier()
         if AHEAD:
             _issue(dd, layer, smem, bars, 1, ND)
         # phase 2 (gate_up, buffer 0, parity 1)
-        _barrier(bar_ptr, FIRST_ADD)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
         if not AHEAD:
             _issue(dg, layer, smem, bars, 0, NG)
-        _compute(smem, bars, 0, 1, NG, x_ptr, y_ptr, layout)
+        _compute(smem, bars, 0, 1, NG, x_ptr, y_ptr, layout, COMPUTE)
         gl.thread_barrier()
         if AHEAD:
             if layer + 1 < LAYERS:
                 _issue(dq, layer + 1, smem, bars, 0, NQ)
         # phase 3 (down, buffer 1, parity 1)
-        _barrier(bar_ptr, FIRST_ADD)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
         if not AHEAD:
             _issue(dd, layer, smem, bars, 1, ND)
-        _compute(smem, bars, 1, 1, ND, x_ptr, y_ptr, layout)
+        _compute(smem, bars, 1, 1, ND, x_ptr, y_ptr, layout, COMPUTE)
         gl.thread_barrier()
         if AHEAD:
             if layer + 1 < LAYERS:
@@ -126,9 +135,10 @@ def main() -> None:
     nbytes = sum(w.numel() * 2 for w in ws)
     bw_src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     bw_dst = torch.empty_like(bw_src)
-    for ahead in (0, 1, 0, 1):
+    for ahead, compute, barrier in ((0, 1, 1), (1, 1, 1), (0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 0), (1, 0, 0), (0, 1, 1), (1, 1, 1)):
         def run() -> None:
             probe_kernel[(P,)](*descs, x, y, bar, args.layers, AHEAD=ahead, FIRST_ADD=2**31 - (P - 1), SMEM_LAYOUT=layout,  # noqa: B023
+                               COMPUTE=compute, BARRIER=barrier,  # noqa: B023
                                NQ=NB[0], NO=NB[1], NG=NB[2], ND=NB[3], num_warps=4, launch_cooperative_grid=True)  # fmt: skip
         run()
         torch.cuda.synchronize()
@@ -146,7 +156,7 @@ def main() -> None:
         end.synchronize()
         copy_bw = 2 * bw_src.numel() * 5 / (start.elapsed_time(end) / 1e3)
         floor = nbytes / copy_bw * 1e6
-        print(f"AHEAD={ahead}: {us:.1f} us for {args.layers} layers = {us / args.layers:.2f} us a layer "
+        print(f"AHEAD={ahead} COMPUTE={compute} BARRIER={barrier}: {us:.1f} us for {args.layers} layers = {us / args.layers:.2f} us a layer "
               f"({nbytes / args.layers / 1e6:.1f} MB); copy floor {floor / args.layers:.2f} us a layer; y[0]={y[0].item():.3f}")
 
 
