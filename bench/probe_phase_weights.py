@@ -71,6 +71,22 @@ def _compute(smem, bars, b: gl.constexpr, parity: gl.constexpr, N: gl.constexpr,
 
 
 @gluon.jit
+def _phase(bar_ptr, d_now, layer, d_ahead, layer_ahead, ahead_ok, smem, bars, x_ptr, y_ptr,
+           b: gl.constexpr, parity: gl.constexpr, N: gl.constexpr, N_AHEAD: gl.constexpr, layout: gl.constexpr,
+           AHEAD: gl.constexpr, COMPUTE: gl.constexpr, BARRIER: gl.constexpr, FIRST_ADD: gl.constexpr):  # fmt: skip
+    # One phase on buffer b: the barrier, its weights (issued now, or two phases ago), the
+    # products; then (AHEAD) the weights of the phase two later into the buffer just read.
+    _barrier(bar_ptr, FIRST_ADD, BARRIER)
+    if not AHEAD:
+        _issue(d_now, layer, smem, bars, b, N)
+    _compute(smem, bars, b, parity, N, x_ptr, y_ptr, layout, COMPUTE)
+    gl.thread_barrier()
+    if AHEAD:
+        if ahead_ok:
+            _issue(d_ahead, layer_ahead, smem, bars, b, N_AHEAD)
+
+
+@gluon.jit
 def probe_kernel(dq, do, dg, dd, x_ptr, y_ptr, bar_ptr, LAYERS, AHEAD: gl.constexpr, FIRST_ADD: gl.constexpr,
                  COMPUTE: gl.constexpr, BARRIER: gl.constexpr,
                  SMEM_LAYOUT: gl.constexpr, NQ: gl.constexpr, NO: gl.constexpr, NG: gl.constexpr, ND: gl.constexpr):  # fmt: skip
@@ -83,40 +99,12 @@ def probe_kernel(dq, do, dg, dd, x_ptr, y_ptr, bar_ptr, LAYERS, AHEAD: gl.conste
         _issue(dq, 0, smem, bars, 0, NQ)
         _issue(do, 0, smem, bars, 1, NO)
     for layer in range(LAYERS):
-        # phase 0 (qkv, buffer 0, its first use this layer: parity 0)
-        _barrier(bar_ptr, FIRST_ADD, BARRIER)
-        if not AHEAD:
-            _issue(dq, layer, smem, bars, 0, NQ)
-        _compute(smem, bars, 0, 0, NQ, x_ptr, y_ptr, layout, COMPUTE)
-        gl.thread_barrier()
-        if AHEAD:
-            _issue(dg, layer, smem, bars, 0, NG)
-        # phase 1 (o_proj, buffer 1, parity 0)
-        _barrier(bar_ptr, FIRST_ADD, BARRIER)
-        if not AHEAD:
-            _issue(do, layer, smem, bars, 1, NO)
-        _compute(smem, bars, 1, 0, NO, x_ptr, y_ptr, layout, COMPUTE)
-        gl.thread_barrier()
-        if AHEAD:
-            _issue(dd, layer, smem, bars, 1, ND)
-        # phase 2 (gate_up, buffer 0, parity 1)
-        _barrier(bar_ptr, FIRST_ADD, BARRIER)
-        if not AHEAD:
-            _issue(dg, layer, smem, bars, 0, NG)
-        _compute(smem, bars, 0, 1, NG, x_ptr, y_ptr, layout, COMPUTE)
-        gl.thread_barrier()
-        if AHEAD:
-            if layer + 1 < LAYERS:
-                _issue(dq, layer + 1, smem, bars, 0, NQ)
-        # phase 3 (down, buffer 1, parity 1)
-        _barrier(bar_ptr, FIRST_ADD, BARRIER)
-        if not AHEAD:
-            _issue(dd, layer, smem, bars, 1, ND)
-        _compute(smem, bars, 1, 1, ND, x_ptr, y_ptr, layout, COMPUTE)
-        gl.thread_barrier()
-        if AHEAD:
-            if layer + 1 < LAYERS:
-                _issue(do, layer + 1, smem, bars, 1, NO)
+        more = layer + 1 < LAYERS
+        # (weights, buffer, its use this layer = the mbarrier parity): qkv 0/0, o 1/0, gate_up 0/1, down 1/1
+        _phase(bar_ptr, dq, layer, dg, layer, True, smem, bars, x_ptr, y_ptr, 0, 0, NQ, NG, layout, AHEAD, COMPUTE, BARRIER, FIRST_ADD)
+        _phase(bar_ptr, do, layer, dd, layer, True, smem, bars, x_ptr, y_ptr, 1, 0, NO, ND, layout, AHEAD, COMPUTE, BARRIER, FIRST_ADD)
+        _phase(bar_ptr, dg, layer, dq, layer + 1, more, smem, bars, x_ptr, y_ptr, 0, 1, NG, NQ, layout, AHEAD, COMPUTE, BARRIER, FIRST_ADD)
+        _phase(bar_ptr, dd, layer, do, layer + 1, more, smem, bars, x_ptr, y_ptr, 1, 1, ND, NO, layout, AHEAD, COMPUTE, BARRIER, FIRST_ADD)
 
 
 def main() -> None:
