@@ -66,9 +66,8 @@ class CoreLink:
     attaches to the same engine with `CoreLink.attach`."""
 
     def __init__(self, pipe: tuple[str, str], pid: int | None = None) -> None:
-        self.pipe = pipe
-        # The socket addresses of every client this link knows: its own; all of them where this
-        # process started the engine (CoreProcess).
+        # The socket addresses of every client this link knows, its own first: all of them where
+        # this process started the engine (CoreProcess).
         self.pipes = [pipe]
         self.pid = pid  # the engine process's
         self._ctx = zmq.Context()
