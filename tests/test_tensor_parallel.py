@@ -33,8 +33,10 @@ KNOBS = dict(device="cpu", dtype="float32", max_model_len=512)
 
 
 def _rank_socket_dirs() -> set[str]:
-    """The ranks' socket directories anywhere under the temporary directory (engine/core/ranks.py)."""
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "**", "siesta-tp-*"), recursive=True))
+    """The ranks' socket directories (engine/core/ranks.py): in a client's socket directory, or
+    (without one) in the temporary directory itself."""
+    tmp = tempfile.gettempdir()
+    return {*glob.glob(os.path.join(tmp, "siesta-tp-*")), *glob.glob(os.path.join(tmp, "siesta-*", "siesta-tp-*"))}
 
 
 @pytest.fixture(scope="module")
