@@ -77,19 +77,19 @@ def _issue_w(s, layer0, wo, wg, wd, wq, w_smem, w_bars, RING: gl.constexpr, CK: 
     if s < per_layer * NL:
         bar = w_bars.index(s % RING)
         layer = layer0 + s // per_layer
-        s = s % per_layer
+        r = s % per_layer
         dst = w_smem.index(s % RING)
         mbarrier.expect(bar, 32 * CK * 2)
-        if s < n_o:  # item (tile pid // 4, K split pid % 4)
-            tma.async_copy_global_to_shared(wo, [layer * HID + (pid // 4) * 32, (pid % 4) * (NH_D // 4) + s * CK], bar, dst)
-        elif s < n_o + n_g:  # gate, up, gate, ... per K chunk
-            j = s - n_o
+        if r < n_o:  # item (tile pid // 4, K split pid % 4)
+            tma.async_copy_global_to_shared(wo, [layer * HID + (pid // 4) * 32, (pid % 4) * (NH_D // 4) + r * CK], bar, dst)
+        elif r < n_o + n_g:  # gate, up, gate, ... per K chunk
+            j = r - n_o
             tma.async_copy_global_to_shared(wg, [layer * 2 * INTER + (j % 2) * INTER + pid * 32, (j // 2) * CK], bar, dst)
-        elif s < n_o + n_g + n_d:
-            j = s - n_o - n_g
+        elif r < n_o + n_g + n_d:
+            j = r - n_o - n_g
             tma.async_copy_global_to_shared(wd, [layer * HID + (pid // 4) * 32, (pid % 4) * (INTER // 4) + j * CK], bar, dst)
         else:
-            j = s - n_o - n_g - n_d
+            j = r - n_o - n_g - n_d
             tma.async_copy_global_to_shared(wq, [layer * QKV + pid * 32, j * CK], bar, dst)
 
 
