@@ -3,13 +3,16 @@ in a Gluon persistent kernel whose weights stream through a shared-memory ring b
 as far ahead as the ring holds: across the grid barriers, and at the launch's start before its
 PDL wait. Each phase after its barrier only waits for x ([64, K] from L2, TMA) and runs wgmma.
 Compared with engine/models/batch_kernel.py, whose tl.dot phases each start their weight reads
-after their barrier (bench/RESULTS.md: 15.9 us of GEMV phases and ~5.4 us of barriers a launch).
+after their barrier (bench/RESULTS.md: ~15.9 us of GEMV phases and ~5.4 us of barriers a launch).
 
-One launch per layer, PDL between launches, six grid barriers per launch as the real kernel has
-(two stand in for its norm phases, which this probe leaves out). Items as the real kernel deals
-them: tiles of 32 output columns; K splits o_proj 4, down 4 (fp32 partials), gate_up and qkv 1.
-RING chunks of [32, CK] bf16 per program, x in XS chunks of [64, CK]; LAG overlaps each chunk's
-MMAs with the next chunk's issue. BARRIER 0 drops the grid barriers (timing only).
+Six grid barriers per layer as the real kernel has (two stand in for its norm phases, which this
+probe leaves out). Items as the real kernel deals them: tiles of 32 output columns; K splits
+o_proj 4, down 4 (fp32 partials), gate_up and qkv 1. Each variant is RING,XS,CK,LAG,BARRIER,NL:
+RING weight chunks of [32, CK] bf16 and XS x chunks of [64, CK] per program; LAG frees each
+chunk's slots one chunk late, so its MMAs overlap the next chunk's issue; BARRIER 0 drops the
+grid barriers (timing only); NL layers a launch, the ring running on across them (1: one launch
+per layer, PDL between launches, as the engine must launch with attention between). The last
+layer's outputs are checked against torch. Results: bench/RESULTS.md, twenty-fifth session.
 
     python3 bench/probe_batch_stream.py --layers 28
 """
