@@ -23,6 +23,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from probe_phase_weights import grid_barrier
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -46,17 +47,8 @@ def _asm(code: gl.constexpr):
 
 
 @gluon.jit
-def _grid_barrier(bar_ptr, FIRST_ADD: gl.constexpr, BARRIER: gl.constexpr):
-    gl.thread_barrier()
-    if BARRIER:
-        add = 1
-        if gl.program_id(0) == 0:
-            add = FIRST_ADD
-        old = gl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
-        cur = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [bar_ptr], dtype=gl.int32, is_pure=False, pack=1)
-        while (old ^ cur) >= 0:
-            cur = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [bar_ptr], dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
+def _barrier(bar_ptr, FIRST_ADD: gl.constexpr, BARRIER: gl.constexpr):
+    grid_barrier(bar_ptr, FIRST_ADD, BARRIER)
     _asm("fence.proxy.async.global; // $0 $1")  # TMA reads what other programs stored before the barrier
 
 
@@ -189,18 +181,18 @@ def stream_kernel(wo, wg, wd, wq, xa, xn, xact, act_ptr, o_ptr, d_ptr, q_ptr, ba
         # o_proj: item (tile pid // 4, K split pid % 4) -> o_part[c] [64, HID] fp32
         used, xc = _phase(xa, (pid % 4) * (NH_D // 4), n_o, used, xc, layer, wo, wg, wd, wq, w_smem, w_bars, x_smem, x_bars,
                           o_ptr + (pid % 4) * 64 * HID, (pid // 4) * 32, HID, mma, RING, XS, CK, False, LAG, NL)
-        _grid_barrier(bar_ptr, FIRST_ADD, BARRIER)
-        _grid_barrier(bar_ptr, FIRST_ADD, BARRIER)  # (the norm phase)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)  # (the norm phase)
         used, xc = _phase(xn, 0, n_g // 2, used, xc, layer, wo, wg, wd, wq, w_smem, w_bars, x_smem, x_bars,
                           act_ptr, pid * 32, INTER, mma, RING, XS, CK, True, LAG, NL)
-        _grid_barrier(bar_ptr, FIRST_ADD, BARRIER)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
         used, xc = _phase(xact, (pid % 4) * (INTER // 4), n_d, used, xc, layer, wo, wg, wd, wq, w_smem, w_bars, x_smem, x_bars,
                           d_ptr + (pid % 4) * 64 * HID, (pid // 4) * 32, HID, mma, RING, XS, CK, False, LAG, NL)
-        _grid_barrier(bar_ptr, FIRST_ADD, BARRIER)
-        _grid_barrier(bar_ptr, FIRST_ADD, BARRIER)  # (the norm phase)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)  # (the norm phase)
         used, xc = _phase(xn, 0, n_q, used, xc, layer, wo, wg, wd, wq, w_smem, w_bars, x_smem, x_bars,
                           q_ptr, pid * 32, QKV, mma, RING, XS, CK, False, LAG, NL)
-        _grid_barrier(bar_ptr, FIRST_ADD, BARRIER)  # (before the rope phase)
+        _barrier(bar_ptr, FIRST_ADD, BARRIER)  # (before the rope phase)
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ NB = (4, 2, 6, 3)  # boxes of BOX columns per item: qkv, o, gate_up, down
 
 
 @gluon.jit
-def _barrier(bar_ptr, FIRST_ADD: gl.constexpr, BARRIER: gl.constexpr = True):
+def grid_barrier(bar_ptr, FIRST_ADD: gl.constexpr, BARRIER: gl.constexpr = True):
+    # engine/models/grid_phases.py's grid barrier (every program resident), skipped if not BARRIER.
     gl.thread_barrier()
     if not BARRIER:
         return
@@ -76,7 +77,7 @@ def _phase(bar_ptr, d_now, layer, d_ahead, layer_ahead, ahead_ok, smem, bars, x_
            AHEAD: gl.constexpr, COMPUTE: gl.constexpr, BARRIER: gl.constexpr, FIRST_ADD: gl.constexpr):  # fmt: skip
     # One phase on buffer b: the barrier, its weights (issued now, or two phases ago), the
     # products; then (AHEAD) the weights of the phase two later into the buffer just read.
-    _barrier(bar_ptr, FIRST_ADD, BARRIER)
+    grid_barrier(bar_ptr, FIRST_ADD, BARRIER)
     if not AHEAD:
         _issue(d_now, layer, smem, bars, b, N)
     _compute(smem, bars, b, parity, N, x_ptr, y_ptr, layout, COMPUTE)
