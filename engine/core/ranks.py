@@ -80,7 +80,8 @@ class Ranks:
         ranks = cls(config.tp_size)
         if ranks.size == 1:
             return ranks
-        ranks._dir = tempfile.mkdtemp(prefix="siesta-tp-", dir=_socket_dir(client_addrs or []))
+        client_addrs = client_addrs or []
+        ranks._dir = tempfile.mkdtemp(prefix="siesta-tp-", dir=_socket_dir(client_addrs))
         ranks._ctx = zmq.Context()
         ranks._from = ranks._ctx.socket(zmq.PULL)
         from_addr = f"ipc://{os.path.join(ranks._dir, 'from_ranks')}"
@@ -97,7 +98,7 @@ class Ranks:
             argv = [sys.executable, "-m", "engine.core.worker", str(r), str(ranks.size), ranks.init_method,
                     to_addr, from_addr, log_level, config_json]
             ranks._procs.append(subprocess.Popen(argv))
-        threading.Thread(target=ranks._watch, args=(client_addrs or [],), name="siesta-rank-watchdog", daemon=True).start()
+        threading.Thread(target=ranks._watch, args=(client_addrs,), name="siesta-rank-watchdog", daemon=True).start()
         return ranks
 
     @property
