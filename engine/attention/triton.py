@@ -60,6 +60,8 @@ class TritonBackend(AttentionBackend):
         rows = max((b * self.num_splits(b) for b in range(1, max_num_seqs + 1) if self.num_splits(b) > 1), default=1)
         self._part_out = torch.empty(rows * num_heads * self.head_dim, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        self._counts = torch.zeros(max_num_seqs * self.num_kv_heads, dtype=torch.int32, device=device)
+        self._merge = False
         self._graph_max_bs = 0
 
     def num_splits(self, batch: int) -> int:
@@ -123,7 +125,7 @@ class TritonBackend(AttentionBackend):
         td.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
-            query_start_loc=meta.query_start_loc if mixed else None,
+            query_start_loc=meta.query_start_loc if mixed else None, counts=self._counts if self._merge else None,
         )  # fmt: skip
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------

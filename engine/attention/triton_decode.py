@@ -47,6 +47,41 @@ def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def merge_splits(
+    part_out_ptr, part_lse_ptr, count_ptr, out_ptr,
+    base,  # [BLOCK_H] index of each head's split 0 in the partials
+    out_off,  # [BLOCK_H] element offset of each head's output row
+    h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    # Called by every split after it stored its partial: the last of the num_valid splits to
+    # arrive merges them all into out and zeroes the counter for the next launch. Release on
+    # arrival, acquire by the merger, CTA barriers around the counter, partials read from L2.
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == num_valid - 1:
+        tl.debug_barrier()
+        tl.store(count_ptr, 0)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for s in range(0, num_valid):
+            lse = tl.load(part_lse_ptr + base + s, mask=h_mask, other=0.0, cache_modifier=".cg")
+            part = tl.load(
+                part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m, lse)
+            scale = tl.exp2(m - m_new)  # 0 on the first split
+            w = tl.exp2(lse - m_new)
+            acc = acc * scale[:, None] + w[:, None] * part
+            total = total * scale + w
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
 @Launcher
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "mixed"])
 def _decode_kernel(
@@ -64,10 +99,12 @@ def _decode_kernel(
     stride_cblk, stride_ctok, stride_chead, stride_bt,
     qsl_ptr,  # [B + 1] int32, read when mixed: sequence seq's query is token row qsl[seq], if it has one
     mixed,  # 1: a mixed step (decode_attention's query_start_loc); a runtime flag, one variant
+    count_ptr,  # [B, Hkv] int32, zero between launches (MERGE): splits of (seq, kv_head) done
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (tl.dot's smallest M)
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, LINE: tl.constexpr = 64,
+    MERGE: tl.constexpr = False,  # the last split of (seq, kv_head) to finish merges the partials
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,6 +120,12 @@ def _decode_kernel(
     end = tl.minimum(start + chunk, seq_len)
     if num_splits > 1:
         if start >= end:  # past this row's end (or a padding row): the reduce skips this split
+            if MERGE and split == 0:  # a padding row: zeros, as the reduce writes
+                offs = tl.arange(0, BLOCK_H)
+                zero = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
+                heads0 = kv_head * GROUP + offs
+                ptrs = out_ptr + row * stride_ob + heads0[:, None] * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
+                tl.store(ptrs, zero, mask=(offs < GROUP)[:, None])
             return
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -136,6 +179,12 @@ def _decode_kernel(
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
+        if MERGE:
+            merge_splits(
+                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptr,
+                (seq * NUM_HEADS + heads) * num_splits, row * stride_ob + heads * stride_oh, h_mask,
+                tl.cdiv(seq_len, chunk), BLOCK_H, HEAD_DIM,
+            )  # fmt: skip
 
 
 @Launcher
@@ -203,6 +252,7 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages) override
     pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
+    counts: torch.Tensor | None = None,  # [>= B * Hkv] int32, zero: merge in the kernel, no reduce
 ) -> None:
     """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
     `query_start_loc` (a mixed step): q and out are the step's [T, H, D] token rows, and only the
@@ -222,12 +272,14 @@ def decode_attention(
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), qsl, mixed,
+        counts if counts is not None else seq_lens,
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=128 // k_cache.element_size(),
+        MERGE=counts is not None and num_splits > 1,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and counts is None:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out, part_lse, seq_lens, out, num_splits, out.stride(0), out.stride(1), qsl, mixed,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_S=REDUCE_BLOCK_S,

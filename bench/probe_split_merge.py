@@ -1,0 +1,74 @@
+"""Probe: the split-KV decode with its splits merged inside the kernel (the last split of a
+(row, KV head) to finish merges; no reduce launch), at more splits than one wave holds, against
+the kernel as the backend runs it. Attention alone (a graph over the layers) and the model forward
+with the batch decode, per row count and split count.
+
+    python3 bench/probe_split_merge.py --rows 16,32,64 --context 530 --splits 1,2,3,4,6,8
+"""
+
+from __future__ import annotations
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import torch
+from bench_linear import time_graph
+from bench_runtime import say
+from profile_fused_decode import decode_inputs, parse, setup
+
+from engine.attention import ForwardContext
+from engine.attention import triton_decode as td
+from engine.models.batch_decode import BatchDecode
+
+
+def main() -> None:
+    args = parse(__doc__, "16,32,64", "unused", lambda p: p.add_argument("--splits", default="1,2,3,4,6,8"))
+    model, cache, backend, rows_list, _ = setup(args)
+    c = model.config
+    splits_list = [int(s) for s in args.splits.split(",")]
+    smax = max(splits_list + [backend.num_splits(r) for r in rows_list])
+    backend._part_out = torch.empty(max(rows_list) * smax * c.num_heads * c.head_dim, dtype=torch.float32, device="cuda")
+    backend._part_lse = torch.empty(max(rows_list) * smax * c.num_heads, dtype=torch.float32, device="cuda")
+    counts = backend._counts
+    table = []
+    with torch.inference_mode():
+        for rows in rows_list:
+            ids, pos, meta = decode_inputs(rows, args.context, c.vocab_size)
+            ctx = ForwardContext(backend, meta)
+            q = torch.randn(rows, c.num_heads, c.head_dim, device="cuda").to(torch.bfloat16)
+            own = backend.num_splits(rows)
+            variants = [(own, False)] + [(s, True) for s in splits_list if s > 1] + [(s, False) for s in splits_list if s > 1 and s != own]
+            ref = torch.empty_like(q)
+            td.decode_attention(q, cache[0, 0], cache[0, 1], meta.block_tables, meta.seq_lens, ref, backend.scale, own, backend._part_out, backend._part_lse)
+            batch = BatchDecode(model, backend, 1, max(rows_list))
+            for splits, merge in variants:
+                out = torch.empty_like(q)
+                cnt = counts if merge else None
+
+                def attn(splits=splits, cnt=cnt, out=out, q=q, meta=meta):
+                    for i in range(c.num_layers):
+                        td.decode_attention(q, cache[i, 0], cache[i, 1], meta.block_tables, meta.seq_lens, out, backend.scale,
+                                            splits, backend._part_out, backend._part_lse, counts=cnt)  # fmt: skip
+
+                alone = time_graph(attn, c.num_layers, args.reps)
+                td.decode_attention(q, cache[0, 0], cache[0, 1], meta.block_tables, meta.seq_lens, out, backend.scale,
+                                    splits, backend._part_out, backend._part_lse, counts=cnt)  # fmt: skip
+                err = (out.float() - ref.float()).abs().max().item()
+                left = int(counts.abs().sum().item())
+                backend.num_splits = lambda b, splits=splits: splits  # noqa: E731
+                backend._merge = merge
+                model.model.batch_decode = batch
+                fwd = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
+                model.model.batch_decode = None
+                del backend.num_splits
+                backend._merge = False
+                name = f"{'merge' if merge else 'reduce' if splits > 1 else 'one split'} x{splits}"
+                table.append((rows, name, alone, fwd, err, left))
+                say(f"rows {rows} {name}: attention {alone:.2f} us/layer, forward {fwd:.3f} ms, max |diff| {err:.2e}, counters left {left}")
+    print(f"\n### split-KV decode with in-kernel merge, {args.shape}, context {args.context}\n")
+    print("| rows | variant | attention alone us/layer | forward ms | max abs diff vs backend | counters left |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for rows, name, alone, fwd, err, left in table:
+        print(f"| {rows} | {name} | {alone:.2f} | {fwd:.3f} | {err:.1e} | {left} |")
+
+
+if __name__ == "__main__":
+    main()
