@@ -3,7 +3,10 @@
 the kernel as the backend runs it. Attention alone (a graph over the layers) and the model forward
 with the batch decode, per row count and split count.
 
-    python3 bench/probe_split_merge.py --rows 16,32,64 --context 530 --splits 1,2,3,4,6,8
+    python3 bench/probe_split_merge.py --rows 8,16,32,64 --context 530 --per-sm 2,3,4,6,8
+
+Split counts come from programs per SM: splits = max(1, per_sm * SMs // (rows * Hkv)). Each
+variant's output is compared with the backend's own kernel on the same cache state.
 """
 
 from __future__ import annotations
@@ -19,12 +22,18 @@ from engine.attention import triton_decode as td
 from engine.models.batch_decode import BatchDecode
 
 
+def _flags(p) -> None:
+    p.add_argument("--per-sm", default="2,3,4,6,8")
+    p.add_argument("--no-pdl-too", action="store_true", help="also time each forward with use_pdl=0")
+
+
 def main() -> None:
-    args = parse(__doc__, "16,32,64", "unused", lambda p: p.add_argument("--splits", default="1,2,3,4,6,8"))
+    args = parse(__doc__, "16,32,64", "unused", _flags)
     model, cache, backend, rows_list, _ = setup(args)
     c = model.config
-    splits_list = [int(s) for s in args.splits.split(",")]
-    smax = max(splits_list + [backend.num_splits(r) for r in rows_list])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_sm = [int(s) for s in args.per_sm.split(",")]
+    smax = max(max(1, t * sms // (r * c.num_kv_heads)) for t in per_sm + [4] for r in rows_list)
     backend._part_out = torch.empty(max(rows_list) * smax * c.num_heads * c.head_dim, dtype=torch.float32, device="cuda")
     backend._part_lse = torch.empty(max(rows_list) * smax * c.num_heads, dtype=torch.float32, device="cuda")
     counts = backend._counts
@@ -35,11 +44,18 @@ def main() -> None:
             ctx = ForwardContext(backend, meta)
             q = torch.randn(rows, c.num_heads, c.head_dim, device="cuda").to(torch.bfloat16)
             own = backend.num_splits(rows)
-            variants = [(own, False)] + [(s, True) for s in splits_list if s > 1] + [(s, False) for s in splits_list if s > 1 and s != own]
+            candidates = sorted({max(1, t * sms // (rows * c.num_kv_heads)) for t in per_sm})
+            variants = [(own, False, 1)] + [(s, True, 1) for s in candidates if s > 1]
+            if args.no_pdl_too:
+                variants += [(own, False, 0)] + [(s, True, 0) for s in candidates if s > 1]
             ref = torch.empty_like(q)
-            td.decode_attention(q, cache[0, 0], cache[0, 1], meta.block_tables, meta.seq_lens, ref, backend.scale, own, backend._part_out, backend._part_lse)
-            batch = BatchDecode(model, backend, 1, max(rows_list))
-            for splits, merge in variants:
+            batches = {1: BatchDecode(model, backend, 1, max(rows_list))}
+            if args.no_pdl_too:
+                batches[0] = BatchDecode(model, backend, 1, max(rows_list), use_pdl=0)
+            for splits, merge, use_pdl in variants:
+                batch = batches[use_pdl]
+                td.decode_attention(q, cache[0, 0], cache[0, 1], meta.block_tables, meta.seq_lens, ref, backend.scale,
+                                    own, backend._part_out, backend._part_lse)  # fmt: skip
                 out = torch.empty_like(q)
                 cnt = counts if merge else None
 
@@ -60,7 +76,7 @@ def main() -> None:
                 model.model.batch_decode = None
                 del backend.num_splits
                 backend._merge = False
-                name = f"{'merge' if merge else 'reduce' if splits > 1 else 'one split'} x{splits}"
+                name = f"{'merge' if merge else 'reduce' if splits > 1 else 'one split'} x{splits}" + ("" if use_pdl else ", no PDL")
                 table.append((rows, name, alone, fwd, err, left))
                 say(f"rows {rows} {name}: attention {alone:.2f} us/layer, forward {fwd:.3f} ms, max |diff| {err:.2e}, counters left {left}")
     print(f"\n### split-KV decode with in-kernel merge, {args.shape}, context {args.context}\n")
