@@ -45,7 +45,7 @@ def main() -> None:
             q = torch.randn(rows, c.num_heads, c.head_dim, device="cuda").to(torch.bfloat16)
             own = backend.num_splits(rows)
             candidates = sorted({max(1, t * sms // (rows * c.num_kv_heads)) for t in per_sm})
-            variants = [(own, False, 1)] + [(s, True, 1) for s in candidates if s > 1]
+            variants = [(own, False, 1)] + [(s, s > 1, 1) for s in candidates if s != own or s > 1]
             if args.no_pdl_too:
                 variants += [(own, False, 0)] + [(s, True, 0) for s in candidates if s > 1]
             ref = torch.empty_like(q)
