@@ -69,13 +69,11 @@ def main() -> None:
                                     splits, backend._part_out, backend._part_lse, counts=cnt)  # fmt: skip
                 err = (out.float() - ref.float()).abs().max().item()
                 left = int(counts.abs().sum().item())
-                backend.num_splits = lambda b, splits=splits: splits  # noqa: E731
-                backend._merge = merge
+                backend.decode_splits = lambda b, pdl_launch=False, v=(splits, merge): v  # noqa: E731
                 model.model.batch_decode = batch
                 fwd = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
                 model.model.batch_decode = None
-                del backend.num_splits
-                backend._merge = False
+                del backend.decode_splits
                 name = f"{'merge' if merge else 'reduce' if splits > 1 else 'one split'} x{splits}" + ("" if use_pdl else ", no PDL")
                 table.append((rows, name, alone, fwd, err, left))
                 say(f"rows {rows} {name}: attention {alone:.2f} us/layer, forward {fwd:.3f} ms, max |diff| {err:.2e}, counters left {left}")

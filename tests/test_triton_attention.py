@@ -190,6 +190,56 @@ def test_mixed_step_matches_sdpa(shape: Shape) -> None:
         check(shape, new_cache(shape, num_blocks), batch, max_model_len=8192)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_decode_merged_in_the_kernel_matches_sdpa(shape: Shape) -> None:
+    """A decode launched with PDL (the batch decode's) merges its KV splits inside the kernel:
+    real rows as SDPA (rows shorter than a split among them), graph padding rows zero, every
+    counter back at zero after the launch; counters left non-zero (a resumed `cuda_graph` region
+    holds whatever its pages held) give wrong rows until `after_resume` zeroes them."""
+    from engine import pdl
+    from engine.attention import triton_decode as td
+
+    torch.manual_seed(5)
+    lens = DECODE_LENS
+    n, bs = len(lens), len(lens) + 3
+    num_blocks = sum(cdiv(x, shape.block_size) for x in lens) + 5
+    cache = new_cache(shape, num_blocks)
+    backend = make_backend(shape, cache, max_model_len=8192, max_num_seqs=bs)
+    splits, merged = backend.decode_splits(bs, pdl_launch=True)
+    assert merged and 1 < splits <= backend.num_splits(bs)
+    assert backend.decode_splits(bs) == (backend.num_splits(bs), False)
+    real = new_batch(shape, [(x, 1) for x in lens], num_blocks)
+    ref, _ = reference(shape, cache, real)
+    backend.forward(LAYER, real.q, real.k, real.v, real.meta)  # stores the new K/V rows
+    backend.init_graph_buffers(bs)
+    backend.load_graph_metadata(real.meta, bs)
+    meta = backend.graph_metadata(bs)
+    q = torch.cat([real.q, torch.randn(bs - n, *real.q.shape[1:], device="cuda").to(real.q.dtype)])
+
+    def decode() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        if pdl.enabled(cache.device):
+            backend.decode(LAYER, q, meta, out, pdl_launch=True)
+        else:  # the same kernel, launched plainly
+            td.decode_attention(
+                q, cache[LAYER, 0], cache[LAYER, 1], meta.block_tables, meta.seq_lens, out, backend.scale, splits,
+                backend._part_out, backend._part_lse, counts=backend._counts,
+            )  # fmt: skip
+        torch.cuda.synchronize()
+        return out
+
+    for _ in range(2):  # the second launch finds the counters the first one left
+        out = decode()
+        assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows not zero"
+        assert rel_err(out[:n], ref[:n]) < TOL[shape.dtype]
+        assert not backend._counts.any(), "a merge counter was left non-zero"
+    backend._counts.fill_(splits + 1)  # past every row's count: no split ever merges
+    assert decode()[:n].isnan().any()
+    backend._counts.fill_(splits + 1)
+    backend.after_resume()
+    assert rel_err(decode()[:n], ref[:n]) < TOL[shape.dtype]
+
+
 def test_one_reduce_variant_for_every_batch() -> None:
     """The split-KV reduce compiles once per backend: decode batches of every size, and mixed
     steps of few sequences (which the decode graphs of a persistent-kernel model never run), use

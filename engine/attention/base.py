@@ -98,6 +98,11 @@ class AttentionBackend(ABC):
                 f"match q {tuple(q.shape)} {q.dtype} {q.device} with a contiguous last dim"
             )
 
+    def after_resume(self) -> None:
+        """The `cuda_graph` region (where the runner builds backends) was mapped again, its contents
+        undefined: reset whatever must hold a value between steps. Nothing by default."""
+        return None
+
     def init_graph_buffers(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 

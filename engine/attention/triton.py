@@ -7,10 +7,15 @@ graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV), for CUDA
   a mixed step the sequences of one new token (decodes) run the decode kernels instead, at their
   token rows (`meta.single_query_rows` says whether there are any).
 - Decode (`meta.is_decode`: one new token per sequence): split-KV kernel + reduce. The number of
-  splits is a fixed function of the batch size (`num_splits`), the partial-results workspace is
+  splits is a fixed function of the batch size (`decode_splits`), the partial-results workspace is
   allocated once here at its largest, and the kernels read no host-side value, so decode is
   CUDA-graph capturable (with the static buffers of `init_graph_buffers`). Eager decode runs the
   same kernels.
+- A decode launched with PDL (the batch decode's, whose next kernel launches with PDL too) has
+  its splits merged inside the kernel instead, by the last split of each (row, KV head) to end:
+  a reduce launch between the two would hold the next kernel until it ends. Its per-(row, KV
+  head) counters are zero between launches; they live in the `cuda_graph` region, so a resume
+  of that region zeroes them again (`after_resume`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads t
 # of batch * kv_heads * splits <= this * num_SMs programs. Measured on an H200 (bench/
 # attention_kernels.py): a second, partial wave or an unneeded reduce cost 10-15%.
 _PROGRAMS_PER_SM = 4
+# Merged in the kernel (PDL callers): programs per SM. Filling all four slots made the batch
+# decode's step slower than the reduce (32 rows, two splits: 1.604 against 1.493 ms at context 530,
+# 3.204 against 2.711 at 2000); three per SM was faster at every row count that still splits
+# (5..24 rows; bench/RESULTS.md, twenty-sixth session).
+_MERGE_PROGRAMS_PER_SM = 3
 
 
 def _is_pow2(n: int) -> bool:
@@ -52,6 +62,7 @@ class TritonBackend(AttentionBackend):
         device = kv_cache.device
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self._target_programs = _PROGRAMS_PER_SM * num_sms
+        self._merge_programs = _MERGE_PROGRAMS_PER_SM * num_sms
         self._decode_block_n = td.decode_config(self.head_dim, kv_cache.element_size())[0]
         self._max_splits = max(1, min(_MAX_SPLITS, -(-max_model_len // self._decode_block_n)))
         # Decode workspace, allocated once: a batch of b rows with s = num_splits(b) > 1 uses the
@@ -60,14 +71,28 @@ class TritonBackend(AttentionBackend):
         rows = max((b * self.num_splits(b) for b in range(1, max_num_seqs + 1) if self.num_splits(b) > 1), default=1)
         self._part_out = torch.empty(rows * num_heads * self.head_dim, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        # In-kernel merges: splits of (row, KV head) done, [max_num_seqs * Hkv], zero between launches.
         self._counts = torch.zeros(max_num_seqs * self.num_kv_heads, dtype=torch.int32, device=device)
-        self._merge = False
         self._graph_max_bs = 0
 
     def num_splits(self, batch: int) -> int:
         """KV splits per sequence in decode: a function of the batch size alone (static per graph).
         As many as fit one wave of programs; 1 (no reduce) once the batch fills half the GPU."""
         return max(1, min(self._max_splits, self._target_programs // (batch * self.num_kv_heads)))
+
+    def decode_splits(self, batch: int, pdl_launch: bool = False) -> tuple[int, bool]:
+        """(KV splits, whether the kernel merges them) of a decode of `batch` rows: a PDL launch
+        merges in the kernel at up to _MERGE_PROGRAMS_PER_SM where that still splits; otherwise
+        `num_splits` and the reduce."""
+        if pdl_launch:
+            merged = min(self._max_splits, self._merge_programs // (batch * self.num_kv_heads))
+            if merged > 1:
+                return merged, True
+        return self.num_splits(batch), False
+
+    def after_resume(self) -> None:
+        """The `cuda_graph` region came back with undefined contents: the merge counters start at zero."""
+        self._counts.zero_()
 
     def forward(
         self,
@@ -116,16 +141,16 @@ class TritonBackend(AttentionBackend):
         as it stands, each row's new K/V already stored, into out [B, H, D]: the split-KV kernel
         and, with more than one split, its reduce. Graph-capturable (splits follow B alone).
         `pdl_launch`: launched with PDL (engine/pdl.py), for a caller whose kernel before writes
-        q and the new K/V rows and triggers its dependents. `mixed`: q and out are a mixed step's
+        q and the new K/V rows and triggers its dependents; its splits merge in the kernel. `mixed`: q and out are a mixed step's
         [T, H, D] token rows, and only its sequences of one new token are attended (forward)."""
         num_seqs = meta.seq_lens.shape[0]
-        splits = self.num_splits(num_seqs)
+        splits, merge = self.decode_splits(num_seqs, pdl_launch)
         if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():
             raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
         td.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
-            query_start_loc=meta.query_start_loc if mixed else None, counts=self._counts if self._merge else None,
+            query_start_loc=meta.query_start_loc if mixed else None, counts=self._counts if merge else None,
         )  # fmt: skip
 
     # ---- CUDA graphs (decode) --------------------------------------------------------------------

@@ -9,6 +9,10 @@ past the row's end exit at once. With S == 1 the decode kernel writes the output
 no reduce runs. Rows with seq_len 0 (graph padding) output zeros. In a mixed step both read the
 step's query_start_loc and attend only sequences of exactly one new token, at their token rows.
 
+With `counts` (MERGE), the kernel merges its own splits and no reduce runs: each split stores its
+partial, then adds one to its (row, KV head) counter; the split that brings it to the row's count
+of splits merges them (`merge_splits`) and zeroes the counter for the next launch.
+
 Compiled variants: the split count is not specialized, and the reduce merges any count of splits
 BLOCK_S at a time, not in one block sized by the batch (mixed steps of two or three sequences,
 which no decode graph runs, compiled new blocks while serving: 250-290 ms online p99 TTFT,
