@@ -27,6 +27,8 @@ waits for it anyway. Who does what in a decode layer:
   (uploaded before any kernel ran), prefetches its first K/V tile into L2, waits and triggers;
   the next persistent kernel launches with PDL too and waits first, so its programs take the
   SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; twentieth session).
+  Where that attention splits the KV it merges the splits itself: a reduce launched between the
+  two would hold the persistent kernel until the reduce ended (5..24 rows; twenty-sixth session).
 Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.
 
 SIESTA_PDL=0 turns it off (read once, at import): every launch is an ordinary stream-ordered one.

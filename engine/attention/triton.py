@@ -141,8 +141,9 @@ class TritonBackend(AttentionBackend):
         as it stands, each row's new K/V already stored, into out [B, H, D]: the split-KV kernel
         and, with more than one split, its reduce. Graph-capturable (splits follow B alone).
         `pdl_launch`: launched with PDL (engine/pdl.py), for a caller whose kernel before writes
-        q and the new K/V rows and triggers its dependents; its splits merge in the kernel. `mixed`: q and out are a mixed step's
-        [T, H, D] token rows, and only its sequences of one new token are attended (forward)."""
+        q and the new K/V rows and triggers its dependents; its splits merge in the kernel
+        (`decode_splits`). `mixed`: q and out are a mixed step's [T, H, D] token rows, and only its
+        sequences of one new token are attended (forward)."""
         num_seqs = meta.seq_lens.shape[0]
         splits, merge = self.decode_splits(num_seqs, pdl_launch)
         if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():

@@ -53,9 +53,9 @@ def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def merge_splits(
-    part_out_ptr, part_lse_ptr, count_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, count_ptr,
+    out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
     base,  # [BLOCK_H] index of each head's split 0 in the partials
-    out_off,  # [BLOCK_H] element offset of each head's output row
     h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     # Called by every split after it stored its partial: the last of the num_valid splits to
@@ -82,8 +82,7 @@ def merge_splits(
             acc = acc * scale[:, None] + w[:, None] * part
             total = total * scale + w
             m = m_new
-        out = acc / total[:, None]
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(out_ptrs, (acc / total[:, None]).to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
 
 
 @Launcher
@@ -122,20 +121,19 @@ def _decode_kernel(
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if num_splits > 1:
-        if start >= end:  # past this row's end (or a padding row): the reduce skips this split
-            if MERGE and split == 0:  # a padding row: zeros, as the reduce writes
-                offs = tl.arange(0, BLOCK_H)
-                zero = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty)
-                heads0 = kv_head * GROUP + offs
-                ptrs = out_ptr + row * stride_ob + heads0[:, None] * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
-                tl.store(ptrs, zero, mask=(offs < GROUP)[:, None])
-            return
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     h_mask = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
+    out_ptrs = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]  # [BLOCK_H, D]
+    if num_splits > 1:
+        if start >= end:  # past this row's end (or a padding row): the reduce skips this split
+            if MERGE and split == 0:  # a padding row: zeros, as the reduce writes
+                if USE_PDL:
+                    tl.extra.cuda.gdc_wait()  # no write before the kernel before has ended
+                tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+            return
+
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
         # engine/pdl.py: launched while the kernel that writes q and the new K/V row still runs.
@@ -174,20 +172,15 @@ def _decode_kernel(
     if num_splits == 1:
         # seq_len 0 leaves l_i == 0 and acc == 0: output zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=h_mask[:, None],
-        )
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
         if MERGE:
             merge_splits(
-                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptr,
-                (seq * NUM_HEADS + heads) * num_splits, row * stride_ob + heads * stride_oh, h_mask,
-                tl.cdiv(seq_len, chunk), BLOCK_H, HEAD_DIM,
+                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
+                (seq * NUM_HEADS + heads) * num_splits, h_mask, tl.cdiv(seq_len, chunk), BLOCK_H, HEAD_DIM,
             )  # fmt: skip
 
 
@@ -276,7 +269,7 @@ def decode_attention(
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), qsl, mixed,
-        counts if counts is not None else seq_lens,
+        counts if counts is not None else seq_lens,  # unread unless MERGE
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=128 // k_cache.element_size(),
