@@ -29,8 +29,7 @@ from engine import pdl
 from engine.attention.triton_kernels import LOG2E, dot, kv_offsets, next_pow2
 from engine.launcher import Launcher
 
-REDUCE_BLOCK_S = 16  # splits the decode reduce (and the in-kernel merge) merges per iteration
-_MERGE_BLOCK_S = tl.constexpr(REDUCE_BLOCK_S)  # the same, as a jit function may read a global
+REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
 
 
 @triton.jit
@@ -53,53 +52,37 @@ def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def merge_head(part_out_ptr, part_lse_ptr, base, num_valid, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
-    # -> [HEAD_DIM] fp32: one head's output from its num_valid partials at base .. base +
-    # num_valid - 1 (zeros when there are none). Online merge over BLOCK_S splits at a time, base
-    # 2: m the running max lse, total the sum of exp2(lse - m), acc the weighted partial outputs.
-    # Partials are read from L2 (`.cg`): the in-kernel merge reads what other SMs just wrote.
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_valid, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = offs_s < num_valid
-        lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
-        scale = tl.exp2(m - m_ref)  # 0 on the first iteration
-        w = tl.exp2(lse - m_ref)  # [BLOCK_S], 0 for missing splits
-        part = tl.load(
-            part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0,
-            cache_modifier=".cg",
-        )
-        acc = acc * scale + tl.sum(w[:, None] * part, 0)
-        total = total * scale + tl.sum(w, 0)
-        m = m_new
-    return acc / tl.where(total > 0, total, 1.0)
-
-
-@triton.jit
 def merge_splits(
     part_out_ptr, part_lse_ptr, count_ptr,
-    out_ptr,  # this KV head's first query head's output row; head g at + g * stride_oh
-    stride_oh,
-    first,  # index of this KV head's first query head in the partials' [B * H] heads
-    num_splits, num_valid, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
+    base,  # [BLOCK_H] index of each head's split 0 in the partials
+    h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     # Called by every split after it stored its partial: the last of the num_valid splits to
-    # arrive merges them all into out (`merge_head`, the reduce's merge) and zeroes the counter
-    # for the next launch. Release on arrival, acquire by the merger, CTA barriers around the counter.
+    # arrive merges them all into out and zeroes the counter for the next launch. Release on
+    # arrival, acquire by the merger, CTA barriers around the counter, partials read from L2.
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if done == num_valid - 1:
         tl.debug_barrier()
         tl.store(count_ptr, 0)
         offs_d = tl.arange(0, HEAD_DIM)
-        for g in tl.static_range(GROUP):
-            out = merge_head(part_out_ptr, part_lse_ptr, (first + g) * num_splits, num_valid, HEAD_DIM, BLOCK_S)
-            tl.store(out_ptr + g * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for s in range(0, num_valid):
+            lse = tl.load(part_lse_ptr + base + s, mask=h_mask, other=0.0, cache_modifier=".cg")
+            part = tl.load(
+                part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
+                cache_modifier=".cg",
+            )
+            m_new = tl.maximum(m, lse)
+            scale = tl.exp2(m - m_new)  # 0 on the first split
+            w = tl.exp2(lse - m_new)
+            acc = acc * scale[:, None] + w[:, None] * part
+            total = total * scale + w
+            m = m_new
+        tl.store(out_ptrs, (acc / total[:, None]).to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
 
 
 @Launcher
@@ -196,9 +179,8 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
         if MERGE:
             merge_splits(
-                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head,
-                out_ptr + row * stride_ob + kv_head * GROUP * stride_oh, stride_oh, seq * NUM_HEADS + kv_head * GROUP,
-                num_splits, tl.cdiv(seq_len, chunk), GROUP, HEAD_DIM, _MERGE_BLOCK_S,
+                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
+                (seq * NUM_HEADS + heads) * num_splits, h_mask, tl.cdiv(seq_len, chunk), BLOCK_H, HEAD_DIM,
             )  # fmt: skip
 
 
@@ -223,8 +205,26 @@ def _decode_reduce_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     num_valid = tl.cdiv(seq_len, tl.maximum(chunk, 1))  # splits that wrote a partial; 0 for padding
-    out = merge_head(part_out_ptr, part_lse_ptr, (seq * NUM_HEADS + head) * num_splits, num_valid, HEAD_DIM, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
+    base = (seq * NUM_HEADS + head) * num_splits
+    # Online merge over BLOCK_S splits at a time, base 2: m the running max lse, total the sum of
+    # exp2(lse - m), acc the weighted partial outputs (one iteration: the plain weighted mean).
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_valid, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < num_valid
+        lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+        scale = tl.exp2(m - m_ref)  # 0 on the first iteration
+        w = tl.exp2(lse - m_ref)  # [BLOCK_S], 0 for missing splits
+        part = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * scale + tl.sum(w[:, None] * part, 0)
+        total = total * scale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
