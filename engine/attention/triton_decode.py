@@ -61,6 +61,8 @@ def merge_splits(
     # Called by every split after it stored its partial: the last of the num_valid splits to
     # arrive merges them all into out and zeroes the counter for the next launch. Release on
     # arrival, acquire by the merger, CTA barriers around the counter, partials read from L2.
+    # Not the reduce's [BLOCK_S, D]-per-head loop: inside this kernel that made the batch decode
+    # slower than the reduce itself (bench/RESULTS.md, twenty-sixth session, review).
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if done == num_valid - 1:
