@@ -52,6 +52,20 @@ def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _stamp(stamp_ptr, i: tl.constexpr, TIMING: tl.constexpr):
+    # bench only (TIMING): this program's %globaltimer (ns) at point i (0 start, 1 after the PDL
+    # wait, 2 end of a one-split program) into stamp[program, i]; at 0 also its %smid into [3].
+    if TIMING:
+        program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
+        sp = stamp_ptr + program * 4
+        tl.store(sp + i, tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer; // $1", "=l,r", [program], dtype=tl.int64, is_pure=False, pack=1))
+        if i == 0:
+            tl.store(sp + 3, tl.inline_asm_elementwise(
+                "mov.u32 $0, %smid; // $1", "=r,r", [program], dtype=tl.int32, is_pure=False, pack=1).to(tl.int64))
+
+
+@triton.jit
 def merge_splits(
     part_out_ptr, part_lse_ptr, count_ptr,
     out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
@@ -110,10 +124,13 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, LINE: tl.constexpr = 64,
     MERGE: tl.constexpr = False,  # the last split of (seq, kv_head) to finish merges the partials
+    stamp_ptr=None,  # [programs, 4] int64 (TIMING only: bench/probe_attention_l2.py)
+    TIMING: tl.constexpr = False,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    _stamp(stamp_ptr, 0, TIMING)
     row, attend = decode_row(qsl_ptr, seq, mixed)
     if not attend:
         return
@@ -147,6 +164,7 @@ def _decode_kernel(
         pdl.prefetch_l2(k_cache_ptr + first_off[:, None] + lines)
         pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
         tl.extra.cuda.gdc_wait()
+        _stamp(stamp_ptr, 1, TIMING)
         # The persistent kernel after it (models/batch_kernel.py) gets scheduled as programs end.
         tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(
@@ -175,6 +193,7 @@ def _decode_kernel(
         # seq_len 0 leaves l_i == 0 and acc == 0: output zeros, not NaN.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        _stamp(stamp_ptr, 2, TIMING)
     else:
         part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
@@ -252,6 +271,7 @@ def decode_attention(
     pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
     counts: torch.Tensor | None = None,  # [>= B * Hkv] int32, zero: merge in the kernel, no reduce
+    stamps: torch.Tensor | None = None,  # bench only: [B * Hkv * splits, 4] int64 (_stamp)
 ) -> None:
     """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
     `query_start_loc` (a mixed step): q and out are the step's [T, H, D] token rows, and only the
@@ -275,7 +295,7 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=128 // k_cache.element_size(),
-        MERGE=counts is not None and num_splits > 1,
+        MERGE=counts is not None and num_splits > 1, stamp_ptr=stamps, TIMING=stamps is not None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
     if num_splits > 1 and counts is None:
