@@ -58,6 +58,13 @@ def graph_time(step) -> float:
     return event_time(graph.replay)
 
 
+def read_bandwidth() -> float:
+    """Bytes per second of a 2 GiB bf16 read: a sum accumulated in fp32, replayed from a CUDA graph
+    (torch's bf16 sum, event-timed, read ~6 % less on an H200: bench/RESULTS.md, twenty-seventh session)."""
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
+    return x.numel() * x.element_size() / graph_time(lambda: x.sum(dtype=torch.float32))
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy, counting bytes read plus written."""
     x = torch.randn(1 << 29, device="cuda").to(torch.bfloat16)

@@ -2,9 +2,10 @@
 The backend's decode kernel (as the batch decode launches it, with PDL) timed from one CUDA graph
 of L launches at the 0.6B shape's attention (16 heads, 8 KV heads, head_dim 128), each launch
 reading either its own layer's cache (K/V from DRAM: L layers past L2) or layer 0's again (K/V
-from L2 when one layer's K/V fits in it). A large bf16 sum gives the run's read bandwidth.
-`--stamps ROWS:CONTEXT` also stamps every program (the kernel's TIMING: %globaltimer at its start,
-after its PDL wait and at its end, and its %smid) and prints how the ends spread: by the number of
+from L2 when one layer's K/V fits in it). A 2 GiB bf16 read (attention_kernels.read_bandwidth)
+gives the run's read bandwidth. `--stamps ROWS:CONTEXT` (a row count the batch decode runs as one
+split: 34 or more on 132 SMs) also stamps every program (the kernel's TIMING: %globaltimer at its start, after
+its PDL wait and at its end, and its %smid) and prints how the ends spread: by the number of
 programs on the SM, within one SM, the latest and earliest programs. The stamps themselves add
 ~3.6 us per launch (bench/RESULTS.md, twenty-seventh session): read their spread, not their sum.
 
@@ -18,6 +19,7 @@ import argparse
 
 import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
+from attention_kernels import read_bandwidth
 from bench_linear import time_graph
 from bench_runtime import say
 from profile_fused_decode import BLOCK, decode_inputs
@@ -25,13 +27,6 @@ from profile_fused_decode import BLOCK, decode_inputs
 from engine.attention.triton import TritonBackend
 
 H, HKV, D = 16, 8, 128
-
-
-def read_bandwidth(gib: int = 2) -> float:
-    """Bytes per second of a bf16 sum over `gib` GiB (read only)."""
-    x = torch.ones(gib * 2**29, dtype=torch.bfloat16, device="cuda")
-    us = time_graph(lambda: x.sum(dtype=torch.float32), 1, 20)
-    return x.numel() * 2 / (us * 1e-6)
 
 
 def stamps_report(rows: int, context: int, layers: int) -> None:
@@ -46,6 +41,8 @@ def stamps_report(rows: int, context: int, layers: int) -> None:
     q = torch.randn(rows, H, D, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(q)
     splits, _ = backend.decode_splits(rows, True)
+    if splits != 1:  # the kernel stamps a program's end only where it has one split
+        raise SystemExit(f"--stamps {rows}:{context}: the batch decode splits {rows} rows {splits} ways; stamps need one split")
     st = torch.zeros(layers, rows * HKV * splits, 4, dtype=torch.int64, device="cuda")
 
     def calls() -> None:

@@ -19,7 +19,7 @@ import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
 import triton
 import triton.language as tl
-from attention_kernels import event_time, graph_time
+from attention_kernels import graph_time, read_bandwidth
 
 from engine import pdl
 from engine.attention import triton_decode as td
@@ -76,11 +76,6 @@ def _persistent_decode(
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq * (NKV * GROUP * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-
-
-def read_bandwidth() -> float:
-    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
-    return x.numel() * 2 / event_time(lambda: x.sum(), iters=20)
 
 
 def case(batch: int, ctx: int, block: int, head_major: bool, shuffled: bool, config: tuple[int, int, int], splits: int) -> float:
