@@ -50,6 +50,14 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def globaltimer():
+    # This program's %globaltimer (ns): the bench-only stamps of the decode kernels (TIMING).
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.program_id(0)], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def kv_offsets(
     bt_row_ptr,  # block table row of this sequence: [max_blocks] int32
     offs_n,  # [BLOCK_N] token indices in the sequence

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine.attention.triton_kernels import globaltimer
+
 
 @triton.jit
 def rnd(x, DTYPE: tl.constexpr):
@@ -50,8 +52,7 @@ def grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
 def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
     # bench only (TIMING): this program's %globaltimer (ns) at point i, into t [P, 16] int64.
     if TIMING:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.program_id(0)], dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(t_ptr + tl.program_id(0) * 16 + i, t)
+        tl.store(t_ptr + tl.program_id(0) * 16 + i, globaltimer())
 
 
 @triton.jit

@@ -22,14 +22,14 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_decode import split_chunk
+from engine.attention.triton_kernels import globaltimer
 from engine.models.grid_phases import rnd
 
 
 @triton.jit
 def _sub_stamp(t_ptr, i: tl.constexpr):
-    # bench only: %globaltimer (ns) at point i inside the phase (see layer_kernel._stamp).
-    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.program_id(0)], dtype=tl.int64, is_pure=False, pack=1)
-    tl.store(t_ptr + tl.program_id(0) * 16 + i, t)
+    # bench only: %globaltimer (ns) at point i inside the phase (see grid_phases.stamp).
+    tl.store(t_ptr + tl.program_id(0) * 16 + i, globaltimer())
 
 
 @triton.jit
