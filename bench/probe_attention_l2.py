@@ -24,6 +24,7 @@ from bench_linear import time_graph
 from bench_runtime import say
 from profile_fused_decode import BLOCK, decode_inputs
 
+from engine.attention import triton_decode as td
 from engine.attention.triton import TritonBackend
 
 H, HKV, D = 16, 8, 128
@@ -32,8 +33,6 @@ H, HKV, D = 16, 8, 128
 def stamps_report(rows: int, context: int, layers: int) -> None:
     """Per-program %globaltimer at start, after the PDL wait and at the end, and %smid, of the
     middle launches of a graph of `layers` decode launches (own caches): what spreads the ends."""
-    from engine.attention import triton_decode as td
-
     blocks = rows * (-(-(context + 1) // BLOCK)) + 1
     cache = torch.randn(layers, 2, blocks, BLOCK, HKV, D, device="cuda").to(torch.bfloat16)
     backend = TritonBackend(cache, D**-0.5, H, rows, context + 64)
