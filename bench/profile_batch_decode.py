@@ -17,18 +17,21 @@ second context too (530: bench/RESULTS.md, twenty-second session).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
+from collections.abc import Iterator
 
 import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
 from bench_linear import time_graph
 from bench_runtime import say, write_json
-from profile_fused_decode import decode_inputs, parse, setup
+from profile_fused_decode import decode_inputs, parse, placement, setup
 
 from engine.attention import ForwardContext
 from engine.attention import triton_decode as td
 from engine.models.batch_decode import BatchDecode, unsupported
+from engine.models.grid_phases import STAMPS
 
 POINTS = ["start", "o_proj", "barrier", "norm", "barrier", "gate_up", "barrier", "down", "barrier", "norm",
           "barrier", "qkv", "barrier", "rope"]
@@ -37,9 +40,21 @@ POINTS = ["start", "o_proj", "barrier", "norm", "barrier", "gate_up", "barrier",
 def _attention_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-configs", default="",
-        help="','-separated decode-kernel configs BLOCK_NxWARPSxSTAGES to time alone at each row count "
-        "(e.g. '64x4x2,32x4x3'), beside the backend's own",
+        help="','-separated decode-kernel configs BLOCK_NxWARPSxSTAGES to time at each row count, alone and "
+        "in the forward with the batch decode (e.g. '64x4x3,32x4x7': name the backend's own to compare)",
     )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over --attention-configs")
+
+
+@contextlib.contextmanager
+def decode_config(config: tuple[int, int, int]) -> Iterator[None]:
+    """Every decode-kernel launch inside takes `config` (BLOCK_N, warps, stages)."""
+    default = td.decode_config
+    td.decode_config = lambda head_dim, elem_bytes: config
+    try:
+        yield
+    finally:
+        td.decode_config = default
 
 
 def main() -> None:
@@ -73,20 +88,21 @@ def main() -> None:
             attention = time_graph(
                 lambda: [backend.decode(i, q, meta, out) for i in range(c.num_layers)], c.num_layers, args.reps  # noqa: B023
             )  # fmt: skip
-            configs = {}
-            for spec in filter(None, args.attention_configs.split(",")):
-                config = tuple(int(v) for v in spec.split("x"))
-                splits, po, pl = backend.num_splits(rows), backend._part_out, backend._part_lse
-                configs[spec] = time_graph(
-                    lambda: [td.decode_attention(q, cache[i, 0], cache[i, 1], meta.block_tables, meta.seq_lens, out,  # noqa: B023
-                                                 backend.scale, splits, po, pl, config) for i in range(c.num_layers)],  # noqa: B023
-                    c.num_layers, args.reps,
-                )  # fmt: skip
+            configs: dict[str, list[tuple[float, float]]] = {}
+            for _, spec in itertools.product(range(args.rounds), filter(None, args.attention_configs.split(","))):
+                with decode_config(tuple(int(v) for v in spec.split("x"))):
+                    alone = time_graph(lambda: [backend.decode(i, q, meta, out, pdl_launch=batch.pdl) for i in range(c.num_layers)],  # noqa: B023
+                                       c.num_layers, args.reps)  # fmt: skip
+                    model.model.batch_decode = batch
+                    forward = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
+                    model.model.batch_decode = None
+                configs.setdefault(spec, []).append((alone, forward))
             if configs:
                 kernels = [k for ks in td._decode_kernel.device_caches.values() for k in ks[0].values()]
                 say(f"rows {rows}: decode kernel variants (regs, shared): {[(k.n_regs, k.metadata.shared) for k in kernels]}")
-                say(f"rows {rows}: attention alone by config, us per layer: " + ", ".join(f"{k} {v:.2f}" for k, v in configs.items()))
-            stamps = torch.zeros(c.num_layers + 1, batch.programs, 16, dtype=torch.int64, device="cuda")
+                say(f"rows {rows}: by config, attention alone us per layer / forward ms, each round: " + "; ".join(
+                    f"{k} " + ", ".join(f"{a:.2f} / {f:.3f}" for a, f in v) for k, v in configs.items()))  # fmt: skip
+            stamps = torch.zeros(c.num_layers + 1, batch.programs, STAMPS.value, dtype=torch.int64, device="cuda")
             for _ in range(3):
                 batch.forward(ids, pos, ctx, timing=stamps)
             torch.cuda.synchronize()
@@ -101,6 +117,7 @@ def main() -> None:
                    "between_us": statistics.median(gaps) / 1e3, "attention_configs_us": configs}  # fmt: skip
             results.append(row)
             say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms batch decode")
+            say(f"{name}, rows {rows}: persistent kernels' placement: {placement(stamps)}")
     print(f"\n### batch decode, {args.shape}, context {args.context}: one launch's timeline (us, median over layers)\n")
     print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | launch | end to next start | attention alone | forward plain ms | batch ms |")
     print("| --- " * (len(POINTS) + 6) + "|")

@@ -25,6 +25,7 @@ from engine.attention.triton import TritonBackend
 from engine.config import ModelConfig
 from engine.models import get_model_class
 from engine.models.fused_decode import FusedDecode, unsupported
+from engine.models.grid_phases import SM_SLOT, STAMPS
 from engine.weights.loader import load_checkpoint
 
 BLOCK = 16
@@ -54,6 +55,21 @@ def decode_inputs(rows: int, context: int, vocab: int) -> tuple[torch.Tensor, to
     )  # fmt: skip
     ids = torch.randint(3, vocab, (rows,), device="cuda")
     return ids, torch.full((rows,), context, dtype=torch.int64, device="cuda"), meta
+
+
+def placement(stamps: torch.Tensor) -> str:
+    """How a persistent kernel's programs landed on SMs, from the SM each stamped
+    (grid_phases.SM_SLOT) in `stamps` [launches, P, STAMPS]: per launch, the SMs that ran any and
+    the most any one ran (one each is the kernels' premise: every program runs on its own SM)."""
+    sm = stamps[:, :, SM_SLOT.value].long().cpu()
+    used, most = [], []
+    for launch in sm:
+        counts = torch.bincount(launch)
+        used.append(int((counts > 0).sum()))
+        most.append(int(counts.max()))
+    doubled = sum(m > 1 for m in most)
+    return (f"{sm.shape[1]} programs on {min(used)}-{max(used)} SMs; launches with an SM running 2+ of them: "
+            f"{doubled} of {len(most)} (most on one SM: {max(most)})")
 
 
 def parse(doc: str, rows: str, variants_help: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
@@ -112,7 +128,7 @@ def main() -> None:
             plain = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             model.model.fused_decode = fused
             fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
-            stamps = torch.zeros(c.num_layers, fused.programs, 16, dtype=torch.int64, device="cuda")
+            stamps = torch.zeros(c.num_layers, fused.programs, STAMPS.value, dtype=torch.int64, device="cuda")
             for _ in range(3):
                 fused.forward(ids, pos, ctx, timing=stamps)
             torch.cuda.synchronize()
@@ -128,6 +144,7 @@ def main() -> None:
                    "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
             results.append(row)
             say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused, max error {err:.2e} of max |out|")
+            say(f"{name}, rows {rows}: layer kernels' placement: {placement(stamps)}")
     print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
     print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | gap to next | forward plain ms | fused ms |")
     print("| --- " * (len(POINTS) + 6) + "|")

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention.triton_kernels import LOG2E, dot, globaltimer, kv_offsets, next_pow2
+from engine.attention.triton_kernels import LOG2E, dot, globaltimer, kv_offsets, next_pow2, smid
 from engine.launcher import Launcher
 
 REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
@@ -60,8 +60,7 @@ def _stamp(stamp_ptr, i: tl.constexpr, TIMING: tl.constexpr):
         sp = stamp_ptr + program * 4
         tl.store(sp + i, globaltimer())
         if i == 0:
-            tl.store(sp + 3, tl.inline_asm_elementwise(
-                "mov.u32 $0, %smid; // $1", "=r,r", [program], dtype=tl.int32, is_pure=False, pack=1).to(tl.int64))
+            tl.store(sp + 3, smid().to(tl.int64))
 
 
 @triton.jit

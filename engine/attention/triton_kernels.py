@@ -58,6 +58,14 @@ def globaltimer():
 
 
 @triton.jit
+def smid():
+    # The SM this program runs on (%smid): the bench-only stamps of the decode kernels (TIMING).
+    return tl.inline_asm_elementwise(
+        "mov.u32 $0, %smid; // $1", "=r,r", [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def kv_offsets(
     bt_row_ptr,  # block table row of this sequence: [max_blocks] int32
     offs_n,  # [BLOCK_N] token indices in the sequence

@@ -99,7 +99,7 @@ class BatchDecode:
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, timing: torch.Tensor | None = None
-    ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers + 1, P, 16] int64 (bench)
+    ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers + 1, P, STAMPS] int64 (bench)
         lm, meta = self.lm, ctx.meta
         m = input_ids.shape[0]
         x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]

@@ -101,7 +101,7 @@ def batch_layer_kernel(
     q_ptr,  # [MAX_M, NH, D]: layer l+1's queries, normed and rotated
     pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,  # layer l+1's cache
     bar_ptr,  # int32 grid-barrier counter
-    t_ptr,  # [P, 16] int64 timestamps (TIMING only)
+    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
     M, eps, stride_ctok, stride_chead,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr,

@@ -120,7 +120,7 @@ class FusedDecode:
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, timing: torch.Tensor | None = None
-    ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers, P, 16] int64 (bench)
+    ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers, P, STAMPS] int64 (bench)
         from engine.models.layer_kernel import decoder_layer_kernel, finish_kernel
 
         lm, meta = self.lm, ctx.meta

@@ -19,7 +19,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.attention.triton_kernels import globaltimer
+from engine.attention.triton_kernels import globaltimer, smid
+
+STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
+SM_SLOT: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
@@ -50,9 +53,12 @@ def grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
 
 @triton.jit
 def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
-    # bench only (TIMING): this program's %globaltimer (ns) at point i, into t [P, 16] int64.
+    # bench only (TIMING): this program's %globaltimer (ns) at point i < 16, into t [P, STAMPS]
+    # int64; at point 0 also its %smid, into t[:, SM_SLOT].
     if TIMING:
-        tl.store(t_ptr + tl.program_id(0) * 16 + i, globaltimer())
+        tl.store(t_ptr + tl.program_id(0) * STAMPS + i, globaltimer())
+        if i == 0:
+            tl.store(t_ptr + tl.program_id(0) * STAMPS + SM_SLOT, smid().to(tl.int64))
 
 
 @triton.jit

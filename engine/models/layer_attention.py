@@ -23,13 +23,13 @@ import triton.language as tl
 
 from engine.attention.triton_decode import split_chunk
 from engine.attention.triton_kernels import globaltimer
-from engine.models.grid_phases import rnd
+from engine.models.grid_phases import STAMPS, rnd
 
 
 @triton.jit
 def _sub_stamp(t_ptr, i: tl.constexpr):
     # bench only: %globaltimer (ns) at point i inside the phase (see grid_phases.stamp).
-    tl.store(t_ptr + tl.program_id(0) * 16 + i, globaltimer())
+    tl.store(t_ptr + tl.program_id(0) * STAMPS + i, globaltimer())
 
 
 @triton.jit

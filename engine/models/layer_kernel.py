@@ -81,7 +81,7 @@ def decoder_layer_kernel(
     act_ptr,  # [M, I] scratch
     down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
     bar_ptr,  # int32 grid-barrier counter
-    t_ptr,  # [P, 16] int64 timestamps (TIMING only)
+    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
     M, num_splits, eps, sm_scale_log2, stride_part, stride_xn,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,

@@ -1,0 +1,151 @@
+"""The decode path's Triton kernels compiled for Hopper (sm_90) on a machine without a GPU: each
+variant's registers, stack (spills), shared memory, the programs per SM those allow, and for the
+split-KV decode kernel how many K/V tiles its software pipeline buffers and keeps in flight while
+it computes one. What a tile config or a kernel change does to occupancy and pipelining, known
+before a GPU run (bench/RESULTS.md, twenty-eighth session: 64x4x3 buffers one tile and waits for
+all of it; 32x4x6 fits five programs per SM, 32x4x7 four).
+
+Needs only Triton (`pip install triton`: its wheel carries ptxas and cuobjdump); no GPU, no CUDA
+driver. Shapes are Qwen3-0.6B's layer (hidden 1024, 16 heads, 8 KV heads, head_dim 128,
+intermediate 3072, KV blocks of 16); the persistent kernels' constants are the ones their
+constructors pick by default on a 132-SM part. Pointers and the integers Triton would specialize
+are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
+
+    python bench/compile_offline.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM_REGS, SM_SHARED, BLOCK_RESERVED = 65536, 228 * 1024, 1024  # H100 / H200, per SM
+P = 132  # SMs of an H100 SXM / H200
+H, HKV, D, HID, INTER, BLOCK = 16, 8, 128, 1024, 3072, 16
+BF16 = "*bf16"
+
+
+def _jit(fn: object) -> triton.runtime.jit.JITFunction:
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn  # engine.launcher.Launcher
+    return fn
+
+
+def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], options: dict[str, object],
+                 not_divisible: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
+    """Compile one variant: every non-constexpr argument typed by `types` (int32 by default)."""
+    jit = _jit(fn)
+    sig, attrs, constexprs = {}, {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+            continue
+        sig[name] = types.get(name, "i32")
+        if name not in not_divisible and sig[name] != "fp32":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    path = f"/tmp/siesta-offline-{jit.__name__}.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
+    shared = kernel.metadata.shared
+    threads = 32 * kernel.metadata.num_warps
+    return {
+        "regs": regs, "stack": stack, "shared": shared,
+        "per_sm_regs": SM_REGS // (threads * -(-regs // 8) * 8),
+        "per_sm_shared": SM_SHARED // (shared + BLOCK_RESERVED),
+        "ttgir": kernel.asm["ttgir"],
+    }  # fmt: skip
+
+
+def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
+    """The backend's split-KV decode as the batch decode launches it (PDL, one split)."""
+    from engine.attention import triton_decode as td
+
+    block_n, warps, stages = config
+    types = {n: BF16 for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    types.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", count_ptr="*i32",
+                 part_out_ptr="*fp32", part_lse_ptr="*fp32", sm_scale_log2="fp32")  # fmt: skip
+    consts = dict(NUM_HEADS=H, GROUP=H // HKV, BLOCK_H=16, HEAD_DIM=D, BLOCK_SIZE=BLOCK, BLOCK_N=block_n, IEEE=False,
+                  USE_PDL=True, LINE=64, MERGE=False, stamp_ptr=None, TIMING=False)  # fmt: skip
+    out = compile_sm90(td._decode_kernel, types, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": True},
+                       ("num_splits", "stride_bt", "mixed"))  # fmt: skip
+    # The K/V ring: [buffers, BLOCK_N, D] shared tiles; the loop's wait leaves N copy groups in
+    # flight (three per tile: K, V and the next page-table load).
+    ring = re.findall(rf"memdesc<(\d+)x{block_n}x{D}xbf16", out["ttgir"])
+    loop = out["ttgir"].split("scf.for", 1)[-1]
+    wait = re.search(r"async_wait .*?\{num = (\d+)", loop)
+    out["buffers"] = int(ring[0]) if ring else 0
+    out["in_flight"] = int(wait.group(1)) // 3 if wait else 0
+    return out
+
+
+def persistent_kernels() -> dict[str, dict[str, object]]:
+    """The batch decode's and the fused decode's persistent kernels, with their constructors'
+    default tiles (batch_decode.BatchDecode, fused_decode.FusedDecode)."""
+    import inspect
+
+    from engine.models import batch_decode, fused_decode
+    from engine.models.batch_kernel import batch_layer_kernel
+    from engine.models.decode_path import k_splits
+    from engine.models.layer_kernel import decoder_layer_kernel
+
+    shape = dict(HID=HID, NH=H, NKV=HKV, D=D, INTER=INTER, QK_NORM=True, HAS_QKV_BIAS=False, P=P, FIRST_ADD=2**31 - (P - 1),
+                 USE_PDL=True, TIMING=False)  # fmt: skip
+    fp32 = ("o_part_ptr", "down_part_ptr", "qkv_part_ptr", "cos_sin_ptr", "down_prev_ptr", "part_o_ptr", "part_lse_ptr", "down_ptr")
+    types = {n: "*fp32" for n in fp32}
+    types.update(pos_ptr="*i64", slot_ptr="*i64", t_ptr="*i64", bar_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
+                 eps="fp32", sm_scale_log2="fp32")  # fmt: skip
+    for jit in (batch_layer_kernel, decoder_layer_kernel):
+        types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
+    defaults = {k: p.default for k, p in inspect.signature(batch_decode.BatchDecode.__init__).parameters.items()}
+    bn, bk = defaults["bn"], defaults["bk"]
+    batch = dict(shape, KS_O=k_splits(HID // bn, H * D, P, bk), KS_D=k_splits(HID // bn, INTER, P, bk),
+                 KS_Q=k_splits(-(-(H + 2 * HKV) * D // bn), HID, P, bk), MAX_M=batch_decode.KERNEL_MAX_ROWS,
+                 BM=batch_decode.KERNEL_MAX_ROWS, BN=bn, BN_G=defaults["bn_gate"], BK=bk, BLOCK_HID=HID, BH=H, BKV=HKV,
+                 HEAD=False, TAIL=False)  # fmt: skip
+    flags = {"launch_cooperative_grid": True, "launch_pdl": True, "enable_fp_fusion": False}
+    out = {"batch_layer_kernel": compile_sm90(batch_layer_kernel, types, batch, {"num_warps": defaults["num_warps"],
+                                              "num_stages": defaults["stages"], **flags}, ("M",))}  # fmt: skip
+    bk = 2 * fused_decode._BK  # every K of this shape is a multiple of 256
+    bn = fused_decode._BN
+    ks_d = k_splits(HID // bn, INTER, P, bk)
+    layer = dict(shape, KS_PREV=ks_d, KS_O=k_splits(HID // bn, H * D, P, math.lcm(bk, D)), KS_D=ks_d, BM=fused_decode._BM, BN=bn,
+                 BK=bk, BLOCK_SIZE=BLOCK, ABN=64, BLOCK_S=16, BLOCK_HID=HID, NORM_EVERYWHERE=True)  # fmt: skip
+    out["decoder_layer_kernel"] = compile_sm90(decoder_layer_kernel, types, layer, {"num_warps": 4, "num_stages": 3, **flags},
+                                               ("M", "num_splits", "stride_bt"))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decode-configs", default="64x4x3", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode")
+    p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels")
+    args = p.parse_args()
+    print("| split-KV decode, BLOCK_N x warps x stages | registers | stack | shared KB | programs per SM (registers / shared) "
+          "| K/V tiles buffered | tiles in flight while one computes |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for spec in args.decode_configs.split(","):
+        r = decode_kernel(tuple(int(v) for v in spec.split("x")))
+        print(f"| {spec} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} "
+              f"| {r['buffers']} | {r['in_flight']} |")  # fmt: skip
+    if args.persistent:
+        print("\n| persistent kernel | registers | stack | shared KB | programs per SM (registers / shared) |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, r in persistent_kernels().items():
+            print(f"| {name} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} |")
+
+
+if __name__ == "__main__":
+    main()
