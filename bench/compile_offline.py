@@ -12,11 +12,17 @@ constructors pick by default on a 132-SM part. Pointers and the integers Triton 
 are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
 
     python bench/compile_offline.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
+
+CI runs it (tests/test_bench_scripts.py) and checks the occupancy the decode path is built on: the
+split-KV decode at the engine's own config four programs per SM (bench/RESULTS.md, seventeenth
+session: fewer lose), the layer kernel two (a layer's programs get scheduled, with PDL, beside
+the layer before), no kernel spilling.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -130,14 +136,21 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--decode-configs", default="64x4x3", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode")
+    p.add_argument("--decode-configs", default="", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode "
+                   "(default: the engine's own, triton_decode.decode_config)")  # fmt: skip
     p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels")
+    p.add_argument("--json", help="write every variant's numbers here")
     args = p.parse_args()
+    if not args.decode_configs:
+        from engine.attention.triton_decode import decode_config
+
+        args.decode_configs = "x".join(str(v) for v in decode_config(D, 2))
+    report: dict[str, dict[str, object]] = {}
     print("| split-KV decode, BLOCK_N x warps x stages | registers | stack | shared KB | programs per SM (registers / shared) "
           "| K/V tiles buffered | tiles in flight while one computes |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for spec in args.decode_configs.split(","):
-        r = decode_kernel(tuple(int(v) for v in spec.split("x")))
+        r = report[f"decode {spec}"] = decode_kernel(tuple(int(v) for v in spec.split("x")))
         print(f"| {spec} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} "
               f"| {r['buffers']} | {r['in_flight']} |")  # fmt: skip
     if args.persistent:
@@ -145,6 +158,10 @@ def main() -> None:
         print("| --- | --- | --- | --- | --- |")
         for name, r in persistent_kernels().items():
             print(f"| {name} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} |")
+            report[name] = r
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {n: v for n, v in r.items() if n != "ttgir"} for k, r in report.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

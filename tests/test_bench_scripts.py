@@ -2,7 +2,9 @@
 parses its arguments (`--help`) without a GPU, bench_memory.py without a GPU exits 2 with a JSON
 file that says why, instead of a traceback, and bench_engine.py and bench_serving.py run every code
 path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked); so do
-bench_flip.py, with every push mode a CPU has, and bench_replicas.py, where smg is installed."""
+bench_flip.py, with every push mode a CPU has, and bench_replicas.py, where smg is installed.
+compile_offline.py compiles the decode path's Triton kernels for Hopper without a GPU, and the
+occupancy they are built on is checked here."""
 
 from __future__ import annotations
 
@@ -218,3 +220,21 @@ def test_bench_flip_tiny_at_tp_size_2(tmp_path: str) -> None:
         flip = res["push"][mode]["flips"][0]
         assert flip["version_ok"] and flip["verify"]["all_changed"], (mode, flip.get("verify"))
     assert res["verify"]["restored_exactly"] and res["verify"]["pushed_weights_taken"] is True
+
+
+def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tmp_path: str) -> None:
+    pytest.importorskip("triton")
+    out = os.path.join(tmp_path, "compile.json")
+    p = _run(os.path.join("bench", "compile_offline.py"), "--persistent", "--json", out, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    with open(out) as f:
+        kernels = json.load(f)
+    (decode,) = (r for name, r in kernels.items() if name.startswith("decode "))  # the engine's own config
+    # Four split-KV programs per SM: the batch decode's 64 rows x 8 KV heads in one wave.
+    assert min(decode["per_sm_regs"], decode["per_sm_shared"]) >= 4, decode
+    assert decode["buffers"] >= 1, decode  # its K/V loads are software-pipelined
+    # Two layer kernels per SM: a layer's programs, launched with PDL, start beside the layer before.
+    layer = kernels["decoder_layer_kernel"]
+    assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer
+    assert kernels["batch_layer_kernel"]["per_sm_shared"] >= 1
+    assert {name: r["stack"] for name, r in kernels.items()} == dict.fromkeys(kernels, 0)  # nothing spills
