@@ -27,6 +27,7 @@ import math
 import os
 import re
 import subprocess
+import tempfile
 
 import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import triton
@@ -59,11 +60,12 @@ def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], o
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    path = f"/tmp/siesta-offline-{jit.__name__}.cubin"
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{jit.__name__}.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
     regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
     shared = kernel.metadata.shared
     threads = 32 * kernel.metadata.num_warps
