@@ -30,6 +30,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         "bench_memory.py",
         "bench_fused_ops.py",
         "probe_vmm_driver.py",
+        "probe_ipc_open.py",
         "bench_serving.py",
         "bench_replicas.py",
         "bench_flip.py",
