@@ -8,7 +8,7 @@ all of it; 32x4x6 fits five programs per SM, 32x4x7 four).
 Needs only Triton (`pip install triton`: its wheel carries ptxas and cuobjdump); no GPU, no CUDA
 driver. Shapes are Qwen3-0.6B's layer (hidden 1024, 16 heads, 8 KV heads, head_dim 128,
 intermediate 3072, KV blocks of 16); the persistent kernels' constants are the ones their
-constructors pick by default on a 132-SM part. Pointers and the integers Triton would specialize
+constructors pick by default on a 132-SM part (the same functions compute them). Pointers and the integers Triton would specialize
 are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
 
     python bench/compile_offline.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -38,6 +37,7 @@ SM_REGS, SM_SHARED, BLOCK_RESERVED = 65536, 228 * 1024, 1024  # H100 / H200, per
 P = 132  # SMs of an H100 SXM / H200
 H, HKV, D, HID, INTER, BLOCK = 16, 8, 128, 1024, 3072, 16
 BF16 = "*bf16"
+OPTIONS = ("num_warps", "num_stages", "launch_cooperative_grid", "launch_pdl", "enable_fp_fusion")
 
 
 def _jit(fn: object) -> triton.runtime.jit.JITFunction:
@@ -100,40 +100,37 @@ def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
 
 
 def persistent_kernels() -> dict[str, dict[str, object]]:
-    """The batch decode's and the fused decode's persistent kernels, with their constructors'
-    default tiles (batch_decode.BatchDecode, fused_decode.FusedDecode)."""
-    import inspect
+    """The batch decode's and the fused decode's persistent kernels, with the constants their
+    constructors launch by default (batch_decode.kernel_consts, fused_decode.layer_consts)."""
+    import torch
 
     from engine.models import batch_decode, fused_decode
     from engine.models.batch_kernel import batch_layer_kernel
-    from engine.models.decode_path import k_splits
+    from engine.models.decode_path import LayerShape
     from engine.models.layer_kernel import decoder_layer_kernel
 
-    shape = dict(HID=HID, NH=H, NKV=HKV, D=D, INTER=INTER, QK_NORM=True, HAS_QKV_BIAS=False, P=P, FIRST_ADD=2**31 - (P - 1),
-                 USE_PDL=True, TIMING=False)  # fmt: skip
+    shape = LayerShape(hidden=HID, inter=INTER, nh=H, nkv=HKV, d=D, eps=1e-6, qk_norm=True, device=torch.device("cuda"),
+                       dtype=torch.bfloat16)  # fmt: skip
     fp32 = ("o_part_ptr", "down_part_ptr", "qkv_part_ptr", "cos_sin_ptr", "down_prev_ptr", "part_o_ptr", "part_lse_ptr", "down_ptr")
     types = {n: "*fp32" for n in fp32}
     types.update(pos_ptr="*i64", slot_ptr="*i64", t_ptr="*i64", bar_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
                  eps="fp32", sm_scale_log2="fp32")  # fmt: skip
     for jit in (batch_layer_kernel, decoder_layer_kernel):
         types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
-    defaults = {k: p.default for k, p in inspect.signature(batch_decode.BatchDecode.__init__).parameters.items()}
-    bn, bk = defaults["bn"], defaults["bk"]
-    batch = dict(shape, KS_O=k_splits(HID // bn, H * D, P, bk), KS_D=k_splits(HID // bn, INTER, P, bk),
-                 KS_Q=k_splits(-(-(H + 2 * HKV) * D // bn), HID, P, bk), MAX_M=batch_decode.KERNEL_MAX_ROWS,
-                 BM=batch_decode.KERNEL_MAX_ROWS, BN=bn, BN_G=defaults["bn_gate"], BK=bk, BLOCK_HID=HID, BH=H, BKV=HKV,
-                 HEAD=False, TAIL=False)  # fmt: skip
-    flags = {"launch_cooperative_grid": True, "launch_pdl": True, "enable_fp_fusion": False}
-    out = {"batch_layer_kernel": compile_sm90(batch_layer_kernel, types, batch, {"num_warps": defaults["num_warps"],
-                                              "num_stages": defaults["stages"], **flags}, ("M",))}  # fmt: skip
-    bk = 2 * fused_decode._BK  # every K of this shape is a multiple of 256
-    bn = fused_decode._BN
-    ks_d = k_splits(HID // bn, INTER, P, bk)
-    layer = dict(shape, KS_PREV=ks_d, KS_O=k_splits(HID // bn, H * D, P, math.lcm(bk, D)), KS_D=ks_d, BM=fused_decode._BM, BN=bn,
-                 BK=bk, BLOCK_SIZE=BLOCK, ABN=64, BLOCK_S=16, BLOCK_HID=HID, NORM_EVERYWHERE=True)  # fmt: skip
-    out["decoder_layer_kernel"] = compile_sm90(decoder_layer_kernel, types, layer, {"num_warps": 4, "num_stages": 3, **flags},
-                                               ("M", "num_splits", "stride_bt"))  # fmt: skip
-    return out
+    batch = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
+    batch.update(HAS_QKV_BIAS=False, HEAD=False, TAIL=False, TIMING=False)
+    layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
+    layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
+    return {
+        "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
+        "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt")),
+    }
+
+
+def _split(consts: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+    """A kernel's launch keywords as (constexprs, compile options)."""
+    options = {k: consts[k] for k in OPTIONS if k in consts}
+    return {k: v for k, v in consts.items() if k not in OPTIONS}, options
 
 
 def main() -> None:

@@ -83,21 +83,19 @@ def _generate(llm: Engine, prompts: list[list[int]] = PROMPTS) -> list[Any]:
     return outs
 
 
-def _greedy(llm: Engine) -> list[tuple[list[int], list[tuple[float, int]]]]:
-    """Token ids and logprobs of a greedy run; equal lists mean bit-identical output."""
-    outs = _generate(llm)
+def _greedy(llm: Engine, batch: bool = False) -> list[tuple[list[int], list[tuple[float, int]]]]:
+    """Token ids and logprobs of a greedy run; equal lists mean bit-identical output. One prompt at
+    a time (`_generate`), or with `batch` eight prompts in one call: decode steps of eight rows (the
+    batch decode, its attention's splits merged in the kernel with counters in the `cuda_graph`
+    region)."""
+    if batch:
+        llm.flush_cache()
+        outs = llm.generate(input_ids=BATCH_PROMPTS, sampling_params=GREEDY)
+    else:
+        outs = _generate(llm)
     for o in outs:
         assert o.finish_reason == "length" and o.error is None, (o.finish_reason, o.error)
         assert len(o.output_ids) == GREEDY.max_new_tokens
-    return [(o.output_ids, o.output_token_logprobs) for o in outs]
-
-
-def _greedy_batch(llm: Engine) -> list[tuple[list[int], list[tuple[float, int]]]]:
-    """A greedy run of eight prompts in one call: decode steps of eight rows (the batch decode,
-    its attention's splits merged in the kernel with counters in the `cuda_graph` region)."""
-    llm.flush_cache()
-    outs = llm.generate(input_ids=BATCH_PROMPTS, sampling_params=GREEDY)
-    assert all(o.error is None and len(o.output_ids) == GREEDY.max_new_tokens for o in outs)
     return [(o.output_ids, o.output_token_logprobs) for o in outs]
 
 
@@ -185,7 +183,7 @@ class Served:
     baseline_used: int  # device used before the engine started (this process's context included)
     sizes: dict[str, int]  # region bytes, as memory_occupation reports them
     expected: list[Any] = field(default_factory=list)  # greedy output before any release
-    expected_batch: list[Any] = field(default_factory=list)  # _greedy_batch's, before any release
+    expected_batch: list[Any] = field(default_factory=list)  # _greedy(batch=True)'s, before any release
     startup_released: dict[str, int | None] = field(default_factory=dict)
 
     @property
@@ -220,7 +218,7 @@ def served(qwen3_dir: str):
         occ = llm.memory_occupation()
         s = Served(llm, baseline, {t: occ["tags"][t]["bytes"] for t in TAGS})
         s.expected = _greedy(llm)  # the reference: before any release
-        s.expected_batch = _greedy_batch(llm)
+        s.expected_batch = _greedy(llm, batch=True)
         s.startup_released = _released_footprint(s)
         yield s
     finally:
@@ -352,7 +350,7 @@ def test_trainer_process_uses_released_memory_then_engine_serves(served: Served,
         res = llm.resume_memory_occupation()
         assert res["changed"] == RESUME_ORDER and res["weights_valid"] is True, res
         assert _greedy(llm) == expected, "output changed after another process used the released memory"
-        assert _greedy_batch(llm) == served.expected_batch, "batched output changed after the release"
+        assert _greedy(llm, batch=True) == served.expected_batch, "batched output changed after the release"
     finally:
         del ballast
         torch.cuda.empty_cache()

@@ -44,13 +44,30 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
     return decode_path.unsupported(model, backend, BATCH_DECODE_ENV)
 
 
+def kernel_consts(
+    shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
+    bn_gate: int = 32, bk: int = _BK, stages: int = 4,
+) -> dict[str, object]:  # fmt: skip
+    """The persistent kernel's constexprs and launch options, the same at every layer and step of
+    `rows` rows at most on `programs` SMs (no device needed: bench/compile_offline.py compiles them)."""
+    import triton
+
+    qkv = (shape.nh + 2 * shape.nkv) * shape.d
+    return dict(
+        HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
+        KS_O=k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk), KS_D=k_splits(shape.hidden // bn, shape.inter, programs, bk),
+        KS_Q=k_splits(-(-qkv // bn), shape.hidden, programs, bk), MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
+        BLOCK_HID=triton.next_power_of_2(shape.hidden), BH=triton.next_power_of_2(shape.nh),
+        BKV=triton.next_power_of_2(shape.nkv), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
     ) -> None:  # fmt: skip
-        import triton
-
         from engine import pdl
 
         self.lm = model.model
@@ -58,12 +75,14 @@ class BatchDecode:
         self.shape = LayerShape.of(model)
         device, dtype = self.shape.device, self.shape.dtype
         qkv = (self.shape.nh + 2 * self.shape.nkv) * self.shape.d
-        self.programs = P = torch.cuda.get_device_properties(device).multi_processor_count
+        self.programs = torch.cuda.get_device_properties(device).multi_processor_count
         self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
         rows = self.max_rows
-        ks_o = k_splits(self.shape.hidden // bn, self.shape.nh * self.shape.d, P, bk)
-        ks_d = k_splits(self.shape.hidden // bn, self.shape.inter, P, bk)
-        ks_q = k_splits(-(-qkv // bn), self.shape.hidden, P, bk)
+        # engine/pdl.py: each attention kernel launches while the kernel before runs its rope phase.
+        self.pdl = pdl.enabled(device) and bool(use_pdl)
+        # The kernel's arguments that are the same at every layer and step.
+        self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages)
+        ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
         self.h = torch.zeros(rows, self.shape.hidden, **half)
@@ -80,17 +99,7 @@ class BatchDecode:
             t.numel() * t.element_size()
             for t in (self.h, self.h_mid, self.xn, self.act, self.q, self.attn, self.o_part, self.down_part, self.qkv_part)
         )
-        # engine/pdl.py: each attention kernel launches while the kernel before runs its rope phase.
-        self.pdl = pdl.enabled(device) and bool(use_pdl)
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
-        # The kernel's arguments that are the same at every layer and step.
-        self.consts = dict(
-            HID=self.shape.hidden, NH=self.shape.nh, NKV=self.shape.nkv, D=self.shape.d, INTER=self.shape.inter, QK_NORM=self.shape.qk_norm,
-            KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
-            BLOCK_HID=triton.next_power_of_2(self.shape.hidden), BH=triton.next_power_of_2(self.shape.nh),
-            BKV=triton.next_power_of_2(self.shape.nkv), P=P, FIRST_ADD=2**31 - (P - 1), USE_PDL=self.pdl, launch_pdl=self.pdl,
-            num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
-        )  # fmt: skip
 
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         return (

@@ -51,13 +51,41 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
     return decode_path.unsupported(model, backend, FUSED_DECODE_ENV)
 
 
+def kv_splits(programs: int, shape: LayerShape, rows: int) -> int:
+    """Split-KV parts per (row, KV head): fill one wave of programs within the pair cap
+    (combine_heads holds a step's (row, split) pairs, [4 heads, pairs, D] fp32)."""
+    max_pairs = max(1, _PAIR_ELEMENTS // shape.d)
+    return max(1, min(programs // (rows * shape.nkv), max_pairs // rows))
+
+
+def layer_consts(
+    shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
+    bn: int = _BN, bk: int | None = None,
+) -> dict[str, object]:  # fmt: skip
+    """The layer kernel's constexprs and launch options, the same at every layer and step of
+    `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
+    bench/compile_offline.py compiles them)."""
+    import triton
+
+    if bk is None:
+        bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (shape.hidden, shape.inter, shape.nh * shape.d)) else _BK
+    tiles = shape.hidden // bn
+    pairs = max(m * kv_splits(programs, shape, m) for m in range(1, rows + 1))
+    return dict(
+        HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
+        KS_O=k_splits(tiles, shape.nh * shape.d, programs, math.lcm(bk, shape.d)), KS_D=k_splits(tiles, shape.inter, programs, bk),
+        BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(pairs),
+        BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
+        USE_PDL=use_pdl, num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
+        launch_pdl=use_pdl,
+    )  # fmt: skip
+
+
 class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
         bn: int = _BN, bk: int | None = None, use_pdl: int = 1, norm_everywhere: int = 1,
     ) -> None:  # fmt: skip
-        import triton
-
         from engine import pdl
 
         self.lm = model.model
@@ -66,18 +94,12 @@ class FusedDecode:
         device, dtype = self.shape.device, self.shape.dtype
         self.programs = P = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         # One attention item per program: rows * KV heads * splits <= P.
-        self.max_rows = min(max_rows, KERNEL_MAX_ROWS, P // self.shape.nkv)
-        # (row, split) pairs per step: combine_heads holds them all, [4 heads, pairs, D] fp32.
-        self.max_pairs = max(1, _PAIR_ELEMENTS // self.shape.d)
-        if bk is None:
-            bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (self.shape.hidden, self.shape.inter, self.shape.nh * self.shape.d)) else _BK
-        self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
+        self.max_rows = rows = min(max_rows, KERNEL_MAX_ROWS, P // self.shape.nkv)
         # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
-        tiles = self.shape.hidden // bn
-        self.ks_o = k_splits(tiles, self.shape.nh * self.shape.d, P, math.lcm(bk, self.shape.d))
-        self.ks_d = k_splits(tiles, self.shape.inter, P, bk)
-        rows = self.max_rows
+        # The layer kernel's arguments that are the same at every layer and step.
+        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk)
+        self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = max(m * self.splits(m) for m in range(1, rows + 1))
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
@@ -96,24 +118,16 @@ class FusedDecode:
         self.part_lse = torch.zeros(pairs * self.shape.nh, **f32)
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.stride_part = rows * self.shape.hidden  # of o_part and down, [KS, rows, hidden]
-        # The layer kernel's arguments that are the same at every layer and step.
-        self.consts = dict(
-            HID=self.shape.hidden, NH=self.shape.nh, NKV=self.shape.nkv, D=self.shape.d, INTER=self.shape.inter, QK_NORM=self.shape.qk_norm,
-            KS_O=self.ks_o, KS_D=self.ks_d, BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=backend.kv_cache.shape[3],
-            ABN=64 if self.shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(pairs),
-            BLOCK_HID=triton.next_power_of_2(self.shape.hidden), P=P, FIRST_ADD=2**31 - (P - 1),
-            USE_PDL=self.pdl, num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
-            launch_pdl=self.pdl,
-        )  # fmt: skip
         self.sm_scale_log2 = backend.scale * 1.4426950408889634
         self.nbytes = sum(
             t.numel() * t.element_size()
             for t in (self.h, self.h_mid, self.xn, self.qkv, self.xo, self.act, self.o_part, self.down, self.part_o, self.part_lse, self.barrier)
         )
+        self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
 
     def splits(self, rows: int) -> int:
-        """Split-KV parts per (row, KV head): fill one wave of programs within the pair cap."""
-        return max(1, min(self.programs // (rows * self.shape.nkv), self.max_pairs // rows))
+        """Split-KV parts per (row, KV head) of a step of `rows` rows (kv_splits)."""
+        return kv_splits(self.programs, self.shape, rows)
 
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         return ctx.backend is self.backend and ctx.meta.is_decode and 0 < input_ids.shape[0] <= self.max_rows
