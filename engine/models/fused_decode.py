@@ -58,6 +58,11 @@ def kv_splits(programs: int, shape: LayerShape, rows: int) -> int:
     return max(1, min(programs // (rows * shape.nkv), max_pairs // rows))
 
 
+def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
+    """The most (row, split) pairs of any step of 1..rows rows: what the partials are sized for."""
+    return max(m * kv_splits(programs, shape, m) for m in range(1, rows + 1))
+
+
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
     bn: int = _BN, bk: int | None = None,
@@ -70,11 +75,10 @@ def layer_consts(
     if bk is None:
         bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (shape.hidden, shape.inter, shape.nh * shape.d)) else _BK
     tiles = shape.hidden // bn
-    pairs = max(m * kv_splits(programs, shape, m) for m in range(1, rows + 1))
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
         KS_O=k_splits(tiles, shape.nh * shape.d, programs, math.lcm(bk, shape.d)), KS_D=k_splits(tiles, shape.inter, programs, bk),
-        BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(pairs),
+        BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(most_pairs(programs, shape, rows)),
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
         launch_pdl=use_pdl,
@@ -100,7 +104,7 @@ class FusedDecode:
         # The layer kernel's arguments that are the same at every layer and step.
         self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk)
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
-        pairs = max(m * self.splits(m) for m in range(1, rows + 1))
+        pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
         self.h = torch.zeros(rows, self.shape.hidden, **half)
