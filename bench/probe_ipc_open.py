@@ -75,8 +75,7 @@ def main() -> None:
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs two CUDA GPUs")
     ctx = mp.get_context("spawn")
-    print(f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
-          f"driver {torch.cuda.driver_version() if hasattr(torch.cuda, 'driver_version') else '?'}")
+    print(f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}")
     print("| case | scenario | process | open ms | close ms | open us per handle |")
     print("| --- | --- | --- | --- | --- | --- |")
     for case in args.cases.split(","):
