@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention.triton_kernels import LOG2E, dot, globaltimer, kv_offsets, next_pow2, smid
+from engine.attention.triton_kernels import LOG2E, dot, kv_offsets, next_pow2, stamp_row
 from engine.launcher import Launcher
 
 REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
@@ -57,10 +57,7 @@ def _stamp(stamp_ptr, i: tl.constexpr, TIMING: tl.constexpr):
     # wait, 2 end of a one-split program) into stamp[program, i]; at 0 also its %smid into [3].
     if TIMING:
         program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        sp = stamp_ptr + program * 4
-        tl.store(sp + i, globaltimer())
-        if i == 0:
-            tl.store(sp + 3, smid().to(tl.int64))
+        stamp_row(stamp_ptr + program * 4, i, 3)
 
 
 @triton.jit

@@ -66,6 +66,15 @@ def smid():
 
 
 @triton.jit
+def stamp_row(row_ptr, i: tl.constexpr, SM_AT: tl.constexpr):
+    # bench only: this program's %globaltimer (ns) into row_ptr[i]; at point 0 also its %smid into
+    # row_ptr[SM_AT]. Callers own the row layout (triton_decode._stamp, grid_phases.stamp).
+    tl.store(row_ptr + i, globaltimer())
+    if i == 0:
+        tl.store(row_ptr + SM_AT, smid().to(tl.int64))
+
+
+@triton.jit
 def kv_offsets(
     bt_row_ptr,  # block table row of this sequence: [max_blocks] int32
     offs_n,  # [BLOCK_N] token indices in the sequence

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.attention.triton_kernels import globaltimer, smid
+from engine.attention.triton_kernels import stamp_row
 
 STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
 SM_SLOT: tl.constexpr = tl.constexpr(16)
@@ -56,9 +56,7 @@ def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
     # bench only (TIMING): this program's %globaltimer (ns) at point i < 16, into t [P, STAMPS]
     # int64; at point 0 also its %smid, into t[:, SM_SLOT].
     if TIMING:
-        tl.store(t_ptr + tl.program_id(0) * STAMPS + i, globaltimer())
-        if i == 0:
-            tl.store(t_ptr + tl.program_id(0) * STAMPS + SM_SLOT, smid().to(tl.int64))
+        stamp_row(t_ptr + tl.program_id(0) * STAMPS, i, SM_SLOT)
 
 
 @triton.jit

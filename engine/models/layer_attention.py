@@ -22,14 +22,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_decode import split_chunk
-from engine.attention.triton_kernels import globaltimer
-from engine.models.grid_phases import STAMPS, rnd
-
-
-@triton.jit
-def _sub_stamp(t_ptr, i: tl.constexpr):
-    # bench only: %globaltimer (ns) at point i inside the phase (see grid_phases.stamp).
-    tl.store(t_ptr + tl.program_id(0) * STAMPS + i, globaltimer())
+from engine.models.grid_phases import rnd, stamp
 
 
 @triton.jit
@@ -155,8 +148,7 @@ def attention_phase(
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v)
                 m_i = m_new
-        if TIMING:
-            _sub_stamp(t_ptr, 14)
+        stamp(t_ptr, 14, TIMING)  # bench only: inside the phase, after the attention loop
         part = (m * NH + heads) * num_splits + s  # [BH]
         tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
         tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=h_ok)
