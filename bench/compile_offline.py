@@ -15,7 +15,7 @@ are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
 
 CI runs it (tests/test_bench_scripts.py) and checks the occupancy the decode path is built on: the
 split-KV decode at the engine's own config four programs per SM (bench/RESULTS.md, seventeenth
-session: fewer lose), the layer kernel two (a layer's programs get scheduled, with PDL, beside
+session: fewer lose), and so the batch decode's attention kernel (rope folded in), the layer kernel two (a layer's programs get scheduled, with PDL, beside
 the layer before), no kernel spilling.
 """
 
@@ -100,11 +100,13 @@ def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
 
 
 def persistent_kernels() -> dict[str, dict[str, object]]:
-    """The batch decode's and the fused decode's persistent kernels, with the constants their
-    constructors launch by default (batch_decode.kernel_consts, fused_decode.layer_consts)."""
+    """The batch decode's two kernels (persistent, attention) and the fused decode's persistent
+    kernel, with the constants their launches take by default (batch_decode.kernel_consts,
+    batch_attention.kernel_consts, fused_decode.layer_consts)."""
     import torch
 
-    from engine.models import batch_decode, fused_decode
+    from engine.models import batch_attention, batch_decode, fused_decode
+    from engine.models.batch_attention import rope_decode_kernel
     from engine.models.batch_kernel import batch_layer_kernel
     from engine.models.decode_path import LayerShape
     from engine.models.layer_kernel import decoder_layer_kernel
@@ -115,14 +117,18 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     types = {n: "*fp32" for n in fp32}
     types.update(pos_ptr="*i64", slot_ptr="*i64", t_ptr="*i64", bar_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
                  eps="fp32", sm_scale_log2="fp32")  # fmt: skip
-    for jit in (batch_layer_kernel, decoder_layer_kernel):
+    for jit in (batch_layer_kernel, decoder_layer_kernel, rope_decode_kernel):
         types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
     batch = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
-    batch.update(HAS_QKV_BIAS=False, HEAD=False, TAIL=False, TIMING=False)
+    batch.update(HEAD=False, TAIL=False, TIMING=False)
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
+    qkv = (H + 2 * HKV) * D
+    attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True)
+    types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
     return {
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
+        "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
         "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt")),
     }
 

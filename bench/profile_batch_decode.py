@@ -30,11 +30,12 @@ from profile_fused_decode import decode_inputs, parse, placement, setup
 
 from engine.attention import ForwardContext
 from engine.attention import triton_decode as td
+from engine.models.batch_attention import rope_decode_kernel
 from engine.models.batch_decode import BatchDecode, unsupported
 from engine.models.grid_phases import STAMPS
 
 POINTS = ["start", "o_proj", "barrier", "norm", "barrier", "gate_up", "barrier", "down", "barrier", "norm",
-          "barrier", "qkv", "barrier", "rope"]
+          "barrier", "qkv"]  # batch_kernel's stamps 0..11 (11: the launch's end)
 
 
 def _attention_flag(p: argparse.ArgumentParser) -> None:
@@ -84,21 +85,21 @@ def main() -> None:
             model.model.batch_decode = batch
             fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             model.model.batch_decode = None
-            q, out = batch.q[:rows], batch.attn[:rows]
+            layers = list(enumerate(model.model.layers))
             attention = time_graph(
-                lambda: [backend.decode(i, q, meta, out) for i in range(c.num_layers)], c.num_layers, args.reps  # noqa: B023
+                lambda: [batch.attention(i, layer, pos, meta, rows) for i, layer in layers], c.num_layers, args.reps  # noqa: B023
             )  # fmt: skip
             configs: dict[str, list[tuple[float, float]]] = {}
             for _, spec in itertools.product(range(args.rounds), filter(None, args.attention_configs.split(","))):
                 with decode_config(tuple(int(v) for v in spec.split("x"))):
-                    alone = time_graph(lambda: [backend.decode(i, q, meta, out, pdl_launch=batch.pdl) for i in range(c.num_layers)],  # noqa: B023
+                    alone = time_graph(lambda: [batch.attention(i, layer, pos, meta, rows) for i, layer in layers],  # noqa: B023
                                        c.num_layers, args.reps)  # fmt: skip
                     model.model.batch_decode = batch
                     forward = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
                     model.model.batch_decode = None
                 configs.setdefault(spec, []).append((alone, forward))
             if configs:
-                kernels = [k for ks in td._decode_kernel.device_caches.values() for k in ks[0].values()]
+                kernels = [k for ks in rope_decode_kernel.device_caches.values() for k in ks[0].values()]
                 say(f"rows {rows}: decode kernel variants (regs, shared): {[(k.n_regs, k.metadata.shared) for k in kernels]}")
                 say(f"rows {rows}: by config, attention alone us per layer / forward ms, each round: " + "; ".join(
                     f"{k} " + ", ".join(f"{a:.2f} / {f:.3f}" for a, f in v) for k, v in configs.items()))  # fmt: skip
@@ -110,7 +111,7 @@ def main() -> None:
             start = t[:, :, 0].min(1).values
             line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
             every = stamps.double().cpu()
-            ends = every[:-1, :, 13].max(1).values
+            ends = every[:-1, :, len(POINTS) - 1].max(1).values
             gaps = (every[1:, :, 0].min(1).values - ends).tolist()
             row = {"rows": rows, "variant": name, "regs": batch.compiled.n_regs, "spills": batch.compiled.n_spills,
                    "plain_ms": plain, "batch_ms": fast, "attention_us": attention, "timeline_us": line,

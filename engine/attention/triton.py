@@ -90,6 +90,15 @@ class TritonBackend(AttentionBackend):
                 return merged, True
         return self.num_splits(batch), False
 
+    def merged_decode_plan(self, batch: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(KV splits, partial outputs, their log-sum-exp, merge counters) for a decode kernel of
+        `batch` rows that merges its own splits (the batch decode's, models/batch_attention.py):
+        `decode_splits`' PDL plan."""
+        splits, _ = self.decode_splits(batch, pdl_launch=True)
+        if splits > 1 and batch * splits * self.num_heads * self.head_dim > self._part_out.numel():
+            raise ValueError(f"decode batch of {batch} exceeds max_num_seqs {self.max_num_seqs}")
+        return splits, self._part_out, self._part_lse, self._counts
+
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the merge counters start at zero."""
         self._counts.zero_()

@@ -61,6 +61,77 @@ def _stamp(stamp_ptr, i: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
+def prefetch_first_tile(
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, stride_cblk, stride_ctok, stride_chead,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr,
+):  # fmt: skip
+    # The K/V lines of tokens start..start+BLOCK_N-1 (below end) into L2, LINE elements a line:
+    # what a PDL launch issues before its wait (a prefetch holds no value, so a row the kernel
+    # before still writes cannot be read stale).
+    first = start + tl.arange(0, BLOCK_N)
+    first_off = kv_offsets(bt_row_ptr, first, first < end, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
+    lines = (tl.arange(0, HEAD_DIM // LINE) * LINE)[None, :]
+    pdl.prefetch_l2(k_cache_ptr + first_off[:, None] + lines)
+    pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
+
+
+@triton.jit
+def attend_tiles(
+    q,  # [BLOCK_H, HEAD_DIM] in the cache's dtype: one KV head's query heads
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # The online softmax (base 2) of q over the cached tokens start..end-1 of one sequence, in
+    # tiles of BLOCK_N: -> (m [BLOCK_H] running max, l [BLOCK_H] sum of exp2, acc [BLOCK_H, D]
+    # unnormalized output); an empty range leaves (-inf, 0, 0).
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        kv_off = kv_offsets(bt_row_ptr, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = dot(q, tl.trans(k), IEEE) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def write_split(
+    m_i, l_i, acc,  # attend_tiles' result for this split
+    out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
+    part_out_ptr, part_lse_ptr, count_ptr,  # as _decode_kernel's
+    seq, kv_head, split, num_splits, num_valid, heads, h_mask,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, MERGE: tl.constexpr,
+):  # fmt: skip
+    # One split: the output itself (num_splits 1; seq_len 0 leaves l == 0 and acc == 0: zeros,
+    # not NaN), else its normalized partial and log-sum-exp, merged here (MERGE) by the last of
+    # the row's num_valid splits to arrive.
+    if num_splits == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
+        if MERGE:
+            merge_splits(
+                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
+                (seq * NUM_HEADS + heads) * num_splits, h_mask, num_valid, BLOCK_H, HEAD_DIM,
+            )  # fmt: skip
+
+
+@triton.jit
 def merge_splits(
     part_out_ptr, part_lse_ptr, count_ptr,
     out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
@@ -151,13 +222,9 @@ def _decode_kernel(
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
         # engine/pdl.py: launched while the kernel that writes q and the new K/V row still runs.
-        # The metadata is the step's upload; the first tile's K/V lines go to L2 (a prefetch
-        # holds no value, so the new row's line cannot be stale); then wait.
-        first = start + tl.arange(0, BLOCK_N)
-        first_off = kv_offsets(bt_row_ptr, first, first < end, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
-        lines = (tl.arange(0, HEAD_DIM // LINE) * LINE)[None, :]
-        pdl.prefetch_l2(k_cache_ptr + first_off[:, None] + lines)
-        pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
+        # The metadata is the step's upload; the first tile's K/V lines go to L2; then wait.
+        prefetch_first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, stride_cblk, stride_ctok,
+                            stride_chead, HEAD_DIM, BLOCK_SIZE, BLOCK_N, LINE)  # fmt: skip
         tl.extra.cuda.gdc_wait()
         _stamp(stamp_ptr, 1, TIMING)
         # The persistent kernel after it (models/batch_kernel.py) gets scheduled as programs end.
@@ -166,38 +233,16 @@ def _decode_kernel(
         q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0
     ).to(k_cache_ptr.dtype.element_ty)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        kv_off = kv_offsets(bt_row_ptr, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        s = dot(q, tl.trans(k), IEEE) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-
+    m_i, l_i, acc = attend_tiles(
+        q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
+        stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE,
+    )  # fmt: skip
+    write_split(
+        m_i, l_i, acc, out_ptrs, part_out_ptr, part_lse_ptr, count_ptr, seq, kv_head, split, num_splits,
+        tl.cdiv(seq_len, chunk), heads, h_mask, NUM_HEADS, HEAD_DIM, BLOCK_H, MERGE,
+    )  # fmt: skip
     if num_splits == 1:
-        # seq_len 0 leaves l_i == 0 and acc == 0: output zeros, not NaN.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
         _stamp(stamp_ptr, 2, TIMING)
-    else:
-        part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
-            merge_splits(
-                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
-                (seq * NUM_HEADS + heads) * num_splits, h_mask, tl.cdiv(seq_len, chunk), BLOCK_H, HEAD_DIM,
-            )  # fmt: skip
 
 
 @Launcher

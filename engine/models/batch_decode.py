@@ -1,19 +1,20 @@
-"""`BatchDecode`: the decode steps of a few to 64 rows in two launches per layer, the attention
-backend's split-KV kernel and one persistent kernel for everything between two attention calls
-(engine/models/batch_kernel.py), instead of ten kernels per layer.
+"""`BatchDecode`: the decode steps of a few to 64 rows in two launches per layer, a split-KV
+attention kernel (engine/models/batch_attention.py) and one persistent kernel for everything
+between two attention calls (engine/models/batch_kernel.py), instead of ten kernels per layer.
 
 Past a few rows the one-kernel-per-layer decode (fused_decode.py) loses: its attention phase,
 one program per SM, reads the rows' KV slower than the split-KV kernel's four programs per SM
-(bench/RESULTS.md). So attention stays the backend's and the rest of each layer, o_proj to the
-next layer's rotated queries and new K/V rows, is one launch.
+(bench/RESULTS.md). So attention is the backend's split-KV kernel, with q/k norm, rope and the
+new K/V rows' store folded in, and the rest of each layer, o_proj to the next layer's qkv
+projection, is one launch.
 
 Built by the model runner inside the `cuda_graph` region when `unsupported()` (decode_path.py's
 rules) finds nothing against the model; the model's forward hands it the decode steps it `applies` to (rows
 in min_rows..max_rows, its backend), eager or captured.
 
 Rules:
-- Scratch (streams, the normed stream, activations, fp32 partial sums, queries, the attention
-  output, the barrier counter) is allocated once, for max_rows; kernels index rows up to M, so
+- Scratch (streams, the normed stream, activations, fp32 partial sums, the attention output,
+  the barrier counter) is allocated once, for max_rows; kernels index rows up to M, so
   every graph batch size shares it. The counter is zeroed at the start of every step.
 - One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
   (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardContext
+from engine.attention.base import AttentionMetadata
 from engine.models import decode_path
 from engine.models.decode_path import LayerShape, k_splits
 
@@ -54,11 +56,10 @@ def kernel_consts(
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
     return dict(
-        HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
+        HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
         KS_O=k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk), KS_D=k_splits(shape.hidden // bn, shape.inter, programs, bk),
         KS_Q=k_splits(-(-qkv // bn), shape.hidden, programs, bk), MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
-        BLOCK_HID=triton.next_power_of_2(shape.hidden), BH=triton.next_power_of_2(shape.nh),
-        BKV=triton.next_power_of_2(shape.nkv), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
+        BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
     )  # fmt: skip
 
@@ -78,7 +79,7 @@ class BatchDecode:
         self.programs = torch.cuda.get_device_properties(device).multi_processor_count
         self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
         rows = self.max_rows
-        # engine/pdl.py: each attention kernel launches while the kernel before runs its rope phase.
+        # engine/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The kernel's arguments that are the same at every layer and step.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages)
@@ -89,7 +90,6 @@ class BatchDecode:
         self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
         self.xn = torch.zeros(rows, self.shape.hidden, **half)
         self.act = torch.zeros(rows, self.shape.inter, **half)
-        self.q = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
         self.attn = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
         self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
         self.down_part = torch.zeros(ks_d, rows, self.shape.hidden, **f32)
@@ -97,7 +97,7 @@ class BatchDecode:
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(
             t.numel() * t.element_size()
-            for t in (self.h, self.h_mid, self.xn, self.act, self.q, self.attn, self.o_part, self.down_part, self.qkv_part)
+            for t in (self.h, self.h_mid, self.xn, self.act, self.attn, self.o_part, self.down_part, self.qkv_part)
         )
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
 
@@ -117,37 +117,42 @@ class BatchDecode:
         layers = list(lm.layers)
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
-            nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and rope run
-            self._launch(prev, nxt, i, x, out, positions, ctx, m, None if timing is None else timing[i])
+            nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
+            self._launch(prev, nxt, i, x, out, timing[i] if timing is not None else None, m)
             if nxt is not None:
-                self.backend.decode(i, self.q[:m], meta, self.attn[:m], pdl_launch=self.pdl)
+                self.attention(i, nxt, positions, meta, m)
         return out
+
+    def attention(self, i: int, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata, m: int) -> None:
+        """Layer i's attention of a step of m rows from the qkv partials into `attn` (its new K/V
+        rows into the cache): batch_attention.py."""
+        from engine.models.batch_attention import rope_decode
+
+        attn = layer.self_attn
+        kv = self.backend.kv_cache[i]
+        rope_decode(
+            self.qkv_part, attn.qkv_proj.bias, attn.q_norm.weight if self.shape.qk_norm else None,
+            attn.k_norm.weight if self.shape.qk_norm else None, positions, self.lm.rotary_emb.cos_sin_cache,
+            meta.slot_mapping, kv[0], kv[1], meta.block_tables, meta.seq_lens, self.attn[:m], self.shape.eps,
+            self.backend.scale, self.backend.merged_decode_plan(m), self.pdl,
+        )  # fmt: skip
 
     def _launch(
         self, prev: nn.Module | None, nxt: nn.Module | None, i: int, x: torch.Tensor, out: torch.Tensor,
-        positions: torch.Tensor, ctx: ForwardContext, m: int, timing: torch.Tensor | None,
+        timing: torch.Tensor | None, m: int,
     ) -> None:  # fmt: skip
         from engine.models.batch_kernel import batch_layer_kernel
 
-        lm, meta = self.lm, ctx.meta
-        kv = self.backend.kv_cache[min(i, len(lm.layers) - 1)]  # layer l+1's (TAIL: unused)
-        k_cache, v_cache = kv[0], kv[1]
-        cos_sin = lm.rotary_emb.cos_sin_cache
+        lm = self.lm
         # layer l's weights (HEAD: any tensor), layer l+1's (TAIL: any tensor)
         a, mlp = (prev.self_attn, prev.mlp) if prev is not None else (nxt.self_attn, nxt.mlp)
         post = (prev or nxt).post_attention_layernorm.weight
-        na = (nxt or prev).self_attn
         norm = nxt.input_layernorm.weight if nxt is not None else lm.norm.weight
-        qkv_b = na.qkv_proj.bias
         self.compiled = batch_layer_kernel[(self.programs,)](
             x, self.attn, self.h, self.h_mid,
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            norm, na.qkv_proj.weight, qkv_b if qkv_b is not None else na.qkv_proj.weight,
-            na.q_norm.weight if self.shape.qk_norm else cos_sin, na.k_norm.weight if self.shape.qk_norm else cos_sin,
-            self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part, self.q,
-            positions, cos_sin, k_cache, v_cache, meta.slot_mapping, self.barrier,
-            timing if timing is not None else self.barrier,
-            m, self.shape.eps, k_cache.stride(1), k_cache.stride(2),
-            HAS_QKV_BIAS=qkv_b is not None, HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None,
-            **self.consts,
+            norm, (nxt or prev).self_attn.qkv_proj.weight,
+            self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
+            self.barrier, timing if timing is not None else self.barrier, m, self.shape.eps,
+            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **self.consts,
         )  # fmt: skip

@@ -1,7 +1,8 @@
 """Everything of a decode step between two attention calls in one kernel launch: a persistent
 Triton kernel (one program per SM, phases separated by grid barriers) that takes layer l's
-attention output to layer l+1's rotated queries and new K/V rows. Only engine/models/
-batch_decode.py imports this module (it imports Triton).
+attention output to layer l+1's qkv projection. The attention kernel after it (batch_attention.py)
+norms and rotates q and k from these partial sums itself. Only engine/models/batch_decode.py
+imports this module (it imports Triton).
 
 Phases, M rows (M <= BM <= 64), P programs, GEMV items dealt round-robin (grid_phases.py), a grid
 barrier after each but the last:
@@ -11,13 +12,16 @@ barrier after each but the last:
   4. down_proj, items (tile, K split c): down_part[c] [M, HID] fp32.
   5. norm: h = h_mid + round(sum_c down_part[c]); the RMSNorm of layer l+1 (the final norm: TAIL)
      -> xn (TAIL: the model's output).
-  6. qkv of layer l+1, items (tile, K split c): qkv_part[c] [M, QKV] fp32.
-  7. rope, a row per program: q/k = round(sum_c qkv_part[c] + bias), Qwen3's q/k norm, rope ->
-     q [M, NH, D] for the attention kernel; k and v into the cache at the row's slot (none for
-     slot -1, graph padding).
-HEAD (the step's first launch, no layer l): phase 5 on the embedding alone, then 6 and 7. TAIL
-(the last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py,
-fused_ops._norm_rope_heads): results match them up to the order of fp32 sums.
+  6. qkv of layer l+1, items (tile, K split c): qkv_part[c] [M, QKV] fp32, no bias (the
+     attention kernel adds it).
+HEAD (the step's first launch, no layer l): phase 5 on the embedding alone, then 6. TAIL (the
+last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py): results match them
+up to the order of fp32 sums.
+
+USE_PDL (engine/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
+triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
+issues its first K/V tile's prefetch then (forward at 32 rows 1.490 -> 1.412-1.417 ms,
+bench/RESULTS.md, thirtieth session).
 """
 
 from __future__ import annotations
@@ -25,63 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, rnd, stamp
-from engine.models.layer_attention import norm_rope
-
-
-@triton.jit
-def _qkv_values(row_ptr, b_ptr, col, mask, KS: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                DTYPE: tl.constexpr):  # fmt: skip
-    # A row's qkv output at columns col: round(sum_c part[c] + bias), as fp32.
-    x = tl.load(row_ptr + col, mask=mask, other=0.0, cache_modifier=".cg")
-    for c in tl.static_range(1, KS):
-        x += tl.load(row_ptr + c * STRIDE + col, mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_BIAS:
-        x += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    return rnd(x, DTYPE)
-
-
-@triton.jit
-def _rope_phase(
-    row, part_ptr, b_ptr, qn_ptr, kn_ptr, q_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    M, eps, stride_ctok, stride_chead,
-    KS: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
-    NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
-    if row < M:
-        HALF: tl.constexpr = D // 2
-        QKV: tl.constexpr = (NH + 2 * NKV) * D
-        d = tl.arange(0, HALF)[None, :]
-        pos = tl.load(pos_ptr + row).to(tl.int64)
-        cos = rnd(tl.load(cos_sin_ptr + pos * D + d), DTYPE)  # [1, HALF]
-        sin = rnd(tl.load(cos_sin_ptr + pos * D + HALF + d), DTYPE)
-        base = part_ptr + row * QKV
-        hq = tl.arange(0, BH)[:, None]  # [BH, 1]: query heads
-        q_ok = hq < NH
-        c1 = hq * D + d
-        q1, q2 = norm_rope(
-            _qkv_values(base, b_ptr, c1, q_ok, KS, STRIDE, HAS_BIAS, DTYPE),
-            _qkv_values(base, b_ptr, c1 + HALF, q_ok, KS, STRIDE, HAS_BIAS, DTYPE),
-            qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
-        )  # fmt: skip
-        tl.store(q_ptr + row * (NH * D) + c1, q1, mask=q_ok)
-        tl.store(q_ptr + row * (NH * D) + c1 + HALF, q2, mask=q_ok)
-        slot = tl.load(slot_ptr + row)
-        if slot >= 0:
-            hk = tl.arange(0, BKV)[:, None]  # [BKV, 1]: KV heads
-            k_ok = hk < NKV
-            ck = NH * D + hk * D + d
-            k1, k2 = norm_rope(
-                _qkv_values(base, b_ptr, ck, k_ok, KS, STRIDE, HAS_BIAS, DTYPE),
-                _qkv_values(base, b_ptr, ck + HALF, k_ok, KS, STRIDE, HAS_BIAS, DTYPE),
-                kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
-            )  # fmt: skip
-            dst = slot * stride_ctok + hk * stride_chead
-            tl.store(k_cache_ptr + dst + d, k1, mask=k_ok)
-            tl.store(k_cache_ptr + dst + HALF + d, k2, mask=k_ok)
-            cv = (NH + NKV) * D + hk * D + tl.arange(0, D)[None, :]
-            v = _qkv_values(base, b_ptr, cv, k_ok, KS, STRIDE, HAS_BIAS, DTYPE)
-            tl.store(v_cache_ptr + dst + tl.arange(0, D)[None, :], v.to(DTYPE), mask=k_ok)
+from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -92,22 +40,19 @@ def batch_layer_kernel(
     h_mid_ptr,  # [MAX_M, HID] scratch: the stream after layer l's attention
     o_w_ptr, post_norm_ptr, gate_up_w_ptr, down_w_ptr,  # layer l's
     norm_ptr,  # layer l+1's input norm; the model's final norm (TAIL)
-    qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr,  # layer l+1's
+    qkv_w_ptr,  # layer l+1's
     xn_ptr,  # [MAX_M, HID] scratch: the normed stream
     out_ptr,  # [M, HID]: the model's output (TAIL); else xn
     act_ptr,  # [MAX_M, INTER] scratch
     o_part_ptr, down_part_ptr,  # [KS_O | KS_D, MAX_M, HID] fp32
     qkv_part_ptr,  # [KS_Q, MAX_M, QKV] fp32
-    q_ptr,  # [MAX_M, NH, D]: layer l+1's queries, normed and rotated
-    pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,  # layer l+1's cache
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
-    M, eps, stride_ctok, stride_chead,
+    M, eps,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr,
-    MAX_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_G: tl.constexpr, BK: tl.constexpr,
-    BLOCK_HID: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
-    HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
+    KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr, MAX_M: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BN_G: tl.constexpr, BK: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr,
+    FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -132,12 +77,7 @@ def batch_layer_kernel(
         norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE)
     if not TAIL:
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
-        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)
-        phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
         if USE_PDL:  # engine/pdl.py: the attention kernel after this one gets scheduled now
             tl.extra.cuda.gdc_launch_dependents()
-        _rope_phase(
-            pid, qkv_part_ptr, qkv_b_ptr, qn_ptr, kn_ptr, q_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-            M, eps, stride_ctok, stride_chead, KS_Q, MAX_M * QKV, HAS_QKV_BIAS, QK_NORM, NH, NKV, D, BH, BKV, DTYPE,
-        )  # fmt: skip
-    stamp(t_ptr, 13, TIMING)
+        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)
+    stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)
