@@ -22,9 +22,11 @@ waits for it anyway. Who does what in a decode layer:
   attention kernels made both TP=1 and TP=2 steps slower.
 - In the one-kernel-per-layer decode (models/layer_kernel.py): every layer's launch waits after
   its attention prologue (the next layer's KV loads) and triggers after its o_proj.
-- In the batch decode (models/batch_decode.py): the persistent kernel triggers before its rope
-  phase; the split-KV attention kernel after it launches with PDL, reads the step's metadata
-  (uploaded before any kernel ran), prefetches its first K/V tile into L2, waits and triggers;
+- In the batch decode (models/batch_decode.py): the persistent kernel triggers before its qkv
+  phase; the split-KV attention kernel after it (models/batch_attention.py) launches with PDL,
+  reads the step's metadata (uploaded before any kernel ran) and the rope table, prefetches its
+  first K/V tile into L2, waits and triggers (no kernel before it writes the cache: it stores
+  the new K/V rows itself);
   the next persistent kernel launches with PDL too and waits first, so its programs take the
   SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; twentieth session).
   Where that attention splits the KV it merges the splits itself: a reduce launched between the
