@@ -6,7 +6,9 @@ with the batch decode, per row count and split count.
     python3 bench/probe_split_merge.py --rows 8,16,32,64 --context 530 --per-sm 2,3,4,6,8
 
 Split counts come from programs per SM: splits = max(1, per_sm * SMs // (rows * Hkv)). Each
-variant's output is compared with the backend's own kernel on the same cache state.
+variant's output is compared with the backend's own kernel on the same cache state. The forward
+takes the split count; its attention kernel (engine/models/batch_attention.py) always merges in
+the kernel, so "reduce" variants differ from "merge" only in the attention-alone column.
 """
 
 from __future__ import annotations
