@@ -13,6 +13,10 @@ With `counts` (MERGE), the kernel merges its own splits and no reduce runs: each
 partial, then adds one to its (row, KV head) counter; the split that brings it to the row's count
 of splits merges them (`merge_splits`) and zeroes the counter for the next launch.
 
+The tile loop (`attend_tiles`), the first tile's L2 prefetch (`prefetch_first_tile`) and a
+split's write and merge (`write_split`) are Triton functions that the batch decode's own attention
+kernel (engine/models/batch_attention.py, rope folded in) shares.
+
 Compiled variants: the split count is not specialized, and the reduce merges any count of splits
 BLOCK_S at a time, not in one block sized by the batch (mixed steps of two or three sequences,
 which no decode graph runs, compiled new blocks while serving: 250-290 ms online p99 TTFT,
