@@ -11,10 +11,12 @@ graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV), for CUDA
   allocated once here at its largest, and the kernels read no host-side value, so decode is
   CUDA-graph capturable (with the static buffers of `init_graph_buffers`). Eager decode runs the
   same kernels.
-- A decode launched with PDL (the batch decode's, whose next kernel launches with PDL too) has
-  its splits merged inside the kernel instead, by the last split of each (row, KV head) to end:
-  a reduce launch between the two would hold the next kernel until it ends. Its per-(row, KV
-  head) counters are zero between launches; they live in the `cuda_graph` region, so a resume
+- A decode launched with PDL (`decode(pdl_launch=True)`, which the bench probes run) has its
+  splits merged inside the kernel instead, by the last split of each (row, KV head) to end: a
+  reduce launch between it and a next kernel launched with PDL would hold that kernel until the
+  reduce ends. The batch decode's own attention kernel (models/batch_attention.py) merges the
+  same way, with the plan and workspace of `merged_decode_plan`. The per-(row, KV head) counters
+  are zero between launches; they live in the `cuda_graph` region, so a resume
   of that region zeroes them again (`after_resume`).
 """
 
@@ -95,9 +97,13 @@ class TritonBackend(AttentionBackend):
         `batch` rows that merges its own splits (the batch decode's, models/batch_attention.py):
         `decode_splits`' PDL plan."""
         splits, _ = self.decode_splits(batch, pdl_launch=True)
+        self._check_workspace(batch, splits)
+        return splits, self._part_out, self._part_lse, self._counts
+
+    def _check_workspace(self, batch: int, splits: int) -> None:
+        """The partials of `batch` rows in `splits` splits fit the workspace allocated for max_num_seqs."""
         if splits > 1 and batch * splits * self.num_heads * self.head_dim > self._part_out.numel():
             raise ValueError(f"decode batch of {batch} exceeds max_num_seqs {self.max_num_seqs}")
-        return splits, self._part_out, self._part_lse, self._counts
 
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the merge counters start at zero."""
@@ -155,8 +161,7 @@ class TritonBackend(AttentionBackend):
         sequences of one new token are attended (forward)."""
         num_seqs = meta.seq_lens.shape[0]
         splits, merge = self.decode_splits(num_seqs, pdl_launch)
-        if splits > 1 and num_seqs * splits * self.num_heads * self.head_dim > self._part_out.numel():
-            raise ValueError(f"decode batch of {num_seqs} exceeds max_num_seqs {self.max_num_seqs}")
+        self._check_workspace(num_seqs, splits)
         td.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,

@@ -14,7 +14,7 @@ partial, then adds one to its (row, KV head) counter; the split that brings it t
 of splits merges them (`merge_splits`) and zeroes the counter for the next launch.
 
 The tile loop (`attend_tiles`), the first tile's L2 prefetch (`prefetch_first_tile`) and a
-split's write and merge (`write_split`) are Triton functions that the batch decode's own attention
+split's write and merge (`write_split`, `write_zeros`) are Triton functions that the batch decode's own attention
 kernel (engine/models/batch_attention.py, rope folded in) shares.
 
 Compiled variants: the split count is not specialized, and the reduce merges any count of splits
@@ -107,6 +107,15 @@ def attend_tiles(
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def write_zeros(out_ptrs, h_mask, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
+    # A padding row's output (out_ptrs [BLOCK_H, HEAD_DIM]): zeros, written after the PDL wait
+    # (no write before the kernel before, which may read out, has ended).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
 
 
 @triton.jit
@@ -218,9 +227,7 @@ def _decode_kernel(
     if num_splits > 1:
         if start >= end:  # past this row's end (or a padding row): the reduce skips this split
             if MERGE and split == 0:  # a padding row: zeros, as the reduce writes
-                if USE_PDL:
-                    tl.extra.cuda.gdc_wait()  # no write before the kernel before has ended
-                tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+                write_zeros(out_ptrs, h_mask, BLOCK_H, HEAD_DIM, USE_PDL)
             return
 
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -231,7 +238,7 @@ def _decode_kernel(
                             stride_chead, HEAD_DIM, BLOCK_SIZE, BLOCK_N, LINE)  # fmt: skip
         tl.extra.cuda.gdc_wait()
         _stamp(stamp_ptr, 1, TIMING)
-        # The persistent kernel after it (models/batch_kernel.py) gets scheduled as programs end.
+        # The kernel after it gets scheduled as programs end.
         tl.extra.cuda.gdc_launch_dependents()
     q = tl.load(
         q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_mask[:, None], other=0.0

@@ -32,6 +32,7 @@ from engine.attention.triton_decode import (
     prefetch_first_tile,
     split_chunk,
     write_split,
+    write_zeros,
 )
 from engine.attention.triton_kernels import LOG2E, next_pow2
 from engine.launcher import Launcher
@@ -83,9 +84,7 @@ def rope_decode_kernel(
     out_ptrs = out_ptr + (seq * NH + heads)[:, None] * D + dd  # [BLOCK_H, D]
     if start >= end:  # a split past the row's end, or a padding row: split 0 writes its zeros
         if split == 0:
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()  # the kernel before reads out
-            tl.store(out_ptrs, tl.zeros([BLOCK_H, D], tl.float32).to(DTYPE), mask=h_mask[:, None])
+            write_zeros(out_ptrs, h_mask, BLOCK_H, D, USE_PDL)
         return
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # What no kernel of the step writes (the step's upload, the rope table): before the wait.
