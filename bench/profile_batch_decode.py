@@ -49,7 +49,8 @@ def _attention_flag(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def decode_config(config: tuple[int, int, int]) -> Iterator[None]:
-    """Every decode-kernel launch inside takes `config` (BLOCK_N, warps, stages)."""
+    """Every decode-kernel config chosen inside is `config` (BLOCK_N, warps, stages): the backend's
+    launches, and a `BatchDecode` built inside (its attention kernel's constants)."""
     default = td.decode_config
     td.decode_config = lambda head_dim, elem_bytes: config
     try:
@@ -86,15 +87,18 @@ def main() -> None:
             fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             model.model.batch_decode = None
             layers = list(enumerate(model.model.layers))
+            plan = backend.merged_decode_plan(rows)
             attention = time_graph(
-                lambda: [batch.attention(i, layer, pos, meta, rows) for i, layer in layers], c.num_layers, args.reps  # noqa: B023
+                lambda: [batch.attention(i, layer, pos, meta, plan) for i, layer in layers], c.num_layers, args.reps  # noqa: B023
             )  # fmt: skip
             configs: dict[str, list[tuple[float, float]]] = {}
             for _, spec in itertools.product(range(args.rounds), filter(None, args.attention_configs.split(","))):
                 with decode_config(tuple(int(v) for v in spec.split("x"))):
-                    alone = time_graph(lambda: [batch.attention(i, layer, pos, meta, rows) for i, layer in layers],  # noqa: B023
+                    # A BatchDecode built under the config: its attention kernel takes it at construction.
+                    other = BatchDecode(model, backend, 1, max(rows_list), **knobs)
+                    alone = time_graph(lambda: [other.attention(i, layer, pos, meta, plan) for i, layer in layers],  # noqa: B023
                                        c.num_layers, args.reps)  # fmt: skip
-                    model.model.batch_decode = batch
+                    model.model.batch_decode = other
                     forward = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
                     model.model.batch_decode = None
                 configs.setdefault(spec, []).append((alone, forward))

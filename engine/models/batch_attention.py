@@ -167,17 +167,11 @@ def rope_decode(
     out: torch.Tensor,  # [B, NH, D]
     eps: float, scale: float,
     plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # TritonBackend.merged_decode_plan
-    pdl_launch: bool,
+    consts: dict[str, object],  # kernel_consts of these shapes
 ) -> None:  # fmt: skip
     """Attention of a decode step of B rows from the qkv projection's partial sums (module docstring)."""
-    batch, nh, d = out.shape
-    nkv = k_cache.shape[2]
     splits, part_out, part_lse, counts = plan
-    consts = kernel_consts(
-        nh, nkv, d, qkv_part.shape[0], qkv_part.stride(0), qkv_bias is not None, q_norm is not None,
-        k_cache.shape[1], k_cache.element_size(), pdl_launch,
-    )  # fmt: skip
-    rope_decode_kernel[(batch, nkv, splits)](
+    rope_decode_kernel[(out.shape[0], k_cache.shape[2], splits)](
         qkv_part, qkv_bias if qkv_bias is not None else qkv_part, q_norm if q_norm is not None else cos_sin,
         k_norm if k_norm is not None else cos_sin, positions, cos_sin, slot_mapping, k_cache, v_cache, block_tables,
         seq_lens, out, part_out, part_lse, counts, eps, scale * LOG2E, splits,

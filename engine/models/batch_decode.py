@@ -70,6 +70,7 @@ class BatchDecode:
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
     ) -> None:  # fmt: skip
         from engine import pdl
+        from engine.models import batch_attention
 
         self.lm = model.model
         self.backend = backend
@@ -84,6 +85,12 @@ class BatchDecode:
         # The kernel's arguments that are the same at every layer and step.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages)
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
+        # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
+        attn0 = self.lm.layers[0].self_attn
+        self.attention_consts = batch_attention.kernel_consts(
+            self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
+            self.shape.qk_norm, backend.kv_cache.shape[3], backend.kv_cache.element_size(), self.pdl,
+        )  # fmt: skip
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
         self.h = torch.zeros(rows, self.shape.hidden, **half)
@@ -115,26 +122,30 @@ class BatchDecode:
         out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)
         self.barrier.zero_()
         layers = list(lm.layers)
+        plan = self.backend.merged_decode_plan(m)  # the attention's splits and workspace, every layer's
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
             self._launch(prev, nxt, i, x, out, timing[i] if timing is not None else None, m)
             if nxt is not None:
-                self.attention(i, nxt, positions, meta, m)
+                self.attention(i, nxt, positions, meta, plan)
         return out
 
-    def attention(self, i: int, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata, m: int) -> None:
-        """Layer i's attention of a step of m rows from the qkv partials into `attn` (its new K/V
-        rows into the cache): batch_attention.py."""
-        from engine.models.batch_attention import rope_decode
+    def attention(
+        self, i: int, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata,
+        plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # backend.merged_decode_plan(M)
+    ) -> None:  # fmt: skip
+        """Layer i's attention of a step of M = len(positions) rows from the qkv partials into
+        `attn` (its new K/V rows into the cache): batch_attention.py."""
+        from engine.models import batch_attention
 
         attn = layer.self_attn
         kv = self.backend.kv_cache[i]
-        rope_decode(
+        batch_attention.rope_decode(
             self.qkv_part, attn.qkv_proj.bias, attn.q_norm.weight if self.shape.qk_norm else None,
             attn.k_norm.weight if self.shape.qk_norm else None, positions, self.lm.rotary_emb.cos_sin_cache,
-            meta.slot_mapping, kv[0], kv[1], meta.block_tables, meta.seq_lens, self.attn[:m], self.shape.eps,
-            self.backend.scale, self.backend.merged_decode_plan(m), self.pdl,
+            meta.slot_mapping, kv[0], kv[1], meta.block_tables, meta.seq_lens, self.attn[: positions.shape[0]],
+            self.shape.eps, self.backend.scale, plan, self.attention_consts,
         )  # fmt: skip
 
     def _launch(
