@@ -103,10 +103,10 @@ def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) ->
     for config, target in variants:
         splits = backend.num_splits(batch)
         if target is not None:
-            saved = backend._target_programs
-            backend._target_programs = target * torch.cuda.get_device_properties(0).multi_processor_count
+            saved = backend.wave_programs
+            backend.wave_programs = target * torch.cuda.get_device_properties(0).multi_processor_count
             splits = backend.num_splits(batch)
-            backend._target_programs = saved
+            backend.wave_programs = saved
         # The workspace is sized for the backend's own split rule; bigger sweeps get their own.
         part_out = torch.empty(max(1, batch * H * splits * D), dtype=torch.float32, device="cuda")
         part_lse = torch.empty(max(1, batch * H * splits), dtype=torch.float32, device="cuda")

@@ -235,8 +235,10 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     assert min(decode["per_sm_regs"], decode["per_sm_shared"]) >= 4, decode
     assert decode["buffers"] >= 1, decode  # its K/V loads are software-pipelined
     # So does the batch decode's own attention kernel, with q/k norm, rope and the K/V store in it.
-    attention = kernels["rope_decode_kernel"]
-    assert min(attention["per_sm_regs"], attention["per_sm_shared"]) >= 4, attention
+    # The same kernel on the qkv linear's bf16 output (the layers' decode steps) fits four too.
+    for name in ("rope_decode_kernel", "rope_decode_kernel (layers)"):
+        attention = kernels[name]
+        assert min(attention["per_sm_regs"], attention["per_sm_shared"]) >= 4, (name, attention)
     # Two layer kernels per SM: a layer's programs, launched with PDL, start beside the layer before.
     layer = kernels["decoder_layer_kernel"]
     assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer

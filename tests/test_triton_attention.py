@@ -163,7 +163,7 @@ def test_decode_matches_sdpa(shape: Shape) -> None:
     torch.manual_seed(1)
     # A small batch (split KV + reduce) and one wide enough for a single split (direct output).
     backend = make_backend(shape, new_cache(shape, 1), max_model_len=8192)
-    wide = cdiv(backend._target_programs, shape.num_kv_heads)
+    wide = cdiv(backend.wave_programs, shape.num_kv_heads)
     assert backend.num_splits(len(DECODE_LENS)) > 1 and backend.num_splits(wide) == 1
     for lens in (DECODE_LENS, torch.randint(1, 300, (wide,)).tolist()):
         num_blocks = sum(cdiv(n, shape.block_size) for n in lens) + 5
@@ -178,7 +178,7 @@ def test_mixed_step_matches_sdpa(shape: Shape) -> None:
     the rest (with and without KV splits), each row as SDPA."""
     torch.manual_seed(2)
     backend = make_backend(shape, new_cache(shape, 1), max_model_len=8192)
-    wide = cdiv(backend._target_programs, shape.num_kv_heads)
+    wide = cdiv(backend.wave_programs, shape.num_kv_heads)
     for decodes in ([2, 700, 33], torch.randint(2, 300, (wide,)).tolist()):
         specs = [(n, 1) for n in decodes]
         specs[1:1] = [(300, 300)]  # a fresh prompt after the first decode row

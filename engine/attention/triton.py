@@ -63,7 +63,7 @@ class TritonBackend(AttentionBackend):
             raise ValueError("the KV cache must be contiguous")
         device = kv_cache.device
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        self._target_programs = _PROGRAMS_PER_SM * num_sms
+        self.wave_programs = _PROGRAMS_PER_SM * num_sms  # decode programs of one wave
         self._merge_programs = _MERGE_PROGRAMS_PER_SM * num_sms
         self._decode_block_n = td.decode_config(self.head_dim, kv_cache.element_size())[0]
         self._max_splits = max(1, min(_MAX_SPLITS, -(-max_model_len // self._decode_block_n)))
@@ -80,7 +80,7 @@ class TritonBackend(AttentionBackend):
     def num_splits(self, batch: int) -> int:
         """KV splits per sequence in decode: a function of the batch size alone (static per graph).
         As many as fit one wave of programs; 1 (no reduce) once the batch fills half the GPU."""
-        return max(1, min(self._max_splits, self._target_programs // (batch * self.num_kv_heads)))
+        return max(1, min(self._max_splits, self.wave_programs // (batch * self.num_kv_heads)))
 
     def decode_splits(self, batch: int, pdl_launch: bool = False) -> tuple[int, bool]:
         """(KV splits, whether the kernel merges them) of a decode of `batch` rows: a PDL launch
@@ -96,6 +96,8 @@ class TritonBackend(AttentionBackend):
         """(KV splits, partial outputs, their log-sum-exp, merge counters) for a decode kernel of
         `batch` rows that merges its own splits (the batch decode's, models/batch_attention.py):
         `decode_splits`' PDL plan."""
+        if batch > self.max_num_seqs:  # the merge counters are max_num_seqs rows
+            raise ValueError(f"decode batch of {batch} exceeds max_num_seqs {self.max_num_seqs}")
         splits, _ = self.decode_splits(batch, pdl_launch=True)
         self._check_workspace(batch, splits)
         return splits, self._part_out, self._part_lse, self._counts

@@ -1,12 +1,18 @@
-"""The batch decode's attention (engine/models/batch_decode.py): the backend's split-KV decode
-(engine/attention/triton_decode.py) with the rope phase folded in, so the persistent kernel
-before it ends at its qkv projection, one phase and one grid barrier sooner. Only
-engine/models/batch_decode.py imports this module (it imports Triton).
+"""The decode step's attention from the qkv projection's output: the backend's split-KV decode
+(engine/attention/triton_decode.py) with q/k norm, rope and the new K/V rows' store folded in.
+Two callers, one kernel (`rope_decode_kernel`):
+- the batch decode (engine/models/batch_decode.py) on the fp32 split-K partials of its persistent
+  kernel, which then ends at its qkv projection, one phase and one grid barrier sooner;
+- `DecodeAttention`, the layers' own forward (models/layers.py `Attention`) on the decode steps no
+  persistent path takes (the 8B shape, more than 64 rows): on the qkv linear's output (one
+  "partial", its bias already added), one launch where rotary, store_kv, decode and its reduce
+  were four.
+Only those two modules import this one (it imports Triton).
 
 Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, split):
-  1. (PDL) the first tile's K/V lines into L2, wait for the persistent kernel, trigger the next.
+  1. (PDL) the first tile's K/V lines into L2, wait for the kernel before, trigger the next.
   2. q of g's GROUP query heads and the new token's k and v: round(sum_c qkv_part[c] + bias)
-     (the persistent kernel's split-K partials), Qwen3's q/k norm, rope; the roundings of
+     (KS parts of the qkv output), Qwen3's q/k norm, rope; the roundings of
      fused_ops._norm_rope_heads (compiled without FMA contraction, as the persistent kernels).
   3. The split holding the new token (position seq_len - 1) stores its k and v into the cache at
      the row's slot (none for slot -1).
@@ -14,19 +20,25 @@ Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, sp
      `attend_tiles`), then the new token folded in from registers: no program reads a row that
      another is writing.
   5. The output (one split) or the split's partial, merged by the row's last split to arrive
-     (triton_decode's `write_split`). Splits always merge here: no reduce launch runs between
-     this kernel and the next persistent one.
-Rows of seq_len 0 (graph padding) write zeros and no cache row. Results equal the rope phase
-followed by the backend's kernel up to the order of fp32 sums (the new token last).
+     (triton_decode's `write_split`). Splits always merge here: no reduce launch runs after it.
+Rows of seq_len 0 (graph padding) write zeros and no cache row. Results equal the rope kernel
+followed by the backend's store and decode kernels up to the order of fp32 sums (the new token last).
+
+SIESTA_ROPE_DECODE=0 keeps the layers' forward on the separate kernels (read when the runner
+builds `DecodeAttention`); the batch decode always uses this kernel.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
-from engine.attention import triton_decode
+from engine import pdl
+from engine.attention import ForwardContext, triton_decode
 from engine.attention.triton_decode import (
     attend_tiles,
     prefetch_first_tile,
@@ -38,6 +50,9 @@ from engine.attention.triton_kernels import LOG2E, next_pow2
 from engine.launcher import Launcher
 from engine.models.grid_phases import rnd
 from engine.models.layer_attention import norm_rope
+from engine.models.rotary import RopeInputs
+
+ROPE_DECODE_ENV = "SIESTA_ROPE_DECODE"
 
 
 @triton.jit
@@ -177,3 +192,64 @@ def rope_decode(
         seq_lens, out, part_out, part_lse, counts, eps, scale * LOG2E, splits,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), **consts,
     )  # fmt: skip
+
+
+def unsupported(model: nn.Module, backend: object) -> str | None:
+    """Why `DecodeAttention` cannot serve this model's layers with this backend (None: it can):
+    CUDA, Triton attention, the fused ops on (it replaces their rotary), not switched off."""
+    from engine.attention.triton import TritonBackend
+
+    if os.environ.get(ROPE_DECODE_ENV, "1") == "0":
+        return f"{ROPE_DECODE_ENV}=0"
+    if not isinstance(backend, TritonBackend) or backend.kv_cache.device.type != "cuda":
+        return "attention backend is not triton on CUDA"
+    if not model.model.fused or not len(model.model.layers):
+        return "fused ops off or no layers"
+    return None
+
+
+class DecodeAttention:
+    """The layers' decode attention (module docstring): `Attention.forward` hands it the qkv
+    linear's output [T, QKV] of a decode step on its backend and gets [T, H, D] back, the new
+    K/V rows stored. Built once by the model runner (`attach`); its constants are every layer's."""
+
+    def __init__(self, model: nn.Module, backend: object) -> None:
+        attn = model.model.layers[0].self_attn
+        kv = backend.kv_cache
+        self.backend = backend
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
+        # One part (KS = 1, its stride unused), the bias already in it.
+        self.consts = kernel_consts(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, 1, 0, False, attn.q_norm is not None, kv.shape[3],
+            kv.element_size(), pdl.enabled(kv.device),
+        )  # fmt: skip
+
+    def attach(self, model: nn.Module) -> None:
+        """Every layer's attention runs its decode steps through this."""
+        for layer in model.model.layers:
+            layer.self_attn.rope_decode = self
+
+    def applies(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
+        """A decode step on this backend, one row per sequence, qkv [T, QKV] contiguous on CUDA,
+        whose T x Hkv programs fit one wave: in later waves each program's rope ahead of its
+        first tile is no longer hidden (0.6B shape, 256 rows: 5.33 -> 5.50 ms a step)."""
+        rows = qkv.shape[0]
+        return (
+            ctx.backend is self.backend and ctx.meta.is_decode and qkv.is_cuda and qkv.is_contiguous()
+            and 0 < rows == ctx.meta.seq_lens.shape[0] and rows * self.shape[1] <= self.backend.wave_programs
+        )  # fmt: skip
+
+    def __call__(
+        self, attn: nn.Module, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext
+    ) -> torch.Tensor:  # `Attention` attn, qkv [T, QKV] -> [T, H, D]
+        nh, _, d = self.shape
+        meta, kv = ctx.meta, self.backend.kv_cache[attn.layer_id]
+        out = torch.empty(qkv.shape[0], nh, d, dtype=qkv.dtype, device=qkv.device)
+        qn, kn = attn.q_norm, attn.k_norm
+        rope_decode(
+            qkv.unsqueeze(0), None, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+            rope.positions, rope.cos_sin_cache, meta.slot_mapping, kv[0], kv[1], meta.block_tables, meta.seq_lens,
+            out, qn.eps if qn is not None else 0.0, self.backend.scale,
+            self.backend.merged_decode_plan(qkv.shape[0]), self.consts,
+        )  # fmt: skip
+        return out

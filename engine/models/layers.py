@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from types import ModuleType
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from engine.attention import ForwardContext
 from engine.config import ModelConfig
 from engine.models.rotary import RopeInputs, apply_rotary
 from engine.parallel import Shard, TensorParallel
+
+if TYPE_CHECKING:
+    from engine.models.batch_attention import DecodeAttention
 
 # Set to 0 to build models without the fused Triton ops (the torch ops run on CUDA too).
 FUSED_OPS_ENV = "SIESTA_FUSED_OPS"
@@ -216,6 +219,8 @@ class Attention(nn.Module):
 
     qkv_bias: bias on q/k/v (Qwen2, Llama with attention_bias); o_bias: bias on o_proj (Llama with
     attention_bias); qk_norm: RMSNorm over head_dim of each q and k head before rope (Qwen3).
+    `rope_decode` (set by the model runner on CUDA, models/batch_attention.py): decode steps run
+    the norm, rope, K/V store and attention as one kernel on the qkv output.
     """
 
     def __init__(
@@ -241,6 +246,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * D, config.hidden_size, o_bias, fused, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rope_decode: DecodeAttention | None = None
 
     def forward(
         self,
@@ -250,7 +256,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = hidden.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
+        if self.rope_decode is not None and self.rope_decode.applies(qkv, ctx):
+            return self.o_proj(self.rope_decode(self, qkv, rope, ctx).view(T, H * D))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.fused and hidden.is_cuda:
             # One kernel: the q/k norm (if any) and rope, in place in the qkv output.

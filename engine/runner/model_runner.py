@@ -154,12 +154,18 @@ class ModelRunner:
     def _decode_paths(self) -> None:
         """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py), and
         the steps above them up to 64 rows two per layer (engine/models/batch_decode.py), where
-        the model, its device and the attention backend allow it."""
+        the model, its device and the attention backend allow it; the other decode steps run the
+        layers with their attention's rope and K/V store folded in (engine/models/batch_attention.py)."""
         if self.device.type != "cuda":
             return
-        from engine.models import batch_decode, fused_decode
+        from engine.models import batch_attention, batch_decode, fused_decode
 
         lm, max_seqs = self.model.model, self.config.max_num_seqs
+        why = batch_attention.unsupported(self.model, self.attn_backend)
+        if why is None:
+            batch_attention.DecodeAttention(self.model, self.attn_backend).attach(self.model)
+        else:
+            log.info("rope decode off: %s", why)
         why = fused_decode.unsupported(self.model, self.attn_backend)
         if why is None:
             lm.fused_decode = fused_decode.FusedDecode(self.model, self.attn_backend, min(fused_decode.MAX_ROWS, max_seqs))
