@@ -68,7 +68,8 @@ def _rms_norm_kernel(
     n_cols, inv_n, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:  # engine/pdl.py: the GEMV after the norm is scheduled and prefetches now
+    if USE_PDL:  # engine/pdl.py: scheduled while the kernel before ends; the GEMV after it prefetches now
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -97,11 +98,12 @@ def _launch_norm(x2, res2, weight, out2, eps, has_residual):
     if rows == 0:
         return
     block = _next_pow2(n)
+    use_pdl = pdl.enabled(x2.device)
     _rms_norm_kernel[(rows,)](
         x2, res2, weight, out2,
         x2.stride(0), res2.stride(0), out2.stride(0),
         n, 1.0 / n, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=pdl.enabled(x2.device), num_warps=_warps(block),
+        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=use_pdl, num_warps=_warps(block), launch_pdl=use_pdl,
     )  # fmt: skip
 
 
