@@ -137,6 +137,21 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     }
 
 
+def layers_attention(d: int, elem_bytes: int) -> dict[str, object]:
+    """The layers' DecodeAttention kernel (models/batch_attention.py) for head_dim d and a cache of
+    elem_bytes (2: bf16, 4: fp32), at the 0.6B shape's heads: every head dim the backend takes
+    must compile (the tests' tiny checkpoints use 16)."""
+    from engine.models import batch_attention
+    from engine.models.batch_attention import rope_decode_kernel
+
+    half = BF16 if elem_bytes == 2 else "*fp32"
+    types = {n: half for n in _jit(rope_decode_kernel).arg_names if n.endswith("_ptr")}
+    types.update(pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                 count_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", eps="fp32", sm_scale_log2="fp32")  # fmt: skip
+    consts = batch_attention.kernel_consts(H, HKV, d, 1, 0, False, True, BLOCK, elem_bytes, True)
+    return compile_sm90(rope_decode_kernel, types, *_split(consts), ("num_splits", "stride_bt"))
+
+
 def _split(consts: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
     """A kernel's launch keywords as (constexprs, compile options)."""
     options = {k: consts[k] for k in OPTIONS if k in consts}
@@ -148,6 +163,8 @@ def main() -> None:
     p.add_argument("--decode-configs", default="", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode "
                    "(default: the engine's own, triton_decode.decode_config)")  # fmt: skip
     p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels")
+    p.add_argument("--layers-head-dims", default="", help="','-separated head dims: the layers' attention kernel "
+                   "for each, bf16 and fp32")  # fmt: skip
     p.add_argument("--json", help="write every variant's numbers here")
     args = p.parse_args()
     if not args.decode_configs:
@@ -168,6 +185,14 @@ def main() -> None:
         for name, r in persistent_kernels().items():
             print(f"| {name} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} |")
             report[name] = r
+    if args.layers_head_dims:
+        print("\n| layers' attention kernel, head_dim / cache dtype | registers | stack | shared KB | programs per SM |")
+        print("| --- | --- | --- | --- | --- |")
+        for d in (int(v) for v in args.layers_head_dims.split(",")):
+            for elem_bytes, dtype in ((2, "bf16"), (4, "fp32")):
+                r = report[f"layers attention {d} {dtype}"] = layers_attention(d, elem_bytes)
+                print(f"| {d} / {dtype} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | "
+                      f"{min(r['per_sm_regs'], r['per_sm_shared'])} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {n: v for n, v in r.items() if n != "ttgir"} for k, r in report.items()}, f, indent=1)

@@ -223,6 +223,24 @@ def test_bench_flip_tiny_at_tp_size_2(tmp_path: str) -> None:
     assert res["verify"]["restored_exactly"] and res["verify"]["pushed_weights_taken"] is True
 
 
+def test_the_layers_attention_kernel_compiles_for_every_head_dim(tmp_path: str) -> None:
+    """Every head dim the Triton backend takes (powers of two, 16..256), bf16 and fp32 caches; a
+    compile error here is an engine that fails at its first decode step on a GPU."""
+    pytest.importorskip("triton")
+    out = os.path.join(tmp_path, "compile.json")
+    p = _run(os.path.join("bench", "compile_offline.py"), "--decode-configs", "64x4x3", "--layers-head-dims",
+             "16,32,64,128,256", "--json", out, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    with open(out) as f:
+        kernels = json.load(f)
+    layers = {name: r for name, r in kernels.items() if name.startswith("layers attention")}
+    assert len(layers) == 10
+    assert all(min(r["per_sm_regs"], r["per_sm_shared"]) >= 1 for r in layers.values()), layers
+    # The served shapes (bf16, head_dim <= 128) keep everything in registers.
+    bf16 = {n: r["stack"] for n, r in layers.items() if n.endswith("bf16") and int(n.split()[2]) <= 128}
+    assert bf16 == dict.fromkeys(bf16, 0), bf16
+
+
 def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tmp_path: str) -> None:
     pytest.importorskip("triton")
     out = os.path.join(tmp_path, "compile.json")

@@ -345,7 +345,7 @@ def decode_attention(
         counts if counts is not None else seq_lens,  # unread unless MERGE
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
-        IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=128 // k_cache.element_size(),
+        IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=min(head_dim, 128 // k_cache.element_size()),
         MERGE=counts is not None and num_splits > 1, stamp_ptr=stamps, TIMING=stamps is not None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip

@@ -80,7 +80,7 @@ def rope_decode_kernel(
     eps, sm_scale_log2, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, LINE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     GROUP: tl.constexpr = NH // NKV
@@ -143,7 +143,7 @@ def rope_decode_kernel(
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, D))  # [BLOCK_H, D] = q1 | q2
     m_i, l_i, acc = attend_tiles(
         q, k_cache_ptr, v_cache_ptr, bt_row, start, tl.minimum(end, cur), g, sm_scale_log2, stride_cblk, stride_ctok,
-        stride_chead, BLOCK_H, D, BLOCK_SIZE, BLOCK_N, False,
+        stride_chead, BLOCK_H, D, BLOCK_SIZE, BLOCK_N, IEEE,
     )  # fmt: skip
     if has_new:  # the new token, last: its p rounded as the tile loop's dot takes it
         m_new = tl.maximum(m_i, s)
@@ -168,7 +168,8 @@ def kernel_consts(
     block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)
     return dict(
         NH=nh, NKV=nkv, D=d, KS=ks, STRIDE=stride, HAS_BIAS=has_bias, QK_NORM=qk_norm,
-        BLOCK_H=max(16, next_pow2(nh // nkv)), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=128 // elem_bytes,
+        BLOCK_H=max(16, next_pow2(nh // nkv)), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=min(d, 128 // elem_bytes),
+        IEEE=elem_bytes == 4,  # fp32 caches: fp32 dots, not tf32 (as the backend's kernel)
         USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl, enable_fp_fusion=False,
     )  # fmt: skip
 
