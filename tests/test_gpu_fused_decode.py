@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import TINY, _randomized, _save
 from test_piecewise_graph import (
+    MAX_MODEL_LEN,
+    MAX_NUM_SEQS,
     load_model,
-    make_backend,
     make_step,
     random_cache,
     written,
@@ -67,15 +70,32 @@ def _checkpoint(arch: str, path: str) -> str:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    from engine.attention.triton import TritonBackend
     from engine.models.fused_decode import FusedDecode, unsupported
 
-    path = _checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
-    model = load_model(path, torch.bfloat16, "cuda")
-    cache = random_cache(model, torch.bfloat16, "cuda")
-    backend = make_backend(TritonBackend, model, cache)
+    model, backend = tiny_model(request.param, tmp_path_factory)
     assert unsupported(model, backend) is None
     return model, backend, FusedDecode(model, backend, 16)
+
+
+def tiny_model(arch: str, tmp_path_factory: pytest.TempPathFactory, max_num_seqs: int = MAX_NUM_SEQS):
+    """(bf16 model of `_checkpoint(arch)` on CUDA, a Triton backend over a random KV cache)."""
+    from engine.attention.triton import TritonBackend
+
+    model = load_model(_checkpoint(arch, str(tmp_path_factory.mktemp(arch))), torch.bfloat16, "cuda")
+    c = model.config
+    backend = TritonBackend(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5, num_heads=c.num_heads,
+                            max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    return model, backend
+
+
+@contextmanager
+def model_path(model, name: str, path) -> Iterator[None]:
+    """The decoder model's decode path `name` (fused_decode, batch_decode) set to `path` inside."""
+    setattr(model.model, name, path)
+    try:
+        yield
+    finally:
+        setattr(model.model, name, None)
 
 
 def _decode_step(rows: int, seed: int, vocab: int):
@@ -84,40 +104,49 @@ def _decode_step(rows: int, seed: int, vocab: int):
     return make_step([(rng.randint(1, min(700, 3600 // rows)), 1) for _ in range(rows)], "cuda", vocab, seed)
 
 
-def _both(model, backend, fused, step):
-    """(hidden, cache after) of the layer-by-layer forward and of the fused one, same start."""
+def with_and_without(model, backend, step, path_on: Callable[[], AbstractContextManager]):
+    """(hidden, cache after) of the layer-by-layer forward and of the forward inside `path_on()`
+    (a decode path set), from the same cache."""
     cache0 = backend.kv_cache.clone()
     ctx = ForwardContext(backend, step.meta)
     with torch.inference_mode():
-        model.model.fused_decode = None
         plain = model(step.input_ids, step.positions, ctx)
         plain_cache = backend.kv_cache.clone()
         backend.kv_cache.copy_(cache0)
-        model.model.fused_decode = fused
-        assert fused.applies(step.input_ids, ctx)
-        out = model(step.input_ids, step.positions, ctx)
+        with path_on():
+            out = model(step.input_ids, step.positions, ctx)
         torch.cuda.synchronize()
-    model.model.fused_decode = None
     return plain, plain_cache, out, backend.kv_cache.clone(), cache0
+
+
+def matches_the_layers(model, backend, step, path_on: Callable[[], AbstractContextManager]):
+    """The step with the decode path on: hidden states and new K/V rows within TOLERANCE of the
+    layer-by-layer forward's, no other cache row written. Returns layer 0's new K/V rows (path's,
+    layers'), [2, n, Hkv, D] each, for the caller's own check."""
+    plain, plain_cache, out, cache, cache0 = with_and_without(model, backend, step, path_on)
+    assert out.shape == plain.shape and torch.isfinite(out).all()
+    assert rel_err(out, plain) < TOLERANCE
+    new_plain, rest_plain = written(plain_cache, step.slots)
+    new_path, rest_path = written(cache, step.slots)
+    assert rel_err(new_path, new_plain) < TOLERANCE
+    assert torch.equal(rest_path, written(cache0, step.slots)[1])
+    assert torch.equal(rest_plain, rest_path)
+    return new_path[0], new_plain[0]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() / b.float().abs().max().item()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_fused_decode_equals_the_layers(setup, rows: int) -> None:
     model, backend, fused = setup
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
-    plain, plain_cache, out, cache, cache0 = _both(model, backend, fused, step)
-    assert out.shape == plain.shape and torch.isfinite(out).all()
-    err = (out.float() - plain.float()).abs().max().item() / plain.float().abs().max().item()
-    assert err < TOLERANCE, err
-    new_plain, rest_plain = written(plain_cache, step.slots)
-    new_fused, rest_fused = written(cache, step.slots)
+    assert fused.applies(step.input_ids, ForwardContext(backend, step.meta))
+    new_fused, new_plain = matches_the_layers(model, backend, step, lambda: model_path(model, "fused_decode", fused))
     # Layer 0's new K/V come before any attention: the same bits. Later layers' follow hidden
     # states that the split-KV partition (its own, per row count) moves within rounding.
-    assert torch.equal(new_fused[0], new_plain[0])
-    kv_err = (new_fused.float() - new_plain.float()).abs().max().item() / new_plain.float().abs().max().item()
-    assert kv_err < TOLERANCE, kv_err
-    assert torch.equal(rest_fused, written(cache0, step.slots)[1])
-    assert torch.equal(rest_plain, rest_fused)
+    assert torch.equal(new_fused, new_plain)
 
 
 def padding_rows_write_nothing(model, backend, path, rows: int) -> None:
