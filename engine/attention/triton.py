@@ -96,15 +96,16 @@ class TritonBackend(AttentionBackend):
         """(KV splits, partial outputs, their log-sum-exp, merge counters) for a decode kernel of
         `batch` rows that merges its own splits (the batch decode's, models/batch_attention.py):
         `decode_splits`' PDL plan."""
-        if batch > self.max_num_seqs:  # the merge counters are max_num_seqs rows
-            raise ValueError(f"decode batch of {batch} exceeds max_num_seqs {self.max_num_seqs}")
         splits, _ = self.decode_splits(batch, pdl_launch=True)
-        self._check_workspace(batch, splits)
+        self._check_workspace(batch, splits, merge=True)
         return splits, self._part_out, self._part_lse, self._counts
 
-    def _check_workspace(self, batch: int, splits: int) -> None:
-        """The partials of `batch` rows in `splits` splits fit the workspace allocated for max_num_seqs."""
-        if splits > 1 and batch * splits * self.num_heads * self.head_dim > self._part_out.numel():
+    def _check_workspace(self, batch: int, splits: int, merge: bool) -> None:
+        """The partials of `batch` rows in `splits` splits fit the workspace allocated for
+        max_num_seqs, and a kernel that merges its own splits has its rows' counters (max_num_seqs rows)."""
+        if (splits > 1 and batch * splits * self.num_heads * self.head_dim > self._part_out.numel()) or (
+            merge and batch > self.max_num_seqs
+        ):
             raise ValueError(f"decode batch of {batch} exceeds max_num_seqs {self.max_num_seqs}")
 
     def after_resume(self) -> None:
@@ -163,7 +164,7 @@ class TritonBackend(AttentionBackend):
         sequences of one new token are attended (forward)."""
         num_seqs = meta.seq_lens.shape[0]
         splits, merge = self.decode_splits(num_seqs, pdl_launch)
-        self._check_workspace(num_seqs, splits)
+        self._check_workspace(num_seqs, splits, merge)
         td.decode_attention(
             q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
