@@ -126,13 +126,11 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     qkv = (H + 2 * HKV) * D
     attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True)
     types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
-    # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
-    layers = batch_attention.kernel_consts(H, HKV, D, 1, 0, False, True, BLOCK, 2, True)
-    runtime = ("num_splits", "stride_bt")
     return {
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
-        "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), runtime),
-        "rope_decode_kernel (layers)": compile_sm90(rope_decode_kernel, types | {"part_ptr": BF16}, *_split(layers), runtime),
+        "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
+        # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
+        "rope_decode_kernel (layers)": layers_attention(D, 2),
         "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt")),
     }
 
