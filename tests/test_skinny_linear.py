@@ -10,7 +10,10 @@ math on the same half-precision inputs and against cuBLAS (F.linear) on them:
 - bias, K and N that are not multiples of the blocks, fp16; bad inputs are refused;
 - `prefetch` (a PDL launch that runs ahead of the kernel before it, engine/pdl.py) reads its x
   only after that kernel has written it: a graph of norm -> GEMV -> norm -> ... chained calls
-  gives the bits of the same chain without it, replay after replay.
+  gives the bits of the same chain without it, replay after replay;
+- the logits (a vocabulary-sized N, `LOGITS_CONFIG`, into a caller's `out`): as close to fp32 as
+  cuBLAS, and the model's `compute_logits` of a few rows is that call, in a graph's static
+  buffer too.
 """
 
 from __future__ import annotations
@@ -128,6 +131,45 @@ def test_prefetching_gemvs_wait_for_the_kernel_before_them() -> None:
         assert torch.equal(out, want)
     res_in.copy_(res0)
     assert torch.equal(chain(x_in, res_in, prefetch=True), want)  # eager too
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_logits_config_writes_out_as_close_to_fp32_as_cublas(m: int) -> None:
+    from engine.models.skinny_linear import LOGITS_CONFIG, skinny_linear
+
+    x, w, _ = _inputs(m, 151936, 1024, torch.bfloat16, False, seed=4)
+    exact = _fp32(x, w, None)
+    out = torch.full((m, 151936), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = skinny_linear(x, w, out=out, prefetch=True, **LOGITS_CONFIG)
+    assert got.data_ptr() == out.data_ptr() and not out.isnan().any()
+    assert torch.equal(out, skinny_linear(x, w, **LOGITS_CONFIG))  # in place or not, the same bits
+    err_ours = (out.float() - exact).abs().max().item()
+    err_cublas = (F.linear(x, w).float() - exact).abs().max().item()
+    assert err_ours <= max(1.5 * err_cublas, exact.abs().max().item() * 2**-8), (err_ours, err_cublas)
+    with pytest.raises(ValueError, match="out"):
+        skinny_linear(x, w, out=out[:, :-1])
+
+
+def test_the_models_few_row_logits_are_the_skinny_call_in_a_graph_too(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from test_gpu_fused_decode import tiny_model
+
+    from engine.models.skinny_linear import LOGITS_CONFIG, skinny_linear
+
+    model, _ = tiny_model("qwen3", tmp_path_factory)
+    weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    hidden = torch.randn(5, weight.shape[1], device="cuda", dtype=weight.dtype)
+    want = skinny_linear(hidden, weight, **LOGITS_CONFIG)
+    assert torch.equal(model.compute_logits(hidden), want)
+    static = torch.empty(8, weight.shape[0], device="cuda", dtype=weight.dtype)
+    graph = torch.cuda.CUDAGraph()
+    model.compute_logits(hidden, out=static[:5])  # compiled outside the capture
+    with torch.cuda.graph(graph):
+        model.compute_logits(hidden, out=static[:5])
+    static.zero_()
+    graph.replay()
+    assert torch.equal(static[:5], want)
+    many = torch.randn(17, weight.shape[1], device="cuda", dtype=weight.dtype)  # past MAX_ROWS: cuBLAS
+    assert torch.equal(model.compute_logits(many), torch.matmul(many, weight.T))
 
 
 def test_siesta_pdl_0_turns_programmatic_launch_off() -> None:

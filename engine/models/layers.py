@@ -53,7 +53,7 @@ def _fused_ops() -> ModuleType:
     return fused_ops
 
 
-def _skinny(x: torch.Tensor) -> ModuleType | None:
+def skinny_for(x: torch.Tensor) -> ModuleType | None:
     """The few-rows matmul module (skinny_linear.py) when it applies to x [M, K], else None.
     Checked cheaply first, so a CPU forward never imports it."""
     if not x.is_cuda:
@@ -81,7 +81,7 @@ class Linear(nn.Module):
     prefetch = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skinny = _skinny(x) if self.fused else None
+        skinny = skinny_for(x) if self.fused else None
         if skinny is not None:
             return skinny.skinny_linear(x, self.weight, self.bias, prefetch=self.prefetch)
         return F.linear(x, self.weight, self.bias)
@@ -103,7 +103,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
             return super().forward(x)
-        skinny = _skinny(x) if self.fused else None
+        skinny = skinny_for(x) if self.fused else None
         y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else F.linear(x, self.weight)
         if self.defers:
             return y
@@ -292,7 +292,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, fused, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        skinny = _skinny(x) if self.fused else None
+        skinny = skinny_for(x) if self.fused else None
         if skinny is not None:
             w = self.gate_up_proj
             return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True, prefetch=w.prefetch))

@@ -35,6 +35,7 @@ from engine.models.layers import (
     Linear,
     RMSNorm,
     fused_ops_default,
+    skinny_for,
 )
 from engine.models.rotary import RopeInputs, RotaryEmbedding
 from engine.parallel import TensorParallel
@@ -176,9 +177,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] logits in the model dtype (the sampler computes in fp32),
-        written into `out` [n, vocab] when given (a CUDA graph's static buffer: no copy)."""
+        written into `out` [n, vocab] when given (a CUDA graph's static buffer: no copy). Up to
+        skinny_linear.MAX_ROWS rows on CUDA with the fused ops: skinny_linear's LOGITS_CONFIG."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not self.tp.enabled:
+            skinny = skinny_for(hidden) if self.model.fused and weight.is_contiguous() else None
+            if skinny is not None:  # few rows (decode): the weight prefetched behind the final norm
+                return skinny.skinny_linear(hidden, weight, out=out, prefetch=True, **skinny.LOGITS_CONFIG)
             return torch.matmul(hidden, weight.T, out=out)
         logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, : self.config.vocab_size]
         return logits if out is None else out.copy_(logits)

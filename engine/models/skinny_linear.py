@@ -43,6 +43,10 @@ from engine.launcher import Launcher
 MAX_ROWS = 16
 # What the kernel itself accepts (benchmarks and tests go past the policy).
 KERNEL_MAX_ROWS = 64
+# The logits' tiles (block_n, block_k, warps, stages) for a vocabulary-sized N: at 1-16 rows of
+# Qwen3-0.6B's and 8B's lm_head (152k x 1024 / 4096) 4-6 % faster than cuBLAS, which the default
+# rule's 32-column tiles are not at 8B (bench/probe_lm_head.py, H200, thirty-second session).
+LOGITS_CONFIG = dict(block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
@@ -158,6 +162,7 @@ def skinny_linear(
     num_warps: int | None = None,
     num_stages: int | None = None,
     prefetch: bool = False,  # launch with PDL and prefetch weights: for a GEMV right after a norm
+    out: torch.Tensor | None = None,  # [M, N] contiguous rows: written in place (a graph's static buffer)
 ) -> torch.Tensor:  # [M, N] ([M, I] with silu_mul)
     if x.dim() != 2 or not applies(x, KERNEL_MAX_ROWS):
         raise ValueError(f"skinny_linear: x must be a CUDA bf16/fp16 [M, K] with 1 <= M <= {KERNEL_MAX_ROWS}, got {tuple(x.shape)} {x.dtype}")
@@ -167,7 +172,10 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: weight {tuple(weight.shape)} {weight.dtype} for x {tuple(x.shape)} {x.dtype}")
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"skinny_linear: out {tuple(out.shape)} {out.dtype} for an [{m}, {n}] {x.dtype} result")
     block_n = block_n or _block_n(n, _num_sms(x.device.index or 0))
     block_k = block_k or (128 if k >= 128 else max(16, 1 << (k - 1).bit_length()))
     use_pdl = pdl.enabled(x.device)
