@@ -39,6 +39,7 @@ from torch import nn
 
 from engine import pdl
 from engine.attention import ForwardContext, triton_decode
+from engine.attention.base import AttentionMetadata
 from engine.attention.triton_decode import (
     attend_tiles,
     prefetch_first_tile,
@@ -175,23 +176,26 @@ def kernel_consts(
 
 
 def rope_decode(
-    qkv_part: torch.Tensor,  # [KS, MAX_M, QKV] fp32
-    qkv_bias: torch.Tensor | None,
-    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,  # Qwen3's, else None
-    positions: torch.Tensor, cos_sin: torch.Tensor, slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    attn: nn.Module,  # the layer's models/layers.py `Attention`: its q/k norms (Qwen3), else none
+    qkv_part: torch.Tensor,  # [KS, MAX_M, QKV] fp32 partial sums, or [1, B, QKV] the qkv linear's output
+    qkv_bias: torch.Tensor | None,  # added here (None: already in the part)
+    kv: torch.Tensor,  # [2, num_blocks, block_size, NKV, D]: the layer's K and V cache
+    positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
     out: torch.Tensor,  # [B, NH, D]
-    eps: float, scale: float,
+    scale: float,
     plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # TritonBackend.merged_decode_plan
     consts: dict[str, object],  # kernel_consts of these shapes
 ) -> None:  # fmt: skip
-    """Attention of a decode step of B rows from the qkv projection's partial sums (module docstring)."""
+    """Attention of a decode step of B rows from the qkv projection's output (module docstring)."""
     splits, part_out, part_lse, counts = plan
+    qn, kn = attn.q_norm, attn.k_norm
+    k_cache, v_cache = kv[0], kv[1]
     rope_decode_kernel[(out.shape[0], k_cache.shape[2], splits)](
-        qkv_part, qkv_bias if qkv_bias is not None else qkv_part, q_norm if q_norm is not None else cos_sin,
-        k_norm if k_norm is not None else cos_sin, positions, cos_sin, slot_mapping, k_cache, v_cache, block_tables,
-        seq_lens, out, part_out, part_lse, counts, eps, scale * LOG2E, splits,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), **consts,
+        qkv_part, qkv_bias if qkv_bias is not None else qkv_part, qn.weight if qn is not None else cos_sin,
+        kn.weight if kn is not None else cos_sin, positions, cos_sin, meta.slot_mapping, k_cache, v_cache,
+        meta.block_tables, meta.seq_lens, out, part_out, part_lse, counts, qn.eps if qn is not None else 0.0,
+        scale * LOG2E, splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        **consts,
     )  # fmt: skip
 
 
@@ -224,6 +228,14 @@ class DecodeAttention:
             attn.num_heads, attn.num_kv_heads, attn.head_dim, 1, 0, False, attn.q_norm is not None, kv.shape[3],
             kv.element_size(), pdl.enabled(kv.device),
         )  # fmt: skip
+        self._plans: dict[int, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def plan(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backend's merged_decode_plan of `rows` rows (its splits, workspace and counters: fixed
+        by the row count), asked once per row count rather than at every layer of every step."""
+        if rows not in self._plans:
+            self._plans[rows] = self.backend.merged_decode_plan(rows)
+        return self._plans[rows]
 
     def attach(self, model: nn.Module) -> None:
         """Every layer's attention runs its decode steps through this."""
@@ -245,13 +257,9 @@ class DecodeAttention:
         self, attn: nn.Module, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext
     ) -> torch.Tensor:  # `Attention` attn, qkv [T, QKV] -> [T, H, D]
         nh, _, d = self.shape
-        meta, kv = ctx.meta, self.backend.kv_cache[attn.layer_id]
         out = torch.empty(qkv.shape[0], nh, d, dtype=qkv.dtype, device=qkv.device)
-        qn, kn = attn.q_norm, attn.k_norm
         rope_decode(
-            qkv.unsqueeze(0), None, qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-            rope.positions, rope.cos_sin_cache, meta.slot_mapping, kv[0], kv[1], meta.block_tables, meta.seq_lens,
-            out, qn.eps if qn is not None else 0.0, self.backend.scale,
-            self.backend.merged_decode_plan(qkv.shape[0]), self.consts,
+            attn, qkv.unsqueeze(0), None, self.backend.kv_cache[attn.layer_id], rope.positions, rope.cos_sin_cache,
+            ctx.meta, out, self.backend.scale, self.plan(qkv.shape[0]), self.consts,
         )  # fmt: skip
         return out

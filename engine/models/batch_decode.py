@@ -140,12 +140,9 @@ class BatchDecode:
         from engine.models import batch_attention
 
         attn = layer.self_attn
-        kv = self.backend.kv_cache[i]
         batch_attention.rope_decode(
-            self.qkv_part, attn.qkv_proj.bias, attn.q_norm.weight if self.shape.qk_norm else None,
-            attn.k_norm.weight if self.shape.qk_norm else None, positions, self.lm.rotary_emb.cos_sin_cache,
-            meta.slot_mapping, kv[0], kv[1], meta.block_tables, meta.seq_lens, self.attn[: positions.shape[0]],
-            self.shape.eps, self.backend.scale, plan, self.attention_consts,
+            attn, self.qkv_part, attn.qkv_proj.bias, self.backend.kv_cache[i], positions, self.lm.rotary_emb.cos_sin_cache,
+            meta, self.attn[: positions.shape[0]], self.backend.scale, plan, self.attention_consts,
         )  # fmt: skip
 
     def _launch(
