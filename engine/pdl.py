@@ -19,7 +19,8 @@ waits for it anyway. Who does what in a decode layer:
   4.77 -> 4.70 ms a step; thirty-first session);
 - wait, trigger: the cross-rank reduce (models/tp_reduce.py), the same at TP > 1;
 - PDL launch, prefetch, wait, trigger: the GEMVs after them (qkv, gate_up: models/skinny_linear.py
-  `prefetch=True`). The other GEMVs launch plainly, measured (bench/RESULTS.md, twelfth session):
+  `prefetch=True`), and the logits of a few rows after the final norm (models/llama.py
+  `compute_logits`). The other GEMVs launch plainly, measured (bench/RESULTS.md, twelfth session):
   down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
   attention kernels made both TP=1 and TP=2 steps slower. Launched with PDL but no prefetch,
   the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; thirty-first session).

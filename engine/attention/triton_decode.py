@@ -307,6 +307,17 @@ def decode_config(head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
     return block_n, 4, 3 if block_n * row_bytes <= 16384 else 2
 
 
+def query_rows(group: int) -> int:
+    """BLOCK_H: the query heads of one KV head a program holds, at least tl.dot's 16 rows."""
+    return max(16, next_pow2(group))
+
+
+def prefetch_line(head_dim: int, elem_bytes: int) -> int:
+    """LINE: elements per L2 prefetch of a K/V row, a 128-byte line but at most the row (head_dim
+    16 in bf16 is 32 bytes)."""
+    return min(head_dim, 128 // elem_bytes)
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -343,9 +354,9 @@ def decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), qsl, mixed,
         counts if counts is not None else seq_lens,  # unread unless MERGE
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=max(16, next_pow2(group)),
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_H=query_rows(group),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
-        IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=min(head_dim, 128 // k_cache.element_size()),
+        IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=prefetch_line(head_dim, k_cache.element_size()),
         MERGE=counts is not None and num_splits > 1, stamp_ptr=stamps, TIMING=stamps is not None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip

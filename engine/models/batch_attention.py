@@ -47,7 +47,7 @@ from engine.attention.triton_decode import (
     write_split,
     write_zeros,
 )
-from engine.attention.triton_kernels import LOG2E, next_pow2
+from engine.attention.triton_kernels import LOG2E
 from engine.launcher import Launcher
 from engine.models.grid_phases import rnd
 from engine.models.layer_attention import norm_rope
@@ -169,7 +169,7 @@ def kernel_consts(
     block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)
     return dict(
         NH=nh, NKV=nkv, D=d, KS=ks, STRIDE=stride, HAS_BIAS=has_bias, QK_NORM=qk_norm,
-        BLOCK_H=max(16, next_pow2(nh // nkv)), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=min(d, 128 // elem_bytes),
+        BLOCK_H=triton_decode.query_rows(nh // nkv), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=triton_decode.prefetch_line(d, elem_bytes),
         IEEE=elem_bytes == 4,  # fp32 caches: fp32 dots, not tf32 (as the backend's kernel)
         USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl, enable_fp_fusion=False,
     )  # fmt: skip
