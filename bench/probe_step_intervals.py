@@ -6,14 +6,16 @@ last 30 steps (the timed ones of the last batch size), and every step's cycle.
     python3 bench/probe_step_intervals.py --shape 0.6b --decode-batch-sizes 64 --skip hf,throughput,graph_memory,mixed --out $OUT/e.json
 
 The seams (engine/runner/model_runner.py's `run`, cuda_graph.py's `run`, the graph's replay, the
-sampler's `sample`):
-  run -> graphs.run      the step's upload (one host-to-device copy), its int32 cast, the pending
-                         tokens' copy
-  graphs.run -> replay   the graph's inputs and attention metadata copied into its static buffers
-  replay -> replayed     the graph: the forward and the logits
-  replayed -> sample     the sampler's upload (SamplingBatch.from_plan)
-  sample -> sampled      the sampler's kernels and the results' copy to the host
-  sampled -> next run    until the next step's first work
+sampler's `sample`, which a greedy graph step does not call):
+  run -> graphs.run      eager steps: the step's upload, its int32 cast, the pending tokens' copy
+  graphs.run -> replay   the host packs the step into pinned memory (no device work)
+  replay -> replayed     the graph: the inputs read from pinned memory, the forward, the logits
+                         and the greedy sampler, whose results land in pinned memory
+  replayed -> sample     (sampled steps) the sampler's upload (SamplingBatch.from_plan)
+  sample -> sampled      (sampled steps) the sampler's kernels and the results' copy to the host
+  ... -> next run        until the next step's first work
+A step's cycle runs from one `run` to the next; the report takes the last 30 cycles of the most
+common sequence of seams among them.
 In a device-bound loop (host busy below the step) each interval is device time, idle included;
 events recorded by the host late show up as host time instead (compare the host-busy figure).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +33,6 @@ import torch
 
 from engine.runner import cuda_graph, model_runner, sampler
 
-SEAMS = ["run", "graphs.run", "replay", "replayed", "sample", "sampled"]
 _marks: list[tuple[str, torch.cuda.Event]] = []
 
 
@@ -54,28 +56,24 @@ def _wrap(owner: Any, attr: str, before: str, after: str | None = None) -> None:
 
 
 def _report() -> None:
-    """Steps are full runs of SEAMS followed by the next step's `run`."""
+    """Cycles are the marks from one `run` to the next, those of graph steps (a replay in them)."""
     torch.cuda.synchronize()
-    cycles, i = [], 0
-    while i + len(SEAMS) < len(_marks):
-        names = [n for n, _ in _marks[i : i + len(SEAMS) + 1]]
-        if names == [*SEAMS, SEAMS[0]]:
-            cycles.append([e for _, e in _marks[i : i + len(SEAMS) + 1]])
-            i += len(SEAMS)
-        else:
-            i += 1
+    starts = [i for i, (name, _) in enumerate(_marks) if name == "run"]
+    cycles = [_marks[a : b + 1] for a, b in zip(starts, starts[1:], strict=False)]
+    cycles = [c for c in cycles if any(name == "replay" for name, _ in c)]
     if not cycles:
         print("no graph-replayed decode steps recorded", file=sys.stderr)
         return
-    last = cycles[-30:]
-    ends = [*SEAMS[1:], "next run"]
+    pattern = Counter(tuple(name for name, _ in c) for c in cycles[-30:]).most_common(1)[0][0]
+    last = [[e for _, e in c] for c in cycles[-30:] if tuple(name for name, _ in c) == pattern]
+    ends = [*pattern[1:-1], "next run"]
     parts = [
         f"{a} -> {b} {statistics.median(c[k].elapsed_time(c[k + 1]) * 1e3 for c in last):.1f}"
-        for k, (a, b) in enumerate(zip(SEAMS, ends, strict=True))
+        for k, (a, b) in enumerate(zip(pattern[:-1], ends, strict=True))
     ]
     total = statistics.median(c[0].elapsed_time(c[-1]) * 1e3 for c in last)
     print(f"last {len(last)} steps, median us: " + ", ".join(parts) + f"; step {total:.1f}", file=sys.stderr)
-    print("every step's cycle, us: " + " ".join(f"{c[0].elapsed_time(c[-1]) * 1e3:.0f}" for c in cycles), file=sys.stderr)
+    print("every step's cycle, us: " + " ".join(f"{c[0][1].elapsed_time(c[-1][1]) * 1e3:.0f}" for c in cycles), file=sys.stderr)
 
 
 def main() -> None:

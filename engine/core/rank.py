@@ -60,7 +60,7 @@ class Rank:
     def resume(self, msg: rp.ResumeTags) -> dict[str, Any]:
         change = self.memory.resume(msg.tags)
         if "cuda_graph" in change.changed:
-            self.runner.attn_backend.after_resume()
+            self.runner.after_resume()
         return {"changed": change.changed, "bytes": change.bytes, "seconds_by_tag": change.seconds_by_tag,
                 "refused": change.refused}
 

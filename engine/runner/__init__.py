@@ -11,6 +11,8 @@ process.
   log-sum-exp and argmax on CUDA (Triton), one read of the logits.
 - `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),
   `piecewise_graph.py` (mixed prefill + decode steps: the layers between attention calls).
+- `graph_io.py`: what a decode graph reads from and writes to pinned host memory itself (the
+  step's inputs, the greedy samples), with no copy engine between steps.
 - `pinned.py`: pinned host staging buffers for the step inputs.
 
 Arrows: runner -> memory, weights, models, attention.

@@ -5,12 +5,17 @@ Rules:
   rows runs the graph of the smallest size >= n, its extra rows padding.
 - One set of static buffers, allocated once for the largest size and sliced for every smaller
   one: token ids and positions here, attention metadata and workspaces in the backend, logits
-  here. Capturing the ladder allocates no buffer per batch size.
+  here, the sampler's inputs and outputs in `GraphIO`. Capturing the ladder allocates no buffer
+  per batch size.
+- A graph is the whole step on the device: its first kernel reads the step's inputs from pinned
+  host memory into the static buffers, its last one samples greedily and writes each row's
+  (token, logprob) into pinned host memory (engine/runner/graph_io.py); no copy engine runs
+  between steps. A step that samples otherwise runs the sampler on the static logits after it.
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
 - Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.
-- Warm-up runs before capture leave every input and metadata tensor as they found it: the static
-  slot mapping is all -1 and every sequence length 0, so nothing is written to the KV cache.
+- Warm-up runs before capture leave every input and metadata tensor as they found it: the staged
+  rows are all padding, so nothing is written to the KV cache.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.attention import AttentionBackend, ForwardContext
+from engine.runner.step_inputs import StepPlan
 
 log = logging.getLogger("siesta.engine")
 
@@ -71,6 +77,8 @@ class CudaGraphRunner:
         batch_sizes: list[int] | None = None,  # default: the ladder; the benchmark captures [max_bs] alone
         pool: Any = None,  # a graph pool to capture into (shared with other graphs); default: a new one
     ) -> None:
+        from engine.runner.graph_io import GraphIO
+
         self.model = model
         self.backend = backend
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_bs)
@@ -81,9 +89,15 @@ class CudaGraphRunner:
         dtype = next(model.parameters()).dtype  # compute_logits gives the model's
         self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)  # [max_bs, V]
         backend.init_graph_buffers(max_bs)
+        meta = backend.graph_metadata(max_bs)
+        if backend.kv_cache.shape[2] * backend.block_size >= 1 << 31:
+            raise ValueError("CUDA graphs stage KV slots as int32: this KV cache has 2**31 slots or more")
+        self.io = GraphIO(
+            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.block_size, backend.max_num_seqs
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool
-        self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.logits))
+        self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.logits)) + self.io.nbytes
         self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
 
     def static_tensors(self, bs: int) -> dict[str, torch.Tensor]:
@@ -96,13 +110,17 @@ class CudaGraphRunner:
             "seq_lens": meta.seq_lens,
             "block_tables": meta.block_tables,
             "slot_mapping": meta.slot_mapping,
+            "temperatures": self.io.temps[:bs],
         }
 
     def _forward(self, bs: int) -> None:
-        """The captured work: model and logits for `bs` rows, into the static logits buffer."""
+        """The captured work: the staged inputs, model and logits for `bs` rows into the static
+        logits buffer, and their greedy samples."""
+        self.io.gather(bs)
         ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs))
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
         self.model.compute_logits(hidden, out=self.logits[:bs])
+        self.io.sample(self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self, graph_context: Callable[..., AbstractContextManager] = torch.cuda.graph) -> None:
@@ -121,6 +139,7 @@ class CudaGraphRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize(self.device)
             log.info("captured decode graph bs=%d; graph pool now %.1f MiB", bs, graph_pool_bytes(self.pool) / (1 << 20))
+        self.io.reset()
         self.pool_bytes = graph_pool_bytes(self.pool)
         log.info(
             "captured %d decode graphs (bs %d..%d) in %.1f s: pool %.1f MiB, static buffers %.1f MiB",
@@ -128,21 +147,24 @@ class CudaGraphRunner:
             self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
         )
 
+    def after_resume(self) -> None:
+        """The `cuda_graph` region came back with undefined contents: replays count from zero."""
+        self.io.reset()
+
     def padded_size(self, n: int) -> int:
         return next(bs for bs in self.batch_sizes if bs >= n)
 
-    def can_run(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode and meta.num_seqs <= self.max_bs
+    def can_run(self, plan: StepPlan) -> bool:
+        """A decode step (one token a sequence) in which every row samples, of <= max_bs rows."""
+        return plan.max_query_len == 1 and len(plan.sample_rows) == plan.num_seqs <= self.max_bs
 
-    def run(
-        self,
-        input_ids: torch.Tensor,  # [n] int64, one token per sequence
-        positions: torch.Tensor,  # [n] int64
-        meta: AttentionMetadata,  # eager decode metadata of the n sequences
-    ) -> torch.Tensor:  # [n, V] logits in the model dtype (a view of the static buffer: use before the next run)
-        n = meta.num_seqs
+    def run(self, plan: StepPlan) -> int:
+        """Replay the step `plan` (`can_run`); its logits are `logits[:n]` until the next run, its
+        greedy samples in `io` (`GraphIO.landed` of the slot returned)."""
+        assert plan.sampling is not None
+        n = plan.num_seqs
         bs = self.padded_size(n)
-        load_padded(self.inputs, input_ids, positions, n, bs)
-        self.backend.load_graph_metadata(meta, bs)
+        slot = self.io.stage_step(plan.parts, plan.sampling.scalars[:n], n, bs)
         self.graphs[bs].replay()
-        return self.logits[:n]
+        self.io.replayed(slot)
+        return slot

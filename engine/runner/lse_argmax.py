@@ -44,12 +44,14 @@ def _over_t(x, t):
 @triton.jit
 def _lse_argmax_kernel(
     x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, pair_ptr, V, stride_x,
-    CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+    host_ptr, current_ptr, step_ptr,  # PUBLISH only
+    CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr, HOST_STRIDE: tl.constexpr, PUBLISH: tl.constexpr,
 ):  # fmt: skip
     # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
     # exp(x - max) and first argmax;
     # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
-    # argmax of the first chunk holding the row's maximum M, pair [row] = (token, x[token] - lse).
+    # argmax of the first chunk holding the row's maximum M, pair [row] = (token, x[token] - lse);
+    # PUBLISH: the pair also into host slot (current & 1), and row 0's merge sets step to current + 1.
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * CHUNK_ + tl.arange(0, CHUNK_)
@@ -79,16 +81,27 @@ def _lse_argmax_kernel(
         tl.store(pair_ptr + row * 2, token.to(tl.float64))
         tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
         tl.atomic_xchg(count_ptr + row, 0)
+        if PUBLISH:
+            replay = tl.load(current_ptr, cache_modifier=".cg")
+            host = host_ptr + (replay & 1) * HOST_STRIDE + row * 2
+            tl.store(host, token.to(tl.float64))
+            tl.store(host + 1, (chosen - lse).to(tl.float64))
+            if row == 0:  # nothing reads step again in this replay: the next one's gather will
+                tl.store(step_ptr, replay + 1)
 
 
 def lse_argmax(
     x: torch.Tensor, temperatures: torch.Tensor, counts: torch.Tensor | None = None,
-    config: tuple[int, int] | None = None,
+    config: tuple[int, int] | None = None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    publish: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [B, V] CUDA logits (half or float32, last dim contiguous), temperatures [B] float32 ->
     (lse [B] float32, argmax [B] int64, pairs [B, 2] float64: the argmax and its logprob) of
     x / t. counts: int32 zeros, at least B (module docstring); None allocates them. config:
-    (columns per program, warps) in place of (CHUNK, WARPS) (bench/bench_lse_argmax.py)."""
+    (columns per program, warps) in place of (CHUNK, WARPS) (bench/bench_lse_argmax.py). out:
+    those three written in place (a graph's static buffers). publish: (host [2, >= B, 2] float64,
+    pinned; current [1] int32, this replay's number; step [1] int32): the pairs also go to
+    host[current & 1], and step becomes current + 1 (engine/runner/graph_io.py)."""
     if x.dim() != 2 or not x.dtype.is_floating_point or not x.is_cuda or x.stride(1) != 1:
         raise ValueError(f"lse_argmax: CUDA [B, V] logits with contiguous rows, got {tuple(x.shape)} {x.dtype}")
     rows, vocab = x.shape
@@ -103,12 +116,20 @@ def lse_argmax(
     maxima = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     sums = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     args = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
-    lse = torch.empty(rows, dtype=torch.float32, device=x.device)
-    tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
-    pairs = torch.empty(rows, 2, dtype=torch.float64, device=x.device)
+    if out is None:
+        out = (
+            torch.empty(rows, dtype=torch.float32, device=x.device),
+            torch.empty(rows, dtype=torch.int64, device=x.device),
+            torch.empty(rows, 2, dtype=torch.float64, device=x.device),
+        )
+    lse, tokens, pairs = out
+    host, current, step = publish if publish is not None else (pairs, counts, counts)
+    if publish is not None and (host.dim() != 3 or host.shape[0] != 2 or host.shape[1] < rows or host.dtype != torch.float64):
+        raise ValueError(f"lse_argmax: publish needs a [2, >= {rows}, 2] float64 host buffer, got {tuple(host.shape)}")
     if rows:
         _lse_argmax_kernel[(rows, chunks)](
-            x, temperatures, maxima, sums, args, counts, lse, tokens, pairs, vocab, x.stride(0),
-            CHUNKS=chunks, CHUNK_=chunk, BLOCK=triton.next_power_of_2(chunks), num_warps=num_warps,
+            x, temperatures, maxima, sums, args, counts, lse, tokens, pairs, vocab, x.stride(0), host, current, step,
+            CHUNKS=chunks, CHUNK_=chunk, BLOCK=triton.next_power_of_2(chunks),
+            HOST_STRIDE=host.stride(0) if publish is not None else 0, PUBLISH=publish is not None, num_warps=num_warps,
         )  # fmt: skip
     return lse, tokens, pairs

@@ -151,6 +151,13 @@ class ModelRunner:
         self.graph_bytes += pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
 
+    def after_resume(self) -> None:
+        """The `cuda_graph` region came back with undefined contents: the counters kept there
+        (the attention's split merges, the graphs' replays) start from zero again."""
+        self.attn_backend.after_resume()
+        if self.graphs is not None:
+            self.graphs.after_resume()
+
     def _decode_paths(self) -> None:
         """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py), and
         the steps above them up to 64 rows two per layer (engine/models/batch_decode.py), where
@@ -314,21 +321,41 @@ class ModelRunner:
         where every row samples replays a CUDA graph when one fits. Pending input tokens come
         from the tokens this rank sampled in the step it ran last."""
         self.weights.ensure_current()
+        if self.graphs is not None and self.graphs.can_run(plan):
+            samples = self._replay(plan)
+            self._last_tokens = self.graphs.io.tokens[: plan.num_seqs]
+            return samples, []
         inputs = step_inputs(plan, self.upload, self._last_tokens)
         samples = None
         if not inputs.sample_rows:
             _, prompt_logprobs = self._eager(plan, inputs)
         else:
-            every_row_samples = len(inputs.sample_rows) == plan.num_seqs
-            if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
-                logits, prompt_logprobs = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta), []
-            else:
-                hidden, prompt_logprobs = self._eager(plan, inputs)
-                logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            hidden, prompt_logprobs = self._eager(plan, inputs)
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
             assert plan.sampling is not None
             samples = self.sampler.sample(logits, SamplingBatch.from_plan(plan.sampling, self.device, self.upload))
         self._last_tokens = samples.token_ids if samples is not None else None
+        if samples is not None and self.graphs is not None:  # where a graph's pending rows read them
+            self._last_tokens = self.graphs.io.keep(samples.token_ids)
         return samples, prompt_logprobs
+
+    def _replay(self, plan: StepPlan) -> SampledOnDevice:
+        """A decode step from its graph. The graph samples greedily; a step that asks for more
+        (sampled rows, top logprobs, penalties, bias, banned tokens) runs the sampler on its
+        logits after it, reusing the graph's log-sum-exp and argmax where the logits stay as they are."""
+        sampling = plan.sampling
+        assert sampling is not None
+        n = plan.num_seqs
+        slot = self.graphs.run(plan)
+        io = self.graphs.io
+        plain = sampling.repetition is None and sampling.output_pairs is None and sampling.bias_pairs is None and sampling.banned_pairs is None
+        if plain and sampling.all_greedy and not any(sampling.top_logprobs_nums):
+            return io.landed(slot, n)
+        batch = SamplingBatch.from_plan(sampling, self.device, self.upload)
+        known = (io.lse[:n], io.tokens[:n], io.pairs[:n]) if plain else None
+        samples = self.sampler.sample(self.graphs.logits[:n], batch, lse_argmax=known)
+        io.keep(samples.token_ids)
+        return samples
 
     def _eager(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, list[float]]:
         """The forward without a full graph: (hidden states [T, hidden], the prompt logprobs the

@@ -134,6 +134,14 @@ class SampledOnDevice:
             self._host.copy_(packed, non_blocking=True)
             pinned.record(self._copied)
 
+    @classmethod
+    def landed(cls, token_ids: torch.Tensor, host: torch.Tensor, done: torch.cuda.Event) -> SampledOnDevice:
+        """Greedy samples whose (token, logprob) rows [B, 2] float64 a kernel writes straight
+        into pinned `host` (engine/runner/graph_io.py): readable once `done` has passed."""
+        out = cls(token_ids, host, [0] * host.shape[0], None)
+        out._copied = done
+        return out
+
     def wait(self) -> SamplerOutput:
         """The step's results on the host: the step's only host sync (ids < 2**53 stay exact)."""
         if self._copied is not None:
@@ -169,8 +177,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).wait()
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledOnDevice:
-        """Launch the sampling of `logits` [B, V]; nothing here waits for the device."""
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch,
+        lse_argmax: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> SampledOnDevice:  # fmt: skip
+        """Launch the sampling of `logits` [B, V]; nothing here waits for the device. `lse_argmax`:
+        `_lse_argmax`'s answer for these logits and temperatures, already computed (a decode
+        graph's), used only where no penalty, bias or ban changes the logits."""
+        unchanged = logits
         logits = self.process_logits(logits, batch)  # [B, V]
         temps = batch.temperatures  # [B] float32
         n_top = max(batch.top_logprobs_nums, default=0)
@@ -179,7 +193,10 @@ class Sampler:
         if not batch.all_greedy or n_top > 0 or self._counts is None:
             scaled = torch.div(logits, temps[:, None])
         # [B] each, of logits / T; pairs [B, 2] (argmax, its logprob) on CUDA, else None
-        lse, tokens, pairs = self._lse_argmax(logits, temps, scaled)
+        if lse_argmax is not None and logits is unchanged:
+            lse, tokens, pairs = lse_argmax
+        else:
+            lse, tokens, pairs = self._lse_argmax(logits, temps, scaled)
         if scaled is not None and not batch.all_greedy:
             probs = torch.softmax(self._truncate(scaled, batch), dim=-1)  # [B, V], 0 where cut
             if batch.use_min_p:

@@ -1,0 +1,200 @@
+"""`GraphIO`: what a decode graph reads from the host and writes back to it without a copy engine.
+Pinned host memory is mapped into the device's address space (UVA), so the graph's first kernel
+reads the step's inputs where the host packed them, and its last kernel (the sampler's
+`lse_argmax`, engine/runner/lse_argmax.py) writes each row's (token, logprob) where the host reads
+them. Only CUDA code paths import this module (it imports Triton).
+
+Why: outside its graph a decode step spent ~60 us of device time at batch 64 and ~35 us at batch
+1 on copy-engine transfers queued between kernels (the upload, its int32 cast, the pending tokens'
+copy, the graph's static inputs, the sampler's upload, the results' copy; 5-13 us each:
+bench/RESULTS.md, thirty-third session), and the host as long again launching them.
+
+Rules:
+- Two staging slots and two result slots (a ring, as engine/runner/pinned.py's): step k uses
+  slot k % 2, counted in graph replays. The host counts them here; the device counts them in
+  `step` (int32): the gather kernel reads it to pick its slot and copies it to `current`, from
+  which the sampler's kernel picks its result slot and sets `step` to current + 1 (no atomics:
+  nothing reads `step` between those two kernels). Both counts start at 0 after capture and
+  after a resume of the `cuda_graph` region (`reset`).
+- A slot is written again only once the replay that used it last has finished (its event), and
+  the engine reads step k's results before it launches step k + 2 (engine/core/engine_core.py).
+- A staging slot, int32: columns [COLUMNS, max_bs] (token, source row of a pending token or -1,
+  position, KV slot, sequence length, temperature as float32 bits), then block tables [max_bs,
+  max_blocks]. Rows past the step's are padding: token 0 at position 0, slot -1, length 0,
+  temperature 1. Only a row's first ceil(length / block_size) table entries are stored.
+- A pending token (one the host does not know yet) is row `source` of `tokens`, the device's
+  copy of the last step's sampled tokens: the graph's sampler writes it, an eager step's sampler
+  output is copied into it (`keep`).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.runner.sampler import SampledOnDevice
+
+COLUMNS = 6  # token, source, position, slot, sequence length, temperature bits
+_COLUMNS: tl.constexpr = tl.constexpr(COLUMNS)
+_TABLE_CHUNK = 64  # table entries a gather program reads at once (1024 tokens at block 16)
+
+
+@triton.jit
+def _gather_kernel(
+    stage_ptr,  # [2, SLOT] int32, pinned: the staging ring
+    step_ptr,  # [2] int32: graph replays so far (the slot is its parity), then current
+    tokens_ptr,  # [>= max_num_seqs] int64: the last step's sampled tokens
+    inputs_ptr,  # [2, MAX_BS] int64: the graph's token ids, positions
+    slots_ptr, lens_ptr, temps_ptr,  # [MAX_BS] int64 / int32 / float32
+    tables_ptr,  # [MAX_BS, MAXB] int32
+    MAX_BS: tl.constexpr, MAXB: tl.constexpr, SLOT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    # Program r: row r of the staged step into the graph's static inputs; program 0 also copies
+    # step to current, which the sampler reads (it sets step for the next replay).
+    r = tl.program_id(0)
+    replay = tl.load(step_ptr, cache_modifier=".cg")
+    if r == 0:
+        tl.store(step_ptr + 1, replay)
+    base = stage_ptr + (replay & 1) * SLOT
+    token = tl.load(base + r).to(tl.int64)
+    source = tl.load(base + MAX_BS + r)
+    position = tl.load(base + 2 * MAX_BS + r)
+    slot = tl.load(base + 3 * MAX_BS + r)
+    length = tl.load(base + 4 * MAX_BS + r)
+    temp = tl.load(base.to(tl.pointer_type(tl.float32)) + 5 * MAX_BS + r)
+    cols = tl.arange(0, CHUNK)
+    row_in = base + _COLUMNS * MAX_BS + r * MAXB
+    row_out = tables_ptr + r * MAXB
+    first = tl.load(row_in + cols, mask=cols < MAXB)  # issued with the columns, not after them
+    if source >= 0:
+        token = tl.load(tokens_ptr + source)
+    tl.store(inputs_ptr + r, token)
+    tl.store(inputs_ptr + MAX_BS + r, position.to(tl.int64))
+    tl.store(slots_ptr + r, slot.to(tl.int64))
+    tl.store(lens_ptr + r, length)
+    tl.store(temps_ptr + r, temp)
+    blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    tl.store(row_out + cols, first, mask=cols < blocks)
+    for c0 in range(CHUNK, blocks, CHUNK):
+        ok = c0 + cols < blocks
+        tl.store(row_out + c0 + cols, tl.load(row_in + c0 + cols, mask=ok), mask=ok)
+
+
+class GraphIO:
+    """The staging and result rings of the decode graphs of up to `max_bs` rows, and the static
+    tensors the gather kernel fills: `inputs` [2, max_bs] int64 (token ids, positions), the
+    attention backend's `seq_lens`, `block_tables`, `slot_mapping` (its graph buffers, at their
+    largest), `temps` [max_bs] float32. Sampler outputs: `tokens` [max_rows] int64, `lse`
+    [max_bs] float32, `pairs` [max_bs, 2] float64 on the device, `results` [2, max_bs, 2] float64
+    pinned."""
+
+    def __init__(
+        self, inputs: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
+        block_size: int, max_rows: int,
+    ) -> None:  # fmt: skip
+        self.max_bs, self.max_blocks = block_tables.shape
+        self.block_size = block_size
+        self.device = inputs.device
+        self.inputs, self.seq_lens, self.block_tables, self.slot_mapping = inputs, seq_lens, block_tables, slot_mapping
+        dev = self.device
+        self.temps = torch.ones(self.max_bs, dtype=torch.float32, device=dev)
+        self.tokens = torch.zeros(max(max_rows, self.max_bs), dtype=torch.int64, device=dev)
+        self.lse = torch.zeros(self.max_bs, dtype=torch.float32, device=dev)
+        self.pairs = torch.zeros(self.max_bs, 2, dtype=torch.float64, device=dev)
+        # step (replays before this one), current (this replay's), then lse_argmax's per-row counters
+        self.counters = torch.zeros(2 + self.max_bs, dtype=torch.int32, device=dev)
+        self.slot_elements = -(-(COLUMNS * self.max_bs + self.max_bs * self.max_blocks) // 4) * 4  # 16-byte slots
+        self.stage = torch.zeros(2, self.slot_elements, dtype=torch.int32, pin_memory=True)
+        self.results = torch.zeros(2, self.max_bs, 2, dtype=torch.float64, pin_memory=True)
+        self._columns = self.stage[:, : COLUMNS * self.max_bs].view(2, COLUMNS, self.max_bs)
+        self._temps = self._columns[:, 5].view(torch.float32)  # [2, max_bs]
+        self._tables = self.stage[:, COLUMNS * self.max_bs : COLUMNS * self.max_bs + self.max_bs * self.max_blocks]
+        self._tables = self._tables.view(2, self.max_bs, self.max_blocks)
+        self._padding = torch.tensor([0, -1, 0, -1, 0, 0], dtype=torch.int32)[:, None].repeat(1, self.max_bs)
+        self._padding[5] = torch.ones(self.max_bs, dtype=torch.float32).view(torch.int32)
+        for p in range(2):
+            self._pad(p, 0)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._used = [False, False]
+        self.replays = 0  # the host's count; the device's is counters[0]
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.temps, self.tokens, self.lse, self.pairs, self.counters))
+        self.pinned_bytes = self.stage.numel() * 4 + self.results.numel() * 8
+
+    def _pad(self, p: int, n: int) -> None:
+        """Rows n.. of staging slot p become padding (module docstring)."""
+        self._columns[p, :, n:] = self._padding[:, : self.max_bs - n]
+
+    def reset(self) -> None:
+        """Replays counted from zero again, on the host and on the device (after capture, whose
+        warm-up forwards advance the device's count, and after a resume of the `cuda_graph`
+        region, which comes back with undefined contents)."""
+        self.counters.zero_()
+        self.replays = 0
+
+    # ---- captured ---------------------------------------------------------------------------------
+
+    def gather(self, bs: int) -> None:
+        """Rows 0..bs-1 of the staged step into the static inputs: the graph's first kernel."""
+        _gather_kernel[(bs,)](
+            self.stage, self.counters, self.tokens, self.inputs, self.slot_mapping, self.seq_lens, self.temps,
+            self.block_tables, MAX_BS=self.max_bs, MAXB=self.max_blocks, SLOT=self.slot_elements,
+            BLOCK_SIZE=self.block_size, CHUNK=min(_TABLE_CHUNK, triton.next_power_of_2(self.max_blocks)), num_warps=1,
+        )  # fmt: skip
+
+    def sample(self, logits: torch.Tensor) -> None:
+        """The greedy (token, logprob) of logits [bs, V] / temps, published to this replay's
+        result slot; the graph's last kernel (it advances the device's replay count)."""
+        from engine.runner.lse_argmax import lse_argmax
+
+        bs = logits.shape[0]
+        lse_argmax(
+            logits, self.temps[:bs], self.counters[2:], out=(self.lse[:bs], self.tokens[:bs], self.pairs[:bs]),
+            publish=(self.results, self.counters[1:2], self.counters[:1]),
+        )  # fmt: skip
+
+    # ---- the host's side --------------------------------------------------------------------------
+
+    def stage_step(self, parts: list[list[int]], temps: list[float], n: int, bs: int) -> int:
+        """Pack a decode step of n rows (a StepPlan's `parts`: ids, positions, sample rows, pending
+        rows and their sources, slots, query starts, lengths, tables padded to the widest and
+        flattened) and its temperatures into the next slot, rows n..bs-1 padding; returns the
+        slot, which the replay after this call reads."""
+        p = self.replays % 2
+        if self._used[p]:
+            self._events[p].synchronize()  # the replay of two steps ago: long done in a running loop
+        ids, positions, _, fill_rows, fill_from, slots, _, lens, tables = parts
+        sources = [-1] * n
+        for row, src in zip(fill_rows, fill_from, strict=True):
+            sources[row] = src
+        packed = array("i", ids)
+        for column in (sources, positions, slots, lens):
+            packed.extend(column)
+        self._columns[p, :5, :n].copy_(torch.frombuffer(packed, dtype=torch.int32).view(5, n))
+        self._temps[p, :n].copy_(torch.frombuffer(array("f", temps), dtype=torch.float32))
+        if tables:
+            width = len(tables) // n
+            self._tables[p, :n, :width].copy_(torch.frombuffer(array("i", tables), dtype=torch.int32).view(n, width))
+        if bs > n:
+            self._pad(p, n)
+        return p
+
+    def replayed(self, p: int) -> None:
+        """Count the replay just queued, which used slot p, and mark its end."""
+        self._events[p].record(torch.cuda.current_stream(self.device))
+        self._used[p] = True
+        self.replays += 1
+
+    def landed(self, p: int, n: int) -> SampledOnDevice:
+        """The greedy samples of the replay that used slot p, rows 0..n-1: the tokens on the device
+        (`tokens`), the (token, logprob) pairs in result slot p once its event has passed."""
+        return SampledOnDevice.landed(self.tokens[:n], self.results[p, :n], self._events[p])
+
+    def keep(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """An eager sampler's tokens [S] where the next graph's pending rows read them: `tokens`[:S]."""
+        kept = self.tokens[: token_ids.shape[0]]
+        if kept.data_ptr() != token_ids.data_ptr():
+            kept.copy_(token_ids, non_blocking=True)
+        return kept
