@@ -93,7 +93,7 @@ class CudaGraphRunner:
         if backend.kv_cache.shape[2] * backend.block_size >= 1 << 31:
             raise ValueError("CUDA graphs stage KV slots as int32: this KV cache has 2**31 slots or more")
         self.io = GraphIO(
-            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.block_size, backend.max_num_seqs
+            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.max_num_seqs
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool

@@ -19,9 +19,10 @@ Rules:
 - A slot is written again only once the replay that used it last has finished (its event), and
   the engine reads step k's results before it launches step k + 2 (engine/core/engine_core.py).
 - A staging slot, int32: columns [COLUMNS, max_bs] (token, source row of a pending token or -1,
-  position, KV slot, sequence length, temperature as float32 bits), then block tables [max_bs,
-  max_blocks]. Rows past the step's are padding: token 0 at position 0, slot -1, length 0,
-  temperature 1. Only a row's first ceil(length / block_size) table entries are stored.
+  position, KV slot, sequence length, the step's table width, temperature as float32 bits), then
+  block tables [max_bs, max_blocks], each row padded with block 0 to the step's widest, as
+  `TritonBackend.load_graph_metadata` leaves them. Rows past the step's are padding: token 0 at
+  position 0, slot -1, length 0, width 0 (their table rows untouched), temperature 1.
 - A pending token (one the host does not know yet) is row `source` of `tokens`, the device's
   copy of the last step's sampled tokens: the graph's sampler writes it, an eager step's sampler
   output is copied into it (`keep`).
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from engine.runner.sampler import SampledOnDevice
 
-COLUMNS = 6  # token, source, position, slot, sequence length, temperature bits
+COLUMNS = 7  # token, source, position, slot, sequence length, table width, temperature bits
 _COLUMNS: tl.constexpr = tl.constexpr(COLUMNS)
 _TABLE_CHUNK = 64  # table entries a gather program reads at once (1024 tokens at block 16)
 
@@ -50,7 +51,7 @@ def _gather_kernel(
     inputs_ptr,  # [2, MAX_BS] int64: the graph's token ids, positions
     slots_ptr, lens_ptr, temps_ptr,  # [MAX_BS] int64 / int32 / float32
     tables_ptr,  # [MAX_BS, MAXB] int32
-    MAX_BS: tl.constexpr, MAXB: tl.constexpr, SLOT: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr,
+    MAX_BS: tl.constexpr, MAXB: tl.constexpr, SLOT: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Program r: row r of the staged step into the graph's static inputs; program 0 also copies
     # step to current, which the sampler reads (it sets step for the next replay).
@@ -64,7 +65,8 @@ def _gather_kernel(
     position = tl.load(base + 2 * MAX_BS + r)
     slot = tl.load(base + 3 * MAX_BS + r)
     length = tl.load(base + 4 * MAX_BS + r)
-    temp = tl.load(base.to(tl.pointer_type(tl.float32)) + 5 * MAX_BS + r)
+    width = tl.load(base + 5 * MAX_BS + r)
+    temp = tl.load(base.to(tl.pointer_type(tl.float32)) + 6 * MAX_BS + r)
     cols = tl.arange(0, CHUNK)
     row_in = base + _COLUMNS * MAX_BS + r * MAXB
     row_out = tables_ptr + r * MAXB
@@ -76,10 +78,9 @@ def _gather_kernel(
     tl.store(slots_ptr + r, slot.to(tl.int64))
     tl.store(lens_ptr + r, length)
     tl.store(temps_ptr + r, temp)
-    blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
-    tl.store(row_out + cols, first, mask=cols < blocks)
-    for c0 in range(CHUNK, blocks, CHUNK):
-        ok = c0 + cols < blocks
+    tl.store(row_out + cols, first, mask=cols < width)
+    for c0 in range(CHUNK, width, CHUNK):
+        ok = c0 + cols < width
         tl.store(row_out + c0 + cols, tl.load(row_in + c0 + cols, mask=ok), mask=ok)
 
 
@@ -93,10 +94,9 @@ class GraphIO:
 
     def __init__(
         self, inputs: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
-        block_size: int, max_rows: int,
+        max_rows: int,
     ) -> None:  # fmt: skip
         self.max_bs, self.max_blocks = block_tables.shape
-        self.block_size = block_size
         self.device = inputs.device
         self.inputs, self.seq_lens, self.block_tables, self.slot_mapping = inputs, seq_lens, block_tables, slot_mapping
         dev = self.device
@@ -110,11 +110,11 @@ class GraphIO:
         self.stage = torch.zeros(2, self.slot_elements, dtype=torch.int32, pin_memory=True)
         self.results = torch.zeros(2, self.max_bs, 2, dtype=torch.float64, pin_memory=True)
         self._columns = self.stage[:, : COLUMNS * self.max_bs].view(2, COLUMNS, self.max_bs)
-        self._temps = self._columns[:, 5].view(torch.float32)  # [2, max_bs]
+        self._temps = self._columns[:, 6].view(torch.float32)  # [2, max_bs]
         self._tables = self.stage[:, COLUMNS * self.max_bs : COLUMNS * self.max_bs + self.max_bs * self.max_blocks]
         self._tables = self._tables.view(2, self.max_bs, self.max_blocks)
-        self._padding = torch.tensor([0, -1, 0, -1, 0, 0], dtype=torch.int32)[:, None].repeat(1, self.max_bs)
-        self._padding[5] = torch.ones(self.max_bs, dtype=torch.float32).view(torch.int32)
+        self._padding = torch.tensor([0, -1, 0, -1, 0, 0, 0], dtype=torch.int32)[:, None].repeat(1, self.max_bs)
+        self._padding[6] = torch.ones(self.max_bs, dtype=torch.float32).view(torch.int32)
         for p in range(2):
             self._pad(p, 0)
         self._events = [torch.cuda.Event(), torch.cuda.Event()]
@@ -141,7 +141,7 @@ class GraphIO:
         _gather_kernel[(bs,)](
             self.stage, self.counters, self.tokens, self.inputs, self.slot_mapping, self.seq_lens, self.temps,
             self.block_tables, MAX_BS=self.max_bs, MAXB=self.max_blocks, SLOT=self.slot_elements,
-            BLOCK_SIZE=self.block_size, CHUNK=min(_TABLE_CHUNK, triton.next_power_of_2(self.max_blocks)), num_warps=1,
+            CHUNK=min(_TABLE_CHUNK, triton.next_power_of_2(self.max_blocks)), num_warps=1,
         )  # fmt: skip
 
     def sample(self, logits: torch.Tensor) -> None:
@@ -169,13 +169,13 @@ class GraphIO:
         sources = [-1] * n
         for row, src in zip(fill_rows, fill_from, strict=True):
             sources[row] = src
+        width = len(tables) // n
         packed = array("i", ids)
-        for column in (sources, positions, slots, lens):
+        for column in (sources, positions, slots, lens, [width] * n):
             packed.extend(column)
-        self._columns[p, :5, :n].copy_(torch.frombuffer(packed, dtype=torch.int32).view(5, n))
+        self._columns[p, :6, :n].copy_(torch.frombuffer(packed, dtype=torch.int32).view(6, n))
         self._temps[p, :n].copy_(torch.frombuffer(array("f", temps), dtype=torch.float32))
-        if tables:
-            width = len(tables) // n
+        if width:
             self._tables[p, :n, :width].copy_(torch.frombuffer(array("i", tables), dtype=torch.int32).view(n, width))
         if bs > n:
             self._pad(p, n)

@@ -1,0 +1,152 @@
+"""The decode step's linears at few rows: cuBLAS (F.linear, + the fused SiLU-and-mul for gate_up)
+against engine/models/skinny_linear.py, on the layer shapes of Qwen3-0.6B and Qwen3-8B, bf16.
+
+Each op is timed as the decode step runs it: inside a CUDA graph, over as many distinct weight
+copies as make 512 MiB (so every call reads its weight from HBM, not from L2, as consecutive
+layers do), median of `--reps` replays; `--rotate-mib 0` times one copy, resident in L2 after the
+first call (what an L2 prefetch of the next layer's weights could at best give). Columns: microseconds per call, the weight-read bandwidth
+that implies, and the ratio cuBLAS time / skinny time. With `--sweep`, every (block_n, block_k,
+warps, stages) of a small grid is timed too, and the best is printed beside the default rule.
+
+    python bench/bench_linear.py --out $OUT/linear.json [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {  # name -> (N, K, silu_mul): N output features (2I packed for gate_up), K input
+    "0.6b qkv": (4096, 1024, False),
+    "0.6b o": (1024, 2048, False),
+    "0.6b gate_up": (6144, 1024, True),
+    "0.6b down": (1024, 3072, False),
+    "8b qkv": (6144, 4096, False),
+    "8b o": (4096, 4096, False),
+    "8b gate_up": (24576, 4096, True),
+    "8b down": (4096, 12288, False),
+    # One rank's share at tensor parallel 2: q/k/v and gate/up split by columns, o and down by K.
+    "8b/tp2 qkv": (3072, 4096, False),
+    "8b/tp2 o": (4096, 2048, False),
+    "8b/tp2 gate_up": (12288, 4096, True),
+    "8b/tp2 down": (4096, 6144, False),
+}
+ROTATE_BYTES = 512 << 20
+GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5)))
+
+
+def time_graph(calls: Callable[[], None], per: int, reps: int) -> float:
+    """Median microseconds per op of a CUDA graph holding `per` ops."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()  # compile / warm outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / per)
+    return statistics.median(times)
+
+
+def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
+    from engine.models import fused_ops
+    from engine.models.skinny_linear import skinny_linear
+
+    n, k, silu = SHAPES[name]
+    dev = torch.device("cuda")
+    w_bytes = n * k * 2
+    copies = max(1, rotate_bytes // w_bytes)  # 1: the same weight every call, resident in L2
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    ws = ws * max(1, 64 // copies)  # at least 64 calls per graph: its launch is not in the time
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+
+    def cublas() -> None:
+        for w in ws:
+            y = F.linear(x, w)
+            if silu:
+                fused_ops.silu_and_mul(y)
+
+    def skinny(**cfg: Any) -> Callable[[], None]:
+        def run() -> None:
+            for w in ws:
+                skinny_linear(x, w, silu_mul=silu, **cfg)
+        return run
+
+    # Correctness against fp32 math on the same bf16 inputs.
+    ref = F.linear(x.float(), ws[0].float())
+    if silu:
+        g, u = ref.chunk(2, dim=-1)
+        ref = F.silu(g) * u
+    got = skinny_linear(x, ws[0], silu_mul=silu).float()
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+
+    t_cublas = time_graph(cublas, len(ws), reps)
+    t_default = time_graph(skinny(), len(ws), reps)
+    row: dict[str, Any] = {"shape": name, "m": m, "cublas_us": t_cublas, "skinny_us": t_default,
+                           "cublas_gbs": w_bytes / t_cublas / 1e3, "skinny_gbs": w_bytes / t_default / 1e3,
+                           "speedup": t_cublas / t_default, "max_rel_err": err}
+    if sweep:
+        best = None
+        for bn, bk, nw, ns in GRID:
+            try:
+                t = time_graph(skinny(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns), len(ws), reps)
+            except Exception as e:  # out of shared memory and the like
+                print(f"  {name} m={m} {(bn, bk, nw, ns)}: {type(e).__name__}", flush=True)
+                continue
+            if best is None or t < best[0]:
+                best = (t, (bn, bk, nw, ns))
+        if best is not None:
+            row["best_us"], row["best_cfg"] = best
+            row["best_gbs"] = w_bytes / best[0] / 1e3
+    ws.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--rows", default="1,8,32,64")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rotate-mib", type=int, default=ROTATE_BYTES >> 20,
+                   help="distinct weight copies cycled through (0: one copy, which stays in L2: the bound of any prefetch)")
+    args = p.parse_args()
+    rows = []
+    print(f"device: {torch.cuda.get_device_name()}", flush=True)
+    print("| shape | M | cuBLAS us | GB/s | skinny us | GB/s | cuBLAS / skinny | best sweep us (cfg) | max rel err |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    for name in args.shapes.split(","):
+        for m in (int(r) for r in args.rows.split(",")):
+            r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
+            rows.append(r)
+            best = f"{r['best_us']:.2f} {r['best_cfg']}" if "best_us" in r else "-"
+            print(f"| {name} | {m} | {r['cublas_us']:.2f} | {r['cublas_gbs']:.0f} | {r['skinny_us']:.2f} | "
+                  f"{r['skinny_gbs']:.0f} | {r['speedup']:.2f} | {best} | {r['max_rel_err']:.1e} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""Serving benchmark: the real `siesta serve` under RL-shaped and online load, against the
+in-process `engine.Engine` on the same work. One run, one table of ratios; every number also goes
+to the JSON file named by `--out`, rewritten after each section. See bench/README.md.
+
+    python bench/bench_serving.py --shape 0.6b --num-prompts 256,1024 --out $OUT/serving.json   # GPU
+    python bench/bench_serving.py --tiny --out /tmp/s.json                                      # CPU smoke test
+
+Rules:
+- The checkpoint is built by bench_engine.py's code (`--shape 0.6b|8b|DIR`, random bf16 weights)
+  in a child process, so this process never holds the GPU. The server needs a tokenizer: the
+  demo tokenizer (512 tokens) is written into a checkpoint built here, or into a directory of its
+  own passed as `--tokenizer` when DIR is someone else's. Prompts are token ids; sampled ids past
+  512 decode to "" (so responses carry little text).
+- Order: the in-process Engine first (all N), stopped; then the server (all N, then online),
+  stopped. Never both at once. Each uses the engine flags of `--server-args`.
+- RL shape, for each N: (1) one `/generate` holding N prompts, (2) N concurrent single-prompt
+  requests, (3) N concurrent streams (no logprobs), (4) N/8 concurrent requests with `n: 8` (N
+  samples); all with `ignore_eos`, `--output-len` new tokens, logprobs unless streamed. Fresh
+  random prompts per section, prefix cache flushed before each; batched and Engine share theirs.
+- CPU: /proc/PID/stat utime+stime of the server (every API server process, summed; the target is
+  on the busiest) and the engine process before and after each section, as % of one core over the
+  section's wall time; each client process reports its own.
+  A section with a client process above 90 % of a core is `invalid` (the load generator may have
+  been the bottleneck: raise --client-procs).
+- `--rounds K`: each section (the Engine's too) runs K times, the modes interleaved (batched,
+  singles, streams, n8, batched, ...), and the round with the median tok/s is reported, with every
+  round's tok/s beside it (`rounds_tokens_per_s`): on a machine whose speed drifts by +-10 %
+  between runs, ratios of medians say what one round cannot.
+- Bounded: every request has `--request-timeout-s`; no section starts after `--deadline-s`; the
+  server (its own session) is stopped in `finally`, on Ctrl-C and SIGTERM too. Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import httpx
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path[:0] = [ROOT, BENCH]
+
+from serving_clients import ClientPool, online_specs, random_prompts, rl_specs, summarize  # noqa: E402
+
+MODES = ("batched", "singles", "streams", "n8")
+# Issue 13's targets: a mode's tok/s over the batched request's; "engine": batched over Engine.
+TARGETS = {"singles": 0.95, "streams": 0.85, "n8": 0.95, "engine": 0.95}
+SERVER_CPU_TARGET_PCT, CLIENT_CPU_LIMIT_PCT, SAMPLES = 60.0, 90.0, 8
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+FULL = dict(shape="0.6b", server_args="", num_prompts="64,256,1024", input_len=256, output_len=256,
+            num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
+TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompts="8", input_len=16,
+            output_len=8, server_args="--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256",
+            num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0)
+T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def write_json(path: str, res: dict[str, Any]) -> None:
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    os.replace(f"{path}.tmp", path)
+
+
+def cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process (all its threads), seconds; None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return None
+    return None if fields[0] == "Z" else (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_pct(before: float | None, after: float | None, wall: float) -> float | None:
+    return None if before is None or after is None or wall <= 0 else 100.0 * (after - before) / wall
+
+
+def build_checkpoint(shape: str, model_dir: str | None, seed: int, tiny: bool) -> dict[str, Any]:
+    """In a child process: bench_engine's checkpoint, and the demo tokenizer where none is."""
+    import bench_engine
+    import torch
+    import transformers
+
+    from engine.demo_model import save_tokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    out = bench_engine.checkpoint(shape, model_dir, device, seed)
+    out["label"], out["tokenizer"] = bench_engine.shape_label(out["shape"]), None
+    if not all(os.path.isfile(os.path.join(out["path"], f)) for f in TOKENIZER_FILES):
+        mine = os.path.isfile(os.path.join(out["path"], bench_engine.BUILT_MARKER))
+        out["tokenizer"] = None if mine else "/tmp/siesta-bench-demo-tokenizer"
+        save_tokenizer(out["path"] if mine else out["tokenizer"])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m server.cli serve` (what `siesta serve` runs) in a session of its own, on a free
+    loopback port; `stop` ends it and then its engine process, waiting a bounded time for each."""
+
+    def __init__(self, model: str, flags: list[str], log_path: str) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, *flags, "--host", "127.0.0.1", "--port", str(port)]
+        say(f"server: {shlex.join(cmd)} (log: {log_path})")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.engine_pid: int | None = None
+        self.api_pids: list[int] = [self.proc.pid]  # every API server process (--api-server-count)
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"siesta serve exited with {self.proc.returncode}: see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    info = httpx.get(f"{self.url}/get_server_info", timeout=30.0).json()
+                    self.engine_pid = info["engine_pid"]
+                    self.api_pids = [self.proc.pid, *self._helpers()]
+                    if len(self.api_pids) >= info["api_server"]["count"]:
+                        return info
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"siesta serve not healthy within {timeout_s:.0f} s: see {self.log.name}")
+
+    def _helpers(self) -> list[int]:
+        """API server processes 1..N-1: the server's spawned children other than its engine."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    spawned = b"spawn_main" in f.read()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid and spawned and int(entry) != self.engine_pid:
+                pids.append(int(entry))
+        return pids
+
+    def flush(self) -> None:
+        for _ in range(50):  # 400 while requests still run (a client's abort lands late)
+            if httpx.post(f"{self.url}/flush_cache", timeout=30.0).status_code == 200:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("flush_cache kept refusing: requests still running")
+
+    def stop(self) -> None:
+        """Bounded (about 40 s at most) and deaf to a second Ctrl-C, so it always finishes."""
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+            for _ in range(100):  # the engine exits once its parent is gone; else it is killed
+                if cpu_s(self.engine_pid) is None:
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(self.engine_pid, signal.SIGKILL)  # type: ignore[arg-type]
+        finally:
+            signal.signal(signal.SIGINT, old)
+        self.log.close()
+        say(f"server: stopped (exit {self.proc.returncode})")
+
+
+def py_spy(binary: str | None, pids: dict[str, int | None], prefix: str) -> list[subprocess.Popen]:
+    """Sample each process (idle time too) into `{prefix}.{name}.txt`, py-spy's raw (collapsed
+    stack) format, until `stop_py_spy`. None: no profile."""
+    if binary is None:
+        return []
+    procs = [subprocess.Popen([binary, "record", "--pid", str(pid), "--idle", "--nonblocking", "-r", "250", "-f", "raw",
+                               "-o", f"{prefix}.{name}.txt"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, pid in pids.items() if pid is not None]
+    time.sleep(1.0)  # attached before the section starts
+    return procs
+
+
+def stop_py_spy(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, Any]]], expected: int,
+                 profile: tuple[str | None, str] = (None, "")) -> dict[str, Any]:
+    """Flush, open connections, then run with the server's and the engine's CPU read around it
+    (and sampled by py-spy when `profile` = (binary, file prefix) names one)."""
+    server.flush()
+    pool.warm([min(len(s), 1024) for s in shares])
+    spies = py_spy(profile[0], {"server": server.proc.pid, "engine": server.engine_pid}, profile[1])
+    pids = [*server.api_pids, server.engine_pid]
+    before = [cpu_s(pid) for pid in pids]
+    start_at, results = pool.run(shares)
+    after = [cpu_s(pid) for pid in pids]
+    stop_py_spy(spies)
+    out = summarize(start_at, results, expected)
+    api = [cpu_pct(b, a, out["wall_s"]) for b, a in zip(before[:-1], after[:-1], strict=True)]
+    # Server CPU: all its API processes together, and the busiest one (a process is the ceiling).
+    out["server_cpu_pct"] = None if None in api else sum(api)
+    out["server_cpu_pct_max"] = None if None in api else max(api)
+    if out["server_cpu_pct"] is not None and out["output_tokens"]:  # predicts the % at other rates
+        out["server_cpu_us_per_token"] = 1e4 * out["server_cpu_pct"] * out["wall_s"] / out["output_tokens"]
+    out["engine_cpu_pct"] = cpu_pct(before[-1], after[-1], out["wall_s"])
+    out["invalid"] = out["client_cpu_pct_max"] > CLIENT_CPU_LIMIT_PCT
+    return out
+
+
+def engine_runs(args: argparse.Namespace, model: str, flags: list[str], work: dict[int, list[list[int]]],
+                res: dict[str, Any]) -> None:
+    """The in-process Engine on each N's batched prompts: one `generate` call each, timed."""
+    from engine import Engine, SamplingParams
+    from server.cli import build_parser, engine_config_from
+
+    cfg = engine_config_from(build_parser().parse_args(["serve", "--model", model, *flags]))
+    knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "model"}
+    sp = SamplingParams(max_new_tokens=args.output_len, ignore_eos=True, temperature=args.temperature, logprobs=True)
+    with Engine(model=model, log_level="WARNING", **knobs) as llm:
+        pid = llm._core.process.pid  # noqa: SLF001
+        llm.generate(input_ids=work[min(work)][:16], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
+        for n, prompts in work.items():
+            if time.perf_counter() - T0 > args.deadline_s:
+                say(f"engine N={n}: skipped (past --deadline-s)")
+                continue
+            runs = []
+            for _ in range(args.rounds):
+                llm.flush_cache()
+                before, cpu0, t = cpu_s(pid), time.process_time(), time.perf_counter()
+                outs = llm.generate(input_ids=prompts, sampling_params=sp)
+                wall = time.perf_counter() - t
+                tokens = sum(len(o.output_ids) for o in outs)
+                bad = [o for o in outs if o.finish_reason != "length" or len(o.output_ids) != args.output_len
+                       or len(o.output_token_logprobs or []) != args.output_len]
+                runs.append({
+                    "requests": n, "ok": n - len(bad), "failed": len(bad), "output_tokens": tokens,
+                    "expected_output_tokens": n * args.output_len, "wall_s": wall, "tokens_per_s": tokens / wall,
+                    "engine_cpu_pct": cpu_pct(before, cpu_s(pid), wall),
+                    "client_cpu_pct_max": 100.0 * (time.process_time() - cpu0) / wall, "invalid": False})
+                say(f"engine N={n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+            res["rl"].setdefault(str(n), {})["engine"] = median_section(runs)
+            write_json(args.out, res)
+
+
+def median_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of a section's rounds, the one with the median tok/s (the lower of two middles), with every
+    round's tok/s beside it: a mode's ratio is of medians, so one slow round moves nothing."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"rounds_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+
+
+def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dict[int, list[list[int]]],
+               vocab: int, res: dict[str, Any]) -> None:
+    """The server: every mode at each N, then the online shape; stopped whatever happens."""
+    server = Server(model, flags, os.path.splitext(args.out)[0] + ".server.log")
+    pool: ClientPool | None = None
+    try:
+        res["server"] = server.wait_ready(args.startup_timeout_s)
+        say(f"server: ready at {server.url}, engine pid {server.engine_pid}, device {res['server'].get('device')}")
+        pool = ClientPool(server.url, args.client_procs, args.request_timeout_s)
+        sampling = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature}
+        warm = rl_specs("batched", work[min(work)][:16], sampling | {"max_new_tokens": 4}, args.client_procs)
+        http_section(server, pool, *warm)  # untimed: the first request's one-time costs
+        for n, batched_prompts in work.items():
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+            for _, (i, mode) in itertools.product(range(args.rounds), enumerate(MODES)):
+                if mode in args.skip or (mode == "n8" and n < SAMPLES) or time.perf_counter() - T0 > args.deadline_s:
+                    continue
+                prompts = batched_prompts if mode == "batched" else random_prompts(
+                    random.Random(args.seed * 7919 + n * 10 + i), n, args.input_len, vocab)
+                shares = rl_specs(mode, prompts, sampling, args.client_procs, SAMPLES)
+                profile = (args.py_spy, f"{os.path.splitext(args.out)[0]}.{mode}.{n}")
+                r = http_section(server, pool, *shares, profile=profile)
+                runs[mode].append(r)
+                res["rl"].setdefault(str(n), {})[mode] = median_section(runs[mode])
+                say(f"{mode} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
+                    f"{r['tokens_per_s']:.0f} tok/s; {r['failed']} failed; CPU server {r['server_cpu_pct'] or 0:.0f} % "
+                    f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
+                    f"engine {r['engine_cpu_pct'] or 0:.0f} %, clients {r['client_cpu_pct_max']:.0f} % max")
+                write_json(args.out, res)
+        if "online" not in args.skip and time.perf_counter() - T0 <= args.deadline_s:
+            shares = online_specs(random.Random(args.seed + 99), args.num_online, args.request_rate, args.input_len,
+                                  args.output_len, args.random_range_ratio, vocab, sampling, args.client_procs)
+            r = res["online"] = http_section(server, pool, *shares)
+            r |= {"request_rate": args.request_rate, "num_requests": args.num_online}
+            say(f"online: {r['ok']}/{r['requests']} ok, {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.0f} tok/s, "
+                f"TTFT p50 {r['ttft_ms']['p50'] or 0:.1f} ms, ITL p50 {r['itl_ms']['p50'] or 0:.1f} ms")
+    finally:
+        if pool is not None:
+            pool.close()
+        server.stop()
+
+
+def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The table: per N the Engine, the batched request against it, the server's CPU there, each
+    other mode against the batched request; then the online shape. CPU columns per section."""
+    rows: list[dict[str, Any]] = []
+
+    def row(metric: str, measured: Any, ref: Any = None, target: str = "-", least: float | None = None,
+            sec: dict[str, Any] | None = None, higher: bool = True) -> None:
+        ratio = measured / ref if measured is not None and ref and least is not None and higher else None
+        value = ratio if higher else measured
+        ok = None if least is None or value is None else (value >= least if higher else value < least)
+        sec = sec or {}
+        note = "INVALID: client CPU" if sec.get("invalid") else f"{sec['failed']} FAILED" if sec.get("failed") else ""
+        rows.append(dict(metric=metric, measured=measured, reference=ref, ratio=ratio, target=target, ok=ok,
+                         server_cpu=sec.get("server_cpu_pct"), engine_cpu=sec.get("engine_cpu_pct"),
+                         client_cpu=sec.get("client_cpu_pct_max"), note=note))
+
+    for n, sec in sorted(res["rl"].items(), key=lambda kv: int(kv[0])):
+        tps = {mode: r["tokens_per_s"] for mode, r in sec.items()}
+        if "engine" in sec:
+            row(f"N={n} in-process Engine, tok/s (client col: this process)", tps["engine"], sec=sec["engine"])
+        if "batched" in sec:
+            b = sec["batched"]
+            row(f"N={n} one batched /generate, tok/s; ref = Engine", tps["batched"], tps.get("engine"),
+                f">= {TARGETS['engine']}", TARGETS["engine"], b)
+            row(f"N={n} server CPU in the batched section, % of a core (busiest API process)", b.get("server_cpu_pct_max"),
+                target=f"< {SERVER_CPU_TARGET_PCT:.0f}", least=SERVER_CPU_TARGET_PCT, higher=False)
+        for mode, label in (("singles", "N concurrent singles"), ("streams", "N concurrent streams"),
+                            ("n8", f"N/{SAMPLES} concurrent n:{SAMPLES}")):
+            if mode in sec:
+                row(f"N={n} {label}, tok/s; ref = batched", tps[mode], tps.get("batched"),
+                    f">= {TARGETS[mode]}", TARGETS[mode], sec[mode])
+    on = res.get("online")
+    if on:
+        row(f"online {on['request_rate']} req/s x {on['num_requests']}: output tok/s; ref = req/s",
+            on["tokens_per_s"], on["requests_per_s"], sec=on)
+        row("online TTFT ms: p50; ref = p99", on["ttft_ms"]["p50"], on["ttft_ms"]["p99"])
+        row("online inter-token latency ms: p50; ref = p99", on["itl_ms"]["p50"], on["itl_ms"]["p99"])
+    return rows
+
+
+def print_table(res: dict[str, Any]) -> None:
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3g}" if abs(x) < 0.01 else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
+
+    head = ["metric", "measured", "reference", "ratio", "target", "ok", "server CPU %", "engine CPU %",
+            "client CPU % max", "note"]
+    ckpt, server = res.get("checkpoint") or {}, res.get("server") or {}
+    print(f"\n## siesta serving benchmark: {'TINY smoke run (numbers mean nothing): ' if res['meta']['tiny'] else ''}"
+          f"{ckpt.get('label', 'no checkpoint')}; device {server.get('device', '?')}, {server.get('dtype', '?')}")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(" --- " for _ in head) + "|")
+    for r in res["table"]:
+        cells = [r["metric"], num(r["measured"]), num(r["reference"]), num(r["ratio"]), r["target"],
+                 "-" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL"), num(r["server_cpu"]),
+                 num(r["engine_cpu"]), num(r["client_cpu"]), r["note"]]
+        print("| " + " | ".join(cells) + " |")
+    for name, err in res["errors"].items():
+        print(f"section {name} FAILED: {err.strip().splitlines()[-1] if err else ''}")
+    print(f"total {time.perf_counter() - T0:.0f} s; JSON in {res['meta']['out']}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON results file (the server's log goes beside it)")
+    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, tiny workloads: a smoke test")
+    p.add_argument("--shape", help="0.6b | 8b | DIR, as bench_engine.py takes it (default 0.6b)")
+    p.add_argument("--model-dir", help="where a built checkpoint goes (default /tmp/siesta-bench-qwen3-<shape>)")
+    p.add_argument("--server-args", help="engine and server flags of `siesta serve`, one string (also the Engine's knobs)")
+    p.add_argument("--num-prompts", help="comma-separated N of the RL shape (default 64,256,1024)")
+    p.add_argument("--input-len", type=int, help="prompt tokens (default 256)")
+    p.add_argument("--output-len", type=int, help="new tokens (default 256)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL rollouts sample)")
+    p.add_argument("--num-online", type=int, help="requests of the online shape (default 256)")
+    p.add_argument("--request-rate", type=float, help="online arrivals per second, Poisson; inf: all at once (default 16)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="online lengths uniform in [ratio*len, len]")
+    p.add_argument("--client-procs", type=int, help="client processes (default 8)")
+    p.add_argument("--request-timeout-s", type=float, default=300.0)
+    p.add_argument("--startup-timeout-s", type=float)
+    p.add_argument("--deadline-s", type=float, help="no section starts after this, seconds from the start (default 480)")
+    p.add_argument("--rounds", type=int, default=1, help="run each section this many times, modes interleaved "
+                   "(batched, singles, ..., batched, ...); report the median round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--py-spy", help="py-spy binary: sample the server and the engine during each RL section "
+                   "(files beside --out: <out>.<mode>.<N>.<server|engine>.txt, collapsed stacks)")
+    p.add_argument("--skip", default="", help="comma-separated: engine,serve (all server sections),batched,singles,streams,n8,online")
+    args = p.parse_args(argv)
+    for k, v in (TINY if args.tiny else FULL).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.skip = {s for s in args.skip.split(",") if s}
+    args.num_prompts = sorted({int(x) for x in args.num_prompts.split(",")})
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    def stop(*_: Any) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, stop)
+    if args.tiny:  # 2 CPU cores shared by engine, server and clients: torch's spinning threads would thrash
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    res: dict[str, Any] = {"meta": {"out": args.out, "tiny": args.tiny, "python": platform.python_version(),
+                                    "args": vars(args) | {"skip": sorted(args.skip)}}, "rl": {}, "errors": {}}
+    try:
+        try:
+            with mp.get_context("spawn").Pool(1) as child:  # bounded: an hour covers writing 16 GB
+                job = child.apply_async(build_checkpoint, (args.shape, args.model_dir, args.seed, args.tiny))
+                ckpt = res["checkpoint"] = job.get(timeout=3600)
+        except Exception:
+            res["errors"]["checkpoint"] = traceback.format_exc()
+            say(f"checkpoint: FAILED\n{res['errors']['checkpoint']}")
+            args.skip |= {"engine", "serve"}
+            ckpt = {"path": "", "shape": {"vocab_size": 1}, "tokenizer": None}
+        model, vocab = ckpt["path"], ckpt["shape"]["vocab_size"]
+        flags = shlex.split(args.server_args) + (["--tokenizer", ckpt["tokenizer"]] if ckpt["tokenizer"] else [])
+        work = {n: random_prompts(random.Random(args.seed * 7919 + n), n, args.input_len, vocab) for n in args.num_prompts}
+        for name, fn, a in (("engine", engine_runs, (args, model, flags, work, res)),
+                            ("serve", serve_runs, (args, model, flags, work, vocab, res))):
+            if name in args.skip:
+                continue
+            try:
+                fn(*a)
+            except Exception:
+                res["errors"][name] = traceback.format_exc()
+                say(f"{name}: FAILED\n{res['errors'][name]}")
+            write_json(args.out, res)
+    except KeyboardInterrupt:
+        res["errors"]["interrupted"] = "KeyboardInterrupt"
+        say("interrupted")
+    res["table"] = table_rows(res)
+    res["meta"]["total_s"] = time.perf_counter() - T0
+    write_json(args.out, res)
+    print_table(res)
+    failed = any(r.get("failed") for sec in res["rl"].values() for r in sec.values()) or (res.get("online") or {}).get("failed")
+    return 1 if res["errors"] or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

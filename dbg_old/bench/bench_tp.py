@@ -1,0 +1,79 @@
+"""Tensor parallelism's decode step: the same shape at tp_size 1 and 2 in one run, CUDA graphs on.
+
+    python bench/bench_tp.py --shape 8b --out tp.json
+
+Prints one table: per batch size, the step at TP=1, at TP=2, and their ratio (target at batch 1:
+TP=2's step 0.65x of TP=1's or less; the weights each GPU reads halve, the all-reduces are new).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from typing import Any
+
+import torch
+from bench_runtime import free_memory, say
+from engine_decode import decode_steps
+from engine_graphs import count_graph_replays
+from engine_shapes import checkpoint
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+
+TARGET_BS1 = 0.65
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", default="8b")
+    p.add_argument("--model-dir")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--decode-context", type=int, default=512)
+    p.add_argument("--decode-steps", type=int, default=30)
+    p.add_argument("--decode-warmup", type=int, default=3)
+    p.add_argument("--mem-fraction", type=float, default=0.6)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ckpt = checkpoint(args.shape, args.model_dir, torch.device("cuda"), 0)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    steps: dict[int, dict[int, float]] = {}
+    for tp in (int(t) for t in args.tp_sizes.split(",")):
+        core = EngineCore(EngineConfig(
+            model=ckpt["path"], device="cuda", dtype="bfloat16", max_model_len=args.max_model_len, tp_size=tp,
+            max_num_seqs=max(batch_sizes), cuda_graph_max_bs=max(batch_sizes), mem_fraction=args.mem_fraction,
+        ))
+        try:
+            replays = count_graph_replays(core)
+            for bs in batch_sizes:
+                out = decode_steps(core, args, bs, random.Random(bs), 0, 0, None, replays)
+                steps.setdefault(bs, {})[tp] = out["step_mean_s"]
+                say(f"tp={tp} bs={bs}: {out['step_mean_s'] * 1e3:.3f} ms, {out['graph_replayed_steps']}/{out['steps']} from graphs")
+        finally:
+            core.close()
+            del core
+            free_memory(torch.device("cuda"))
+    rows: list[dict[str, Any]] = []
+    print("\n| batch | TP=1 step (ms) | TP=2 step (ms) | TP=2 / TP=1 | target | ok |\n| --- | --- | --- | --- | --- | --- |")
+    for bs, by_tp in steps.items():
+        one, two = by_tp.get(1), by_tp.get(2)
+        ratio = two / one if one and two else float("nan")
+        target = f"<= {TARGET_BS1}" if bs == 1 else "-"
+        ok = ("PASS" if ratio <= TARGET_BS1 else "FAIL") if bs == 1 else "-"
+        rows.append({"batch_size": bs, "tp1_s": one, "tp2_s": two, "ratio": ratio})
+        print(f"| {bs} | {one * 1e3 if one else float('nan'):.3f} | {two * 1e3 if two else float('nan'):.3f} | {ratio:.3f} | {target} | {ok} |")
+    with open(args.out, "w") as f:
+        json.dump({"shape": ckpt["shape"], "rows": rows, "device": torch.cuda.get_device_name(0)}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The decode path's Triton kernels compiled for Hopper (sm_90) on a machine without a GPU: each
+variant's registers, stack (spills), shared memory, the programs per SM those allow, and for the
+split-KV decode kernel how many K/V tiles its software pipeline buffers and keeps in flight while
+it computes one. What a tile config or a kernel change does to occupancy and pipelining, known
+before a GPU run (bench/RESULTS.md, twenty-eighth session: 64x4x3 buffers one tile and waits for
+all of it; 32x4x6 fits five programs per SM, 32x4x7 four).
+
+Needs only Triton (`pip install triton`: its wheel carries ptxas and cuobjdump); no GPU, no CUDA
+driver. Shapes are Qwen3-0.6B's layer (hidden 1024, 16 heads, 8 KV heads, head_dim 128,
+intermediate 3072, KV blocks of 16); the persistent kernels' constants are the ones their
+constructors pick by default on a 132-SM part (the same functions compute them). Pointers and the integers Triton would specialize
+are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
+
+    python bench/compile_offline.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
+
+CI runs it (tests/test_bench_scripts.py) and checks the occupancy the decode path is built on: the
+split-KV decode at the engine's own config four programs per SM (bench/RESULTS.md, seventeenth
+session: fewer lose), and so the batch decode's attention kernel (rope folded in), the layer kernel two (a layer's programs get scheduled, with PDL, beside
+the layer before), no kernel spilling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM_REGS, SM_SHARED, BLOCK_RESERVED = 65536, 228 * 1024, 1024  # H100 / H200, per SM
+P = 132  # SMs of an H100 SXM / H200
+H, HKV, D, HID, INTER, BLOCK = 16, 8, 128, 1024, 3072, 16
+BF16 = "*bf16"
+OPTIONS = ("num_warps", "num_stages", "launch_cooperative_grid", "launch_pdl", "enable_fp_fusion")
+
+
+def _jit(fn: object) -> triton.runtime.jit.JITFunction:
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn  # engine.launcher.Launcher
+    return fn
+
+
+def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], options: dict[str, object],
+                 not_divisible: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
+    """Compile one variant: every non-constexpr argument typed by `types` (int32 by default)."""
+    jit = _jit(fn)
+    sig, attrs, constexprs = {}, {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if name in consts:
+            sig[name], constexprs[(i,)] = "constexpr", consts[name]
+            continue
+        sig[name] = types.get(name, "i32")
+        if name not in not_divisible and sig[name] != "fp32":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{jit.__name__}.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    regs, stack = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "STACK"))
+    shared = kernel.metadata.shared
+    threads = 32 * kernel.metadata.num_warps
+    return {
+        "regs": regs, "stack": stack, "shared": shared,
+        "per_sm_regs": SM_REGS // (threads * -(-regs // 8) * 8),
+        "per_sm_shared": SM_SHARED // (shared + BLOCK_RESERVED),
+        "ttgir": kernel.asm["ttgir"],
+    }  # fmt: skip
+
+
+def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
+    """The backend's split-KV decode as the batch decode launches it (PDL, one split)."""
+    from engine.attention import triton_decode as td
+
+    block_n, warps, stages = config
+    types = {n: BF16 for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    types.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", count_ptr="*i32",
+                 part_out_ptr="*fp32", part_lse_ptr="*fp32", sm_scale_log2="fp32")  # fmt: skip
+    consts = dict(NUM_HEADS=H, GROUP=H // HKV, BLOCK_H=16, HEAD_DIM=D, BLOCK_SIZE=BLOCK, BLOCK_N=block_n, IEEE=False,
+                  USE_PDL=True, LINE=64, MERGE=False, stamp_ptr=None, TIMING=False)  # fmt: skip
+    out = compile_sm90(td._decode_kernel, types, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": True},
+                       ("num_splits", "stride_bt", "mixed"))  # fmt: skip
+    # The K/V ring: [buffers, BLOCK_N, D] shared tiles; the loop's wait leaves N copy groups in
+    # flight (three per tile: K, V and the next page-table load).
+    ring = re.findall(rf"memdesc<(\d+)x{block_n}x{D}xbf16", out["ttgir"])
+    loop = out["ttgir"].split("scf.for", 1)[-1]
+    wait = re.search(r"async_wait .*?\{num = (\d+)", loop)
+    out["buffers"] = int(ring[0]) if ring else 0
+    out["in_flight"] = int(wait.group(1)) // 3 if wait else 0
+    return out
+
+
+def persistent_kernels() -> dict[str, dict[str, object]]:
+    """The batch decode's two kernels (persistent, attention), the layers' attention kernel (the
+    same on the qkv output) and the fused decode's persistent kernel, with the constants their launches take by default (batch_decode.kernel_consts,
+    batch_attention.kernel_consts, fused_decode.layer_consts)."""
+    import torch
+
+    from engine.models import batch_attention, batch_decode, fused_decode
+    from engine.models.batch_attention import rope_decode_kernel
+    from engine.models.batch_kernel import batch_layer_kernel
+    from engine.models.decode_path import LayerShape
+    from engine.models.layer_kernel import decoder_layer_kernel
+
+    shape = LayerShape(hidden=HID, inter=INTER, nh=H, nkv=HKV, d=D, eps=1e-6, qk_norm=True, device=torch.device("cuda"),
+                       dtype=torch.bfloat16)  # fmt: skip
+    fp32 = ("o_part_ptr", "down_part_ptr", "qkv_part_ptr", "cos_sin_ptr", "down_prev_ptr", "part_o_ptr", "part_lse_ptr", "down_ptr")
+    types = {n: "*fp32" for n in fp32}
+    types.update(pos_ptr="*i64", slot_ptr="*i64", t_ptr="*i64", bar_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
+                 eps="fp32", sm_scale_log2="fp32")  # fmt: skip
+    for jit in (batch_layer_kernel, decoder_layer_kernel, rope_decode_kernel):
+        types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
+    batch = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
+    batch.update(HEAD=False, TAIL=False, TIMING=False)
+    layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
+    layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
+    qkv = (H + 2 * HKV) * D
+    attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True)
+    types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
+    return {
+        "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
+        "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
+        # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
+        "rope_decode_kernel (layers)": layers_attention(D, 2),
+        "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt")),
+    }
+
+
+def layers_attention(d: int, elem_bytes: int) -> dict[str, object]:
+    """The layers' DecodeAttention kernel (models/batch_attention.py) for head_dim d and a cache of
+    elem_bytes (2: bf16, 4: fp32), at the 0.6B shape's heads: every head dim the backend takes
+    must compile (the tests' tiny checkpoints use 16)."""
+    from engine.models import batch_attention
+    from engine.models.batch_attention import rope_decode_kernel
+
+    half = BF16 if elem_bytes == 2 else "*fp32"
+    types = {n: half for n in _jit(rope_decode_kernel).arg_names if n.endswith("_ptr")}
+    types.update(pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                 count_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", eps="fp32", sm_scale_log2="fp32")  # fmt: skip
+    consts = batch_attention.kernel_consts(H, HKV, d, 1, 0, False, True, BLOCK, elem_bytes, True)
+    return compile_sm90(rope_decode_kernel, types, *_split(consts), ("num_splits", "stride_bt"))
+
+
+def _split(consts: dict[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+    """A kernel's launch keywords as (constexprs, compile options)."""
+    options = {k: consts[k] for k in OPTIONS if k in consts}
+    return {k: v for k, v in consts.items() if k not in OPTIONS}, options
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decode-configs", default="", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode "
+                   "(default: the engine's own, triton_decode.decode_config)")  # fmt: skip
+    p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels")
+    p.add_argument("--layers-head-dims", default="", help="','-separated head dims: the layers' attention kernel "
+                   "for each, bf16 and fp32")  # fmt: skip
+    p.add_argument("--json", help="write every variant's numbers here")
+    args = p.parse_args()
+    if not args.decode_configs:
+        from engine.attention.triton_decode import decode_config
+
+        args.decode_configs = "x".join(str(v) for v in decode_config(D, 2))
+    report: dict[str, dict[str, object]] = {}
+    print("| split-KV decode, BLOCK_N x warps x stages | registers | stack | shared KB | programs per SM (registers / shared) "
+          "| K/V tiles buffered | tiles in flight while one computes |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for spec in args.decode_configs.split(","):
+        r = report[f"decode {spec}"] = decode_kernel(tuple(int(v) for v in spec.split("x")))
+        print(f"| {spec} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} "
+              f"| {r['buffers']} | {r['in_flight']} |")  # fmt: skip
+    if args.persistent:
+        print("\n| persistent kernel | registers | stack | shared KB | programs per SM (registers / shared) |")
+        print("| --- | --- | --- | --- | --- |")
+        for name, r in persistent_kernels().items():
+            print(f"| {name} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} |")
+            report[name] = r
+    if args.layers_head_dims:
+        print("\n| layers' attention kernel, head_dim / cache dtype | registers | stack | shared KB | programs per SM |")
+        print("| --- | --- | --- | --- | --- |")
+        for d in (int(v) for v in args.layers_head_dims.split(",")):
+            for elem_bytes, dtype in ((2, "bf16"), (4, "fp32")):
+                r = report[f"layers attention {d} {dtype}"] = layers_attention(d, elem_bytes)
+                print(f"| {d} / {dtype} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | "
+                      f"{min(r['per_sm_regs'], r['per_sm_shared'])} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: {n: v for n, v in r.items() if n != "ttgir"} for k, r in report.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The references of bench_flip.py, measured in the same run: a device-to-device copy of the
+model's bytes (the floor of a CUDA IPC push), a pinned host-to-device copy and the CUDA driver's
+own unmap/release and create/map of a region's bytes (memory_children.py's children, each a fresh
+process on the server's GPU), and a plain `torch.distributed.broadcast` of the model's bytes
+between the trainer's GPU and the server's (the floor of `update_weights_from_distributed`).
+
+The broadcast reference runs this process as rank 0 and a child (`python bench/flip_refs.py
+broadcast`, with the server's CUDA_VISIBLE_DEVICES, as the server would see its GPU) as rank 1;
+the child reads its job as one JSON line on stdin and prints its timings as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from memory_children import spawn_child  # noqa: E402
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "uint8")
+
+
+def d2d_copy(nbytes: int, device: Any, iters: int) -> dict[str, Any]:
+    """`dst.copy_(src)` of one flat uint8 tensor of `nbytes`: CUDA events on a GPU (perf_counter
+    on a CPU), median of `iters` after a warm-up. GB/s counts the bytes once (as a push moves
+    them), not read + write."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    from bench_runtime import timed_copy
+
+    times = [timed_copy(dst, src) for _ in range(iters + 1)][1:]  # the first is a warm-up
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    med = statistics.median(times)
+    return {
+        "bytes": nbytes,
+        "device": str(device),
+        "iters": iters,
+        "times_s": times,
+        "median_s": med,
+        "bandwidth_bytes_per_s": nbytes / med,
+    }
+
+
+def h2d(nbytes: int, iters: int, env: dict[str, str]) -> dict[str, Any]:
+    """memory_children's pinned host -> device copy, in a child on the server's GPU."""
+    return spawn_child("h2d", nbytes, iters, env=env)
+
+
+def driver(nbytes: int, iters: int, wait_s: float, env: dict[str, str]) -> dict[str, Any]:
+    """memory_children's driver floor for one handle of `nbytes`, in a child on the server's GPU."""
+    return spawn_child("driver", nbytes, iters, wait_s, env=env, timeout=600)
+
+
+# ---- the broadcast reference ------------------------------------------------------------------
+
+
+def _broadcast_rank(rank: int, job: dict[str, Any], device: Any) -> dict[str, Any]:
+    """Both ranks: join the group, broadcast (a) one flat uint8 tensor of the model's bytes and
+    (b) the model's tensors one by one, from rank 0; a warm-up, then `iters` timed runs each
+    (barrier, sync, broadcast, sync)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = job["backend"]
+    kwargs: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{job['port']}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=job.get("timeout_s", 120)),
+        **kwargs,
+    )
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def barrier() -> None:
+        dist.barrier(device_ids=[device.index]) if backend == "nccl" else dist.barrier()
+
+    def timed(tensors: list[Any]) -> list[float]:
+        times = []
+        for i in range(job["iters"] + 1):
+            barrier()
+            sync()
+            t = time.perf_counter()
+            for x in tensors:
+                dist.broadcast(x, src=0)
+            sync()
+            if i:
+                times.append(time.perf_counter() - t)
+        return times
+
+    out: dict[str, Any] = {"rank": rank, "device": str(device), "backend": backend}
+    try:
+        flat = [torch.empty(job["nbytes"], dtype=torch.uint8, device=device).fill_(rank)]
+        out["flat_s"] = timed(flat)
+        if rank == 1 and int(flat[0].max()) != 0:  # rank 0 sent zeros
+            raise RuntimeError("the flat broadcast did not arrive")
+        del flat
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        tensors = [
+            torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            for shape, dtype in job["specs"]
+        ]
+        out["list_s"] = timed(tensors)
+        del tensors
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def broadcast_reference(
+    specs: list[tuple[list[int], str]],
+    nbytes: int,
+    backend: str,
+    device: Any,
+    child_env: dict[str, str],
+    iters: int,
+    timeout_s: float = 300,
+) -> dict[str, Any]:
+    """This process as rank 0 on `device`, a child as rank 1 (on its cuda:0, or the CPU); GB/s of
+    the flat tensor and of the tensor list from the receiver's medians."""
+    from flip_trainer import free_port
+
+    for _, dtype in specs:
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"unsupported dtype {dtype}")
+    job = {
+        "backend": backend,
+        "port": free_port(),
+        "nbytes": nbytes,
+        "specs": specs,
+        "iters": iters,
+        "device": "cuda" if device.type == "cuda" else "cpu",
+    }
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "broadcast"],
+        cwd=ROOT,
+        env=child_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None
+    child.stdin.write(json.dumps(job) + "\n")
+    child.stdin.flush()
+    try:
+        mine = _broadcast_rank(0, job, device)
+        stdout, stderr = child.communicate(timeout=timeout_s)
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
+    if child.returncode != 0:
+        raise RuntimeError(f"broadcast child exited with {child.returncode}:\n{stderr[-4000:]}")
+    theirs = json.loads(stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = {
+        "bytes": nbytes,
+        "tensors": len(specs),
+        "backend": backend,
+        "iters": iters,
+        "sender": mine,
+        "receiver": theirs,
+    }
+    for key in ("flat", "list"):
+        med = statistics.median(theirs[f"{key}_s"])
+        out[f"{key}_median_s"] = med
+        out[f"{key}_bandwidth_bytes_per_s"] = nbytes / med
+    out["best_bandwidth_bytes_per_s"] = max(
+        out["flat_bandwidth_bytes_per_s"], out["list_bandwidth_bytes_per_s"]
+    )
+    return out
+
+
+def _child_main() -> int:
+    import torch
+
+    job = json.loads(sys.stdin.readline())
+    device = torch.device("cuda", 0) if job["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    print(json.dumps(_broadcast_rank(1, job, device)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["broadcast"]:
+        print("usage: flip_refs.py broadcast  (job as one JSON line on stdin)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_child_main())

@@ -1,0 +1,171 @@
+"""Where a decode step's device time goes: torch.profiler over whole engine steps (`core.step()`,
+CUDA graphs on, overlap on) of B running decodes, kernels grouped by name. Prints, per batch
+size, one table: kernel | launches per step | device us per step | share, plus the step's wall
+time and the sum of its kernels' time (the gap between them is idle device time).
+
+    python3 bench/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
+    python3 bench/profile_decode.py --shape 0.6b --batch-sizes 64 --host --out $OUT/p.json  # cProfile
+    python3 bench/profile_decode.py --batch-sizes 64 --mixed 512 --host --out $OUT/p.json  # mixed steps
+
+`--mixed C`: every profiled step also admits a fresh prompt of C random tokens with
+max_new_tokens 1, prefilled whole beside the B decodes (bench_engine.py's mixed step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import time
+from collections import defaultdict
+from typing import Any
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import torch
+from bench_runtime import say, write_json
+from engine_shapes import checkpoint
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
+from engine.request import SamplingParams
+
+
+def start_decodes(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> None:
+    """bs requests of `context` random prompt tokens, run until every one decodes, then 5 steps."""
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        prompt = [rng.randrange(vocab) for _ in range(context)]
+        assert core.add_request(AddRequest(request_id=f"p{bs}-{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+    started: set[str] = set()
+    for _ in range(10_000):  # until every request decodes, then a few more steps
+        started |= {d.request_id for d in core.step() if d.new_token_ids}
+        if len(started) == bs:
+            break
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+
+
+def admit(core: EngineCore, chunk: int, rng: random.Random) -> None:
+    """With chunk > 0: a fresh prompt of `chunk` random tokens, one new token, for the next step."""
+    if chunk > 0:
+        prompt = [rng.randrange(core.model_config.vocab_size) for _ in range(chunk)]
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        assert core.add_request(AddRequest(request_id=f"chunk-{rng.random()}", prompt_token_ids=prompt, sampling_params=params)) is None
+
+
+def profile_host(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random, top: int, chunk: int) -> None:
+    """cProfile of `steps` engine steps at bs running decodes (each with a `chunk`-token prompt
+    beside them if chunk > 0): where the host's time per step goes."""
+    start_decodes(core, bs, context, steps, rng)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        admit(core, chunk, rng)
+        core.step()
+    prof.disable()
+    say(f"host profile bs={bs}: {(time.perf_counter() - t0) / steps * 1e6:.0f} us per step under cProfile")
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
+    core.abort(None)
+    while core.has_work():
+        core.step()
+
+
+def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random, chunk: int) -> dict[str, Any]:
+    start_decodes(core, bs, context, steps, rng)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            admit(core, chunk, rng)
+            core.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in device_events:
+        k = kernels[e.name[:90]]
+        k[0] += 1
+        k[1] += e.device_time
+    core.abort(None)
+    while core.has_work():
+        core.step()
+    busy = sum(us for _, us in kernels.values()) / steps
+    rows = sorted(((name, n / steps, us / steps) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
+    return {"batch_size": bs, "context": context, "steps": steps, "wall_us_per_step": wall * 1e6,
+            "kernel_us_per_step": busy, "kernels_per_step": sum(n for _, n, _ in rows),
+            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows],
+            "gaps": idle_gaps(device_events, steps)}
+
+
+def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:
+    """Device idle time between consecutive kernels, grouped by (kernel before, kernel after),
+    per step, largest first: where the device waits for the host or for a launch."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events)
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    end, before = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            g = gaps[(before, name)]
+            g[0] += 1
+            g[1] += start - end
+        if stop > end:
+            end, before = stop, name
+    rows = sorted(gaps.items(), key=lambda kv: -kv[1][1])
+    return [{"before": b, "after": a, "count_per_step": n / steps, "us_per_step": us / steps}
+            for (b, a), (n, us) in rows[:20]]
+
+
+def print_table(r: dict[str, Any], top: int) -> None:
+    print(f"\n### decode bs={r['batch_size']}, context {r['context']}: step wall {r['wall_us_per_step']:.0f} us, "
+          f"kernels {r['kernel_us_per_step']:.0f} us ({r['kernels_per_step']:.0f} launches per step)\n")
+    print("| kernel | launches per step | device us per step | share |")
+    print("| --- | --- | --- | --- |")
+    for k in r["kernels"][:top]:
+        print(f"| `{k['name']}` | {k['launches_per_step']:.1f} | {k['us_per_step']:.1f} | "
+              f"{k['us_per_step'] / r['kernel_us_per_step']:.3f} |")
+    idle = sum(g["us_per_step"] for g in r["gaps"])
+    print(f"\nlargest idle gaps between kernels (top 20 pairs: {idle:.0f} us per step)\n")
+    print("| kernel before | kernel after | gaps per step | idle us per step |")
+    print("| --- | --- | --- | --- |")
+    for g in r["gaps"][:top]:
+        print(f"| `{g['before']}` | `{g['after']}` | {g['count_per_step']:.1f} | {g['us_per_step']:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py)")
+    p.add_argument("--model-dir")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--tp-size", type=int, default=1, help="profiles rank 0's kernels")
+    p.add_argument("--host", action="store_true", help="cProfile the host's side of the steps instead")
+    p.add_argument("--mixed", type=int, default=0, help="C: each step also prefills a fresh C-token prompt")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    ckpt = checkpoint(args.shape, args.model_dir, device, seed=0)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=2048,
+                                   max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size))
+    rng = random.Random(0)
+    results = []
+    for bs in sizes:
+        say(f"profiling decode bs={bs}")
+        if args.host:
+            profile_host(core, bs, args.context, args.steps, rng, args.top, args.mixed)
+            continue
+        results.append(profile_batch(core, bs, args.context, args.steps, rng, args.mixed))
+        print_table(results[-1], args.top)
+    write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "batches": results})
+    core.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Where the one-kernel-per-layer decode (engine/models/fused_decode.py) spends a step: each
+program stamps %globaltimer at the ends of the layer kernel's phases and barriers, and this
+prints, per row count, the timeline of a layer (median over layers of the last program's stamp
+minus the first program's start), the gap between layer launches, and the step replayed from a
+CUDA graph with and without the fused decode (the model forward only: no logits, no sampler).
+
+    python3 bench/profile_fused_decode.py --shape 0.6b --rows 1,8,16 --context 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from collections.abc import Callable
+
+import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
+import torch
+from bench_linear import time_graph
+from bench_runtime import say, write_json
+from engine_shapes import checkpoint
+
+from engine.attention import AttentionMetadata, ForwardContext
+from engine.attention.triton import TritonBackend
+from engine.config import ModelConfig
+from engine.models import get_model_class
+from engine.models.fused_decode import FusedDecode, unsupported
+from engine.models.grid_phases import SM_SLOT, STAMPS
+from engine.weights.loader import load_checkpoint
+
+BLOCK = 16
+POINTS = ["start", "norm", "barrier", "qkv", "barrier", "attention", "barrier", "o_proj", "barrier", "norm",
+          "barrier", "gate_up", "barrier", "down"]
+
+
+def load(path: str) -> torch.nn.Module:
+    config = ModelConfig.from_hf(path)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = get_model_class(config.architecture)(config)
+    torch.set_default_dtype(torch.float32)
+    load_checkpoint(model, path)
+    return model.eval()
+
+
+def decode_inputs(rows: int, context: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    per = -(-(context + 1) // BLOCK)
+    tables = torch.arange(rows * per, dtype=torch.int32, device="cuda").view(rows, per)
+    slots = tables[:, context // BLOCK].long() * BLOCK + context % BLOCK
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((rows,), context + 1, dtype=torch.int32, device="cuda"),
+        block_tables=tables, slot_mapping=slots, query_start_loc_cpu=list(range(rows + 1)),
+        seq_lens_cpu=[context + 1] * rows, max_query_len=1, max_seq_len=context + 1,
+    )  # fmt: skip
+    ids = torch.randint(3, vocab, (rows,), device="cuda")
+    return ids, torch.full((rows,), context, dtype=torch.int64, device="cuda"), meta
+
+
+def placement(stamps: torch.Tensor) -> str:
+    """How a persistent kernel's programs landed on SMs, from the SM each stamped
+    (grid_phases.SM_SLOT) in `stamps` [launches, P, STAMPS]: per launch, the SMs that ran any and
+    the most any one ran (one each is the kernels' premise: every program runs on its own SM)."""
+    sm = stamps[:, :, SM_SLOT.value].long().cpu()
+    used, most = [], []
+    for launch in sm:
+        counts = torch.bincount(launch)
+        used.append(int((counts > 0).sum()))
+        most.append(int(counts.max()))
+    doubled = sum(m > 1 for m in most)
+    return (f"{sm.shape[1]} programs on {min(used)}-{max(used)} SMs; launches with an SM running 2+ of them: "
+            f"{doubled} of {len(most)} (most on one SM: {max(most)})")
+
+
+def parse(doc: str, rows: str, variants_help: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The flags both persistent-decode profiles take (`extra` adds a script's own)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.6b")
+    p.add_argument("--rows", default=rows)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--variants", default="", help=variants_help)
+    if extra is not None:
+        extra(p)
+    p.add_argument("--out")
+    return p.parse_args()
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, TritonBackend, list[int], list[dict[str, int]]]:
+    """(model, random KV cache, Triton backend, row counts, variants) of the flags `parse` reads."""
+    ck = checkpoint(args.shape, None, torch.device("cuda"), 0)
+    model = load(ck["path"])
+    c = model.config
+    rows_list = [int(r) for r in args.rows.split(",")]
+    blocks = max(rows_list) * (-(-(args.context + 1) // BLOCK)) + 1
+    cache = torch.randn(c.num_layers, 2, blocks, BLOCK, c.num_kv_heads, c.head_dim, device="cuda").to(torch.bfloat16)
+    backend = TritonBackend(cache, c.head_dim**-0.5, c.num_heads, max(rows_list), args.context + 64)
+    variants = [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in v.split(",") if kv) for v in args.variants.split(";")]
+    return model, cache, backend, rows_list, variants
+
+
+def main() -> None:
+    args = parse(
+        __doc__, "1,8,16",
+        "';'-separated FusedDecode keyword sets to compare, each 'key=int,...' (e.g. "
+        "'num_warps=8;bk=128;bn=16,programs_per_sm=2'); the empty set is the default kernel",
+    )  # fmt: skip
+    model, cache, backend, rows_list, variants = setup(args)
+    c = model.config
+    assert unsupported(model, backend) is None, unsupported(model, backend)
+    results = []
+    with torch.inference_mode():
+        for knobs, rows in itertools.product(variants, rows_list):
+            name = ",".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+            ids, pos, meta = decode_inputs(rows, args.context, c.vocab_size)
+            ctx = ForwardContext(backend, meta)
+            try:
+                fused = FusedDecode(model, backend, max(rows_list), **knobs)
+                fused.forward(ids, pos, ctx)
+            except Exception as e:  # a variant that does not compile (shared memory, registers)
+                say(f"{name}, rows {rows}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            model.model.fused_decode = None
+            want = model(ids, pos, ctx).float()
+            model.model.fused_decode = fused
+            err = (model(ids, pos, ctx).float() - want).abs().max().item() / want.abs().max().item()
+            model.model.fused_decode = None
+            plain = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
+            model.model.fused_decode = fused
+            fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
+            stamps = torch.zeros(c.num_layers, fused.programs, STAMPS.value, dtype=torch.int64, device="cuda")
+            for _ in range(3):
+                fused.forward(ids, pos, ctx, timing=stamps)
+            torch.cuda.synchronize()
+            t_all = stamps.double().cpu()
+            t = t_all[:, :, : len(POINTS)]
+            start = t[:, :, 0].min(1).values  # [L]
+            line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
+            # Inside phases: the attention item's KV loop done (14), o_proj's split merge done (15).
+            sub = [statistics.median((t_all[:, :, i].max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
+            gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
+            row = {"rows": rows, "variant": name, "regs": fused.compiled.n_regs, "spills": fused.compiled.n_spills,
+                   "plain_ms": plain, "fused_ms": fast, "rel_err": err, "timeline_us": line, "attention_us": sub,
+                   "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
+            results.append(row)
+            say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused, max error {err:.2e} of max |out|")
+            say(f"{name}, rows {rows}: layer kernels' placement: {placement(stamps)}")
+    print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
+    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | gap to next | forward plain ms | fused ms |")
+    print("| --- " * (len(POINTS) + 6) + "|")
+    for r in results:
+        steps = [b - a for a, b in zip(r["timeline_us"], r["timeline_us"][1:], strict=False)]
+        # from the starts of the attention and o_proj phases (the barriers before them left)
+        loop, pub = (max(0.0, x - r["timeline_us"][i]) for x, i in zip(r["attention_us"], (4, 6), strict=True))
+        print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
+              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {r['layer_gap_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+    if args.out:
+        write_json(args.out, {"shape": args.shape, "context": args.context, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Attention backends, by name, imported lazily so that a CPU install never imports Triton."""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+
+# name -> "module:Class"
+_BACKENDS: dict[str, str] = {
+    "sdpa": "engine.attention.sdpa:SdpaBackend",
+    "triton": "engine.attention.triton:TritonBackend",
+}
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """`auto` picks the fastest backend for the device: triton on CUDA once it exists, else sdpa."""
+    if name == "auto":
+        return "triton" if device_type == "cuda" and "triton" in _BACKENDS else "sdpa"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; supported: auto, {', '.join(_BACKENDS)}")
+    return name
+
+
+def get_backend_class(name: str) -> type[AttentionBackend]:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "get_backend_class", "resolve_backend_name"]

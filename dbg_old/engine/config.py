@@ -1,0 +1,233 @@
+"""Configuration: what the user asks for (`EngineConfig`) and what the checkpoint says (`ModelConfig`).
+
+Both are frozen: they are read everywhere and changed nowhere. Defaults live here and only here;
+the CLI generates its flags from `EngineConfig`'s fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Rope scaling types the model code implements; anything else is refused at load time.
+SUPPORTED_ROPE_SCALING = ("llama3", "linear", "default")
+
+
+class ConfigError(ValueError):
+    """A checkpoint or an engine option that Siesta cannot serve."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Normalised `rope_scaling`; `type` is one of SUPPORTED_ROPE_SCALING."""
+
+    type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model code needs from a Hugging Face `config.json`, normalised across families."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str  # "float32" | "bfloat16" | "float16"
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, path: str) -> ModelConfig:
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ConfigError(f"no config.json in {path!r}: is this a Hugging Face model directory?")
+        with open(cfg_file) as f:
+            hf: dict[str, Any] = json.load(f)
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ConfigError(f"{cfg_file} names no `architectures`")
+        arch = archs[0]
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported; supported: silu")
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        return cls(
+            path=os.path.abspath(path),
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta") or _rope_param(hf, "rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(hf),
+            max_position_embeddings=_max_positions(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Llama-family configs say so with `attention_bias`.
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            torch_dtype=_dtype_name(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            eos_token_ids=_eos_ids(path, hf),
+            bos_token_id=hf.get("bos_token_id"),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+        )
+
+
+def _max_positions(hf: dict[str, Any]) -> int:
+    """Longest context served. With a sliding window (Mistral's `sliding_window`, Qwen's when
+    `use_sliding_window` is on) it is capped at the window: below it, sliding-window attention is
+    full attention, which is what the attention backends compute."""
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    window = hf.get("sliding_window")
+    sliding = hf.get("use_sliding_window", window is not None)
+    if sliding and window is not None:
+        return min(max_pos, int(window))
+    return max_pos
+
+
+def _rope_param(hf: dict[str, Any], key: str, default: Any) -> Any:
+    """transformers >= 5 moves rope settings into `rope_parameters`."""
+    params = hf.get("rope_parameters") or {}
+    return params.get(key, default)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind not in SUPPORTED_ROPE_SCALING:
+        raise ConfigError(
+            f"rope_scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_SCALING)}"
+        )
+    if kind == "default":
+        return None
+    return RopeScaling(
+        type=kind,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _dtype_name(d: str) -> str:
+    d = str(d).replace("torch.", "")
+    aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+    d = aliases.get(d, d)
+    if d not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype {d!r} is not supported; supported: float32, bfloat16, float16")
+    return d
+
+
+def _as_ids(v: Any) -> list[int]:
+    if v is None:
+        return []
+    return [int(x) for x in (v if isinstance(v, list) else [v])]
+
+
+def _eos_ids(path: str, hf: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json, in that order, without repeats."""
+    ids = _as_ids(hf.get("eos_token_id"))
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            ids += _as_ids(json.load(f).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """User knobs. Every field becomes a `siesta serve` flag (underscores become dashes)."""
+
+    model: str = field(default="", metadata={"help": "Hugging Face checkpoint directory (none: the demo model)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: --model)"})
+    device: str = field(default="auto", metadata={"help": "auto | cuda | cpu"})
+    dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's) | float32 | bfloat16 | float16"})
+    seed: int = field(default=0, metadata={"help": "seed of requests that name none"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "KV blocks (default: from the memory budget)"})
+    kv_cache_memory_gb: float = field(default=1.0, metadata={"help": "KV cache budget on CPU, GiB"})
+    mem_fraction: float = field(default=0.85, metadata={"help": "fraction of GPU memory the engine may use"})
+    max_num_batched_tokens: int = field(default=8192, metadata={"help": "token budget of one step"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prompt prefixes"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, else sdpa) | triton | sdpa"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run every step eagerly (no decode or piecewise graphs)"})
+    disable_overlap_schedule: bool = field(
+        default=False, metadata={"help": "read each step's tokens before scheduling the next (default: overlap them)"}
+    )
+    memory_saver: bool = field(
+        default=True, metadata={"help": "GPU memory in releasable regions (torch_memory_saver), on CUDA"}
+    )
+    weights_backup: str = field(
+        default="host", metadata={"help": "host (pinned copy: resume restores weights) | none (resume needs a weight update)"}
+    )
+    allowed_model_dirs: str | None = field(
+        default=None, metadata={"help": "comma-separated directories weight updates may read (default: the parent of --model)"}
+    )
+    cuda_graph_max_bs: int | None = field(
+        default=None, metadata={"help": "largest decode batch replayed from a CUDA graph (default: from memory)"}
+    )
+    piecewise_cuda_graph_max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "largest step with prefill replayed from piecewise CUDA graphs (default: max-num-batched-tokens; 0: off)"},
+    )
+    tp_size: int = field(
+        default=1, metadata={"help": "tensor-parallel ranks: one process per device (cuda:0 ..), NCCL on CUDA, gloo on CPU"}
+    )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/models/tp_reduce.py)"},
+    )
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tp_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.piecewise_cuda_graph_max_tokens is not None and self.piecewise_cuda_graph_max_tokens < 0:
+            raise ConfigError(f"piecewise_cuda_graph_max_tokens must be >= 0, got {self.piecewise_cuda_graph_max_tokens}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.weights_backup not in ("host", "none"):
+            raise ConfigError(f"weights_backup must be host or none, got {self.weights_backup!r}")
+        if self.dtype != "auto":
+            _dtype_name(self.dtype)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The longest sequence the engine serves: --max-model-len, at most the model's."""
+    limit = model_config.max_position_embeddings
+    return min(config.max_model_len or limit, limit)

@@ -1,0 +1,22 @@
+"""The engine process: its loop, its messages, its scheduler and its control calls. Runs in the
+ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns the device.
+
+- `loop.py`: the process's entry point; takes messages, answers control calls, runs steps.
+- `engine_core.py`: `EngineCore`, built in startup order; a step schedules, launches and reads back.
+- `protocol.py`: the msgspec messages between a client and this process.
+- `client_pipes.py`: `ClientPipes`, this process's sockets to its clients (one pair each: the
+  `Engine`, or each API server process), which client a request's deltas go to.
+- `calls.py`: one struct per control call and the reply each answers with, dispatched by type.
+- `availability.py`: `Availability`, the one owner of whether the engine serves; `EngineState`,
+  its value, carried by every control reply.
+- `scheduler.py`: continuous batching over the KV blocks (`engine.memory.kv_cache`).
+- Tensor parallelism: `rank.py` (`Rank`, one rank's device side: runner, regions, updater),
+  `ranks.py` (`Ranks`, every rank as rank 0 drives them: the worker processes, their sockets, a
+  watchdog), `rank_protocol.py` (one struct per thing a rank does), `worker.py` (the worker
+  process of a rank above 0, spawned by `Ranks`).
+- `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`: the control calls
+  (release/resume, weight updates, the weights checker, `/v1/loads`, profiling), mixed into
+  `EngineCore`; `deferred.py`: a call that answers once the engine is ready for it.
+
+Arrows: core -> runner, memory, weights (never the other way).
+"""

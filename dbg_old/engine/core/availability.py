@@ -1,0 +1,77 @@
+"""`Availability`: the one owner of whether the engine serves, and `EngineState`, the value of it
+that every control reply (and `Ready`) carries to the client, which renders it and never derives
+it again.
+
+Rules:
+- New requests are refused (HTTP 503, `EngineState.unavailable` says why) while a memory tag is
+  released, while a release drains the running requests, or while the weights were released
+  without a host copy and not updated since.
+- Waiting requests are admitted into the running batch (`admitting`) unless a release drains or a
+  weight update waits for the running requests to finish; they queue meanwhile.
+- No step runs (`can_step`) while paused or while any tag is released: one forward touches all
+  of them.
+- What the memory regions and the weight store know (tags mapped, pieces missing) is read from
+  them, never copied here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from engine.memory.regions import MemoryRegions
+    from engine.weights.store import WeightStore
+
+
+class EngineState(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether the engine serves, as of a control reply."""
+
+    tags: dict[str, str]  # memory tag -> "resident" | "released"
+    paused: bool  # pause_generation: no step runs, new requests queue
+    draining: bool  # a release waits for the running requests; new requests are refused
+    updating: bool  # a weight update waits for the running requests; new requests queue
+    weights_valid: bool  # False: weights released without a host copy and not updated since
+    weight_version: str
+    unavailable: str | None  # why new requests are refused now (HTTP 503), or None
+
+
+class Availability:
+    def __init__(self, memory: MemoryRegions, weights: WeightStore) -> None:
+        self.memory = memory
+        self.weights = weights
+        self.paused = False
+        self.draining = False
+        self.updating = False
+        # Names the weights in use; RL weight updates set it (SGLang's default is "default").
+        self.weight_version = "default"
+
+    @property
+    def weights_valid(self) -> bool:
+        """Every weight is resident and current, or comes back from the host copy at the next
+        forward."""
+        return self.weights.missing() == 0
+
+    @property
+    def admitting(self) -> bool:
+        return not (self.draining or self.updating)
+
+    def can_step(self) -> bool:
+        return not self.paused and not self.memory.released
+
+    def unavailable(self) -> str | None:
+        """Why no new request can run now, or None."""
+        if self.memory.released:
+            return f"memory is released ({', '.join(self.memory.released)}): resume_memory_occupation first"
+        if self.draining:
+            return "memory is being released"
+        if not self.weights_valid:
+            return "weights were released without a host copy (--weights-backup none): update the weights first"
+        return None
+
+    def state(self) -> EngineState:
+        return EngineState(
+            tags=dict(self.memory.state), paused=self.paused, draining=self.draining, updating=self.updating,
+            weights_valid=self.weights_valid, weight_version=self.weight_version, unavailable=self.unavailable(),
+        )

@@ -1,0 +1,308 @@
+"""`EngineCore`: the engine process. It builds its parts in the order docs/ARCHITECTURE.md gives, then loops:
+take new requests and control calls, schedule and launch step k+1, read step k's tokens (overlap
+scheduling: the host works while the device runs), send token deltas back. Control calls run
+between steps, in the order they arrive, with no step in flight (read-only ones excepted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from engine.config import EngineConfig, ModelConfig, context_length
+from engine.core import calls
+from engine.core.availability import Availability
+from engine.core.checks import WeightCheckCalls
+from engine.core.load import LoadCalls, LoadStats
+from engine.core.memory_calls import MemoryCalls
+from engine.core.profiler import ProfileCalls, StepProfiler
+from engine.core.protocol import AddRequest, RequestDelta
+from engine.core.rank import Rank
+from engine.core.ranks import Ranks
+from engine.core.scheduler import Scheduler
+from engine.core.weight_calls import WeightUpdateCalls
+from engine.limits import RequestLimits, prompt_error
+from engine.memory.kv_cache import BlockManager
+from engine.memory.regions import RELEASED, RESIDENT
+from engine.parallel import TensorParallel
+from engine.request import FINISH_ABORT, FINISH_ERROR, SAMPLE_SEP, Request
+from engine.runner.launched_step import LaunchedStep
+
+log = logging.getLogger("siesta.engine")
+
+
+class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", client_addrs: list[str] | None = None) -> None:
+        """`client_addrs`: where a dead tensor-parallel worker is reported (engine/core/ranks.py)."""
+        t0 = time.perf_counter()
+        self.config = config
+        self.model_config = ModelConfig.from_hf(config.model)
+        self.max_model_len = context_length(config, self.model_config)
+        # Tensor parallelism: the other ranks' workers start, every rank joins the group, then
+        # each builds its own Rank in step (their startup forwards run collectives).
+        tp = TensorParallel(0, config.tp_size)
+        self.ranks = Ranks.start(config, log_level, client_addrs)
+        try:
+            self.rank = Rank(config, self.model_config, self.max_model_len, tp, self.ranks.init_method)
+            self.ranks.attach(self.rank)
+        except BaseException:
+            self.ranks.close()
+            raise
+        self.runner = self.rank.runner
+        self.block_manager = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.limits = RequestLimits(
+            self.model_config.vocab_size, self.max_model_len, self.block_manager.num_blocks, config.block_size
+        )
+        self.num_steps = 0
+        self.memory = self.runner.memory
+        self.availability = Availability(self.memory, self.runner.weights)
+        # Deltas produced outside a step (aborts from control calls), sent by the loop.
+        self.pending: list[RequestDelta] = []
+        # The step launched last and not read yet (overlap scheduling); None between steps
+        # when overlap is off, and always before a control call runs.
+        self.in_flight: LaunchedStep | None = None
+        self.updater = self.rank.updater
+        self.profiler = StepProfiler(self.runner.device)
+        self.load_stats = LoadStats()
+        log.info("engine core ready in %.2f s", time.perf_counter() - t0)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, msg: AddRequest) -> RequestDelta | None:
+        """Queue a request, or refuse it at once with an error delta naming the problem."""
+        req = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=list(msg.prompt_token_ids),
+            sampling_params=msg.sampling_params,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+        unavailable = self.availability.unavailable()
+        if unavailable is not None:
+            req.finish(FINISH_ERROR, error=unavailable)
+            return _final_delta(req, unavailable=True)
+        error = prompt_error(req.prompt_token_ids, req.sampling_params, self.limits)
+        if error is None and self.scheduler.has(req.request_id):  # another API server's request
+            error = f"request id {req.request_id!r} is already running"
+        if error is not None:
+            req.finish(FINISH_ERROR, error=error)
+            return _final_delta(req)
+        self.scheduler.add(req)
+        return None
+
+    def abort(self, request_ids: list[str] | None) -> list[RequestDelta]:
+        ids = request_ids if request_ids is not None else self.scheduler.request_ids()
+        aborted = (self.scheduler.abort(rid) for rid in ids)
+        return [_final_delta(r) for r in aborted if r is not None]
+
+    def step(self) -> list[RequestDelta]:
+        """Schedule and launch one step, then read the step launched before it: the host packs
+        step k+1 while the device runs step k, and step k's tokens come back while k+1 runs.
+        Returns the deltas of the step read. With overlap off, or
+        when a step needs the previous tokens on the host (penalties count them), the previous
+        step is read first."""
+        deltas: list[RequestDelta] = []
+        step = self.in_flight
+        if step is not None and (self.config.disable_overlap_schedule or step.needs_host_tokens):
+            deltas += self.drain()
+        batch = self.scheduler.schedule(admit=self.availability.admitting)
+        previous, self.in_flight = self.in_flight, None
+        if len(batch) > 0:
+            self.in_flight = self.runner.launch(batch, previous)
+            self.scheduler.advance(batch)
+            self.num_steps += 1
+        if previous is not None:
+            deltas += self._read(previous)
+        if self.config.disable_overlap_schedule:
+            deltas += self.drain()
+        self.profiler.after_step(self.num_steps)
+        return deltas
+
+    def drain(self) -> list[RequestDelta]:
+        """Read the step in flight, if any: afterwards every token is known on the host."""
+        step, self.in_flight = self.in_flight, None
+        return self._read(step) if step is not None else []
+
+    def _read(self, step: LaunchedStep) -> list[RequestDelta]:
+        """Wait for a launched step's tokens; apply them; one delta per request still running."""
+        results = step.results()
+        live = [(r, s) for r, s in zip(step.requests, results, strict=True) if not r.finished]
+        self.scheduler.resolve(step.batch, [(r, s.token_id) for r, s in live])
+        deltas: list[RequestDelta] = []
+        for req, s in live:
+            # A prefill-only request (max_new_tokens 0) keeps no token: its one delta is empty.
+            kept = req.sampling_params.max_new_tokens > 0
+            first = req.num_known_tokens - req.num_prompt_tokens == int(kept)
+            if first:
+                self.load_stats.on_prefilled(req.num_prompt_tokens, req.num_cached_tokens)
+            want_lp = req.sampling_params.logprobs
+            want_top = req.sampling_params.top_logprobs_num > 0
+            deltas.append(
+                RequestDelta(
+                    request_id=req.request_id,
+                    new_token_ids=[s.token_id] if kept else [],
+                    new_logprobs=([s.logprob] if kept else []) if want_lp else None,
+                    new_top_logprobs=([s.top_logprobs or []] if kept else []) if want_top else None,
+                    input_logprobs=_input_logprobs(req) if first else None,
+                    finished=req.finished,
+                    finish_reason=req.finish_reason,
+                    stop_matched=req.stop_matched,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
+        return deltas
+
+    def after_reply(self) -> None:
+        """Run once a control call's reply is sent, on every rank: the host copy of weights an
+        update wrote starts refreshing now, off the update's answer (engine/weights/store.py), and
+        what the update's receive leaves behind is freed."""
+        self.ranks.after_reply()
+
+    def close(self) -> None:
+        """Stop the other ranks' workers."""
+        self.ranks.close()
+
+    def has_work(self) -> bool:
+        """A step may run (not paused, every tag resident: one forward sees all of them), or one
+        is in flight and must be read."""
+        if self.in_flight is not None:
+            return True
+        return self.availability.can_step() and self.scheduler.has_unfinished()
+
+    def take_pending(self) -> list[RequestDelta]:
+        out, self.pending = self.pending, []
+        return out
+
+    # ---- control calls (run between steps) ------------------------------------------------------
+
+    def flush_cache(self, call: calls.FlushCache | None = None) -> bool:
+        """Drop the prefix cache; refused (False) while requests hold blocks."""
+        if self.scheduler.has_unfinished():
+            return False
+        return self.block_manager.reset_prefix_cache()
+
+    def ping(self, call: calls.Ping | None = None) -> str:
+        """The engine answers; says whether its memory is resident or released."""
+        return RELEASED if self.memory.released else RESIDENT
+
+    def pause_generation(self, call: calls.PauseGeneration) -> calls.PauseReply:
+        """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
+        running requests' KV and requeues them (they recompute on continue); `in_place` keeps
+        everything as it is. New requests queue until `continue_generation`."""
+        mode = call.mode
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}; use abort, retract or in_place")
+        self.availability.paused = True
+        if mode == "abort":
+            self.pending += self.abort(None)
+        elif mode == "retract":
+            self.scheduler.retract_all()
+        return calls.PauseReply(paused=True, mode=mode, num_running=self.scheduler.num_running,
+                                num_waiting=self.scheduler.num_waiting)
+
+    def continue_generation(self, call: calls.ContinueGeneration) -> calls.PauseReply:
+        self.availability.paused = False
+        return calls.PauseReply(paused=False)
+
+    def abort_requests(self, call: calls.Abort) -> int:
+        """Abort the named requests (None: all), with `samples` also their samples (id + SAMPLE_SEP
+        + i); returns how many were found."""
+        ids = call.request_ids
+        if ids is not None and call.samples:
+            names, samples = set(ids), tuple(rid + SAMPLE_SEP for rid in ids)
+            ids = [r for r in self.scheduler.request_ids() if r in names or r.startswith(samples)]
+        deltas = self.abort(ids)
+        self.pending += deltas
+        return len(deltas)
+
+    def get_info(self, call: calls.GetInfo | None = None) -> dict[str, Any]:
+        mc = self.model_config
+        return {
+            "model_path": mc.path,
+            "architecture": mc.architecture,
+            "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "device": str(self.runner.device),
+            "tp_size": self.config.tp_size,
+            "tp_worker_pids": self.ranks.pids,
+            "max_context_length": self.max_model_len,
+            "vocab_size": mc.vocab_size,
+            "eos_token_ids": list(mc.eos_token_ids),
+            "attention_backend": self.runner.backend_name,
+            "weights_bytes": self.runner.weights_bytes,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "cuda_graph_bytes": self.runner.graph_bytes,
+            "cuda_graph_batch_sizes": self.runner.graphs.batch_sizes if self.runner.graphs else [],
+            "piecewise_cuda_graph_tokens": self.runner.piecewise.token_sizes if self.runner.piecewise else [],
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "block_size": self.block_manager.block_size,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "weight_version": self.availability.weight_version,
+            "num_steps": self.num_steps,
+            "paused": self.availability.paused,
+            "memory": self.ping(),
+            "released_tags": self.memory.released,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "memory_saver": self.memory.enabled,
+            "config": msgspec.to_builtins(self.config),
+        }
+
+    def call(self, call: calls.ControlCall) -> Any:
+        """Run a control call between steps, by its type: its reply (`call.reply`), or a
+        `Deferred` that answers later. Every call but a read-only one first reads the step in
+        flight (its deltas go out before the reply), so that it sees and changes a state with no
+        device work queued."""
+        if not call.read_only:
+            self.pending += self.drain()
+        return _HANDLERS[type(call)](self, call)
+
+
+_HANDLERS: dict[type, Callable[[EngineCore, Any], Any]] = {
+    calls.Ping: EngineCore.ping,
+    calls.GetInfo: EngineCore.get_info,
+    calls.GetLoad: EngineCore.get_load,
+    calls.GetMemoryOccupation: EngineCore.memory_occupation,
+    calls.FlushCache: EngineCore.flush_cache,
+    calls.PauseGeneration: EngineCore.pause_generation,
+    calls.ContinueGeneration: EngineCore.continue_generation,
+    calls.Abort: EngineCore.abort_requests,
+    calls.ReleaseMemory: EngineCore.release_memory_occupation,
+    calls.ResumeMemory: EngineCore.resume_memory_occupation,
+    calls.UpdateWeightsFromDisk: EngineCore.update_weights_from_disk,
+    calls.UpdateWeightsFromTensor: EngineCore.update_weights_from_tensor,
+    calls.InitWeightsUpdateGroup: EngineCore.init_weights_update_group,
+    calls.UpdateWeightsFromDistributed: EngineCore.update_weights_from_distributed,
+    calls.DestroyWeightsUpdateGroup: EngineCore.destroy_weights_update_group,
+    calls.UpdateWeightVersion: EngineCore.update_weight_version,
+    calls.CheckWeights: EngineCore.check_weights,
+    calls.StartProfile: EngineCore.start_profile,
+    calls.StopProfile: EngineCore.stop_profile,
+}
+
+
+def _input_logprobs(req: Request) -> list[float | None] | None:
+    start = req.sampling_params.logprob_start_len
+    return req.prompt_logprobs[start:] if req.prompt_logprobs else None
+
+
+def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:
+    return RequestDelta(
+        unavailable=unavailable,
+        request_id=req.request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason=req.finish_reason or FINISH_ABORT,
+        stop_matched=req.stop_matched,
+        error=req.error,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+    )

@@ -1,0 +1,122 @@
+"""The memory-occupation control calls of `EngineCore` (engine/memory/regions.py has the rules): release
+once no request runs, resume in any order, and say where every tag stands."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine.core import calls
+from engine.core.deferred import Deferred
+from engine.core.rank_protocol import DescribeMemory, PlanResume, ReleaseTags, ResumeTags
+from engine.memory.regions import check_tags
+
+log = logging.getLogger("siesta.engine")
+
+# The longest a resume may wait for a trainer to free the device (`wait_for_memory_s`).
+MAX_WAIT_FOR_MEMORY_S = 600.0
+
+
+class MemoryCalls:
+    """Mixed into EngineCore; uses its memory, availability, scheduler, block_manager, runner and
+    pending."""
+
+    def release_memory_occupation(self, call: calls.ReleaseMemory) -> Deferred:
+        """Release `tags` (None or []: all) once no request runs. `wait` lets in-flight requests
+        finish; `abort` ends them with finish_reason abort. New requests are refused meanwhile.
+        Requests held by a paused engine are retracted (they recompute after resume)."""
+        names, mode = check_tags(call.tags), call.mode
+        if mode not in ("wait", "abort"):
+            raise ValueError(f"unknown release mode {mode!r}; use wait or abort")
+        self.availability.draining = True
+        if mode == "abort":
+            self.pending += self.abort(None)
+        elif self.availability.paused:
+            self.scheduler.retract_all()
+        return Deferred(ready=lambda: self.scheduler.num_running == 0, run=lambda: self._release(names))
+
+    def _release(self, tags: list[str]) -> calls.ReleaseReply:
+        """Every rank pauses the tags (`Rank.release`: the weights' host copy completed first);
+        the answer counts the bytes every rank freed."""
+        t0 = time.perf_counter()
+        self.availability.draining = False
+        if "kv_cache" in tags:
+            self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
+        done = self.ranks.run(ReleaseTags(tags))
+        changed, freed = done[0]["changed"], sum(r["bytes"] for r in done)
+        seconds = time.perf_counter() - t0
+        log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
+        return calls.ReleaseReply(
+            **self._memory_answer(changed, done), bytes_freed=freed, seconds=seconds,
+            seconds_by_tag=done[0]["seconds_by_tag"], host_copy_wait_seconds=max(r["host_copy_wait_seconds"] for r in done),
+        )
+
+    def resume_memory_occupation(self, call: calls.ResumeMemory) -> calls.ResumeReply | Deferred:
+        """Map `tags` (None or []: all) back. A tag the device has no room for (a trainer still
+        holds the memory) stays released and is listed in `refused` with the bytes it needs and
+        the bytes free; the others resume. With `wait_for_memory_s`, wait up to that long for
+        every tag to fit before resuming (other calls are answered meanwhile)."""
+        names, wait_for_memory_s = check_tags(call.tags), call.wait_for_memory_s
+        if not 0.0 <= wait_for_memory_s <= MAX_WAIT_FOR_MEMORY_S:
+            raise ValueError(f"wait_for_memory_s must be in [0, {MAX_WAIT_FOR_MEMORY_S:.0f}], got {wait_for_memory_s}")
+        if wait_for_memory_s > 0 and self._no_room(names):
+            deadline = time.monotonic() + wait_for_memory_s
+            return Deferred(
+                ready=lambda: time.monotonic() >= deadline or not self._no_room(names),
+                run=lambda: self._resume(names),
+            )
+        return self._resume(names)
+
+    def _no_room(self, tags: list[str]) -> dict[str, dict[str, int]]:
+        """The released tags some rank has no room for now: {tag: {bytes_needed, bytes_free}} (the
+        first rank's that refused it, with `tp_rank` when there are several)."""
+        refused: dict[str, dict[str, int]] = {}
+        for rank, found in enumerate(self.ranks.run(PlanResume(tags))):
+            for tag, need in found.items():
+                refused.setdefault(tag, need | ({"tp_rank": rank} if self.ranks.size > 1 else {}))
+        return refused
+
+    def _resume(self, tags: list[str]) -> calls.ResumeReply:
+        """Map the tags' pages on every rank, a tag only where every rank has room for it (one
+        that a rank's probe refuses after others mapped it is released again there). Weights are
+        not copied back here: the first forward restores what no update has written by then
+        (engine/weights/store.py)."""
+        t0 = time.perf_counter()
+        refused = self._no_room(tags) if self.ranks.size > 1 else {}
+        done = self.ranks.run(ResumeTags([t for t in tags if t not in refused]))
+        for rank, r in enumerate(done):
+            for tag, need in r["refused"].items():
+                refused.setdefault(tag, need | ({"tp_rank": rank} if self.ranks.size > 1 else {}))
+        if self.ranks.size > 1 and any(t in refused for r in done for t in r["changed"]):
+            self.ranks.run(ReleaseTags(list(refused)))
+        changed = [t for t in done[0]["changed"] if t not in refused]
+        restored = sum(r["bytes"] for r in done)
+        seconds = time.perf_counter() - t0
+        log.info("resumed %s: %.1f MiB in %.1f ms", changed or "nothing", restored / (1 << 20), seconds * 1e3)
+        if refused:
+            log.warning("resume left %s released: not enough free device memory %s", list(refused), refused)
+        return calls.ResumeReply(
+            **self._memory_answer(changed, done), success=not refused, refused=refused,
+            bytes_restored=restored, seconds=seconds, seconds_by_tag=done[0]["seconds_by_tag"],
+        )
+
+    def memory_occupation(self, call: calls.GetMemoryOccupation | None = None) -> dict[str, Any]:
+        """Rank 0's regions at the top level (as at tp_size 1); with several ranks, each rank's
+        under `ranks`."""
+        ranks = self.ranks.run(DescribeMemory())
+        answer = {k: v for k, v in ranks[0].items() if k not in ("tp_rank", "device")} | {
+            "weights_backup": self.config.weights_backup,
+            "weights_valid": self.availability.weights_valid,
+        }
+        return answer | ({"ranks": ranks} if self.ranks.size > 1 else {})
+
+    def _memory_answer(self, changed: list[str], done: list[dict[str, Any]]) -> dict[str, Any]:
+        per_rank = [{"tp_rank": i, "bytes": r["bytes"], "changed": r["changed"]} for i, r in enumerate(done)]
+        return {
+            "tags": dict(self.memory.state),
+            "changed": changed,
+            "memory_saver": self.memory.enabled,
+            "weights_valid": self.availability.weights_valid,
+            "weights_stale_bytes": self.runner.weights.stale_bytes,
+        } | ({"ranks": per_rank} if len(done) > 1 else {})

@@ -1,0 +1,11 @@
+"""GPU memory the engine can give back, and the KV cache. Runs in the ENGINE process.
+
+- `regions.py`: `MemoryRegions`, the tags `weights`, `kv_cache`, `cuda_graph` as torch_memory_saver
+  regions (no-ops on a CPU): release, resume, their states.
+- `vmm.py`: the CUDA driver's virtual memory calls the regions and the probes use.
+- `host_copy.py`: the pinned host copy of the weights and the kernels that fill and restore it.
+- `kv_cache.py`: `BlockManager`, the paged KV blocks each request holds and the prefix cache.
+- `kv_budget.py`: the KV tensor, and how many blocks fit (a pure function of the profiled memory).
+
+Arrows: memory -> config, request only.
+"""

@@ -1,0 +1,265 @@
+"""The decode step's attention from the qkv projection's output: the backend's split-KV decode
+(engine/attention/triton_decode.py) with q/k norm, rope and the new K/V rows' store folded in.
+Two callers, one kernel (`rope_decode_kernel`):
+- the batch decode (engine/models/batch_decode.py) on the fp32 split-K partials of its persistent
+  kernel, which then ends at its qkv projection, one phase and one grid barrier sooner;
+- `DecodeAttention`, the layers' own forward (models/layers.py `Attention`) on the decode steps no
+  persistent path takes (the 8B shape, more than 64 rows): on the qkv linear's output (one
+  "partial", its bias already added), one launch where rotary, store_kv, decode and its reduce
+  were four.
+Only those two modules import this one (it imports Triton).
+
+Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, split):
+  1. (PDL) the first tile's K/V lines into L2, wait for the kernel before, trigger the next.
+  2. q of g's GROUP query heads and the new token's k and v: round(sum_c qkv_part[c] + bias)
+     (KS parts of the qkv output), Qwen3's q/k norm, rope; the roundings of
+     fused_ops._norm_rope_heads (compiled without FMA contraction, as the persistent kernels).
+  3. The split holding the new token (position seq_len - 1) stores its k and v into the cache at
+     the row's slot (none for slot -1).
+  4. The online softmax over the split's cached tokens, the new one excluded (triton_decode's
+     `attend_tiles`), then the new token folded in from registers: no program reads a row that
+     another is writing.
+  5. The output (one split) or the split's partial, merged by the row's last split to arrive
+     (triton_decode's `write_split`). Splits always merge here: no reduce launch runs after it.
+Rows of seq_len 0 (graph padding) write zeros and no cache row. Results equal the rope kernel
+followed by the backend's store and decode kernels up to the order of fp32 sums (the new token last).
+
+SIESTA_ROPE_DECODE=0 keeps the layers' forward on the separate kernels (read when the runner
+builds `DecodeAttention`); the batch decode always uses this kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from engine import pdl
+from engine.attention import ForwardContext, triton_decode
+from engine.attention.base import AttentionMetadata
+from engine.attention.triton_decode import (
+    attend_tiles,
+    prefetch_first_tile,
+    split_chunk,
+    write_split,
+    write_zeros,
+)
+from engine.attention.triton_kernels import LOG2E
+from engine.launcher import Launcher
+from engine.models.grid_phases import rnd
+from engine.models.layer_attention import norm_rope
+from engine.models.rotary import RopeInputs
+
+ROPE_DECODE_ENV = "SIESTA_ROPE_DECODE"
+
+
+@triton.jit
+def qkv_values(row_ptr, b_ptr, col, mask, KS: tl.constexpr, STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+               DTYPE: tl.constexpr):  # fmt: skip
+    # A row's qkv output at columns col: round(sum_c part[c] + bias), as fp32; part c at c * STRIDE.
+    x = tl.load(row_ptr + col, mask=mask, other=0.0, cache_modifier=".cg")
+    for c in tl.static_range(1, KS):
+        x += tl.load(row_ptr + c * STRIDE + col, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        x += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    return rnd(x, DTYPE)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def rope_decode_kernel(
+    part_ptr,  # [KS, MAX_M, QKV] fp32: the qkv projection's split-K partial sums, part c at STRIDE
+    b_ptr, qn_ptr, kn_ptr,  # the layer's qkv bias (HAS_BIAS), q and k norm weights (QK_NORM)
+    pos_ptr, cos_sin_ptr, slot_ptr,  # [B] positions, [positions, D] cos | sin, [B] int64 slots
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, NKV, D]
+    block_tables_ptr, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32 (0: padding)
+    out_ptr,  # [B, NH, D]
+    part_out_ptr, part_lse_ptr, count_ptr,  # split partials and merge counters (triton_decode.py)
+    eps, sm_scale_log2, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
+    NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, LINE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
+    GROUP: tl.constexpr = NH // NKV
+    HALF: tl.constexpr = D // 2
+    seq = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = split_chunk(seq_len, num_splits, BLOCK_N)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    hh = tl.arange(0, BLOCK_H)
+    h_mask = hh < GROUP
+    heads = g * GROUP + hh
+    dd = tl.arange(0, D)[None, :]
+    out_ptrs = out_ptr + (seq * NH + heads)[:, None] * D + dd  # [BLOCK_H, D]
+    if start >= end:  # a split past the row's end, or a padding row: split 0 writes its zeros
+        if split == 0:
+            write_zeros(out_ptrs, h_mask, BLOCK_H, D, USE_PDL)
+        return
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # What no kernel of the step writes (the step's upload, the rope table): before the wait.
+    d = tl.arange(0, HALF)[None, :]
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    cos = rnd(tl.load(cos_sin_ptr + pos * D + d), DTYPE)  # [1, HALF]
+    sin = rnd(tl.load(cos_sin_ptr + pos * D + HALF + d), DTYPE)
+    slot = tl.load(slot_ptr + seq)
+    if USE_PDL:  # engine/pdl.py: and the first tile's old cache rows into L2, then wait
+        prefetch_first_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, g, stride_cblk, stride_ctok, stride_chead,
+                            D, BLOCK_SIZE, BLOCK_N, LINE)  # fmt: skip
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # The new token's q (GROUP heads), k and v from the partial sums, normed and rotated.
+    row = part_ptr + seq * ((NH + 2 * NKV) * D)
+    cq = heads[:, None] * D + d  # [BLOCK_H, HALF]
+    q_ok = h_mask[:, None]
+    q1, q2 = norm_rope(
+        qkv_values(row, b_ptr, cq, q_ok, KS, STRIDE, HAS_BIAS, DTYPE),
+        qkv_values(row, b_ptr, cq + HALF, q_ok, KS, STRIDE, HAS_BIAS, DTYPE),
+        qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+    )  # fmt: skip
+    ck = NH * D + g * D + d  # [1, HALF]
+    k1, k2 = norm_rope(
+        qkv_values(row, b_ptr, ck, ck >= 0, KS, STRIDE, HAS_BIAS, DTYPE),
+        qkv_values(row, b_ptr, ck + HALF, ck >= 0, KS, STRIDE, HAS_BIAS, DTYPE),
+        kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+    )  # fmt: skip
+    cv = (NH + NKV) * D + g * D + dd  # [1, D]
+    v = qkv_values(row, b_ptr, cv, cv >= 0, KS, STRIDE, HAS_BIAS, DTYPE).to(DTYPE)
+    cur = seq_len - 1
+    has_new = (start <= cur) & (cur < end)
+    if has_new & (slot >= 0):
+        dst = slot * stride_ctok + g * stride_chead
+        tl.store(k_cache_ptr + dst + d, k1)
+        tl.store(k_cache_ptr + dst + HALF + d, k2)
+        tl.store(v_cache_ptr + dst + dd, v)
+    # The new token's scores [BLOCK_H] now, so that only they and v stay live through the loop.
+    s = tl.sum(q1.to(tl.float32) * k1.to(tl.float32), 1) + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), 1)
+    s = s * sm_scale_log2
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, D))  # [BLOCK_H, D] = q1 | q2
+    m_i, l_i, acc = attend_tiles(
+        q, k_cache_ptr, v_cache_ptr, bt_row, start, tl.minimum(end, cur), g, sm_scale_log2, stride_cblk, stride_ctok,
+        stride_chead, BLOCK_H, D, BLOCK_SIZE, BLOCK_N, IEEE,
+    )  # fmt: skip
+    if has_new:  # the new token, last: its p rounded as the tile loop's dot takes it
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + rnd(p, DTYPE)[:, None] * v.to(tl.float32)
+        m_i = m_new
+    write_split(
+        m_i, l_i, acc, out_ptrs, part_out_ptr, part_lse_ptr, count_ptr, seq, g, split, num_splits,
+        tl.cdiv(seq_len, chunk), heads, h_mask, NH, D, BLOCK_H, True,
+    )  # fmt: skip
+
+
+def kernel_consts(
+    nh: int, nkv: int, d: int, ks: int, stride: int, has_bias: bool, qk_norm: bool, block_size: int, elem_bytes: int,
+    use_pdl: bool,
+) -> dict[str, object]:  # fmt: skip
+    """The kernel's constexprs and launch options for a layer of nh / nkv heads of d, qkv partials
+    [ks, *, *] at `stride`, KV blocks of block_size (no device needed: bench/compile_offline.py
+    compiles them). The tile config is the backend's decode kernel's."""
+    block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)
+    return dict(
+        NH=nh, NKV=nkv, D=d, KS=ks, STRIDE=stride, HAS_BIAS=has_bias, QK_NORM=qk_norm,
+        BLOCK_H=triton_decode.query_rows(nh // nkv), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=triton_decode.prefetch_line(d, elem_bytes),
+        IEEE=elem_bytes == 4,  # fp32 caches: fp32 dots, not tf32 (as the backend's kernel)
+        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def rope_decode(
+    attn: nn.Module,  # the layer's models/layers.py `Attention`: its q/k norms (Qwen3), else none
+    qkv_part: torch.Tensor,  # [KS, MAX_M, QKV] fp32 partial sums, or [1, B, QKV] the qkv linear's output
+    qkv_bias: torch.Tensor | None,  # added here (None: already in the part)
+    kv: torch.Tensor,  # [2, num_blocks, block_size, NKV, D]: the layer's K and V cache
+    positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
+    out: torch.Tensor,  # [B, NH, D]
+    scale: float,
+    plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # TritonBackend.merged_decode_plan
+    consts: dict[str, object],  # kernel_consts of these shapes
+) -> None:  # fmt: skip
+    """Attention of a decode step of B rows from the qkv projection's output (module docstring)."""
+    splits, part_out, part_lse, counts = plan
+    qn, kn = attn.q_norm, attn.k_norm
+    k_cache, v_cache = kv[0], kv[1]
+    rope_decode_kernel[(out.shape[0], k_cache.shape[2], splits)](
+        qkv_part, qkv_bias if qkv_bias is not None else qkv_part, qn.weight if qn is not None else cos_sin,
+        kn.weight if kn is not None else cos_sin, positions, cos_sin, meta.slot_mapping, k_cache, v_cache,
+        meta.block_tables, meta.seq_lens, out, part_out, part_lse, counts, qn.eps if qn is not None else 0.0,
+        scale * LOG2E, splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        **consts,
+    )  # fmt: skip
+
+
+def unsupported(model: nn.Module, backend: object) -> str | None:
+    """Why `DecodeAttention` cannot serve this model's layers with this backend (None: it can):
+    CUDA, Triton attention, the fused ops on (it replaces their rotary), not switched off."""
+    from engine.attention.triton import TritonBackend
+
+    if os.environ.get(ROPE_DECODE_ENV, "1") == "0":
+        return f"{ROPE_DECODE_ENV}=0"
+    if not isinstance(backend, TritonBackend) or backend.kv_cache.device.type != "cuda":
+        return "attention backend is not triton on CUDA"
+    if not model.model.fused or not len(model.model.layers):
+        return "fused ops off or no layers"
+    return None
+
+
+class DecodeAttention:
+    """The layers' decode attention (module docstring): `Attention.forward` hands it the qkv
+    linear's output [T, QKV] of a decode step on its backend and gets [T, H, D] back, the new
+    K/V rows stored. Built once by the model runner (`attach`); its constants are every layer's."""
+
+    def __init__(self, model: nn.Module, backend: object) -> None:
+        attn = model.model.layers[0].self_attn
+        kv = backend.kv_cache
+        self.backend = backend
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
+        # One part (KS = 1, its stride unused), the bias already in it.
+        self.consts = kernel_consts(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, 1, 0, False, attn.q_norm is not None, kv.shape[3],
+            kv.element_size(), pdl.enabled(kv.device),
+        )  # fmt: skip
+        self._plans: dict[int, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def plan(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backend's merged_decode_plan of `rows` rows (its splits, workspace and counters: fixed
+        by the row count), asked once per row count rather than at every layer of every step."""
+        if rows not in self._plans:
+            self._plans[rows] = self.backend.merged_decode_plan(rows)
+        return self._plans[rows]
+
+    def attach(self, model: nn.Module) -> None:
+        """Every layer's attention runs its decode steps through this."""
+        for layer in model.model.layers:
+            layer.self_attn.rope_decode = self
+
+    def applies(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
+        """A decode step on this backend, one row per sequence, qkv [T, QKV] contiguous on CUDA,
+        whose T x Hkv programs fit one wave: in later waves each program's rope ahead of its
+        first tile is no longer hidden (0.6B shape, 256 rows: 5.50 ms a step with it, 5.39-5.41
+        without; bench/RESULTS.md, thirty-first session)."""
+        rows = qkv.shape[0]
+        return (
+            ctx.backend is self.backend and ctx.meta.is_decode and qkv.is_cuda and qkv.is_contiguous()
+            and 0 < rows == ctx.meta.seq_lens.shape[0] and rows * self.shape[1] <= self.backend.wave_programs
+        )  # fmt: skip
+
+    def __call__(
+        self, attn: nn.Module, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext
+    ) -> torch.Tensor:  # `Attention` attn, qkv [T, QKV] -> [T, H, D]
+        nh, _, d = self.shape
+        out = torch.empty(qkv.shape[0], nh, d, dtype=qkv.dtype, device=qkv.device)
+        rope_decode(
+            attn, qkv.unsqueeze(0), None, self.backend.kv_cache[attn.layer_id], rope.positions, rope.cos_sin_cache,
+            ctx.meta, out, self.backend.scale, self.plan(qkv.shape[0]), self.consts,
+        )  # fmt: skip
+        return out

@@ -1,0 +1,166 @@
+"""`BatchDecode`: the decode steps of a few to 64 rows in two launches per layer, a split-KV
+attention kernel (engine/models/batch_attention.py) and one persistent kernel for everything
+between two attention calls (engine/models/batch_kernel.py), instead of ten kernels per layer.
+
+Past a few rows the one-kernel-per-layer decode (fused_decode.py) loses: its attention phase,
+one program per SM, reads the rows' KV slower than the split-KV kernel's four programs per SM
+(bench/RESULTS.md). So attention is the backend's split-KV kernel, with q/k norm, rope and the
+new K/V rows' store folded in, and the rest of each layer, o_proj to the next layer's qkv
+projection, is one launch.
+
+Built by the model runner inside the `cuda_graph` region when `unsupported()` (decode_path.py's
+rules) finds nothing against the model; the model's forward hands it the decode steps it `applies` to (rows
+in min_rows..max_rows, its backend), eager or captured.
+
+Rules:
+- Scratch (streams, the normed stream, activations, fp32 partial sums, the attention output,
+  the barrier counter) is allocated once, for max_rows; kernels index rows up to M, so
+  every graph batch size shares it. The counter is zeroed at the start of every step.
+- One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
+  (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
+
+SIESTA_BATCH_DECODE=0 turns it off (read at construction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.attention.base import AttentionMetadata
+from engine.models import decode_path
+from engine.models.decode_path import LayerShape, k_splits
+
+BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
+KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
+# Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
+MAX_ROWS = 64
+_BK = 128  # K per step of the GEMV loops
+
+
+def unsupported(model: nn.Module, backend: object) -> str | None:
+    """Why `BatchDecode` cannot serve this model and backend (None: it can): decode_path.py's rules
+    (the same shapes, measured on the same one), under its own switch."""
+    return decode_path.unsupported(model, backend, BATCH_DECODE_ENV)
+
+
+def kernel_consts(
+    shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
+    bn_gate: int = 32, bk: int = _BK, stages: int = 4,
+) -> dict[str, object]:  # fmt: skip
+    """The persistent kernel's constexprs and launch options, the same at every layer and step of
+    `rows` rows at most on `programs` SMs (no device needed: bench/compile_offline.py compiles them)."""
+    import triton
+
+    qkv = (shape.nh + 2 * shape.nkv) * shape.d
+    return dict(
+        HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
+        KS_O=k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk), KS_D=k_splits(shape.hidden // bn, shape.inter, programs, bk),
+        KS_Q=k_splits(-(-qkv // bn), shape.hidden, programs, bk), MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
+        BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+class BatchDecode:
+    def __init__(
+        self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
+        bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
+    ) -> None:  # fmt: skip
+        from engine import pdl
+        from engine.models import batch_attention
+
+        self.lm = model.model
+        self.backend = backend
+        self.shape = LayerShape.of(model)
+        device, dtype = self.shape.device, self.shape.dtype
+        qkv = (self.shape.nh + 2 * self.shape.nkv) * self.shape.d
+        self.programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
+        rows = self.max_rows
+        # engine/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
+        self.pdl = pdl.enabled(device) and bool(use_pdl)
+        # The kernel's arguments that are the same at every layer and step.
+        self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages)
+        ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
+        # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
+        attn0 = self.lm.layers[0].self_attn
+        self.attention_consts = batch_attention.kernel_consts(
+            self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
+            self.shape.qk_norm, backend.kv_cache.shape[3], backend.kv_cache.element_size(), self.pdl,
+        )  # fmt: skip
+        f32 = dict(dtype=torch.float32, device=device)
+        half = dict(dtype=dtype, device=device)
+        self.h = torch.zeros(rows, self.shape.hidden, **half)
+        self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
+        self.xn = torch.zeros(rows, self.shape.hidden, **half)
+        self.act = torch.zeros(rows, self.shape.inter, **half)
+        self.attn = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
+        self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
+        self.down_part = torch.zeros(ks_d, rows, self.shape.hidden, **f32)
+        self.qkv_part = torch.zeros(ks_q, rows, qkv, **f32)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
+        self.nbytes = sum(
+            t.numel() * t.element_size()
+            for t in (self.h, self.h_mid, self.xn, self.act, self.attn, self.o_part, self.down_part, self.qkv_part)
+        )
+        self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
+
+    def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
+        return (
+            ctx.backend is self.backend and ctx.meta.is_decode and self.min_rows <= input_ids.shape[0] <= self.max_rows
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, timing: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers + 1, P, STAMPS] int64 (bench)
+        lm, meta = self.lm, ctx.meta
+        m = input_ids.shape[0]
+        x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
+        out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)
+        self.barrier.zero_()
+        layers = list(lm.layers)
+        plan = self.backend.merged_decode_plan(m)  # the attention's splits and workspace, every layer's
+        for i in range(len(layers) + 1):
+            prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
+            nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
+            self._launch(prev, nxt, i, x, out, timing[i] if timing is not None else None, m)
+            if nxt is not None:
+                self.attention(i, nxt, positions, meta, plan)
+        return out
+
+    def attention(
+        self, i: int, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata,
+        plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # backend.merged_decode_plan(M)
+    ) -> None:  # fmt: skip
+        """Layer i's attention of a step of M = len(positions) rows from the qkv partials into
+        `attn` (its new K/V rows into the cache): batch_attention.py."""
+        from engine.models import batch_attention
+
+        attn = layer.self_attn
+        batch_attention.rope_decode(
+            attn, self.qkv_part, attn.qkv_proj.bias, self.backend.kv_cache[i], positions, self.lm.rotary_emb.cos_sin_cache,
+            meta, self.attn[: positions.shape[0]], self.backend.scale, plan, self.attention_consts,
+        )  # fmt: skip
+
+    def _launch(
+        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, x: torch.Tensor, out: torch.Tensor,
+        timing: torch.Tensor | None, m: int,
+    ) -> None:  # fmt: skip
+        from engine.models.batch_kernel import batch_layer_kernel
+
+        lm = self.lm
+        # layer l's weights (HEAD: any tensor), layer l+1's (TAIL: any tensor)
+        a, mlp = (prev.self_attn, prev.mlp) if prev is not None else (nxt.self_attn, nxt.mlp)
+        post = (prev or nxt).post_attention_layernorm.weight
+        norm = nxt.input_layernorm.weight if nxt is not None else lm.norm.weight
+        self.compiled = batch_layer_kernel[(self.programs,)](
+            x, self.attn, self.h, self.h_mid,
+            a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            norm, (nxt or prev).self_attn.qkv_proj.weight,
+            self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
+            self.barrier, timing if timing is not None else self.barrier, m, self.shape.eps,
+            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **self.consts,
+        )  # fmt: skip

@@ -1,0 +1,83 @@
+"""Everything of a decode step between two attention calls in one kernel launch: a persistent
+Triton kernel (one program per SM, phases separated by grid barriers) that takes layer l's
+attention output to layer l+1's qkv projection. The attention kernel after it (batch_attention.py)
+norms and rotates q and k from these partial sums itself. Only engine/models/batch_decode.py
+imports this module (it imports Triton).
+
+Phases, M rows (M <= BM <= 64), P programs, GEMV items dealt round-robin (grid_phases.py), a grid
+barrier after each but the last:
+  1. o_proj of layer l, items (tile, K split c): o_part[c] [M, HID] fp32 partial sums of attn.
+  2. norm (programs P-1..P-M, a row each): h_mid = h + round(sum_c o_part[c]); its RMSNorm -> xn.
+  3. act = silu(gate) * up of xn @ w_gate_up.T.
+  4. down_proj, items (tile, K split c): down_part[c] [M, HID] fp32.
+  5. norm: h = h_mid + round(sum_c down_part[c]); the RMSNorm of layer l+1 (the final norm: TAIL)
+     -> xn (TAIL: the model's output).
+  6. qkv of layer l+1, items (tile, K split c): qkv_part[c] [M, QKV] fp32, no bias (the
+     attention kernel adds it).
+HEAD (the step's first launch, no layer l): phase 5 on the embedding alone, then 6. TAIL (the
+last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py): results match them
+up to the order of fp32 sums.
+
+USE_PDL (engine/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
+triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
+issues its first K/V tile's prefetch then (forward at 32 rows 1.490 -> 1.412-1.417 ms,
+bench/RESULTS.md, thirtieth session).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
+
+
+@triton.jit(do_not_specialize=["M"])
+def batch_layer_kernel(
+    emb_ptr,  # [M, HID]: the embedding (HEAD only)
+    attn_ptr,  # [M, NH * D]: layer l's attention output
+    h_ptr,  # [MAX_M, HID]: the stream entering layer l, left as the stream entering l + 1
+    h_mid_ptr,  # [MAX_M, HID] scratch: the stream after layer l's attention
+    o_w_ptr, post_norm_ptr, gate_up_w_ptr, down_w_ptr,  # layer l's
+    norm_ptr,  # layer l+1's input norm; the model's final norm (TAIL)
+    qkv_w_ptr,  # layer l+1's
+    xn_ptr,  # [MAX_M, HID] scratch: the normed stream
+    out_ptr,  # [M, HID]: the model's output (TAIL); else xn
+    act_ptr,  # [MAX_M, INTER] scratch
+    o_part_ptr, down_part_ptr,  # [KS_O | KS_D, MAX_M, HID] fp32
+    qkv_part_ptr,  # [KS_Q, MAX_M, QKV] fp32
+    bar_ptr,  # int32 grid-barrier counter
+    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
+    M, eps,
+    HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr, MAX_M: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BN_G: tl.constexpr, BK: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr,
+    FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
+):  # fmt: skip
+    DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+    QKV: tl.constexpr = (NH + 2 * NKV) * D
+    S_HID: tl.constexpr = MAX_M * HID  # stride of o_part and down_part
+    pid = tl.program_id(0)
+    # The row phases run on the last programs, which the GEMV phases fill last.
+    row = P - 1 - pid
+    stamp(t_ptr, 0, TIMING)
+    if USE_PDL:  # engine/pdl.py: scheduled as the attention kernel before ends; wait for all of it
+        tl.extra.cuda.gdc_wait()
+    if HEAD:
+        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE)
+    else:
+        gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+        phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
+        norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE)
+        phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
+        gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE)
+        phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
+        gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+        phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
+        norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE)
+    if not TAIL:
+        phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
+        if USE_PDL:  # engine/pdl.py: the attention kernel after this one gets scheduled now
+            tl.extra.cuda.gdc_launch_dependents()
+        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)
+    stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)

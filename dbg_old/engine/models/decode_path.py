@@ -1,0 +1,78 @@
+"""What the persistent-kernel decode paths (fused_decode.py: 1..4 rows, one launch per layer;
+batch_decode.py: up to 64 rows, two per layer) share: the models they serve (`unsupported`), the
+layer shape they compile for (`LayerShape`) and how they split a GEMV's K (`k_splits`).
+
+Models they serve: Triton attention, TP = 1, fused ops on, a half-precision CUDA model without
+o_proj or MLP biases, hidden <= MAX_HIDDEN (the one shape measured: at the 8B shape's 4096 one
+program per SM streams a layer's 24-96 MB slower than the skinny GEMVs' own grids,
+bench/RESULTS.md), every GEMV K a multiple of 128, head_dim 64, 128 or 256.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MAX_HIDDEN = 1024
+_K_UNIT = 128  # every K of a layer's GEMVs is a multiple of this (the kernels' K steps)
+
+
+def unsupported(model: nn.Module, backend: object, env: str) -> str | None:
+    """Why a persistent decode path switched by the environment variable `env` cannot serve this
+    model and backend (None: it can)."""
+    from engine.attention.triton import TritonBackend
+
+    if os.environ.get(env, "1") == "0":
+        return f"{env}=0"
+    if not isinstance(backend, TritonBackend):
+        return "attention backend is not triton"
+    lm = model.model
+    layer = lm.layers[0] if len(lm.layers) else None
+    if layer is None or not lm.fused or model.tp.enabled:
+        return "no layers, fused ops off or tensor parallel"
+    attn, mlp = layer.self_attn, layer.mlp
+    w = attn.qkv_proj.weight
+    if not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16):
+        return "not a half-precision CUDA model"
+    if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return "o_proj or MLP bias"
+    hidden, inter = w.shape[1], mlp.down_proj.weight.shape[1]
+    if hidden > MAX_HIDDEN:
+        return f"hidden {hidden} > {MAX_HIDDEN}: the layers' own GEMVs are faster there"
+    if hidden % _K_UNIT or inter % _K_UNIT or (attn.num_heads * attn.head_dim) % _K_UNIT:
+        return f"hidden {hidden}, intermediate {inter} or heads not multiples of {_K_UNIT}"
+    if attn.head_dim not in (64, 128, 256) or attn.num_heads // attn.num_kv_heads > 16:
+        return "head_dim or GQA group outside what the kernels tile"
+    return None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A decoder layer as the kernels see it (every layer of a model has the same)."""
+
+    hidden: int
+    inter: int  # intermediate size
+    nh: int  # query heads
+    nkv: int  # KV heads
+    d: int  # head_dim
+    eps: float  # RMSNorm epsilon
+    qk_norm: bool  # Qwen3's per-head q/k RMSNorm
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LayerShape:
+        layer = model.model.layers[0]
+        attn, w = layer.self_attn, layer.self_attn.qkv_proj.weight
+        return cls(
+            hidden=w.shape[1], inter=layer.mlp.down_proj.weight.shape[1], nh=attn.num_heads, nkv=attn.num_kv_heads,
+            d=attn.head_dim, eps=layer.input_layernorm.eps, qk_norm=attn.q_norm is not None, device=w.device, dtype=w.dtype,
+        )  # fmt: skip
+
+
+def k_splits(tiles: int, k: int, programs: int, unit: int) -> int:
+    """K splits of a GEMV phase: items (tiles * splits) within one wave, chunks of whole units."""
+    return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= programs and k % (s * unit) == 0))

@@ -1,0 +1,267 @@
+"""Triton kernels that fuse the decoder's small ops, and their launchers. Only the CUDA path of
+`engine.models.layers` imports this module (lazily, on the first CUDA tensor a fused layer sees),
+so a CPU install never imports Triton.
+
+Each kernel computes what the torch code in layers.py and rotary.py computes, rounding where it rounds, so the
+results are the same bits or within one bfloat16 ULP of them (reduction order differs):
+- `rms_norm`: x / rms(x) with the normalisation in fp32, cast to the model dtype, then times the
+  weight in the model dtype (Hugging Face's `weight * x.to(dtype)`). One program per row.
+- `fused_add_rms_norm`: residual += x in the model dtype (in place, one rounding as the unfused
+  `residual + x`), then `rms_norm` of the new residual. One kernel, one read of each input.
+- `rotary`: rope on q [T, H, D] and k [T, Hkv, D] in place, from the fp32 cos/sin cache and the
+  positions; with per-head weights it first applies Qwen3's q/k RMSNorm over head_dim. One program
+  per token handles all its q and k heads. Rounding follows Hugging Face's model-dtype rope: cos
+  and sin are rounded to the model dtype, then `x * cos + rotate_half(x) * sin` rounds each product
+  and the sum to the model dtype (what torch's elementwise ops do; in fp32 every rounding is exact
+  and this is plain fp32 rope). Compiled without FMA contraction, which would skip a rounding.
+- `silu_and_mul`: [T, 2I] (gate | up) -> silu(gate) * up [T, I]; silu in fp32 with an IEEE
+  division and libdevice's expf (as torch's CUDA kernel), rounded to the model dtype, then times
+  up, rounded.
+
+Every launch has a grid fixed by the input shapes and allocates at most its output: all are
+CUDA-graph capturable. Row offsets are int64, so any number of tokens works.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from engine import pdl
+from engine.launcher import Launcher
+
+# libdevice's expf, as torch's CUDA silu calls; Triton's interpreter (TRITON_INTERPRET=1, for
+# CPU checks of these kernels) has no libdevice, so it gets tl.exp.
+_LIBDEVICE_EXP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _warps(elements: int) -> int:
+    """Warps for a program that holds `elements` values: about 8 per thread, 1..16 warps."""
+    return max(1, min(16, _next_pow2(elements) // 256))
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    # Round fp32 values to the model dtype and back: the rounding a torch op in that dtype does.
+    return x.to(DTYPE).to(tl.float32)
+
+
+# ---- RMSNorm (plain and fused with the residual add) --------------------------------------------
+
+
+@Launcher
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, N]
+    res_ptr,  # [T, N]: residual, updated in place (read only when HAS_RESIDUAL)
+    w_ptr,  # [N]
+    out_ptr,  # [T, N]
+    stride_x, stride_r, stride_o,
+    n_cols, inv_n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:  # engine/pdl.py: scheduled while the kernel before ends; the GEMV after it prefetches now
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    dtype = x_ptr.dtype.element_ty
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
+    xn = _round(xf * rstd, dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] as a 2-D [rows, N] with a unit last stride (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch_norm(x2, res2, weight, out2, eps, has_residual):
+    rows, n = x2.shape
+    if rows == 0:
+        return
+    block = _next_pow2(n)
+    use_pdl = pdl.enabled(x2.device)
+    _rms_norm_kernel[(rows,)](
+        x2, res2, weight, out2,
+        x2.stride(0), res2.stride(0), out2.stride(0),
+        n, 1.0 / n, eps,
+        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=use_pdl, num_warps=_warps(block), launch_pdl=use_pdl,
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., N] over its last dim; a new tensor of x's shape and dtype."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x2, x2, weight, out, eps, False)
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x (in place), then (rms_norm(residual), residual). x, residual [T, N]."""
+    if residual.stride(-1) != 1 or residual.dim() != 2:
+        raise ValueError("fused_add_rms_norm updates the residual in place: it must be [T, N], last dim contiguous")
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x2, residual, weight, out, eps, True)
+    return out.view(x.shape), residual
+
+
+# ---- rotary embedding, optionally after the per-head q/k RMSNorm ---------------------------------
+
+
+@triton.jit
+def _norm_rope_heads(
+    ptr,  # this token's first head
+    stride_h, num_heads, w_ptr, cos, sin, inv_d, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # cos, sin: [1, BLOCK_D] fp32, already rounded to the model dtype.
+    dtype = ptr.dtype.element_ty
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_heads) & (d < HALF)
+    p1 = ptr + h * stride_h + d  # first half of each head; the second is HALF further
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        rstd = tl.math.rsqrt(ss * inv_d + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
+        x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
+    o1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
+    o2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
+    tl.store(p1, o1.to(dtype), mask=mask)
+    tl.store(p1 + HALF, o2.to(dtype), mask=mask)
+
+
+@Launcher
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # [T, H, D], last dim contiguous; rotated in place
+    k_ptr,  # [T, Hkv, D]
+    pos_ptr,  # [T] positions
+    cache_ptr,  # [max_positions, D] fp32: cos | sin
+    qw_ptr, kw_ptr,  # [D] per-head norm weights (read only when HAS_NORM)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    num_q_heads, num_k_heads, inv_d, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)[None, :]
+    dtype = q_ptr.dtype.element_ty
+    c_ptr = cache_ptr + pos * stride_cache + d
+    cos = _round(tl.load(c_ptr, mask=d < HALF, other=0.0), dtype)
+    sin = _round(tl.load(c_ptr + HALF, mask=d < HALF, other=0.0), dtype)
+    _norm_rope_heads(
+        q_ptr + t * stride_qt, stride_qh, num_q_heads, qw_ptr, cos, sin, inv_d, eps,
+        HAS_NORM, HALF, BLOCK_HQ, BLOCK_D,
+    )  # fmt: skip
+    _norm_rope_heads(
+        k_ptr + t * stride_kt, stride_kh, num_k_heads, kw_ptr, cos, sin, inv_d, eps,
+        HAS_NORM, HALF, BLOCK_HK, BLOCK_D,
+    )  # fmt: skip
+
+
+def rotary(
+    q: torch.Tensor,  # [T, H, D], last dim contiguous (a view of the qkv output is fine)
+    k: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int
+    cos_sin_cache: torch.Tensor,  # [max_positions, D] fp32, contiguous
+    q_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm of q before rope (Qwen3)
+    k_weight: torch.Tensor | None = None,  # [D]: the same for k
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope (after the per-head RMSNorm when weights are given) applied to q and k in place;
+    returns them."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("rotary works in place: q, k and the cache need a contiguous last dim")
+    if head_dim % 2 or k.shape[2] != head_dim or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"rotary: head dims q {head_dim}, k {k.shape[2]}, cache {cos_sin_cache.shape[-1]}")
+    has_norm = q_weight is not None
+    if has_norm != (k_weight is not None):
+        raise ValueError("rotary: give both q and k norm weights or neither")
+    if num_tokens == 0:
+        return q, k
+    half = head_dim // 2
+    block_d = _next_pow2(half)
+    block_hq = _next_pow2(num_heads)
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos_sin_cache,
+        q_weight if has_norm else q, k_weight if has_norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        num_heads, num_kv_heads, 1.0 / head_dim, eps,
+        HAS_NORM=has_norm, HALF=half, BLOCK_D=block_d,
+        BLOCK_HQ=block_hq, BLOCK_HK=_next_pow2(num_kv_heads),
+        num_warps=max(1, min(8, _warps(block_hq * block_d))),
+        # No FMA contraction: the compiler narrows `round(x1 * cos) - round(x2 * sin)` to bf16
+        # ops and would fuse a multiply into the subtraction, skipping a rounding torch does
+        # (seen on an H200: 19% of bf16 outputs one ULP off).
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return q, k
+
+
+# ---- SiLU and multiply --------------------------------------------------------------------------
+
+
+@Launcher
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2I]: gate | up
+    out_ptr,  # [T, I]
+    stride_x, stride_o, n_cols,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    if _LIBDEVICE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    act = _round(tl.math.div_rn(gate, 1.0 + e), dtype)
+    tl.store(out_ptr + row * stride_o + offs, (act * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    x2 = _rows(x)
+    rows, n = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    block = min(1024, _next_pow2(n))
+    _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+        x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=_warps(block)
+    )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,139 @@
+"""The pieces of Siesta's persistent decode kernels (layer_kernel.py, batch_kernel.py): a grid
+barrier, the row-norm phase and the GEMV phase. Triton functions inlined into those kernels, not
+kernels; only modules that import Triton import this one.
+
+Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so the sign bit
+flips once all P have arrived and the low bits return to 0 (no reset between barriers or
+launches; the kernels' owners zero it once per step). Release on arrival, acquire loads while
+waiting, CTA barriers around both; every program must be resident (cooperative launch, grid <=
+SMs).
+
+Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).
+Roundings are the unfused layers' (fused_ops.py, skinny_linear.py): a GEMV rounds its fp32 sum
+(plus bias) once; a residual add rounds the sum of its fp32 partials, then the add.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from engine.attention.triton_kernels import stamp_row
+
+STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
+SM_SLOT: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def rnd(x, DTYPE: tl.constexpr):
+    # fp32 -> DTYPE -> fp32: the rounding a torch op in that dtype does.
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
+    tl.debug_barrier()
+    add = 1
+    if tl.program_id(0) == 0:
+        add = FIRST_ADD
+    old = tl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
+    cur = _load_acquire(bar_ptr)
+    while (old ^ cur) >= 0:  # same sign bit: someone has not arrived
+        cur = _load_acquire(bar_ptr)
+    tl.debug_barrier()
+
+
+@triton.jit
+def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
+    # bench only (TIMING): this program's %globaltimer (ns) at point i < 16, into t [P, STAMPS]
+    # int64; at point 0 also its %smid, into t[:, SM_SLOT].
+    if TIMING:
+        stamp_row(t_ptr + tl.program_id(0) * STAMPS, i, SM_SLOT)
+
+
+@triton.jit
+def phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr):
+    # The grid barrier after a phase, stamped (TIMING) at arrival (POINT) and on leaving (POINT + 1).
+    stamp(t_ptr, POINT, TIMING)
+    grid_barrier(bar_ptr, FIRST_ADD)
+    stamp(t_ptr, POINT + 1, TIMING)
+
+
+@triton.jit
+def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
+    # [BLOCK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add).
+    h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if KS > 0:
+        s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+        for c in tl.static_range(1, KS):
+            s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
+        h = rnd(h + rnd(s, DTYPE), DTYPE)
+    return h
+
+
+@triton.jit
+def norm_phase(
+    row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, store_h,
+    KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # The program given row < M: the stream h = base + round(sum_c part[c]) (KS 0: base alone)
+    # -> h_out (if store_h), and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
+    # Rows at stride HID in every buffer; part [KS, *, HID] at stride_part.
+    if row < M:
+        offs = tl.arange(0, BLOCK)
+        ok = offs < HID
+        off = row * HID + offs
+        h = _stream(base_ptr, part_ptr, off, ok, stride_part, KS, DTYPE)
+        tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok & store_h)
+        rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(xn_ptr + off, (w * rnd(h * rstd, DTYPE)).to(DTYPE), mask=ok)
+
+
+@triton.jit
+def gemv_phase(
+    x_ptr, stride_x, w_ptr, b_ptr, out_ptr, stride_out, M,
+    N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # Items (tile of BN cols, K split c) dealt round-robin (item i -> program i % P); x [M, K] at
+    # row stride stride_x, M <= BM. PARTIAL: out[c] [M, N] fp32 partial sums of x[:, c-th K/KS] @
+    # w[:, c-th K/KS].T, at stride_out. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded once,
+    # or silu(gate) * up of w = gate | up with SILU.
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    m_ok = rows < M
+    offs_k = tl.arange(0, BK)
+    tiles: tl.constexpr = (N + BN - 1) // BN
+    KC: tl.constexpr = K // KS
+    for item in range(pid, tiles * KS, P):
+        c = item % KS
+        offs_n = (item // KS) * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(c * KC, c * KC + KC, BK):
+            cols = (k0 + offs_k)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+            acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), acc)
+            if SILU:
+                acc_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), acc_up)
+        mask = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(out_ptr + c * stride_out + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                g = rnd(acc, DTYPE)
+                acc = rnd(tl.math.div_rn(g, 1.0 + libdevice.exp(-g)), DTYPE) * rnd(acc_up, DTYPE)
+            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)

@@ -1,0 +1,180 @@
+"""The attention phase of the one-kernel-per-layer decode (layer_kernel.py), and the merge of its
+splits: Triton functions inlined into `decoder_layer_kernel`, not kernels.
+
+Items (row m, KV head g, split s), at most one per program (rows * KV heads * splits <= P, so
+item = program id). Before the barrier that ends the qkv phase, `attention_prologue` issues every
+load of the item that needs no output of this layer: the row's metadata, its cos/sin and the
+first KV tile of its chunk; they land while the program waits. After it, `attention_phase`
+normalizes (Qwen3) and rotates the GROUP query heads and the new key in registers, with the
+roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into the cache, and every
+split takes it from registers instead of the cache, so no barrier waits for that store. Each
+split runs the online softmax (base 2) over its chunk of the row's context, in tiles of ABN
+tokens; the chunk is an even share rounded up to whole tiles (engine/attention/triton_decode.py's
+`split_chunk`). Every split writes its normalized output and log-sum-exp (empty splits and rows of
+seq_len 0, graph padding, write zeros and -inf; padding rows write no cache row).
+`combine_heads` merges the splits of some heads for every row: the o_proj items call it for
+the heads of their K chunk (layer_kernel.py), so no program waits on another's splits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engine.attention.triton_decode import split_chunk
+from engine.models.grid_phases import rnd, stamp
+
+
+@triton.jit
+def norm_rope(x1, x2, w_ptr, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) and rotated, in DTYPE;
+    # the roundings of fused_ops._norm_rope_heads.
+    if QK_NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) * (1.0 / (2 * HALF)) + eps)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        x1 = rnd(tl.load(w_ptr + d).to(tl.float32) * rnd(x1 * rstd, DTYPE), DTYPE)
+        x2 = rnd(tl.load(w_ptr + HALF + d).to(tl.float32) * rnd(x2 * rstd, DTYPE), DTYPE)
+    o1 = rnd(x1 * cos, DTYPE) - rnd(x2 * sin, DTYPE)
+    o2 = rnd(x2 * cos, DTYPE) + rnd(x1 * sin, DTYPE)
+    return o1.to(DTYPE), o2.to(DTYPE)
+
+
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, cur, g, stride_cblk, stride_ctok, stride_chead,
+             HALF: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr):
+    # Cached K (two halves) and V rows of tokens n0..n0+ABN-1 below `end`, except the new one.
+    offs_n = n0 + tl.arange(0, ABN)
+    ok = (offs_n < end) & (offs_n != cur)
+    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    kv = (page * stride_cblk + (offs_n % BLOCK_SIZE) * stride_ctok + g * stride_chead)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    k1 = tl.load(k_cache_ptr + kv + d, mask=ok[:, None], other=0.0)
+    k2 = tl.load(k_cache_ptr + kv + HALF + d, mask=ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def _item(item, seq_lens_ptr, M, num_splits, NKV: tl.constexpr, ABN: tl.constexpr):
+    # Attention item -> (row m, KV head g, split s, row's seq_len, the split's token range);
+    # items past the last (m >= M) get seq_len 0 and an empty range.
+    m = item // (NKV * num_splits)
+    g = (item // num_splits) % NKV
+    s = item % num_splits
+    seq_len = tl.load(seq_lens_ptr + m, mask=m < M, other=0)
+    chunk = split_chunk(seq_len, num_splits, ABN)
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    return m, g, s, seq_len, start, end
+
+
+@triton.jit
+def attention_prologue(
+    pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+    M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
+    NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # This program's item and its loads that need nothing of this layer (module docstring).
+    m, g, s, seq_len, start, end = _item(tl.program_id(0), seq_lens_ptr, M, num_splits, NKV, ABN)
+    HALF: tl.constexpr = D // 2
+    bt_row = bt_ptr + m.to(tl.int64) * stride_bt
+    k1, k2, v = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, seq_len - 1, g, stride_cblk, stride_ctok,
+                         stride_chead, HALF, D, BLOCK_SIZE, ABN)  # fmt: skip
+    live = seq_len > 0  # a real row (m < M, not graph padding): programs without one load nothing
+    pos = tl.load(pos_ptr + m, mask=live, other=0).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    cos = rnd(tl.load(cos_sin_ptr + pos * D + d, mask=live, other=0.0), DTYPE)
+    sin = rnd(tl.load(cos_sin_ptr + pos * D + HALF + d, mask=live, other=0.0), DTYPE)
+    slot = tl.load(slot_ptr + m, mask=live, other=-1)
+    return m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot
+
+
+@triton.jit
+def attention_phase(
+    m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,  # attention_prologue's
+    qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
+    M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
+    NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ABN: tl.constexpr, DTYPE: tl.constexpr, t_ptr, TIMING: tl.constexpr,
+):  # fmt: skip
+    GROUP: tl.constexpr = NH // NKV
+    BH: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot's smallest M
+    HALF: tl.constexpr = D // 2
+    QKV: tl.constexpr = (NH + 2 * NKV) * D
+    hh = tl.arange(0, BH)
+    h_ok = hh < GROUP
+    d = tl.arange(0, HALF)[None, :]
+    dd = tl.arange(0, D)[None, :]
+    if m < M:
+        heads = g * GROUP + hh
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, D], tl.float32)
+        if seq_len > 0:  # else graph padding: zeros, no cache write
+            cur = seq_len - 1  # the new token: taken from registers, not the cache
+            bt_row = bt_ptr + m.to(tl.int64) * stride_bt
+            row = qkv_ptr + m * QKV
+            qp = row + heads[:, None] * D + d
+            kp = row + NH * D + g * D + d
+            q1, q2 = norm_rope(
+                tl.load(qp, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
+                tl.load(qp + HALF, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
+                qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+            )  # fmt: skip
+            k1c, k2c = norm_rope(
+                tl.load(kp, cache_modifier=".cg").to(tl.float32), tl.load(kp + HALF, cache_modifier=".cg").to(tl.float32),
+                kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+            )  # fmt: skip
+            vc = tl.load(row + (NH + NKV) * D + g * D + dd, cache_modifier=".cg")  # [1, D]
+            if (s == 0) & (slot >= 0):
+                dst = slot * stride_ctok + g * stride_chead
+                tl.store(k_cache_ptr + dst + d, k1c)
+                tl.store(k_cache_ptr + dst + HALF + d, k2c)
+                tl.store(v_cache_ptr + dst + dd, vc)
+            for n0 in range(start, end, ABN):
+                if n0 != start:  # the first tile came with the prologue
+                    k1, k2, v = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, cur, g, stride_cblk,
+                                         stride_ctok, stride_chead, HALF, D, BLOCK_SIZE, ABN)  # fmt: skip
+                offs_n = n0 + tl.arange(0, ABN)
+                is_cur = (offs_n == cur)[:, None]
+                k1 = tl.where(is_cur, k1c, k1)
+                k2 = tl.where(is_cur, k2c, k2)
+                v = tl.where(is_cur, vc, v)
+                sc = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale_log2
+                sc = tl.where((offs_n < end)[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v)
+                m_i = m_new
+        stamp(t_ptr, 14, TIMING)  # bench only: inside the phase, after the attention loop
+        part = (m * NH + heads) * num_splits + s  # [BH]
+        tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
+        tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=h_ok)
+
+
+@triton.jit
+def combine_heads(
+    part_o_ptr, part_lse_ptr, dst_ptr, M, h0, num_splits,
+    NH: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, HG: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # dst [M, HEADS * D] (DTYPE) = the attention output of heads h0..h0+HEADS-1 of every row, each
+    # row's splits merged by their log-sum-exp, HG heads per load. The (row, split) pairs of a step
+    # are at most BLOCK_S (rows * splits <= fused_decode's pair cap), so one load brings them all.
+    r = tl.arange(0, BLOCK_S)[None, :]  # (row, split) pair
+    row = r // num_splits
+    dd = tl.arange(0, D)[None, :]
+    for j0 in tl.static_range(0, HEADS, HG):
+        j = j0 + tl.arange(0, HG)[:, None]  # [HG, 1]: head within the chunk
+        ok = (j < HEADS) & (row < M)
+        idx = (row * NH + h0 + j) * num_splits + r % num_splits  # [HG, BLOCK_S]
+        lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        po = tl.load(part_o_ptr + idx[:, :, None] * D + dd[None, :, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        for mm in range(M):
+            lm = tl.where(row == mm, lse, float("-inf"))  # [HG, BLOCK_S]: row mm's splits
+            mx = tl.max(lm, 1)
+            w = tl.exp2(lm - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
+            sw = tl.sum(w, 1)
+            out = tl.sum(po * w[:, :, None], 1) / tl.where(sw > 0, sw, 1.0)[:, None]  # [HG, D]
+            tl.store(dst_ptr + mm * (HEADS * D) + j * D + dd, out.to(DTYPE), mask=j < HEADS)

@@ -1,0 +1,146 @@
+"""One decoder layer of a decode step in one kernel launch: a persistent Triton kernel whose
+programs (one per SM) run the layer's phases back to back, separated by grid barriers, instead
+of ten kernels each paying its own launch, ramp and tail (the 0.6B step at batch 1: 310
+kernels, each GEMV 5-8 us for a 2-12 MB read; bench/RESULTS.md). Only engine/models/
+fused_decode.py imports this module (it imports Triton).
+
+Phases of layer l, M rows (M <= 16), P programs, GEMV items dealt round-robin (item i -> program
+i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
+  0. (no barrier) the program's attention item's loads that need nothing of this layer
+     (layer_attention.attention_prologue): they land while the norm and qkv phases run.
+  1. norm (programs P-1..P-M, a row each: the ones qkv leaves idle): h = h_mid[l-1] +
+     round(sum_c down_part[c]) (the embedding at layer 0) -> h; its RMSNorm -> xn.
+     NORM_EVERYWHERE (steps of one row): every program normalizes the row into its own xn rows
+     and program 0 keeps h; no barrier after it. One row: 0.796 -> 0.783 ms a forward; two rows
+     0.928 -> 0.957, every program then reads twice the partials (bench/RESULTS.md, twentieth
+     session).
+  2. qkv = xn @ w_qkv.T (+ bias), tiles of BN columns.
+  3. attention (layer_attention.py): q/k norm and rope in registers, the new K/V row into the
+     cache, split-KV over each row's context; every split writes its partial output and lse.
+  4. o_proj, one item per program (tile, K split c of whole heads): the item merges the splits
+     of its heads into its own scratch (combine_heads), then o_part[c] [M, hidden] fp32 partial
+     sums.
+  5. norm (programs P-1..P-M; NORM_EVERYWHERE as phase 1): h_mid = h + round(sum_c o_part[c])
+     -> h_mid; its RMSNorm -> xn.
+  6. act = silu(gate) * up of xn @ w_gate_up.T.
+  7. down_proj, items (tile, K split c): down_part[c] [M, hidden] fp32; the next layer's phase 1
+     (or `finish_kernel`) adds them to h_mid.
+Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
+to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
+
+USE_PDL (engine/pdl.py): each layer's launch is programmatic. A layer triggers its dependents
+after o_proj's barrier, so the next layer's programs get scheduled during phases 5-7, issue their
+phase-0 loads (the layer's KV cache and the step's metadata: nothing a layer kernel writes),
+and wait before phase 1. No gap between layer launches (bench/RESULTS.md, eighteenth session).
+
+The grid barrier, the norm and GEMV phases are grid_phases.py's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
+from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
+
+
+@triton.jit
+def _norm(
+    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+    POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, FIRST_ADD: tl.constexpr,
+    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # A norm phase and what ends it, stamped at POINT and POINT + 1. EVERYWHERE: every program
+    # normalizes every row into its own xn rows, program 0 keeps the stream, a CTA barrier. Else
+    # program norm_row normalizes its row (if any) into the shared rows, a grid barrier.
+    if EVERYWHERE:
+        for r in range(M):
+            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE)
+        stamp(t_ptr, POINT, TIMING)
+        tl.debug_barrier()
+        stamp(t_ptr, POINT + 1, TIMING)
+    else:
+        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE)
+        phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING)
+
+
+@triton.jit(do_not_specialize=["M", "num_splits", "stride_bt"])
+def decoder_layer_kernel(
+    h_prev_ptr,  # [M, HID]: the stream before the previous layer's MLP (h_mid), or the embedding
+    down_prev_ptr,  # [KS_D, MAX_M, HID] fp32: the previous layer's down_proj partials (KS_PREV > 0)
+    h_ptr,  # [M, HID]: this layer's input stream (written)
+    h_mid_ptr,  # [M, HID]: the stream after attention (written)
+    in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gate_up_w_ptr, down_w_ptr,
+    xn_ptr,  # [P or 1, M, HID] scratch at stride_xn (0: one shared): the normed stream, input of qkv and gate_up
+    qkv_ptr,  # [M, QKV] scratch
+    pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+    part_o_ptr, part_lse_ptr,  # split-KV partials: [pairs * NH, D] fp32 and [pairs * NH] fp32
+    xo_ptr,  # [P, BM, HID_O / KS_O] scratch: each o_proj item's merged attention output
+    o_part_ptr,  # [KS_O, MAX_M, HID] fp32
+    act_ptr,  # [M, I] scratch
+    down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
+    bar_ptr,  # int32 grid-barrier counter
+    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
+    M, num_splits, eps, sm_scale_log2, stride_part, stride_xn,
+    stride_cblk, stride_ctok, stride_chead, stride_bt,
+    HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
+    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
+):  # fmt: skip
+    DTYPE: tl.constexpr = h_ptr.dtype.element_ty
+    QKV: tl.constexpr = (NH + 2 * NKV) * D
+    KCO: tl.constexpr = NH * D // KS_O  # o_proj's K per item: whole heads
+    pid = tl.program_id(0)
+    # The row phases run on the last programs, which the next GEMV phase leaves without an item
+    # (its tiles fill at most P - M programs) or with the least to do.
+    norm_row = P - 1 - pid
+    stamp(t_ptr, 0, TIMING)
+    # The attention item's loads that need nothing of this layer: they land during norm and qkv.
+    m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot = attention_prologue(
+        pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+        M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE,
+    )  # fmt: skip
+    if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
+        tl.extra.cuda.gdc_wait()
+    xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
+    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
+    gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
+    phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
+    attention_phase(
+        m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,
+        qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
+        M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
+        NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
+    )  # fmt: skip
+    phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
+    # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
+    # it merges the splits of its chunk's heads into its own scratch rows first.
+    xo = xo_ptr + pid * (BM * KCO)
+    if pid < (HID // BN) * KS_O:
+        combine_heads(part_o_ptr, part_lse_ptr, xo, M, (pid % KS_O) * (KCO // D), num_splits, NH, D, KCO // D, 4, BLOCK_S, DTYPE)
+    tl.debug_barrier()
+    stamp(t_ptr, 15, TIMING)
+    gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+    phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
+    if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
+        tl.extra.cuda.gdc_launch_dependents()
+    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
+    gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
+    phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
+    gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+    stamp(t_ptr, 13, TIMING)
+
+
+@triton.jit
+def finish_kernel(
+    h_mid_ptr, down_ptr, norm_ptr, h_ptr, out_ptr, stride_part, M, eps,
+    HID: tl.constexpr, KS_D: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # out [M, HID] = norm(h_mid + round(sum_c down[c])): the model's final norm, one program per
+    # row; the stream itself lands in h (scratch).
+    norm_phase(tl.program_id(0), h_mid_ptr, down_ptr, stride_part, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK, out_ptr.dtype.element_ty)

@@ -1,0 +1,299 @@
+"""Building blocks of the decoder families: linears (plain and packed), RMSNorm, the attention and
+MLP blocks (the rotary embedding is rotary.py's).
+
+Shapes: T is the number of new tokens in the step (sequences concatenated, see
+engine/attention/base.py), H / Hkv the query / KV heads, D the head dim.
+
+Parameters are created with `torch.empty` in the current default dtype and device (the caller's
+`torch.device(...)` context and `torch.set_default_dtype`): they hold garbage until
+engine/weights/loader.py loads a checkpoint. The rotary cache is the one tensor computed here; it is
+always float32.
+
+Fused ops: a module built with `fused=True` runs the Triton kernels of `fused_ops.py` on CUDA
+tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul), and its linears run
+the few-rows matmul of `skinny_linear.py` on half-precision CUDA inputs of few rows (decode
+steps; the MLP's gate_up then applies SiLU-and-mul in the same kernel); any other device runs
+this file's torch code, the reference the kernels are tested against. The model resolves the
+flag once, at construction (`fused_ops_default`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING, overload
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.config import ModelConfig
+from engine.models.rotary import RopeInputs, apply_rotary
+from engine.parallel import Shard, TensorParallel
+
+if TYPE_CHECKING:
+    from engine.models.batch_attention import DecodeAttention
+
+# Set to 0 to build models without the fused Triton ops (the torch ops run on CUDA too).
+FUSED_OPS_ENV = "SIESTA_FUSED_OPS"
+
+
+def fused_ops_default() -> bool:
+    """Whether a model built now uses the fused ops on CUDA: yes unless SIESTA_FUSED_OPS=0, or
+    Triton is not installed. Read at model construction, never per step."""
+    return os.environ.get(FUSED_OPS_ENV, "1") != "0" and importlib.util.find_spec("triton") is not None
+
+
+def _fused_ops() -> ModuleType:
+    # Imported on first use by a CUDA tensor, so CPU installs never import Triton.
+    from engine.models import fused_ops
+
+    return fused_ops
+
+
+def skinny_for(x: torch.Tensor) -> ModuleType | None:
+    """The few-rows matmul module (skinny_linear.py) when it applies to x [M, K], else None.
+    Checked cheaply first, so a CPU forward never imports it."""
+    if not x.is_cuda:
+        return None
+    from engine.models import skinny_linear
+
+    return skinny_linear if skinny_linear.applies(x) else None
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias); weight [out_features, in_features]; uninitialised until loaded.
+    `fused`: a CUDA forward of few rows (decode) runs the skinny Triton matmul. `shards`: parameter
+    name -> the part of its checkpoint tensor this rank holds (none listed: all of it; the rules are
+    engine/parallel.py's)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fused: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.fused = fused
+        self.shards: dict[str, Shard] = {}
+
+    # Whether the skinny kernel prefetches this weight while the kernel before it runs (see
+    # engine/pdl.py): the packed linears, which always follow a norm.
+    prefetch = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skinny = skinny_for(x) if self.fused else None
+        if skinny is not None:
+            return skinny.skinny_linear(x, self.weight, self.bias, prefetch=self.prefetch)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
+    """A linear keeping this rank's columns of the input features: each rank's partial product is
+    summed by an all-reduce, then the bias (held whole by every rank) is added. Without a bias the
+    sum is left to the RMSNorm after it (`tp.defers_reduce`): the output is this rank's partial."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool, tp: TensorParallel) -> None:
+        shard = tp.even(in_features, f"input features of o/down_proj ({in_features})", dim=1)
+        super().__init__(shard.length, out_features, bias, fused)
+        self.tp = tp
+        self.defers = tp.defers_reduce(bias)
+        if not shard.whole:
+            self.shards = {"weight": shard}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return super().forward(x)
+        skinny = skinny_for(x) if self.fused else None
+        y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else F.linear(x, self.weight)
+        if self.defers:
+            return y
+        y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class MergedLinear(Linear):
+    """Several checkpoint linears with the same input packed along the output dim, run as one
+    matmul: e.g. q/k/v -> qkv_proj, gate/up -> gate_up_proj. `shards` (the constructor's) maps each
+    checkpoint module name (`q_proj`) to the part of its output features this rank holds, in
+    packing order; `rows` maps it to its rows of `weight` (and `bias`), which the loader fills."""
+
+    prefetch = True
+
+    def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool = False, fused: bool = False) -> None:
+        super().__init__(in_features, sum(s.length for s in shards.values()), bias, fused)
+        self.rows: dict[str, slice] = {}
+        self.parts: dict[str, Shard] = shards
+        start = 0
+        for name, shard in shards.items():
+            self.rows[name] = slice(start, start + shard.length)
+            start += shard.length
+
+
+class Embedding(nn.Module):
+    """Token id -> row of weight [vocab rows, hidden]; uninitialised until loaded. With tensor
+    parallelism each rank holds `tp.vocab_shard` of the rows: ids outside it look up zero and an
+    all-reduce sums the ranks' rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.tp = tp or TensorParallel()
+        self.shard = self.tp.vocab_shard(num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(self.tp.vocab_rows(num_embeddings), embedding_dim), requires_grad=False
+        )
+        self.shards: dict[str, Shard] = {} if self.shard.whole else {"weight": self.shard}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(ids, self.weight)
+        local = ids - self.shard.start
+        inside = (local >= 0) & (local < self.shard.length)
+        rows = F.embedding(torch.where(inside, local, 0), self.weight) * inside[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(rows)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim. The normalisation runs in float32 and is cast back
+    before the weight multiply, as in Hugging Face, so half-precision results match it.
+
+    With a residual (the vLLM way): residual = residual + x, then (norm(residual), residual). The
+    fused CUDA kernel updates `residual` in place; callers use the returned one either way.
+    With `reduce` (a TensorParallel), x beside a residual is a row-parallel layer's partial sum:
+    it is all-reduced first, in the same kernel as the add and the norm when `reduce.fused` fits.
+    """
+
+    def __init__(self, size: int, eps: float, fused: bool = False, reduce: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps = eps
+        self.fused = fused
+        self.reduce = reduce
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.reduce is not None and residual is not None:
+            fast = self.reduce.fused
+            if fast is not None and fast.fits(x):
+                return fast.add_rms_norm(x, residual, self.weight, self.eps)
+            x = self.reduce.all_reduce(x)
+        if self.fused and x.is_cuda:
+            if residual is None:
+                return _fused_ops().rms_norm(x, self.weight, self.eps)
+            return _fused_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2I] (gate | up) -> silu(gate) * up, [..., I]."""
+
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda:
+            return _fused_ops().silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class Attention(nn.Module):
+    """qkv_proj -> (per-head q/k RMSNorm) -> rope -> paged attention -> o_proj.
+
+    qkv_bias: bias on q/k/v (Qwen2, Llama with attention_bias); o_bias: bias on o_proj (Llama with
+    attention_bias); qk_norm: RMSNorm over head_dim of each q and k head before rope (Qwen3).
+    `rope_decode` (set by the model runner on CUDA, models/batch_attention.py): decode steps run
+    the norm, rope, K/V store and attention as one kernel on the qkv output.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        fused: bool = False,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.layer_id = layer_id
+        self.fused = fused
+        self.head_dim = D = config.head_dim
+        self.num_heads = tp.split(config.num_heads, "num_attention_heads")  # this rank's
+        self.num_kv_heads = tp.kv_heads(config.num_kv_heads)
+        q = tp.even(config.num_heads * D, "q_proj rows")
+        kv = tp.kv_shard(config.num_kv_heads, D)
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, qkv_bias, fused)
+        self.o_proj = RowParallelLinear(config.num_heads * D, config.hidden_size, o_bias, fused, tp)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rope_decode: DecodeAttention | None = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        rope: RopeInputs,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = hidden.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
+        if self.rope_decode is not None and self.rope_decode.applies(qkv, ctx):
+            return self.o_proj(self.rope_decode(self, qkv, rope, ctx).view(T, H * D))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if self.fused and hidden.is_cuda:
+            # One kernel: the q/k norm (if any) and rope, in place in the qkv output.
+            qw = self.q_norm.weight if self.q_norm is not None else None
+            kw = self.k_norm.weight if self.k_norm is not None else None
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            assert rope.cos is not None and rope.sin is not None
+            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+        out = ctx.backend.forward(self.layer_id, q, k, v, ctx.meta)  # [T, H, D]
+        return self.o_proj(out.reshape(T, H * D))
+
+
+class MLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up packed into one matmul. A fused
+    CUDA forward of few rows computes gate_up and the activation in one skinny kernel."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool, fused: bool = False, tp: TensorParallel | None = None
+    ) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.fused = fused
+        part = tp.even(intermediate_size, "intermediate_size")
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": part, "up_proj": part}, bias, fused)
+        self.act = SiluAndMul(fused)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, fused, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        skinny = skinny_for(x) if self.fused else None
+        if skinny is not None:
+            w = self.gate_up_proj
+            return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True, prefetch=w.prefetch))
+        return self.down_proj(self.act(self.gate_up_proj(x)))

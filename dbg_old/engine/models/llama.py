@@ -1,0 +1,194 @@
+"""The Llama decoder, shared by every family Siesta serves: Llama and Mistral use it as is, Qwen2
+and Qwen3 (qwen2.py, qwen3.py) only change `DecoderOptions`.
+
+Parameter names match the Hugging Face checkpoints (`model.layers.0.self_attn.o_proj.weight`, ...)
+except the packed linears: `qkv_proj` holds q/k/v_proj, `gate_up_proj` holds gate/up_proj (see
+`MergedLinear.rows`). With tensor parallelism (`tp`) every rank builds its own slice of each
+parameter (engine/parallel.py has the rules) under the same names.
+
+Construction: `cls(config)` creates parameters in the current default dtype and on the current
+default device, so build it inside `torch.device(dev)` with `torch.set_default_dtype(dtype)` set;
+never `.to(dtype)` it afterwards (that would cast the float32 rotary cache too). Parameters are
+uninitialised until engine/weights/loader.py loads them. Built on the meta device, materialise it with
+`to_empty(device=...)` and then call `init_buffers()`.
+
+`cls(config, fused=None)`: whether CUDA forwards use the fused Triton ops of fused_ops.py (see
+layers.py); None resolves it from the environment (`fused_ops_default`, SIESTA_FUSED_OPS). A CPU
+forward always runs the torch ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.config import ModelConfig
+from engine.models.layers import (
+    MLP,
+    Attention,
+    Embedding,
+    Linear,
+    RMSNorm,
+    fused_ops_default,
+    skinny_for,
+)
+from engine.models.rotary import RopeInputs, RotaryEmbedding
+from engine.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from engine.models.batch_decode import BatchDecode
+    from engine.models.fused_decode import FusedDecode
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What differs between the families that share this decoder."""
+
+    qkv_bias: bool = False  # bias on q/k/v_proj
+    o_bias: bool = False  # bias on o_proj
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope
+    mlp_bias: bool = False  # bias on gate/up/down_proj
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), with the residual stream carried
+    beside the block's output (the vLLM way) so that each add is fused into the next norm:
+
+        x, residual = input_layernorm(x, residual)   # residual += x; x = norm(residual)
+        x = self_attn(x)
+        x, residual = post_attention_layernorm(x, residual)
+        x = mlp(x)                                   # -> (x, residual); h = x + residual
+
+    The first layer gets residual None: the embedding is the residual and only normed.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_id: int, options: DecoderOptions, fused: bool, tp: TensorParallel
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        # Registered in Hugging Face's order: the weights region lays parameters out in it
+        # (engine/weights/store.py), so a trainer's flattened bucket lands there in one piece.
+        self.self_attn = Attention(
+            config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused, tp
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused, tp)
+        # Each norm after a row-parallel layer (the previous layer's down_proj, this one's o_proj)
+        # sums its partial output across ranks, fused with the residual add.
+        after_down = tp if tp.defers_reduce(options.mlp_bias) else None
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused, reduce=after_down)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps, fused, reduce=tp if tp.defers_reduce(options.o_bias) else None
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (the embedding for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the stream before x; None at layer 0
+        rope: RopeInputs,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the stream before it)
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm; `model.` in checkpoint names."""
+
+    def __init__(self, config: ModelConfig, options: DecoderOptions, fused: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.fused = fused
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, options, fused, tp) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, fused, reduce=tp if tp.defers_reduce(options.mlp_bias) else None
+        )
+        # One rotary table for all layers; cos/sin are looked up once per forward.
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        # Decode steps of few rows, one kernel per layer (fused_decode.py), and of a few to 64
+        # rows, two per layer (batch_decode.py); set by the runner.
+        self.fused_decode: FusedDecode | None = None
+        self.batch_decode: BatchDecode | None = None
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, hidden]
+        if self.fused_decode is not None and self.fused_decode.applies(input_ids, ctx):
+            return self.fused_decode.forward(input_ids, positions, ctx)
+        if self.batch_decode is not None and self.batch_decode.applies(input_ids, ctx):
+            return self.batch_decode.forward(input_ids, positions, ctx)
+        x = self.embed_tokens(input_ids)
+        # The fused rope kernel reads the cos/sin cache itself; the torch path looks them up once.
+        rope = self.rotary_emb(positions, gather=not (self.fused and positions.is_cuda))
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, ctx)
+        if residual is None:  # no layers
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """A causal LM over the ragged batch layout.
+
+    hidden = model(input_ids [T], positions [T], ctx) -> [T, hidden]
+    logits = model.compute_logits(hidden[rows]) -> [n, vocab] in the model dtype
+    """
+
+    def __init__(self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp = tp or TensorParallel()
+        self.fused = fused_ops_default() if fused is None else fused
+        self.model = DecoderModel(config, self.decoder_options(config), self.fused, tp)
+        # Tied: the logits reuse model.embed_tokens.weight and there is no lm_head parameter.
+        # Either way each rank holds the vocabulary rows `tp.vocab_shard` names.
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, tp.vocab_rows(config.vocab_size), bias=False)
+            self.lm_head.shards = self.model.embed_tokens.shards
+
+    @classmethod
+    def decoder_options(cls, config: ModelConfig) -> DecoderOptions:
+        # Llama's `attention_bias` covers q, k, v and o.
+        return DecoderOptions(
+            qkv_bias=config.attention_bias, o_bias=config.attention_bias, mlp_bias=config.mlp_bias
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits in the model dtype (the sampler computes in fp32),
+        written into `out` [n, vocab] when given (a CUDA graph's static buffer: no copy). Up to
+        skinny_linear.MAX_ROWS rows on CUDA with the fused ops: skinny_linear's LOGITS_CONFIG."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if not self.tp.enabled:
+            skinny = skinny_for(hidden) if self.model.fused and weight.is_contiguous() else None
+            if skinny is not None:  # few rows (decode): the weight prefetched behind the final norm
+                return skinny.skinny_linear(hidden, weight, out=out, prefetch=True, **skinny.LOGITS_CONFIG)
+            return torch.matmul(hidden, weight.T, out=out)
+        logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, : self.config.vocab_size]
+        return logits if out is None else out.copy_(logits)
+
+    def init_buffers(self) -> None:
+        """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""
+        self.model.rotary_emb.reset_cache()
+

@@ -1,0 +1,159 @@
+"""`TensorParallel`: this process's place in the tensor-parallel group (`--tp-size`), and the two
+collectives a sharded forward needs. Every rank is one process on one device; the group is
+torch.distributed's default process group (NCCL on CUDA, gloo on a CPU), made once by
+`join_group` before the model is built. At size 1 nothing is communicated and nothing is split.
+
+Sharding rules (Megatron's, as vLLM and SGLang shard the decoder families served here):
+- column-parallel linears (q/k/v, gate/up, lm_head) keep `1/size` of the output features;
+  row-parallel ones (o, down) keep `1/size` of the input features and sum with an all-reduce;
+- query heads split evenly; KV heads split evenly when there are at least `size` of them, else
+  each rank keeps the one KV head its query heads use (replicated across `size / Hkv` ranks);
+- the vocabulary splits into `ceil(V / size)` rows per rank (the last rank padded): embedding
+  rows outside a rank's range look up zero and an all-reduce sums them; logits all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError
+
+# How long a collective of the tensor-parallel group may wait for a peer before failing.
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a full (checkpoint) tensor one rank holds: `length` of its `total` entries along
+    dim `dim`, from `start`. The rank's tensor may be longer along `dim` (the vocabulary's padding)."""
+
+    dim: int
+    start: int
+    length: int
+    total: int
+
+    @property
+    def whole(self) -> bool:
+        return self.length == self.total
+
+
+class FusedReduce(Protocol):
+    """An all-reduce fused with the residual add and RMSNorm after it (engine/models/tp_reduce.py)."""
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    # Set by the model runner on CUDA (after the group exists); None: NCCL / gloo, then the norm.
+    fused: FusedReduce | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def defers_reduce(self, bias: bool) -> bool:
+        """Whether a row-parallel linear leaves its output a partial sum for the RMSNorm after it to
+        reduce (fused with its residual add): always at size > 1, unless the linear has a bias,
+        which must be added after the sum."""
+        return self.enabled and not bias
+
+    # ---- how things split -----------------------------------------------------------------
+
+    def split(self, n: int, what: str) -> int:
+        """n / size, which must be whole."""
+        if n % self.size:
+            raise ConfigError(f"{what} ({n}) is not divisible by tp_size {self.size}")
+        return n // self.size
+
+    def even(self, n: int, what: str, dim: int = 0) -> Shard:
+        """This rank's even slice of n entries along `dim`."""
+        local = self.split(n, what)
+        return Shard(dim, self.rank * local, local, n)
+
+    def kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads held by one rank: an even split, or one replicated head."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads, "num_key_value_heads")
+        if self.size % num_kv_heads:
+            raise ConfigError(f"tp_size {self.size} is not a multiple of num_key_value_heads {num_kv_heads}")
+        return 1
+
+    def kv_shard(self, num_kv_heads: int, head_dim: int) -> Shard:
+        """This rank's rows of k_proj / v_proj (dim 0: heads x head_dim)."""
+        local = self.kv_heads(num_kv_heads)
+        first = self.rank * local if num_kv_heads >= self.size else self.rank * num_kv_heads // self.size
+        return Shard(0, first * head_dim, local * head_dim, num_kv_heads * head_dim)
+
+    def vocab_rows(self, vocab_size: int) -> int:
+        """Rows of the embedding and lm_head per rank (the last rank's tail is padding)."""
+        return -(-vocab_size // self.size)
+
+    def vocab_shard(self, vocab_size: int) -> Shard:
+        rows = self.vocab_rows(vocab_size)
+        start = min(self.rank * rows, vocab_size)
+        return Shard(0, start, min(rows, vocab_size - start), vocab_size)
+
+    # ---- collectives ----------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place (capturable in a CUDA graph with NCCL)."""
+        if self.enabled:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, m] per rank -> [n, size * m], the ranks' columns in rank order."""
+        if not self.enabled:
+            return x
+        n, m = x.shape
+        parts = torch.empty((self.size * n, m), dtype=x.dtype, device=x.device)  # [size * n, m]
+        _all_gather_single(parts, x.contiguous())
+        return parts.view(self.size, n, m).permute(1, 0, 2).reshape(n, self.size * m)
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest `value` any rank has (startup: a size every rank can hold)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+# torch 2.13 renamed all_gather_into_tensor; the GPU machines run 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def device_for_rank(device: str, tp: TensorParallel) -> str:
+    """The device `tp.rank` runs on: cuda:<rank> when the engine runs on CUDA with several ranks;
+    `device` as given at size 1."""
+    if not tp.enabled or device == "cpu":
+        return device
+    if device == "auto":
+        return f"cuda:{tp.rank}" if torch.cuda.is_available() else "cpu"
+    return f"cuda:{tp.rank}" if device.startswith("cuda") else device
+
+
+def join_group(tp: TensorParallel, device: torch.device, init_method: str) -> None:
+    """Make the tensor-parallel group the default process group (a no-op at size 1)."""
+    if not tp.enabled:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl", init_method=init_method, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT,
+            device_id=device,
+        )
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT)

@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels,
+and the L2 prefetch that makes it pay. Only CUDA code paths import this module (it imports Triton).
+
+A kernel launched with `launch_pdl=True` may start while the kernel before it in the stream is
+still running, once every program of that one has called `gdc_launch_dependents` (or exited).
+Rules for every kernel launched so:
+- It calls `gdc_wait()` before it reads anything an earlier kernel writes, or writes anything an
+  earlier kernel reads (the wait returns once the previous grid has finished and its memory is
+  visible; waits chain, so every earlier kernel has finished too).
+- Before the wait it only reads what no kernel of the step writes: weights. The skinny GEMVs pull
+  the first columns of their weight rows into L2 there, while the previous kernel (often the
+  cross-rank reduce, which waits on NVLink with one program per row) still runs.
+- It calls `gdc_launch_dependents()` early: the next kernel's programs then get scheduled while
+  this one streams, and wait themselves.
+Any kernel may call `gdc_launch_dependents()` early, launched with PDL or not: what it releases
+waits for it anyway. Who does what in a decode layer:
+- PDL launch, wait, trigger: the RMSNorm (models/fused_ops.py), a short kernel that leaves HBM
+  mostly idle; its programs are scheduled while the GEMV before it ends (Qwen3-8B shape, batch 1:
+  4.77 -> 4.70 ms a step; thirty-first session);
+- wait, trigger: the cross-rank reduce (models/tp_reduce.py), the same at TP > 1;
+- PDL launch, prefetch, wait, trigger: the GEMVs after them (qkv, gate_up: models/skinny_linear.py
+  `prefetch=True`), and the logits of a few rows after the final norm (models/llama.py
+  `compute_logits`). The other GEMVs launch plainly, measured (bench/RESULTS.md, twelfth session):
+  down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
+  attention kernels made both TP=1 and TP=2 steps slower. Launched with PDL but no prefetch,
+  the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; thirty-first session).
+- The layers' decode attention (models/batch_attention.py `DecodeAttention`: rope, K/V store and
+  split-KV attention in one kernel) launches with PDL after the qkv GEMV: it reads the step's
+  metadata and the rope table, prefetches its first K/V tile into L2, waits and triggers.
+- In the one-kernel-per-layer decode (models/layer_kernel.py): every layer's launch waits after
+  its attention prologue (the next layer's KV loads) and triggers after its o_proj.
+- In the batch decode (models/batch_decode.py): the persistent kernel triggers before its qkv
+  phase; the split-KV attention kernel after it (models/batch_attention.py) launches with PDL,
+  reads the step's metadata (uploaded before any kernel ran) and the rope table, prefetches its
+  first K/V tile into L2, waits and triggers (no kernel before it writes the cache: it stores
+  the new K/V rows itself);
+  the next persistent kernel launches with PDL too and waits first, so its programs take the
+  SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; twentieth session).
+  Where that attention splits the KV it merges the splits itself: a reduce launched between the
+  two would hold the persistent kernel until the reduce ended (5..24 rows; twenty-sixth session).
+Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.
+
+SIESTA_PDL=0 turns it off (read once, at import): every launch is an ordinary stream-ordered one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PDL_ENV = "SIESTA_PDL"
+_ENABLED = os.environ.get(PDL_ENV, "1") != "0"
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: compute capability 9.0 or more, not disabled."""
+    return _ENABLED and device.type == "cuda" and _capable(device.index or 0)
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    # One `prefetch.global.L2` per element of ptrs (give one address per 128-byte line).
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )

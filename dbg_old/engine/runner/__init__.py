@@ -1,0 +1,17 @@
+"""The model runner: one step's tensors, the forward, CUDA graphs and sampling. Runs in the ENGINE
+process.
+
+- `model_runner.py`: `ModelRunner`, startup as a recipe (model, weights, KV cache, attention
+  backend, sampler, graphs); `launch` queues a step on the device without waiting.
+- `step_inputs.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
+  tensor-parallel rank runs) and sent to the device as the step's input tensors.
+- `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
+- `launched_step.py`: a step in flight; its results are read back one step later (overlap).
+- `sampler.py`: greedy and random sampling, logprobs; `lse_argmax.py`: its per-row
+  log-sum-exp and argmax on CUDA (Triton), one read of the logits.
+- `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),
+  `piecewise_graph.py` (mixed prefill + decode steps: the layers between attention calls).
+- `pinned.py`: pinned host staging buffers for the step inputs.
+
+Arrows: runner -> memory, weights, models, attention.
+"""

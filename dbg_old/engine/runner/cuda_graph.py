@@ -1,0 +1,148 @@
+"""`CudaGraphRunner`: decode steps replayed from CUDA graphs.
+
+Rules:
+- One ladder of batch sizes (1, 2, 4, 8, then steps of 8 up to the largest); a decode batch of n
+  rows runs the graph of the smallest size >= n, its extra rows padding.
+- One set of static buffers, allocated once for the largest size and sliced for every smaller
+  one: token ids and positions here, attention metadata and workspaces in the backend, logits
+  here. Capturing the ladder allocates no buffer per batch size.
+- Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
+  largest one's intermediate memory.
+- Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.
+- Warm-up runs before capture leave every input and metadata tensor as they found it: the static
+  slot mapping is all -1 and every sequence length 0, so nothing is written to the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata, ForwardContext
+
+log = logging.getLogger("siesta.engine")
+
+# Batch sizes below this step double; from it on they grow by it.
+LADDER_STEP = 8
+
+
+def graph_pool_bytes(pool: Any) -> int:
+    """Bytes of the caching allocator's segments that belong to the graph pool `pool`."""
+    key = tuple(pool or ())
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == key)
+
+
+def load_padded(static: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, n: int, size: int) -> None:
+    """Copy a step's token ids and positions ([n] int64 each) into rows 0 and 1 of `static`
+    [2, >= size], and zero columns n..size (graph padding: token 0 at position 0). Both come from
+    one upload (engine/runner/step_inputs.py), positions a fixed distance after the ids, so one
+    strided copy moves both."""
+    gap, rest = divmod(positions.data_ptr() - input_ids.data_ptr(), input_ids.element_size())
+    shared = positions.untyped_storage().data_ptr() == input_ids.untyped_storage().data_ptr()
+    if shared and rest == 0 and gap >= n and input_ids.stride(0) == positions.stride(0) == 1:
+        static[:, :n].copy_(input_ids.as_strided((2, n), (gap, 1)), non_blocking=True)
+    else:
+        static[0, :n].copy_(input_ids, non_blocking=True)
+        static[1, :n].copy_(positions, non_blocking=True)
+    if size > n:
+        static[:, n:size].zero_()
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """The capture ladder up to `max_bs` (which is always included)."""
+    sizes = [bs for bs in (1, 2, 4) if bs < max_bs]
+    sizes += range(LADDER_STEP, max_bs, LADDER_STEP)
+    return [*sizes, max_bs]
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        max_bs: int,
+        vocab_size: int,
+        device: torch.device,
+        batch_sizes: list[int] | None = None,  # default: the ladder; the benchmark captures [max_bs] alone
+        pool: Any = None,  # a graph pool to capture into (shared with other graphs); default: a new one
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.batch_sizes = batch_sizes or graph_batch_sizes(max_bs)
+        self.max_bs = max_bs
+        self.device = device
+        self.inputs = torch.zeros(2, max_bs, dtype=torch.int64, device=device)  # token ids, positions
+        self.input_ids, self.positions = self.inputs[0], self.inputs[1]  # [max_bs] each
+        dtype = next(model.parameters()).dtype  # compute_logits gives the model's
+        self.logits = torch.zeros(max_bs, vocab_size, dtype=dtype, device=device)  # [max_bs, V]
+        backend.init_graph_buffers(max_bs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = pool
+        self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.logits))
+        self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
+
+    def static_tensors(self, bs: int) -> dict[str, torch.Tensor]:
+        """Every input and metadata tensor a graph of batch size `bs` reads (for checks)."""
+        meta = self.backend.graph_metadata(bs)
+        return {
+            "input_ids": self.input_ids[:bs],
+            "positions": self.positions[:bs],
+            "query_start_loc": meta.query_start_loc,
+            "seq_lens": meta.seq_lens,
+            "block_tables": meta.block_tables,
+            "slot_mapping": meta.slot_mapping,
+        }
+
+    def _forward(self, bs: int) -> None:
+        """The captured work: model and logits for `bs` rows, into the static logits buffer."""
+        ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs))
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        self.model.compute_logits(hidden, out=self.logits[:bs])
+
+    @torch.inference_mode()
+    def capture(self, graph_context: Callable[..., AbstractContextManager] = torch.cuda.graph) -> None:
+        """Capture the whole ladder, largest first, into one shared pool; log memory as it goes.
+        `graph_context(graph, pool=...)` is `torch.cuda.graph` or a region's pausable version."""
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        for bs in reversed(self.batch_sizes):
+            self._forward(bs)  # warm-up: compiles kernels, allocates workspaces outside the graph
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with graph_context(graph, pool=self.pool):
+                self._forward(bs)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize(self.device)
+            log.info("captured decode graph bs=%d; graph pool now %.1f MiB", bs, graph_pool_bytes(self.pool) / (1 << 20))
+        self.pool_bytes = graph_pool_bytes(self.pool)
+        log.info(
+            "captured %d decode graphs (bs %d..%d) in %.1f s: pool %.1f MiB, static buffers %.1f MiB",
+            len(self.graphs), self.batch_sizes[0], self.max_bs, time.perf_counter() - t0,
+            self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
+        )
+
+    def padded_size(self, n: int) -> int:
+        return next(bs for bs in self.batch_sizes if bs >= n)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return meta.is_decode and meta.num_seqs <= self.max_bs
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [n] int64, one token per sequence
+        positions: torch.Tensor,  # [n] int64
+        meta: AttentionMetadata,  # eager decode metadata of the n sequences
+    ) -> torch.Tensor:  # [n, V] logits in the model dtype (a view of the static buffer: use before the next run)
+        n = meta.num_seqs
+        bs = self.padded_size(n)
+        load_padded(self.inputs, input_ids, positions, n, bs)
+        self.backend.load_graph_metadata(meta, bs)
+        self.graphs[bs].replay()
+        return self.logits[:n]

@@ -1,0 +1,52 @@
+"""`LaunchedStep`: a step whose work is queued on the device, and `SampleResult`, what one of its
+sampling rows produced once read back (overlap scheduling: engine/core/engine_core.py reads step k after it
+launched step k+1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import Batch, Request
+from engine.runner.sampler import SampledOnDevice
+from engine.runner.step_inputs import PendingTokens
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device: `batch` as scheduled; `requests` the rows that
+    sample, in batch order; `samples` their tokens (None when no row samples)."""
+
+    batch: Batch
+    requests: list[Request]
+    samples: SampledOnDevice | None
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether scheduling the next step needs this one's tokens on the host: penalties count
+        every output token of a request, so its pending one must be known."""
+        return any(
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            for p in (r.sampling_params for r in self.requests)
+        )
+
+    def pending_tokens(self) -> PendingTokens | None:
+        """Where the next step finds the tokens of this one on the device."""
+        if self.samples is None:
+            return None
+        return PendingTokens(self.samples.token_ids, {r: j for j, r in enumerate(self.requests)})
+
+    def results(self) -> list[SampleResult]:
+        """Wait for the step; one result per sampling row, aligned with `requests`."""
+        if self.samples is None:
+            return []
+        out = self.samples.wait()
+        tops = out.top_logprobs or [None] * len(out.token_ids)
+        return [SampleResult(t, lp, top) for t, lp, top in zip(out.token_ids, out.logprobs, tops, strict=True)]

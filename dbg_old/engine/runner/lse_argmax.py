@@ -1,0 +1,114 @@
+"""Per-row log-sum-exp and argmax of x / t, x [B, V] logits (bf16, fp16 or fp32) and t [B] the
+rows' temperatures, in one read of x: the sampler's logprobs (x / t - lse) and greedy tokens on
+CUDA, and the greedy step's (token, its logprob) per row as the float64 pair the sampler copies
+to the host, so a greedy step samples in one launch. torch's log_softmax runs one program per
+row, 34 us for a batch-1 row of a 152k vocabulary on an H200, 60 us at batch 64
+(bench/RESULTS.md, fifteenth session), and materializing x / t in fp32 cost another 43 us at
+batch 64 (sixteenth session); here each row is cut into CHUNK-wide pieces, one program each,
+and the piece that finishes last merges the row. One launch: at batch 1 the step is host-bound,
+and every Triton launch costs the host tens of microseconds. Only CUDA code paths import this
+module (it imports Triton).
+
+Rules: x / t is fp32(x) divided by t with IEEE rounding, torch's `logits / t` bit for bit. -inf
+entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The argmax is the
+first index of the row's maximum, as torch.argmax's. The token's logprob is fp32 x[token] / t
+minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is
+the caller's to keep: the kernel leaves it zero again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.launcher import Launcher
+
+# Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, twentieth session:
+# 2048 against 1024, temperature 1: 4.4 / 5.5 / 13.7 / 43.7 us at 1 / 8 / 64 / 256 rows against
+# 4.4 / 6.0 / 18.2 / 53.7; other temperatures 6.2 / 7.7 / 18.6 / 57.5 against 5.0 / 6.7 / 21.3 / 65.0).
+CHUNK = 2048
+WARPS = 4
+
+
+@triton.jit
+def _over_t(x, t):
+    # x / t with IEEE rounding, torch's; x / 1 is x, so rows of temperature 1 (greedy rows too)
+    # skip the division, the kernel's arithmetic bound.
+    if t != 1.0:
+        x = tl.math.div_rn(x, t)
+    return x
+
+
+@Launcher
+@triton.jit
+def _lse_argmax_kernel(
+    x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, pair_ptr, V, stride_x,
+    CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
+    # exp(x - max) and first argmax;
+    # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
+    # argmax of the first chunk holding the row's maximum M, pair [row] = (token, x[token] - lse).
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    cols = c * CHUNK_ + tl.arange(0, CHUNK_)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    t = tl.load(t_ptr + row)
+    x = _over_t(tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32), t)
+    mx = tl.max(x, 0)
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    out = row * CHUNKS + c
+    tl.store(max_ptr + out, mx)
+    tl.store(sum_ptr + out, tl.sum(tl.exp(x - shift), 0))
+    tl.store(arg_ptr + out, c * CHUNK_ + tl.argmax(x, 0, tie_break_left=True))
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
+        k = tl.arange(0, BLOCK)
+        ok = k < CHUNKS
+        m = tl.load(max_ptr + row * CHUNKS + k, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        s = tl.load(sum_ptr + row * CHUNKS + k, mask=ok, other=0.0, cache_modifier=".cg")
+        top = tl.max(m, 0)
+        top_shift = tl.where(top == float("-inf"), 0.0, top)
+        lse = top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0))
+        tl.store(lse_ptr + row, lse)
+        first = tl.argmax(m, 0, tie_break_left=True)
+        token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
+        tl.store(token_ptr + row, token)
+        chosen = _over_t(tl.load(x_row + token).to(tl.float32), t)
+        tl.store(pair_ptr + row * 2, token.to(tl.float64))
+        tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
+        tl.atomic_xchg(count_ptr + row, 0)
+
+
+def lse_argmax(
+    x: torch.Tensor, temperatures: torch.Tensor, counts: torch.Tensor | None = None,
+    config: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [B, V] CUDA logits (half or float32, last dim contiguous), temperatures [B] float32 ->
+    (lse [B] float32, argmax [B] int64, pairs [B, 2] float64: the argmax and its logprob) of
+    x / t. counts: int32 zeros, at least B (module docstring); None allocates them. config:
+    (columns per program, warps) in place of (CHUNK, WARPS) (bench/bench_lse_argmax.py)."""
+    if x.dim() != 2 or not x.dtype.is_floating_point or not x.is_cuda or x.stride(1) != 1:
+        raise ValueError(f"lse_argmax: CUDA [B, V] logits with contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    rows, vocab = x.shape
+    if temperatures.shape != (rows,) or temperatures.dtype != torch.float32:
+        raise ValueError(f"lse_argmax: temperatures must be float32 [{rows}], got {tuple(temperatures.shape)} {temperatures.dtype}")
+    chunk, num_warps = config or (CHUNK, WARPS)
+    chunks = triton.cdiv(vocab, chunk)
+    if counts is None:
+        counts = torch.zeros(rows, dtype=torch.int32, device=x.device)
+    # Two allocations, not halves of one: the second half's address would be 16-byte aligned or
+    # not with rows * chunks, a new Triton specialization (a compile while serving) for some rows.
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    sums = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    args = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=x.device)
+    tokens = torch.empty(rows, dtype=torch.int64, device=x.device)
+    pairs = torch.empty(rows, 2, dtype=torch.float64, device=x.device)
+    if rows:
+        _lse_argmax_kernel[(rows, chunks)](
+            x, temperatures, maxima, sums, args, counts, lse, tokens, pairs, vocab, x.stride(0),
+            CHUNKS=chunks, CHUNK_=chunk, BLOCK=triton.next_power_of_2(chunks), num_warps=num_warps,
+        )  # fmt: skip
+    return lse, tokens, pairs

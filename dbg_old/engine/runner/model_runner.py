@@ -1,0 +1,349 @@
+"""`ModelRunner`: owns the device side of the engine. Startup is a recipe (model, weights, KV cache,
+attention backend, sampler); `launch` turns a scheduled `Batch` into tensors, runs the model and
+samples the rows that finished their tokens this step, all queued on the device without waiting;
+its `LaunchedStep.results()` waits for the tokens (overlap scheduling: see engine/core/engine_core.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from engine.attention import (
+    AttentionBackend,
+    ForwardContext,
+    get_backend_class,
+    resolve_backend_name,
+)
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.memory.kv_budget import (
+    GpuMemoryProfile,
+    gpu_kv_budget,
+    kv_block_bytes,
+    make_kv_cache,
+    num_kv_blocks_for_budget,
+)
+from engine.memory.regions import MemoryRegions
+from engine.models import get_model_class
+from engine.parallel import FusedReduce, TensorParallel, device_for_rank
+from engine.request import Batch
+from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.launched_step import LaunchedStep
+from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
+from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
+from engine.runner.step_inputs import (
+    StepInputs,
+    StepPlan,
+    Uploader,
+    build_metadata,
+    plan_step,
+    step_inputs,
+)
+from engine.weights.loader import load_checkpoint
+from engine.weights.store import WeightStore
+
+log = logging.getLogger("siesta.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GIB = 1 << 30
+# Device memory kept back for what comes after the KV cache besides the graphs' static logits
+# (the graphs' pool, cuBLAS workspaces of new shapes), bytes.
+_GRAPH_MARGIN = 256 << 20
+# Largest decode batch captured by default: fewer on a small GPU.
+_DEFAULT_GRAPH_MAX_BS = 256
+# Steps of up to this many tokens all-reduce through the fused NVLink kernel at tp_size > 1.
+FUSED_REDUCE_MAX_ROWS = 256
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but torch sees no CUDA GPU")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model_config: ModelConfig) -> torch.dtype:
+    return _DTYPES[model_config.torch_dtype if name == "auto" else name]
+
+
+class ModelRunner:
+    """Startup, in order (docs/ARCHITECTURE.md: Startup): 1. the model and its weights, inside the
+    `weights` region, and their pinned host copy; 2. a profiling forward sizes the KV cache; 3. the
+    KV cache inside the `kv_cache` region; 4. the attention backend (its workspaces), the graphs'
+    static buffers and the captured decode graphs, inside the `cuda_graph` region; 5. the sampler."""
+
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel | None = None
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.tp = tp = tp or TensorParallel()
+        self.device = resolve_device(device_for_rank(config.device, tp))
+        # This rank's heads (engine/parallel.py): the KV cache and attention hold only these.
+        self.num_heads = tp.split(model_config.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.kv_heads(model_config.num_kv_heads)
+        # Rank 0 hands each step's plan to the other ranks through this before it runs it.
+        self.fan_out: Callable[[StepPlan], None] | None = None
+        self._last_tokens: torch.Tensor | None = None  # [S] the tokens of the last step run
+        self.dtype = resolve_dtype(config.dtype, model_config)
+        self.block_size = config.block_size
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.graph_max_bs = self._graph_max_bs()
+        self.upload = Uploader(self.device)
+        self.memory = MemoryRegions(self.device, enabled=config.memory_saver)
+        torch.manual_seed(config.seed)
+        mc = model_config
+        if tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
+            self.tp = tp = replace(tp, fused=self._fused_reduce(tp))
+
+        t0 = time.perf_counter()
+        with self.memory.region("weights"):
+            self.model = self._build_model()
+            self.weights = WeightStore(self.model, self.device)
+        load_checkpoint(self.model, self.model_config.path, self.weights.targets)
+        self.weights_bytes = self.weights.nbytes
+        if self.device.type == "cuda" and config.weights_backup == "host":
+            self.weights.keep_host_copy()
+        log.info(
+            "weights loaded in %.2f s: %.1f MiB in one allocation (%s, %s), host copy %s",
+            time.perf_counter() - t0, self.weights_bytes / (1 << 20), self.device, str(self.dtype).replace("torch.", ""),
+            "pinned" if self.weights.host is not None else "none",
+        )
+
+        self.num_kv_blocks = self._num_kv_blocks()
+        with self.memory.region("kv_cache"):
+            self.kv_cache = make_kv_cache(
+                mc, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
+            )
+        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
+
+        # Decode graphs and piecewise graphs share one pool: they never run at once.
+        self.graphs: CudaGraphRunner | None = None
+        self.piecewise: PiecewiseGraphRunner | None = None
+        piecewise_sizes = self._piecewise_sizes(self.num_kv_blocks * self.block_size)
+        with self.memory.region("cuda_graph"):
+            self.attn_backend = self.make_backend(self.kv_cache)
+            self._decode_paths()
+            pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
+            if self.graph_max_bs > 0:
+                self.graphs = CudaGraphRunner(
+                    self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device, pool=pool
+                )
+            if piecewise_sizes:
+                self.piecewise = PiecewiseGraphRunner(
+                    self.model, self.attn_backend, piecewise_sizes, mc.hidden_size, self.num_heads, mc.head_dim,
+                    self.dtype, self.device, pool=pool,
+                )  # fmt: skip
+        self.graph_bytes = 0  # the shared pool and every static buffer of both runners
+        for runner in (self.graphs, self.piecewise):
+            if runner is not None:
+                runner.capture(self.memory.graph_capture)
+                self.graph_bytes += runner.static_bytes
+        pool_bytes = max((r.pool_bytes for r in (self.graphs, self.piecewise) if r is not None), default=0)
+        self.memory.bytes["cuda_graph"] += pool_bytes
+        self.graph_bytes += pool_bytes
+        self.sampler = Sampler(seed=config.seed, device=self.device)
+
+    def _decode_paths(self) -> None:
+        """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py), and
+        the steps above them up to 64 rows two per layer (engine/models/batch_decode.py), where
+        the model, its device and the attention backend allow it; the other decode steps run the
+        layers with their attention's rope and K/V store folded in (engine/models/batch_attention.py)."""
+        if self.device.type != "cuda":
+            return
+        from engine.models import batch_attention, batch_decode, fused_decode
+
+        lm, max_seqs = self.model.model, self.config.max_num_seqs
+        why = batch_attention.unsupported(self.model, self.attn_backend)
+        if why is None:
+            batch_attention.DecodeAttention(self.model, self.attn_backend).attach(self.model)
+        else:
+            log.info("rope decode off: %s", why)
+        why = fused_decode.unsupported(self.model, self.attn_backend)
+        if why is None:
+            lm.fused_decode = fused_decode.FusedDecode(self.model, self.attn_backend, min(fused_decode.MAX_ROWS, max_seqs))
+            log.info("fused decode: steps of <= %d rows run one kernel per layer (%.1f MiB of scratch)",
+                     lm.fused_decode.max_rows, lm.fused_decode.nbytes / (1 << 20))
+        else:
+            log.info("fused decode off: %s", why)
+        first = lm.fused_decode.max_rows + 1 if lm.fused_decode is not None else 1
+        last = min(batch_decode.MAX_ROWS, max_seqs)
+        why = batch_decode.unsupported(self.model, self.attn_backend)
+        if why is None and first <= last:
+            lm.batch_decode = batch_decode.BatchDecode(self.model, self.attn_backend, first, last)
+            log.info("batch decode: steps of %d..%d rows run two kernels per layer (%.1f MiB of scratch)",
+                     first, lm.batch_decode.max_rows, lm.batch_decode.nbytes / (1 << 20))
+        elif why is not None:
+            log.info("batch decode off: %s", why)
+
+    def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
+        mc = self.model_config
+        return get_backend_class(self.backend_name)(
+            kv_cache,
+            scale=mc.head_dim**-0.5,
+            num_heads=self.num_heads,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+
+    def _graph_max_bs(self) -> int:
+        """0 when decode runs eagerly: off on CPU, off by flag, or a backend without graphs."""
+        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or not graphs_possible:
+            return 0
+        if self.config.cuda_graph_max_bs is not None:
+            return min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
+
+    def _piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
+        """The token counts of the piecewise graphs for steps with prefill: none on CPU or by flag."""
+        limit = self.config.piecewise_cuda_graph_max_tokens
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
+            return []
+        cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
+        return piecewise_token_sizes(cap, kv_capacity_tokens)
+
+    def _fused_reduce(self, tp: TensorParallel) -> FusedReduce:
+        """The NVLink all-reduce fused into the norms (engine/models/tp_reduce.py), for steps of up
+        to FUSED_REDUCE_MAX_ROWS tokens: every decode graph; larger prefills use NCCL."""
+        from engine.models.tp_reduce import TpReduce
+
+        fused = TpReduce(tp, self.device, self.dtype, self.model_config.hidden_size, FUSED_REDUCE_MAX_ROWS)
+        log.info("tensor parallelism: fused NVLink all-reduce for steps of <= %d tokens (%.1f MiB of buffers)",
+                 FUSED_REDUCE_MAX_ROWS, fused.nbytes / (1 << 20))
+        return fused
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model on the meta device, in the engine's dtype (WeightStore gives it memory)."""
+        cls = get_model_class(self.model_config.architecture)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):
+                model = cls(self.model_config, tp=self.tp)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        return model.eval()
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype, self.num_kv_heads)
+        # Never more blocks than max_num_seqs requests of full context length could use.
+        max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            profile = self._profile()
+            budget = gpu_kv_budget(profile, self.config.mem_fraction)
+            log.info(
+                "memory profile: device %.1f GiB, outside torch %.2f GiB, peak forward %.2f GiB, reserve %.2f GiB"
+                " -> KV budget %.2f GiB at mem_fraction %.2f",
+                profile.total_bytes / _GIB, profile.non_torch_bytes / _GIB, profile.peak_torch_bytes / _GIB,
+                profile.reserve_bytes / _GIB, budget / _GIB, self.config.mem_fraction,
+            )
+        else:
+            budget = int(self.config.kv_cache_memory_gb * _GIB)
+        blocks = num_kv_blocks_for_budget(budget, block_bytes, max_useful)
+        # Every rank holds the same blocks (rank 0's scheduler hands them out): the fewest any has.
+        return self.tp.min_over_ranks(blocks, self.device)
+
+    @torch.inference_mode()
+    def _profile(self) -> GpuMemoryProfile:
+        """One forward at the largest token budget over a scratch KV cache just big enough for it;
+        torch's peak allocation, less that scratch cache, is what a step may need besides KV."""
+        budget = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+        lens = [self.max_model_len] * (budget // self.max_model_len)
+        lens += [budget % self.max_model_len] if budget % self.max_model_len else []
+        blocks = [-(-n // self.block_size) for n in lens]
+        mc = self.model_config
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = torch.empty(
+            (mc.num_layers, 2, sum(blocks), self.block_size, self.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device
+        )
+        scratch_bytes = scratch.numel() * scratch.element_size()
+        tables, first = [], 0
+        for b in blocks:
+            tables.append(list(range(first, first + b)))
+            first += b
+        meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.upload)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        ids = torch.zeros(budget, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions, ForwardContext(self.make_backend(scratch), meta))
+        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
+        self.model.compute_logits(hidden[last])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        del scratch, hidden, meta
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        itemsize = torch.finfo(self.dtype).bits // 8
+        reserve = self.graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if self.graph_max_bs else 0
+        pieces = self._piecewise_sizes(budget)
+        if pieces:  # their pool holds the activations of their largest size: at most the peak
+            reserve += peak + pieces[-1] * (self.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
+        return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step on the device and return without waiting for it (rank 0: it plans the
+        step, hands the plan to the other tensor-parallel ranks through `fan_out`, then runs it).
+        `previous` is the step launched before this one, if its tokens are not read yet: a row
+        whose input is one of them takes it from the device."""
+        plan = plan_step(batch, self.block_size, previous.pending_tokens() if previous is not None else None)
+        if self.fan_out is not None:
+            self.fan_out(plan)
+        samples, prompt_logprobs = self.run(plan)
+        for (i, q, _), lp in zip(plan.prompt_logprob_rows, prompt_logprobs, strict=True):
+            batch.requests[i].prompt_logprobs[q] = lp
+        return LaunchedStep(batch, [batch.requests[i] for i in plan.sample_rows], samples)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[SampledOnDevice | None, list[float]]:
+        """Run a planned step on this rank: (its samples, None when no row samples; the prompt
+        logprobs it asked for). Stale weights (after a resume) are restored first. A decode step
+        where every row samples replays a CUDA graph when one fits. Pending input tokens come
+        from the tokens this rank sampled in the step it ran last."""
+        self.weights.ensure_current()
+        inputs = step_inputs(plan, self.upload, self._last_tokens)
+        samples = None
+        if not inputs.sample_rows:
+            _, prompt_logprobs = self._eager(plan, inputs)
+        else:
+            every_row_samples = len(inputs.sample_rows) == plan.num_seqs
+            if self.graphs is not None and every_row_samples and self.graphs.can_run(inputs.meta):
+                logits, prompt_logprobs = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta), []
+            else:
+                hidden, prompt_logprobs = self._eager(plan, inputs)
+                logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            assert plan.sampling is not None
+            samples = self.sampler.sample(logits, SamplingBatch.from_plan(plan.sampling, self.device, self.upload))
+        self._last_tokens = samples.token_ids if samples is not None else None
+        return samples, prompt_logprobs
+
+    def _eager(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, list[float]]:
+        """The forward without a full graph: (hidden states [T, hidden], the prompt logprobs the
+        plan asks for), replayed from the piecewise graphs when T fits them."""
+        num_tokens = inputs.input_ids.shape[0]
+        if self.piecewise is not None and self.piecewise.can_run(num_tokens):
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+        return hidden, self._prompt_logprobs(plan, hidden) if plan.prompt_logprob_rows else []
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[float]:
+        """log p(prompt token q | tokens < q) for each (i, q, row) the plan lists, from the logits
+        of token row q - 1 (one extra host sync, in steps that need it only)."""
+        index = torch.tensor([r for _, _, r in plan.prompt_logprob_rows], device=self.device)
+        targets = torch.tensor(plan.prompt_logprob_targets, device=self.device)
+        logits = self.model.compute_logits(hidden[index]).float()  # [n, V]
+        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()

@@ -1,0 +1,245 @@
+"""Loading weights into a built model, from a safetensors checkpoint or from named tensors (RL
+weight updates), always in place.
+
+Rules:
+- Tensors are copied into the existing parameters (`param.data[rows].copy_(t)`, cast to the
+  parameter's dtype and device); a parameter is never rebound, since CUDA graphs hold its address.
+- Two phases, so that a load is all or nothing: every (name, shape, dtype) is checked against the
+  model first, from safetensors headers alone for a checkpoint; only then is anything copied.
+- Names are the checkpoint's (Hugging Face) names. A packed parameter (`MergedLinear`) takes one
+  checkpoint tensor per shard: `...self_attn.q_proj.weight` fills the q rows of
+  `...self_attn.qkv_proj.weight`. Ignored: rotary `inv_freq` buffers, and `lm_head.weight` when the
+  model ties its embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.models.layers import MergedLinear
+from engine.parallel import Shard
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FLOAT_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint or update that does not fit the model; the message names the tensor or file."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: `rows` of a parameter (all of it when None); `view` is
+    those bytes (contiguous either way), taken when the targets are listed: a model's parameters
+    never move after it is bound to its memory (engine/weights/store.py), so the list may be kept.
+    `shard`: the part of the checkpoint tensor this tensor-parallel rank holds (None: all of it)."""
+
+    rows: slice | None
+    view: torch.Tensor
+    shard: Shard | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's (full) shape."""
+        shape = list(self.view.shape)
+        if self.shard is not None:
+            shape[self.shard.dim] = self.shard.total
+        return tuple(shape)
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor given whole (or already sliced)."""
+        s = self.shard
+        if s is None or tensor.shape[s.dim] == s.length:
+            return tensor
+        return tensor.narrow(s.dim, s.start, s.length)
+
+    @property
+    def dest(self) -> torch.Tensor:
+        """The bytes the rank's part fills (a padded vocabulary's last rank: its first rows)."""
+        s = self.shard
+        return self.view if s is None or self.view.shape[s.dim] == s.length else self.view.narrow(s.dim, 0, s.length)
+
+
+# ---- the model side ------------------------------------------------------------------------
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
+    """Checkpoint name -> target, for every tensor a full checkpoint must provide."""
+    targets: dict[str, _Target] = {}
+    for module_name, module in model.named_modules():
+        prefix = module_name.rpartition(".")[0]
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(module, MergedLinear):
+                for part, rows in module.rows.items():
+                    name = f"{prefix}.{part}.{param_name}" if prefix else f"{part}.{param_name}"
+                    shard = module.parts[part]
+                    targets[name] = _Target(rows, param.data[rows], None if shard.whole else shard)
+            else:
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                targets[name] = _Target(None, param.data, getattr(module, "shards", {}).get(param_name))
+    return targets
+
+
+def ignored(model: nn.Module, name: str) -> bool:
+    """A checkpoint tensor the model does not load (rotary tables, a tied lm_head)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    config = getattr(model, "config", None)
+    return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _validate(
+    model: nn.Module,
+    targets: dict[str, _Target],
+    entries: Iterable[tuple[str, tuple[int, ...], str]],  # (name, shape, safetensors dtype)
+    require_all: bool,
+) -> None:
+    seen: set[str] = set()
+    for name, shape, dtype in entries:
+        if ignored(model, name):
+            continue
+        target = targets.get(name)
+        if target is None:
+            raise WeightLoadError(f"unexpected tensor {name!r}: the model has no such weight")
+        if tuple(shape) != target.shape:
+            raise WeightLoadError(
+                f"tensor {name!r} has shape {list(shape)}, the model expects {list(target.shape)}"
+            )
+        if dtype not in _FLOAT_DTYPES.values():
+            raise WeightLoadError(
+                f"tensor {name!r} has dtype {dtype}; supported: {', '.join(_FLOAT_DTYPES.values())}"
+            )
+        seen.add(name)
+    if require_all:
+        missing = [name for name in targets if name not in seen]
+        if missing:
+            raise WeightLoadError(
+                f"missing tensor {missing[0]!r} ({len(missing)} of {len(targets)} missing)"
+            )
+
+
+@torch.no_grad()
+def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy each pair into its target; the names copied, in order. Host tensors are copied as
+    they come (a checkpoint streams file by file); tensors already on the GPU (CUDA IPC, a
+    broadcast) are copied by cudaMemcpy when large and together in one launch when small
+    (engine/memory/host_copy.py)."""
+    written: list[str] = []
+    on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, tensor in pairs:
+        if ignored(model, name):
+            continue
+        target = targets[name]
+        dst, tensor = target.dest, target.source(tensor)
+        if dst.is_cuda and tensor.is_cuda:
+            on_device.append((dst, tensor))
+        else:
+            dst.copy_(tensor)
+        written.append(name)
+    if on_device:
+        from engine.memory.host_copy import copy_tensors
+
+        dsts, srcs = [d for d, _ in on_device], [s for _, s in on_device]
+        rest, table = copy_tensors(dsts, srcs)
+        for i in rest:
+            dsts[i].copy_(srcs[i])
+        if table is not None:  # the launch reads its chunk table from pinned memory: keep it till then
+            torch.cuda.current_stream(dsts[0].device).synchronize()
+    return written
+
+
+# ---- the checkpoint side -------------------------------------------------------------------
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory: those its index names, else
+    `model.safetensors`, else every `*.safetensors` in it."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        names = [SINGLE_FILE]
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not names:
+            raise WeightLoadError(f"no safetensors weights in {path!r}")
+    files = [os.path.join(path, n) for n in names]
+    for file in files:
+        if not os.path.isfile(file):
+            raise WeightLoadError(f"weight file {file!r} is missing (named by {INDEX_FILE})")
+    return files
+
+
+def checkpoint_entries(path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of every tensor, read from the file headers only."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                yield name, tuple(sl.get_shape()), sl.get_dtype()
+
+
+def iterate_checkpoint(path: str, targets: dict[str, _Target] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) of every tensor of the checkpoint, one file at a time; of a tensor a
+    target holds one shard of, only that shard is read."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = targets.get(name) if targets is not None else None
+                shard = target.shard if target is not None else None
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    index = (slice(None),) * shard.dim + (slice(shard.start, shard.start + shard.length),)
+                    yield name, f.get_slice(name)[index]
+
+
+# ---- entry points --------------------------------------------------------------------------
+
+
+def load_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> list[str]:
+    """Load a full checkpoint directory into `model`: validate every header, then copy. Returns
+    the names written. `targets`: `checkpoint_targets(model)`, when the caller keeps it."""
+    targets = targets if targets is not None else checkpoint_targets(model)
+    _validate(model, targets, checkpoint_entries(path), require_all=True)
+    return _copy(model, targets, iterate_checkpoint(path, targets))
+
+
+def validate_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> None:
+    """Check every header of a full checkpoint directory against `model` (nothing else is read)."""
+    targets = targets if targets is not None else checkpoint_targets(model)
+    _validate(model, targets, checkpoint_entries(path), require_all=True)
+
+
+def validate_entries(
+    model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]], targets: dict[str, _Target] | None = None,
+) -> dict[str, _Target]:
+    """Check (name, shape, dtype) entries of a partial update before any byte arrives; returns
+    the model's targets by name."""
+    targets = targets if targets is not None else checkpoint_targets(model)
+    listed = ((name, tuple(shape), _FLOAT_DTYPES.get(dtype, str(dtype))) for name, shape, dtype in entries)
+    _validate(model, targets, listed, require_all=False)
+    return targets
+
+
+def load_named_tensors(
+    model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], require_all: bool = False,
+    targets: dict[str, _Target] | None = None,
+) -> list[str]:
+    """Copy (checkpoint name, tensor) pairs into `model`: a full set, or a partial update when
+    `require_all` is False. Nothing is copied unless every pair is valid. Returns the names
+    written."""
+    pairs = list(pairs)
+    entries = ((name, tuple(t.shape), _FLOAT_DTYPES.get(t.dtype, str(t.dtype))) for name, t in pairs)
+    targets = targets if targets is not None else checkpoint_targets(model)
+    _validate(model, targets, entries, require_all)
+    return _copy(model, targets, pairs)
