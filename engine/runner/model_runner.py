@@ -334,9 +334,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
             assert plan.sampling is not None
             samples = self.sampler.sample(logits, SamplingBatch.from_plan(plan.sampling, self.device, self.upload))
-        self._last_tokens = samples.token_ids if samples is not None else None
-        if samples is not None and self.graphs is not None:  # where a graph's pending rows read them
-            self._last_tokens = self.graphs.io.keep(samples.token_ids)
+        self._last_tokens = None
+        if samples is not None:  # with graphs: where a graph's pending rows read them
+            self._last_tokens = self.graphs.io.keep(samples.token_ids) if self.graphs is not None else samples.token_ids
         return samples, prompt_logprobs
 
     def _replay(self, plan: StepPlan) -> SampledOnDevice:
@@ -348,12 +348,10 @@ class ModelRunner:
         n = plan.num_seqs
         slot = self.graphs.run(plan)
         io = self.graphs.io
-        plain = sampling.repetition is None and sampling.output_pairs is None and sampling.bias_pairs is None and sampling.banned_pairs is None
-        if plain and sampling.all_greedy and not any(sampling.top_logprobs_nums):
+        if sampling.leaves_logits and sampling.all_greedy and not any(sampling.top_logprobs_nums):
             return io.landed(slot, n)
         batch = SamplingBatch.from_plan(sampling, self.device, self.upload)
-        known = (io.lse[:n], io.tokens[:n], io.pairs[:n]) if plain else None
-        samples = self.sampler.sample(self.graphs.logits[:n], batch, lse_argmax=known)
+        samples = self.sampler.sample(self.graphs.logits[:n], batch, lse_argmax=(io.lse[:n], io.tokens[:n], io.pairs[:n]))
         io.keep(samples.token_ids)
         return samples
 

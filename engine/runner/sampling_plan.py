@@ -47,6 +47,11 @@ class SamplingPlan(msgspec.Struct, array_like=True):
     use_top_p: bool
     use_min_p: bool
 
+    @property
+    def leaves_logits(self) -> bool:
+        """No penalty, bias or ban changes the logits (`Sampler.process_logits` returns them as they are)."""
+        return self.repetition is None and self.output_pairs is None and self.bias_pairs is None and self.banned_pairs is None
+
     @classmethod
     def from_requests(cls, requests: list[Request]) -> SamplingPlan:
         params = [r.sampling_params for r in requests]
