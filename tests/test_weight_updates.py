@@ -234,3 +234,33 @@ def test_update_while_paused_and_while_kv_released(server: ServerProcess, qwen3_
         http.post("/resume_memory_occupation")
         assert http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}).status_code == 200
         assert _generate(http) == expected["old"]
+
+
+def _mapped_files(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_a_pushed_tensor_is_let_go_when_its_answer_comes(qwen3_dir: str, qwen3_next_dir: str, expected) -> None:
+    """The engine drops the tensors of a push, refused or accepted, before it answers: a trainer
+    may free or reuse them at once. Garbage collection runs in the engine process only on its own
+    schedule, so a reference kept by an exception's traceback would show here (CPU tensors travel
+    as shared-memory files; the engine maps each one while it holds the tensor)."""
+    from engine.weights.payload import serialize_named_tensors
+
+    pairs = hf_named_parameters(qwen3_next_dir)
+    bad = [*pairs[:-1], (pairs[-1][0], pairs[-1][1][:-1].clone())]  # the last one a row short
+    with Engine(model=qwen3_dir, device="cpu", dtype="float32") as llm:
+        pid = llm._core.pid
+        assert pid is not None and os.path.exists(f"/proc/{pid}/maps")
+        for push, accepted, outputs in ((bad, False, "old"), (pairs, True, "new"), (bad, False, "new")):
+            payload = serialize_named_tensors(push)
+            files = {t.untyped_storage()._share_filename_cpu_()[1].decode() for _, t in push}
+            if accepted:
+                assert llm.update_weights_from_tensor([payload])["success"]
+            else:
+                with pytest.raises(InvalidRequest, match=push[-1][0]):
+                    llm.update_weights_from_tensor([payload])
+            held = [f for f in files if f in _mapped_files(pid)]
+            assert not held, f"the engine still maps {len(held)} of the push's {len(files)} tensors"
+            assert _outputs(llm) == expected[outputs]

@@ -158,7 +158,12 @@ class Ranks:
                 errors[reply.rank] = from_kind(reply.error.kind, f"tensor-parallel rank {reply.rank}: {reply.error.message}")
             results[reply.rank] = reply.result
         if errors:
-            raise errors[min(errors)]
+            first = errors.pop(min(errors))
+            errors.clear()
+            try:
+                raise first
+            finally:  # no frame of the traceback keeps it: that cycle would outlive the answer
+                del first
         return results
 
     # ---- the workers' lives -----------------------------------------------------------------------

@@ -116,7 +116,12 @@ class WeightUpdater:
         self._start()
         pairs = decode_update(serialized_named_tensors, load_format, self.tp.rank)
         self._phase("receive")
-        validate_entries(self.model, ((n, tuple(t.shape), t.dtype) for n, t in pairs), self.store.targets)
+        entries = [(n, tuple(t.shape), t.dtype) for n, t in pairs]
+        try:
+            validate_entries(self.model, entries, self.store.targets)
+        except BaseException:
+            del pairs  # a refused push's tensors go now (CUDA IPC handles close), not with its traceback
+            raise
         self._staged = pairs
 
     def from_staged(self) -> int:
