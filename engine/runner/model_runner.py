@@ -40,6 +40,7 @@ from engine.runner.step_inputs import (
     StepPlan,
     Uploader,
     build_metadata,
+    mixed_plan,
     plan_step,
     step_inputs,
 )
@@ -75,7 +76,8 @@ class ModelRunner:
     """Startup, in order (docs/ARCHITECTURE.md: Startup): 1. the model and its weights, inside the
     `weights` region, and their pinned host copy; 2. a profiling forward sizes the KV cache; 3. the
     KV cache inside the `kv_cache` region; 4. the attention backend (its workspaces), the graphs'
-    static buffers and the captured decode graphs, inside the `cuda_graph` region; 5. the sampler."""
+    static buffers and the captured decode graphs, inside the `cuda_graph` region; 5. the sampler;
+    6. on CUDA, one mixed step (`mixed_plan`), so that no kernel compiles while serving."""
 
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel | None = None
@@ -150,6 +152,9 @@ class ModelRunner:
         self.memory.bytes["cuda_graph"] += pool_bytes
         self.graph_bytes += pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        if self.device.type == "cuda":  # compile what only mixed steps launch (mixed_plan)
+            self.run(mixed_plan(self.block_size, self.num_kv_blocks))
+            torch.cuda.synchronize(self.device)
 
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the counters kept there

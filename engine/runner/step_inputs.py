@@ -201,6 +201,18 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
     )
 
 
+def mixed_plan(block_size: int, num_blocks: int) -> StepPlan:
+    """A step of a two-token prompt beside one decode (a sequence's second token), in blocks 0 and
+    1, sampling nothing: run at startup so that the kernels only mixed steps launch compile then,
+    not at the first prompt that joins running decodes (~1 s in which every stream stalls)."""
+    ends, starts = [2, 2], [0, 1]
+    meta, values = _metadata_values(ends, starts, [[0], [min(1, num_blocks - 1)]], block_size)
+    return StepPlan(
+        parts=[[0, 0, 0], [0, 1, 1], [], [], [], *values], num_seqs=2, sample_rows=[], prompt_logprob_rows=[],
+        prompt_logprob_targets=[], sampling=None, **meta,
+    )  # fmt: skip
+
+
 def step_inputs(plan: StepPlan, upload: Uploader, pending_tokens: torch.Tensor | None = None) -> StepInputs:
     """The plan on the device, in one copy; pending input ids taken from `pending_tokens` (the
     previous step's sampled tokens [S] on the device)."""
