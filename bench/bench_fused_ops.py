@@ -54,6 +54,18 @@ def decode_metadata(bs: int, context: int, block_size: int, num_blocks: int, dev
     )
 
 
+def replay_step(graphs: Any, bs: int, parts: list[list[int]], before: Any = None, after: Any = None) -> None:
+    """Stage the decode step `parts` (a StepPlan's, engine/runner/graph_io.py) and replay the graph
+    of batch bs, between the events `before` and `after` when given."""
+    slot = graphs.io.stage_step(parts, [1.0] * bs, bs, bs)
+    if before is not None:
+        before.record()
+    graphs.graphs[bs].replay()
+    if after is not None:
+        after.record()
+    graphs.io.replayed(slot)
+
+
 def count_kernels(fn: Any) -> tuple[int, dict[str, int]]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -86,11 +98,11 @@ def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[in
     for bs in args.batch_sizes:
         meta = decode_metadata(bs, args.context, runner.block_size, runner.num_kv_blocks, device)
         ids = torch.randint(0, mc.vocab_size, (bs,), generator=torch.Generator().manual_seed(bs))
-        graphs.input_ids[:bs].copy_(ids)
-        graphs.positions[:bs].fill_(args.context - 1)
-        graphs.backend.load_graph_metadata(meta, bs)
-        graph = graphs.graphs[bs]
-        graph.replay()
+        # The step as the runner stages it (engine/runner/graph_io.py): every replay's gather reads it.
+        parts = [ids.tolist(), [args.context - 1] * bs, list(range(bs)), [], [], meta.slot_mapping.tolist(),
+                 list(range(bs + 1)), meta.seq_lens.tolist(), meta.block_tables.flatten().tolist()]  # fmt: skip
+        replay = functools.partial(replay_step, graphs, bs, parts)
+        replay()
         torch.cuda.synchronize()
         logits = graphs.logits[:bs].float()
         row: dict[str, Any] = {}
@@ -101,13 +113,11 @@ def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[in
         else:
             ref[bs] = logits
         for _ in range(20):
-            graph.replay()
+            replay()
         times = []
         for _ in range(args.replays):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
+            replay(start, end)
             end.synchronize()
             times.append(start.elapsed_time(end))
         roofline_ms = (weight_bytes + kv_token * bs * args.context) / bandwidth * 1e3

@@ -112,6 +112,21 @@ def make_backend(shape: Shape, cache: torch.Tensor, max_model_len: int, max_num_
     )  # fmt: skip
 
 
+def load_graph_rows(backend, meta: AttentionMetadata, bs: int) -> AttentionMetadata:
+    """A real decode step of n <= bs rows into the backend's static graph buffers, as the runner's
+    gather does (engine/runner/graph_io.py): table rows padded with block 0 to the step's widest,
+    rows n..bs-1 padding (seq_len 0, slot -1). Returns the graph's metadata views."""
+    graph = backend.graph_metadata(bs)
+    n, width = meta.block_tables.shape
+    graph.block_tables[:, :width].zero_()
+    graph.block_tables[:n, :width] = meta.block_tables
+    graph.seq_lens.zero_()
+    graph.seq_lens[:n] = meta.seq_lens
+    graph.slot_mapping.fill_(-1)
+    graph.slot_mapping[:n] = meta.slot_mapping[:n]
+    return graph
+
+
 def reference(shape: Shape, cache: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 output [T, H, D], the cache as the step must leave it, in the cache's dtype)."""
     ref_cache = cache.double()
@@ -212,8 +227,7 @@ def test_decode_merged_in_the_kernel_matches_sdpa(shape: Shape) -> None:
     ref, _ = reference(shape, cache, real)
     backend.forward(LAYER, real.q, real.k, real.v, real.meta)  # stores the new K/V rows
     backend.init_graph_buffers(bs)
-    backend.load_graph_metadata(real.meta, bs)
-    meta = backend.graph_metadata(bs)
+    meta = load_graph_rows(backend, real.meta, bs)
     q = torch.cat([real.q, torch.randn(bs - n, *real.q.shape[1:], device="cuda").to(real.q.dtype)])
 
     def decode() -> torch.Tensor:
@@ -296,8 +310,7 @@ def test_graph_metadata_round_trip() -> None:
         ref, expected_cache = reference(shape, cache, real)
         eager = backend.forward(LAYER, real.q, real.k, real.v, real.meta)
         assert torch.equal(cache, expected_cache)
-        backend.load_graph_metadata(real.meta, bs)
-        meta = backend.graph_metadata(bs)
+        meta = load_graph_rows(backend, real.meta, bs)
         assert meta.num_seqs == bs and meta.is_decode
         # Padding rows carry random q/k/v: they must neither write nor read.
         q, k, v = (torch.cat([x, torch.randn(bs - n, *x.shape[1:], device="cuda").to(x.dtype)]) for x in (real.q, real.k, real.v))
@@ -311,7 +324,7 @@ def test_graph_metadata_round_trip() -> None:
 
 def test_cuda_graph_replay_equals_eager() -> None:
     """Capture decode attention once with graph_metadata(bs), then replay it on new batches
-    (loaded with load_graph_metadata): output and cache equal an eager run of the same step."""
+    (loaded by load_graph_rows): output and cache equal an eager run of the same step."""
     torch.manual_seed(4)
     shape = SHAPES[0]
     bs, num_blocks, max_len = 8, 1200, 2048
@@ -323,7 +336,7 @@ def test_cuda_graph_replay_equals_eager() -> None:
     k = torch.randn(bs, shape.num_kv_heads, shape.head_dim, device="cuda").to(shape.dtype)
     v = torch.randn_like(k)
     first = new_batch(shape, [(x, 1) for x in torch.randint(1, max_len, (bs,)).tolist()], num_blocks)
-    backend.load_graph_metadata(first.meta, bs)
+    load_graph_rows(backend, first.meta, bs)
     backend.forward(LAYER, q, k, v, meta)  # warm-up: compiles the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -332,7 +345,7 @@ def test_cuda_graph_replay_equals_eager() -> None:
     for n in (bs, 5, 1):
         real = new_batch(shape, [(x, 1) for x in torch.randint(1, max_len, (n,)).tolist()], num_blocks)
         ref, _ = reference(shape, cache, real)
-        backend.load_graph_metadata(real.meta, bs)
+        load_graph_rows(backend, real.meta, bs)
         for static, new in ((q, real.q), (k, real.k), (v, real.v)):
             static.copy_(torch.randn_like(static.float()).to(static.dtype))
             static[:n] = new

@@ -55,9 +55,9 @@ class AttentionBackend(ABC):
     CUDA graphs (decode only): a backend with `supports_cuda_graph` owns the static metadata
     buffers that captured graphs read. `init_graph_buffers` allocates them once for the largest
     graph batch; `graph_metadata(bs)` returns views of their first `bs` rows (used to capture and
-    replay the graph of batch size bs); `load_graph_metadata` copies a real decode step into them,
-    rows past the real ones becoming padding (slot -1: writes nothing; seq_len 0: reads nothing,
-    outputs zeros). Inside a graph, a backend may not read host-side values (`*_cpu`,
+    replay the graph of batch size bs). The runner fills them before each replay (engine/runner/
+    graph_io.py), rows past the step's becoming padding (slot -1: writes nothing; seq_len 0: reads
+    nothing, outputs zeros). Inside a graph, a backend may not read host-side values (`*_cpu`,
     `max_seq_len`): they are those of the capture.
     """
 
@@ -107,9 +107,6 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def graph_metadata(self, bs: int) -> AttentionMetadata:
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
-
-    def load_graph_metadata(self, meta: AttentionMetadata, bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
 

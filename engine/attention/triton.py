@@ -199,19 +199,3 @@ class TritonBackend(AttentionBackend):
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
-
-    def load_graph_metadata(self, meta: AttentionMetadata, bs: int) -> None:
-        """Copy a real decode step (n <= bs sequences) into the static buffers; rows n..bs-1 become
-        padding (seq_len 0, slot -1). Block-table columns past a row's width keep stale entries,
-        which are never read (they lie past seq_len)."""
-        n, width = meta.block_tables.shape
-        if not meta.is_decode:
-            raise ValueError("CUDA graphs run decode steps only")
-        if not n <= bs <= self._graph_max_bs:
-            raise ValueError(f"{n} sequences do not fit a graph batch of {bs} (max {self._graph_max_bs})")
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"block tables of width {width} exceed max_blocks_per_seq {self.max_blocks_per_seq}")
-        tk.load_graph_metadata(
-            meta.block_tables, meta.seq_lens, meta.slot_mapping[:n],
-            self._g_block_tables[:bs], self._g_seq_lens[:bs], self._g_slot_mapping[:bs],
-        )  # fmt: skip

@@ -1,5 +1,5 @@
 """Triton kernels for paged attention, and thin launchers: the cache's layout and the helpers every
-attention kernel shares, the K/V store and the decode graphs' metadata load. The prefill kernel is
+attention kernel shares, and the K/V store. The prefill kernel is
 `triton_prefill.py`'s, the split-KV decode `triton_decode.py`'s. Only `engine.attention.triton`
 (and the models' fused decode kernels) import these modules, so a CPU install never imports Triton.
 
@@ -11,8 +11,6 @@ partial results carry their log-sum-exp in that base too.
 Kernels:
 - `_store_kv_kernel`: grid (T,); one program copies one token's K and V rows (all KV heads) into
   the cache at `slot_mapping[t]`, skipping slot -1.
-- `_graph_metadata_kernel`: a decode step's block tables, lengths and slots into a decode graph's
-  static buffers, padding rows included, in one launch.
 
 Compiled variants: Triton specializes a kernel on each integer argument (== 1, divisible by 16)
 and on each pointer's 16-byte alignment. Integers that follow the batch (block-table widths and
@@ -141,37 +139,4 @@ def store_kv(
         k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HKV=next_pow2(num_kv_heads),
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
-    )  # fmt: skip
-
-
-@Launcher
-@triton.jit(do_not_specialize=["n", "width", "stride_src"])
-def _graph_metadata_kernel(
-    src_bt_ptr, src_len_ptr, src_slot_ptr,  # a decode step's n rows: [n, width] int32, [n] int32, [n] int64
-    dst_bt_ptr, dst_len_ptr, dst_slot_ptr,  # a graph's static buffers: [bs, max_blocks], [bs], [bs]
-    n, width, stride_src, stride_dst, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # Program r: row r of the step into the static buffers; rows r >= n become padding (seq_len 0,
-    # slot -1, table untouched: never read past seq_len).
-    r = tl.program_id(0)
-    live = r < n
-    tl.store(dst_len_ptr + r, tl.load(src_len_ptr + r, mask=live, other=0))
-    tl.store(dst_slot_ptr + r, tl.load(src_slot_ptr + r, mask=live, other=-1))
-    if live:
-        for c0 in range(0, width, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            ok = cols < width
-            row = tl.load(src_bt_ptr + r.to(tl.int64) * stride_src + cols, mask=ok)
-            tl.store(dst_bt_ptr + r.to(tl.int64) * stride_dst + cols, row, mask=ok)
-
-
-def load_graph_metadata(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,  # the step's n rows
-    static_tables: torch.Tensor, static_lens: torch.Tensor, static_slots: torch.Tensor,  # the graph's bs rows
-) -> None:
-    """A decode step into a graph's static metadata, padding rows included: one launch."""
-    n, width = block_tables.shape
-    _graph_metadata_kernel[(static_lens.shape[0],)](
-        block_tables, seq_lens, slot_mapping, static_tables, static_lens, static_slots,
-        n, width, block_tables.stride(0), static_tables.stride(0), BLOCK=256, num_warps=1,
     )  # fmt: skip
