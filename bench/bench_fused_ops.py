@@ -66,6 +66,20 @@ def replay_step(graphs: Any, bs: int, parts: list[list[int]], before: Any = None
     graphs.io.replayed(slot)
 
 
+def kernels_per_layer(model: torch.nn.Module, forward: Any) -> int:
+    """Kernels a decoder layer adds to `forward`: its count with the model's first two layers less
+    its count with the first one (a model without layers has no decode path to compare)."""
+    layers = model.model.layers
+    counts = []
+    try:
+        for k in (1, 2):
+            model.model.layers = layers[:k]
+            counts.append(count_kernels(forward)[0])
+    finally:
+        model.model.layers = layers
+    return counts[1] - counts[0]
+
+
 def count_kernels(fn: Any) -> tuple[int, dict[str, int]]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -123,14 +137,8 @@ def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[in
         roofline_ms = (weight_bytes + kv_token * bs * args.context) / bandwidth * 1e3
         forward = functools.partial(graphs._forward, bs)  # eager, over the same static inputs
         total, names = count_kernels(forward)
-        layers = runner.model.model.layers
-        runner.model.model.layers = torch.nn.ModuleList()  # what runs outside the layers
-        try:
-            outside, _ = count_kernels(forward)
-        finally:
-            runner.model.model.layers = layers
         row |= {"replay_median_ms": statistics.median(times), "replay_min_ms": min(times), "roofline_ms": roofline_ms,
-                "kernels_per_forward": total, "kernels_per_layer": (total - outside) / len(layers),
+                "kernels_per_forward": total, "kernels_per_layer": kernels_per_layer(runner.model, forward),
                 "kernel_names": names}
         out["batches"][bs] = row
         say(f"decode fused={fused} bs={bs}: replay {row['replay_median_ms']:.3f} ms (roofline {roofline_ms:.3f}), "
