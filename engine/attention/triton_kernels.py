@@ -1,7 +1,7 @@
-"""Triton kernels for paged attention, and thin launchers: the cache's layout and the helpers every
-attention kernel shares, and the K/V store. The prefill kernel is
-`triton_prefill.py`'s, the split-KV decode `triton_decode.py`'s. Only `engine.attention.triton`
-(and the models' fused decode kernels) import these modules, so a CPU install never imports Triton.
+"""Triton kernels for paged attention, and thin launchers: the cache's layout, the helpers every
+attention kernel shares, and the K/V store. The prefill kernel is `triton_prefill.py`'s, the
+split-KV decode `triton_decode.py`'s. Only `engine.attention.triton` (and the models' fused decode
+kernels) import these modules, so a CPU install never imports Triton.
 
 Cache of one layer: K and V each `[num_blocks, block_size, Hkv, D]`, contiguous; token j of a
 sequence lives in block `block_table[j // block_size]`, row `j % block_size`. Query head h reads KV

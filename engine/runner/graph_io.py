@@ -20,8 +20,8 @@ Rules:
   the engine reads step k's results before it launches step k + 2 (engine/core/engine_core.py).
 - A staging slot, int32: columns [COLUMNS, max_bs] (token, source row of a pending token or -1,
   position, KV slot, sequence length, the step's table width, temperature as float32 bits), then
-  block tables [max_bs, max_blocks], each row padded with block 0 to the step's widest (no
-  static table row keeps a stale entry within that width). Rows past the step's are padding: token 0 at
+  block tables [max_bs, max_blocks], each row padded with block 0 to the step's widest (no static
+  table row keeps a stale entry within that width). Rows past the step's are padding: token 0 at
   position 0, slot -1, length 0, width 0 (their table rows untouched), temperature 1.
 - A pending token (one the host does not know yet) is row `source` of `tokens`, the device's
   copy of the last step's sampled tokens: the graph's sampler writes it, an eager step's sampler
