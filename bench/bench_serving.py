@@ -165,6 +165,10 @@ class Server:
                 pids.append(int(entry))
         return pids
 
+    def steps(self) -> int:
+        """The engine's step count so far (a section's steps: its tokens per step say how full they ran)."""
+        return int(httpx.get(f"{self.url}/get_server_info", timeout=30.0).json()["num_steps"])
+
     def flush(self) -> None:
         for _ in range(50):  # 400 while requests still run (a client's abort lands late)
             if httpx.post(f"{self.url}/flush_cache", timeout=30.0).status_code == 200:
@@ -225,11 +229,13 @@ def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, A
     pool.warm([min(len(s), 1024) for s in shares])
     spies = py_spy(profile[0], {"server": server.proc.pid, "engine": server.engine_pid}, profile[1])
     pids = [*server.api_pids, server.engine_pid]
+    steps0 = server.steps()
     before = [cpu_s(pid) for pid in pids]
     start_at, results = pool.run(shares)
     after = [cpu_s(pid) for pid in pids]
     stop_py_spy(spies)
     out = summarize(start_at, results, expected)
+    out["engine_steps"] = server.steps() - steps0
     api = [cpu_pct(b, a, out["wall_s"]) for b, a in zip(before[:-1], after[:-1], strict=True)]
     # Server CPU: all its API processes together, and the busiest one (a process is the ceiling).
     out["server_cpu_pct"] = None if None in api else sum(api)
@@ -260,9 +266,11 @@ def engine_runs(args: argparse.Namespace, model: str, flags: list[str], work: di
             runs = []
             for _ in range(args.rounds):
                 llm.flush_cache()
+                steps0 = llm.get_server_info()["num_steps"]
                 before, cpu0, t = cpu_s(pid), time.process_time(), time.perf_counter()
                 outs = llm.generate(input_ids=prompts, sampling_params=sp)
                 wall = time.perf_counter() - t
+                steps = llm.get_server_info()["num_steps"] - steps0
                 tokens = sum(len(o.output_ids) for o in outs)
                 bad = [o for o in outs if o.finish_reason != "length" or len(o.output_ids) != args.output_len
                        or len(o.output_token_logprobs or []) != args.output_len]
@@ -270,8 +278,9 @@ def engine_runs(args: argparse.Namespace, model: str, flags: list[str], work: di
                     "requests": n, "ok": n - len(bad), "failed": len(bad), "output_tokens": tokens,
                     "expected_output_tokens": n * args.output_len, "wall_s": wall, "tokens_per_s": tokens / wall,
                     "engine_cpu_pct": cpu_pct(before, cpu_s(pid), wall),
-                    "client_cpu_pct_max": 100.0 * (time.process_time() - cpu0) / wall, "invalid": False})
-                say(f"engine N={n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s")
+                    "client_cpu_pct_max": 100.0 * (time.process_time() - cpu0) / wall, "invalid": False,
+                    "engine_steps": steps})
+                say(f"engine N={n}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s in {steps} steps")
             res["rl"].setdefault(str(n), {})["engine"] = median_section(runs)
             write_json(args.out, res)
 
@@ -310,7 +319,7 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
                 say(f"{mode} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
                     f"{r['tokens_per_s']:.0f} tok/s; {r['failed']} failed; CPU server {r['server_cpu_pct'] or 0:.0f} % "
                     f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
-                    f"engine {r['engine_cpu_pct'] or 0:.0f} %, clients {r['client_cpu_pct_max']:.0f} % max")
+                    f"engine {r['engine_cpu_pct'] or 0:.0f} %, clients {r['client_cpu_pct_max']:.0f} % max, {r['engine_steps']} steps")
                 write_json(args.out, res)
         if "online" not in args.skip and time.perf_counter() - T0 <= args.deadline_s:
             shares = online_specs(random.Random(args.seed + 99), args.num_online, args.request_rate, args.input_len,

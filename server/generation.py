@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -19,6 +20,12 @@ from engine.errors import EngineUnavailable, InvalidRequest
 from engine.limits import RequestLimits, prompt_error, vocab_error
 from engine.request import SAMPLE_SEP, SamplingParams
 from server.metrics import Metrics
+
+T = TypeVar("T")
+
+
+def _same(out: GenerationOutput) -> Any:
+    return out
 
 
 class ClientDisconnected(Exception):
@@ -110,16 +117,21 @@ async def _events(
         tracker.finish(outcome, len(job.prompt_token_ids))
 
 
-async def run_jobs(client: AsyncEngineClient, metrics: Metrics, jobs: list[Job], request: Request) -> list[GenerationOutput]:
-    """Run jobs to their ends, concurrently; if the HTTP client goes away, abort them all and
-    raise `ClientDisconnected`."""
+async def run_jobs(
+    client: AsyncEngineClient, metrics: Metrics, jobs: list[Job], request: Request,
+    finish: Callable[[GenerationOutput], T] = _same,
+) -> list[T]:
+    """Run jobs to their ends, concurrently, each output through `finish` as soon as its job
+    ends (a response part built while the other jobs still run: only the last to end are built
+    after the engine's last step), in the jobs' order; if the HTTP client goes away, abort them
+    all and raise `ClientDisconnected`."""
 
-    async def one(job: Job) -> GenerationOutput:
+    async def one(job: Job) -> T:
         last: GenerationOutput | None = None
         async for _, output in _events(client, metrics, job):
             last = output
         assert last is not None  # a job always ends with a finished update
-        return last
+        return finish(last)
 
     tasks = [asyncio.ensure_future(one(j)) for j in jobs]
     work = asyncio.gather(*tasks)

@@ -95,9 +95,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     metrics = request.app.state.metrics
     if body.stream:
         return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, sp.stream_interval or 1))
-    outs = await run_jobs(client, metrics, jobs, request)
-    results = [_result(o, params, version) for o in outs]
-    return Response(_JSON.encode(results if is_batch or len(results) > 1 else results[0]), media_type="application/json")
+    # Each job's JSON as it ends; the body is the parts joined (a list for a batch or n > 1).
+    parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, params, version)))
+    body = b"[" + b",".join(parts) + b"]" if is_batch or len(parts) > 1 else parts[0]
+    return Response(body, media_type="application/json")
 
 
 class _NativeEvents:

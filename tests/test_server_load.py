@@ -172,3 +172,47 @@ def test_sends_that_wait_keep_their_order() -> None:
         return out
 
     assert asyncio.run(run()) == [b"a", b"b", b"c", b"d"]
+
+
+def test_a_batch_builds_each_part_when_its_job_ends(demo_dir: str) -> None:
+    """`run_jobs` (a whole, non-streamed request of several jobs) hands each job's output to
+    `finish` when that job ends, not when the last one does: a batch's response parts are built
+    while its other jobs still run. Real engine process and client; the HTTP request is an ASGI
+    scope whose client never leaves."""
+    from starlette.requests import Request
+
+    from engine.client.async_client import AsyncEngineClient
+    from engine.config import EngineConfig
+    from engine.request import SamplingParams
+    from server.generation import Job, run_jobs
+    from server.metrics import Metrics
+
+    async def run() -> tuple[dict[str, float], list]:
+        client = AsyncEngineClient(EngineConfig(model=demo_dir, max_model_len=512), log_level="WARNING")
+        await client.start()
+        try:
+            never = asyncio.get_running_loop().create_future()
+
+            async def receive() -> dict:
+                return await never
+
+            request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+            jobs = [Job(i, f"finish-{n}", [5, 6, 7, 8], SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0))
+                    for i, n in enumerate((2, 160))]
+            built: dict[str, float] = {}
+
+            def finish(out):  # noqa: ANN001, ANN202
+                built[out.request_id] = time.monotonic()
+                return out.request_id, len(out.output_ids)
+
+            t0 = time.monotonic()
+            parts = await run_jobs(client, Metrics(), jobs, request, finish)
+            return {rid: t - t0 for rid, t in built.items()}, parts
+        finally:
+            await client.shutdown()
+
+    built, parts = asyncio.run(run())
+    assert parts == [("finish-2", 2), ("finish-160", 160)]  # the jobs' order, each through finish
+    # The short job's part was built while the long one still ran (160 steps on the CPU), not
+    # when it ended.
+    assert built["finish-2"] < 0.5 * built["finish-160"], built
