@@ -3,6 +3,9 @@ process.
 
 - `model_runner.py`: `ModelRunner`, startup as a recipe (model, weights, KV cache, attention
   backend, sampler, graphs); `launch` queues a step on the device without waiting.
+- `kv_sizing.py`: how many KV blocks the cache gets (the profiling forward on CUDA).
+- `decode_paths.py`: which kernels a CUDA decode step runs (one or two per layer, or the
+  layers' own with their attention in one kernel), attached to the model at startup.
 - `step_inputs.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
   tensor-parallel rank runs) and sent to the device as the step's input tensors.
 - `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).

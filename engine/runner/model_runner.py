@@ -20,18 +20,14 @@ from engine.attention import (
     resolve_backend_name,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.memory.kv_budget import (
-    GpuMemoryProfile,
-    gpu_kv_budget,
-    kv_block_bytes,
-    make_kv_cache,
-    num_kv_blocks_for_budget,
-)
+from engine.memory.kv_budget import make_kv_cache
 from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
 from engine.request import Batch
 from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.decode_paths import attach_decode_paths
+from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
@@ -39,7 +35,6 @@ from engine.runner.step_inputs import (
     StepInputs,
     StepPlan,
     Uploader,
-    build_metadata,
     mixed_plan,
     plan_step,
     step_inputs,
@@ -51,9 +46,6 @@ log = logging.getLogger("siesta.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
-# Device memory kept back for what comes after the KV cache besides the graphs' static logits
-# (the graphs' pool, cuBLAS workspaces of new shapes), bytes.
-_GRAPH_MARGIN = 256 << 20
 # Largest decode batch captured by default: fewer on a small GPU.
 _DEFAULT_GRAPH_MAX_BS = 256
 # Steps of up to this many tokens all-reduce through the fused NVLink kernel at tp_size > 1.
@@ -118,7 +110,7 @@ class ModelRunner:
             "pinned" if self.weights.host is not None else "none",
         )
 
-        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_kv_blocks = num_kv_blocks(self)
         with self.memory.region("kv_cache"):
             self.kv_cache = make_kv_cache(
                 mc, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
@@ -129,10 +121,11 @@ class ModelRunner:
         # Decode graphs and piecewise graphs share one pool: they never run at once.
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
-        piecewise_sizes = self._piecewise_sizes(self.num_kv_blocks * self.block_size)
+        piecewise_sizes = self.piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
-            self._decode_paths()
+            if self.device.type == "cuda":
+                attach_decode_paths(self.model, self.attn_backend, config.max_num_seqs)
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
@@ -163,38 +156,6 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.after_resume()
 
-    def _decode_paths(self) -> None:
-        """Decode steps of few rows run one kernel per layer (engine/models/fused_decode.py), and
-        the steps above them up to 64 rows two per layer (engine/models/batch_decode.py), where
-        the model, its device and the attention backend allow it; the other decode steps run the
-        layers with their attention's rope and K/V store folded in (engine/models/batch_attention.py)."""
-        if self.device.type != "cuda":
-            return
-        from engine.models import batch_attention, batch_decode, fused_decode
-
-        lm, max_seqs = self.model.model, self.config.max_num_seqs
-        why = batch_attention.unsupported(self.model, self.attn_backend)
-        if why is None:
-            batch_attention.DecodeAttention(self.model, self.attn_backend).attach(self.model)
-        else:
-            log.info("rope decode off: %s", why)
-        why = fused_decode.unsupported(self.model, self.attn_backend)
-        if why is None:
-            lm.fused_decode = fused_decode.FusedDecode(self.model, self.attn_backend, min(fused_decode.MAX_ROWS, max_seqs))
-            log.info("fused decode: steps of <= %d rows run one kernel per layer (%.1f MiB of scratch)",
-                     lm.fused_decode.max_rows, lm.fused_decode.nbytes / (1 << 20))
-        else:
-            log.info("fused decode off: %s", why)
-        first = lm.fused_decode.max_rows + 1 if lm.fused_decode is not None else 1
-        last = min(batch_decode.MAX_ROWS, max_seqs)
-        why = batch_decode.unsupported(self.model, self.attn_backend)
-        if why is None and first <= last:
-            lm.batch_decode = batch_decode.BatchDecode(self.model, self.attn_backend, first, last)
-            log.info("batch decode: steps of %d..%d rows run two kernels per layer (%.1f MiB of scratch)",
-                     first, lm.batch_decode.max_rows, lm.batch_decode.nbytes / (1 << 20))
-        elif why is not None:
-            log.info("batch decode off: %s", why)
-
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
         mc = self.model_config
         return get_backend_class(self.backend_name)(
@@ -215,7 +176,7 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
 
-    def _piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
+    def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
         """The token counts of the piecewise graphs for steps with prefill: none on CPU or by flag."""
         limit = self.config.piecewise_cuda_graph_max_tokens
         if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
@@ -244,66 +205,6 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         return model.eval()
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype, self.num_kv_heads)
-        # Never more blocks than max_num_seqs requests of full context length could use.
-        max_useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
-        if self.device.type == "cuda":
-            profile = self._profile()
-            budget = gpu_kv_budget(profile, self.config.mem_fraction)
-            log.info(
-                "memory profile: device %.1f GiB, outside torch %.2f GiB, peak forward %.2f GiB, reserve %.2f GiB"
-                " -> KV budget %.2f GiB at mem_fraction %.2f",
-                profile.total_bytes / _GIB, profile.non_torch_bytes / _GIB, profile.peak_torch_bytes / _GIB,
-                profile.reserve_bytes / _GIB, budget / _GIB, self.config.mem_fraction,
-            )
-        else:
-            budget = int(self.config.kv_cache_memory_gb * _GIB)
-        blocks = num_kv_blocks_for_budget(budget, block_bytes, max_useful)
-        # Every rank holds the same blocks (rank 0's scheduler hands them out): the fewest any has.
-        return self.tp.min_over_ranks(blocks, self.device)
-
-    @torch.inference_mode()
-    def _profile(self) -> GpuMemoryProfile:
-        """One forward at the largest token budget over a scratch KV cache just big enough for it;
-        torch's peak allocation, less that scratch cache, is what a step may need besides KV."""
-        budget = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
-        lens = [self.max_model_len] * (budget // self.max_model_len)
-        lens += [budget % self.max_model_len] if budget % self.max_model_len else []
-        blocks = [-(-n // self.block_size) for n in lens]
-        mc = self.model_config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        scratch = torch.empty(
-            (mc.num_layers, 2, sum(blocks), self.block_size, self.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device
-        )
-        scratch_bytes = scratch.numel() * scratch.element_size()
-        tables, first = [], 0
-        for b in blocks:
-            tables.append(list(range(first, first + b)))
-            first += b
-        meta = build_metadata(lens, [0] * len(lens), tables, self.block_size, self.upload)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        ids = torch.zeros(budget, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, positions, ForwardContext(self.make_backend(scratch), meta))
-        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
-        self.model.compute_logits(hidden[last])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
-        del scratch, hidden, meta
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        itemsize = torch.finfo(self.dtype).bits // 8
-        reserve = self.graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if self.graph_max_bs else 0
-        pieces = self._piecewise_sizes(budget)
-        if pieces:  # their pool holds the activations of their largest size: at most the peak
-            reserve += peak + pieces[-1] * (self.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
-        return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
 
     @torch.inference_mode()
     def launch(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:
