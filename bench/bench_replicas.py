@@ -46,9 +46,9 @@ from typing import Any
 
 import bench_serving as serving
 import httpx
-from bench_serving import Server, cpu_pct, cpu_s, free_port, say, write_json
 from replicas_table import FLIP_VERSION, print_table, table_rows
 from serving_clients import ClientPool, random_prompts, rl_specs, summarize
+from serving_server import T0, Server, cpu_pct, cpu_s, free_port, say, write_json
 
 FULL = dict(shape="0.6b", server_args="", num_prompts=1024, input_len=256, output_len=256, client_procs=8,
             deadline_s=480.0, startup_timeout_s=600.0)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[Server] = []  # the replicas and then the gateway: all stopped in `finally`
 
     def section(name: str, fn: Any, *a: Any) -> None:
-        if time.perf_counter() - serving.T0 > args.deadline_s:
+        if time.perf_counter() - T0 > args.deadline_s:
             res["skipped"].append(name)
             return say(f"{name}: skipped (past --deadline-s)")
         try:
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in reversed(servers):
             s.stop()
     res["table"] = table_rows(res, args.replicas, args.gpu)
-    res["meta"]["total_s"] = time.perf_counter() - serving.T0
+    res["meta"]["total_s"] = time.perf_counter() - T0
     write_json(args.out, res)
     print_table(res)
     failed = any((res.get(k) or {}).get("failed") for k in ("one", "gateway")) or not (res.get("flip") or {}).get("ok")

@@ -61,7 +61,7 @@ def server_flags(args: Any, tokenizer: str | None) -> list[str]:
 
 @contextlib.contextmanager
 def env_set(values: dict[str, str]) -> Iterator[None]:
-    """os.environ with `values` while a child starts (bench_serving's Server takes no env)."""
+    """os.environ with `values` while a child starts (serving_server's Server takes no env)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -304,7 +304,7 @@ def run_all(run: Any, modes: list[str]) -> None:
             args.ref_iters,
         )
 
-    from bench_serving import Server
+    from serving_server import Server
 
     log = os.path.splitext(args.out)[0] + ".server.log"
     with env_set({"CUDA_VISIBLE_DEVICES": gpus["server_visible"]} if cuda else {}):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import bench_serving as serving
+from serving_server import T0
 
 PER_REPLICA_TARGET = 0.9  # the gateway's tok/s over one replica's, per replica
 FLIP_VERSION = "flip-1"
@@ -70,4 +70,4 @@ def print_table(res: dict[str, Any]) -> None:
         print("| " + " | ".join([r["metric"], *map(cell, (r["measured"], r["reference"], r["ratio"])), r["target"], ok, r["note"]]) + " |")
     for name, err in res["errors"].items():
         print(f"section {name} FAILED: {err.strip().splitlines()[-1] if err else ''}")
-    print(f"total {time.perf_counter() - serving.T0:.0f} s; JSON in {meta['out']}", flush=True)
+    print(f"total {time.perf_counter() - T0:.0f} s; JSON in {meta['out']}", flush=True)
