@@ -85,8 +85,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     metrics = request.app.state.metrics
     if body.stream:
         return EventStream(client, metrics, jobs, _ChoiceEvents(reply, prefix))
-    outs = await run_jobs(client, metrics, jobs, request)
-    return JSONResponse(reply.full(outs, prefix))
+    # Each choice is built as its job ends (its logprobs' texts too), not after the last one.
+    choices = await run_jobs(client, metrics, jobs, request, lambda o: reply.whole_choice(o, prefix))
+    return JSONResponse(reply.full(choices))
 
 
 # ---- chat completions ---------------------------------------------------------------------------
@@ -128,8 +129,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     metrics = request.app.state.metrics
     if body.stream:
         return EventStream(client, metrics, jobs, _ChoiceEvents(reply, {}))
-    outs = await run_jobs(client, metrics, jobs, request)
-    return JSONResponse(reply.full(outs))
+    choices = await run_jobs(client, metrics, jobs, request, reply.whole_choice)
+    return JSONResponse(reply.full(choices))
 
 
 # ---- streaming ----------------------------------------------------------------------------------

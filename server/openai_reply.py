@@ -63,9 +63,11 @@ class Reply:
     _token_text: TokenText = field(init=False)
     _lp_sent: dict[int, int] = field(default_factory=dict)  # choice -> tokens whose logprobs went
     _offset: dict[int, int] = field(default_factory=dict)  # choice -> text_offset of its next token
+    _choice_of: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self._token_text = TokenText(self.tokenizer)
+        self._choice_of = {j.request_id: j.index for j in self.jobs}  # engine id -> choice index
 
     @property
     def chat(self) -> bool:
@@ -82,19 +84,24 @@ class Reply:
         return self.body(choices, **({"usage": None} if self.include_usage else {}))
 
     def usage(self, outs: dict[int, GenerationOutput]) -> dict[str, int]:
+        return self._usage(sum(len(o.output_ids) for o in outs.values()))
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
         prompt_tokens = sum(len(j.prompt_token_ids) for j in self.jobs[:: self.n])
-        completion_tokens = sum(len(o.output_ids) for o in outs.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    def full(self, outs: list[GenerationOutput], prefix: dict[int, str] | None = None) -> dict[str, Any]:
-        """The non-streaming response; `prefix` is the echoed prompt text per choice."""
-        prefix = prefix or {}
-        choices = []
-        for i, out in enumerate(outs):
-            self._offset[i] = len(prefix.get(i, ""))
-            choices.append(self.choice(i, prefix.get(i, "") + out.text, out, finished=True))
-        return self.body(choices, usage=self.usage(dict(enumerate(outs))))
+    def whole_choice(self, out: GenerationOutput, prefix: dict[int, str] | None = None) -> tuple[Choice, int]:
+        """A finished job's choice in the non-streaming response, built as soon as it ends
+        (`run_jobs`' finish), and its token count; `prefix` is the echoed prompt text per choice."""
+        i = self._choice_of[out.request_id]
+        text = (prefix or {}).get(i, "")
+        self._offset[i] = len(text)
+        return self.choice(i, text + out.text, out, finished=True), len(out.output_ids)
+
+    def full(self, choices: list[tuple[Choice, int]]) -> dict[str, Any]:
+        """The non-streaming response from every job's `whole_choice`, in the jobs' order."""
+        return self.body([c for c, _ in choices], usage=self._usage(sum(n for _, n in choices)))
 
     def choice(self, index: int, text: str, out: GenerationOutput | None, finished: bool) -> Choice:
         """A choice (whole) or a delta of one (streaming): `text` is all of it, or what is new."""
