@@ -1,5 +1,5 @@
 """`TritonBackend`: paged attention with the Triton kernels of `triton_kernels.py` (layout, K/V store,
-graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV), for CUDA.
+graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV, its pieces in `split_kv.py`), for CUDA.
 
 - Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing).
 - Prefill (any step with a sequence of more than one new token): one ragged-batch kernel, causal

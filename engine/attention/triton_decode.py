@@ -13,9 +13,8 @@ With `counts` (MERGE), the kernel merges its own splits and no reduce runs: each
 partial, then adds one to its (row, KV head) counter; the split that brings it to the row's count
 of splits merges them (`merge_splits`) and zeroes the counter for the next launch.
 
-The tile loop (`attend_tiles`), the first tile's L2 prefetch (`prefetch_first_tile`) and a
-split's write and merge (`write_split`, `write_zeros`) are Triton functions that the batch decode's own attention
-kernel (engine/models/batch_attention.py, rope folded in) shares.
+The tile loop, the first tile's L2 prefetch and a split's write and merge are split_kv.py's,
+shared with the batch decode's own attention kernel (engine/models/batch_attention.py).
 
 Compiled variants: the split count is not specialized, and the reduce merges any count of splits
 BLOCK_S at a time, not in one block sized by the batch (mixed steps of two or three sequences,
@@ -29,8 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
-from engine.attention.triton_kernels import LOG2E, dot, kv_offsets, next_pow2, stamp_row
+from engine.attention.split_kv import (
+    attend_tiles,
+    prefetch_first_tile,
+    split_chunk,
+    write_split,
+    write_zeros,
+)
+from engine.attention.triton_kernels import LOG2E, next_pow2, stamp_row
 from engine.launcher import Launcher
 
 REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
@@ -50,134 +55,12 @@ def decode_row(qsl_ptr, seq, mixed):
 
 
 @triton.jit
-def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    # Tokens per split for this row: an even share rounded up to whole tiles (0 when seq_len is 0).
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
 def _stamp(stamp_ptr, i: tl.constexpr, TIMING: tl.constexpr):
     # bench only (TIMING): this program's %globaltimer (ns) at point i (0 start, 1 after the PDL
     # wait, 2 end of a one-split program) into stamp[program, i]; at 0 also its %smid into [3].
     if TIMING:
         program = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
         stamp_row(stamp_ptr + program * 4, i, 3)
-
-
-@triton.jit
-def prefetch_first_tile(
-    k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, stride_cblk, stride_ctok, stride_chead,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr,
-):  # fmt: skip
-    # The K/V lines of tokens start..start+BLOCK_N-1 (below end) into L2, LINE elements a line:
-    # what a PDL launch issues before its wait (a prefetch holds no value, so a row the kernel
-    # before still writes cannot be read stale).
-    first = start + tl.arange(0, BLOCK_N)
-    first_off = kv_offsets(bt_row_ptr, first, first < end, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
-    lines = (tl.arange(0, HEAD_DIM // LINE) * LINE)[None, :]
-    pdl.prefetch_l2(k_cache_ptr + first_off[:, None] + lines)
-    pdl.prefetch_l2(v_cache_ptr + first_off[:, None] + lines)
-
-
-@triton.jit
-def attend_tiles(
-    q,  # [BLOCK_H, HEAD_DIM] in the cache's dtype: one KV head's query heads
-    k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
-    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    # The online softmax (base 2) of q over the cached tokens start..end-1 of one sequence, in
-    # tiles of BLOCK_N: -> (m [BLOCK_H] running max, l [BLOCK_H] sum of exp2, acc [BLOCK_H, D]
-    # unnormalized output); an empty range leaves (-inf, 0, 0).
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        kv_off = kv_offsets(bt_row_ptr, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        s = dot(q, tl.trans(k), IEEE) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def write_zeros(out_ptrs, h_mask, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
-    # A padding row's output (out_ptrs [BLOCK_H, HEAD_DIM]): zeros, written after the PDL wait
-    # (no write before the kernel before, which may read out, has ended).
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    tl.store(out_ptrs, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
-
-
-@triton.jit
-def write_split(
-    m_i, l_i, acc,  # attend_tiles' result for this split
-    out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
-    part_out_ptr, part_lse_ptr, count_ptr,  # as _decode_kernel's
-    seq, kv_head, split, num_splits, num_valid, heads, h_mask,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, MERGE: tl.constexpr,
-):  # fmt: skip
-    # One split: the output itself (num_splits 1; seq_len 0 leaves l == 0 and acc == 0: zeros,
-    # not NaN), else its normalized partial and log-sum-exp, merged here (MERGE) by the last of
-    # the row's num_valid splits to arrive.
-    if num_splits == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
-    else:
-        part = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
-        offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
-        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
-            merge_splits(
-                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
-                (seq * NUM_HEADS + heads) * num_splits, h_mask, num_valid, BLOCK_H, HEAD_DIM,
-            )  # fmt: skip
-
-
-@triton.jit
-def merge_splits(
-    part_out_ptr, part_lse_ptr, count_ptr,
-    out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
-    base,  # [BLOCK_H] index of each head's split 0 in the partials
-    h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    # Called by every split after it stored its partial: the last of the num_valid splits to
-    # arrive merges them all into out and zeroes the counter for the next launch. Release on
-    # arrival, acquire by the merger, CTA barriers around the counter, partials read from L2.
-    # Not the reduce's [BLOCK_S, D]-per-head loop: inside this kernel that made the batch decode
-    # slower than the reduce itself (bench/RESULTS.md, twenty-sixth session, review).
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == num_valid - 1:
-        tl.debug_barrier()
-        tl.store(count_ptr, 0)
-        offs_d = tl.arange(0, HEAD_DIM)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        for s in range(0, num_valid):
-            lse = tl.load(part_lse_ptr + base + s, mask=h_mask, other=0.0, cache_modifier=".cg")
-            part = tl.load(
-                part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m, lse)
-            scale = tl.exp2(m - m_new)  # 0 on the first split
-            w = tl.exp2(lse - m_new)
-            acc = acc * scale[:, None] + w[:, None] * part
-            total = total * scale + w
-            m = m_new
-        tl.store(out_ptrs, (acc / total[:, None]).to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
 
 
 @Launcher

@@ -1,6 +1,6 @@
 """Triton kernels for paged attention, and thin launchers: the cache's layout, the helpers every
 attention kernel shares, and the K/V store. The prefill kernel is `triton_prefill.py`'s, the
-split-KV decode `triton_decode.py`'s. Only `engine.attention.triton` (and the models' fused decode
+split-KV decode `triton_decode.py`'s (its shared pieces `split_kv.py`'s). Only `engine.attention.triton` (and the models' fused decode
 kernels) import these modules, so a CPU install never imports Triton.
 
 Cache of one layer: K and V each `[num_blocks, block_size, Hkv, D]`, contiguous; token j of a

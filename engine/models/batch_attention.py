@@ -16,11 +16,11 @@ Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, sp
      fused_ops._norm_rope_heads (compiled without FMA contraction, as the persistent kernels).
   3. The split holding the new token (position seq_len - 1) stores its k and v into the cache at
      the row's slot (none for slot -1).
-  4. The online softmax over the split's cached tokens, the new one excluded (triton_decode's
+  4. The online softmax over the split's cached tokens, the new one excluded (split_kv's
      `attend_tiles`), then the new token folded in from registers: no program reads a row that
      another is writing.
   5. The output (one split) or the split's partial, merged by the row's last split to arrive
-     (triton_decode's `write_split`). Splits always merge here: no reduce launch runs after it.
+     (split_kv's `write_split`). Splits always merge here: no reduce launch runs after it.
 Rows of seq_len 0 (graph padding) write zeros and no cache row. Results equal the rope kernel
 followed by the backend's store and decode kernels up to the order of fp32 sums (the new token last).
 
@@ -40,7 +40,7 @@ from torch import nn
 from engine import pdl
 from engine.attention import ForwardContext, triton_decode
 from engine.attention.base import AttentionMetadata
-from engine.attention.triton_decode import (
+from engine.attention.split_kv import (
     attend_tiles,
     prefetch_first_tile,
     split_chunk,

@@ -9,7 +9,7 @@ normalizes (Qwen3) and rotates the GROUP query heads and the new key in register
 roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into the cache, and every
 split takes it from registers instead of the cache, so no barrier waits for that store. Each
 split runs the online softmax (base 2) over its chunk of the row's context, in tiles of ABN
-tokens; the chunk is an even share rounded up to whole tiles (engine/attention/triton_decode.py's
+tokens; the chunk is an even share rounded up to whole tiles (engine/attention/split_kv.py's
 `split_chunk`). Every split writes its normalized output and log-sum-exp (empty splits and rows of
 seq_len 0, graph padding, write zeros and -inf; padding rows write no cache row).
 `combine_heads` merges the splits of some heads for every row: the o_proj items call it for
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_decode import split_chunk
+from engine.attention.split_kv import split_chunk
 from engine.models.grid_phases import rnd, stamp
 
 
