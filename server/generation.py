@@ -8,18 +8,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 
 from engine.client.async_client import AsyncEngineClient
-from engine.client.output import GenerationOutput, StepUpdate
+from engine.client.output import GenerationOutput, LiveRequest, Waker
 from engine.errors import EngineUnavailable, InvalidRequest
 from engine.limits import RequestLimits, prompt_error, vocab_error
 from engine.request import SAMPLE_SEP, SamplingParams
-from server.metrics import Metrics
+from server.metrics import Metrics, RequestTracker
 
 T = TypeVar("T")
 
@@ -91,22 +91,21 @@ def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + i)
 
 
-async def _events(
-    client: AsyncEngineClient, metrics: Metrics, job: Job
-) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
-    """A whole job's one update, at its end, with its metrics recorded; an early close aborts it
+async def _run(
+    client: AsyncEngineClient, job: Job, live: LiveRequest, waker: Waker, tracker: RequestTracker
+) -> GenerationOutput:
+    """A submitted job (opened with `waker`) to its end, its metrics recorded; a cancel aborts it
     in the engine. (Streams are `server.event_stream.EventStream`'s.)"""
-    tracker = metrics.tracker()
     outcome = "disconnected"
+    last: GenerationOutput | None = None
     try:
-        updates = client.generate(job.request_id, job.prompt_token_ids, job.params, False, tracker.on_tokens)
-        async for update, out in updates:
+        async for update, out in client.updates(live, waker):
             refusal = out.refusal()
             if refusal is not None:
                 raise refusal
             if update.finished:
                 outcome = out.finish_reason or "abort"
-            yield update, out
+            last = out
     except EngineUnavailable:
         outcome = "unavailable"
         raise
@@ -114,7 +113,10 @@ async def _events(
         outcome = "error"
         raise
     finally:
+        client.close(live)
         tracker.finish(outcome, len(job.prompt_token_ids))
+    assert last is not None  # a job always ends with a finished update
+    return last
 
 
 async def run_jobs(
@@ -124,16 +126,29 @@ async def run_jobs(
     """Run jobs to their ends, concurrently, each output through `finish` as soon as its job
     ends (a response part built while the other jobs still run: only the last to end are built
     after the engine's last step), in the jobs' order; if the HTTP client goes away, abort them
-    all and raise `ClientDisconnected`."""
+    all and raise `ClientDisconnected`. The jobs go to the engine in one message, so they start
+    in the same engine step (a batch is scheduled alike on every run)."""
+    opened: list[tuple[Job, LiveRequest, Waker, RequestTracker]] = []
+    try:
+        for job in jobs:
+            tracker, waker = metrics.tracker(), Waker()
+            try:
+                live = client.open(job.request_id, job.prompt_token_ids, job.params, False, waker, tracker.on_tokens)
+            except Exception:  # e.g. its id is running already
+                tracker.finish("error", len(job.prompt_token_ids))
+                raise
+            opened.append((job, live, waker, tracker))
+        await client.submit(*(live for _, live, _, _ in opened))
+    except BaseException:
+        for job, live, _, tracker in opened:
+            client.close(live)
+            tracker.finish("error", len(job.prompt_token_ids))
+        raise
 
-    async def one(job: Job) -> T:
-        last: GenerationOutput | None = None
-        async for _, output in _events(client, metrics, job):
-            last = output
-        assert last is not None  # a job always ends with a finished update
-        return finish(last)
+    async def one(job: Job, live: LiveRequest, waker: Waker, tracker: RequestTracker) -> T:
+        return finish(await _run(client, job, live, waker, tracker))
 
-    tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+    tasks = [asyncio.ensure_future(one(*o)) for o in opened]
     work = asyncio.gather(*tasks)
     watcher = asyncio.create_task(_wait_disconnected(request))
     try:

@@ -12,6 +12,7 @@ from oracle import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from engine import Engine, EngineDeadError, InvalidRequest, SamplingParams
+from engine.core.protocol import AddRequests, StepOutputs
 
 NUM_NEW = 48
 GREEDY = SamplingParams(max_new_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
@@ -130,6 +131,29 @@ def test_prefill_only_requests(demo_engine: Engine) -> None:
     assert len(outs[2].output_ids) == 8
     again = llm.generate(input_ids=[prompt], sampling_params=SamplingParams(max_new_tokens=0))[0]  # prefix cached
     assert again.output_ids == [] and again.finish_reason == "length"
+    assert_all_blocks_free(llm)
+
+
+def test_one_call_starts_its_prompts_in_the_same_step(demo_engine: Engine) -> None:
+    """A generate call's prompts go to the engine in one message (`AddRequests`), which the engine
+    adds whole before its next step: the first step outputs every prompt's first token, so a
+    batch is scheduled alike on every run (prompts sent one message each could be split over
+    steps by when they arrive, and a different batch shape rounds differently)."""
+    llm = demo_engine
+    sent, received = [], []
+    send, recv = llm._core.send, llm._recv
+    llm._core.send = lambda msg: (sent.append(msg), send(msg))[1]
+    llm._recv = lambda: (msg := recv(), received.append(msg))[0]
+    try:
+        outs = llm.generate(input_ids=_prompts(3, (5, 40, 90, 12)), sampling_params=GREEDY)
+    finally:
+        del llm._core.send, llm._recv
+    assert [type(m) for m in sent] == [AddRequests]
+    assert [r.request_id for r in sent[0].requests] == [o.request_id for o in outs]
+    first = next(m for m in received if isinstance(m, StepOutputs))
+    assert sorted(d.request_id for d in first.deltas) == sorted(o.request_id for o in outs)
+    assert all(len(d.new_token_ids) == 1 for d in first.deltas)
+    assert all(len(o.output_ids) == NUM_NEW for o in outs)
     assert_all_blocks_free(llm)
 
 

@@ -175,9 +175,9 @@ def test_sends_that_wait_keep_their_order() -> None:
 
 
 def test_a_batch_builds_each_part_when_its_job_ends(demo_dir: str) -> None:
-    """`run_jobs` (a whole, non-streamed request of several jobs) hands each job's output to
-    `finish` when that job ends, not when the last one does: a batch's response parts are built
-    while its other jobs still run. Real engine process and client; the HTTP request is an ASGI
+    """`run_jobs` (a whole, non-streamed request of several jobs) sends its jobs in one message
+    and hands each job's output to `finish` when that job ends, not when the last one does: a
+    batch's response parts are built while its other jobs still run. Real engine process and client; the HTTP request is an ASGI
     scope whose client never leaves."""
     from starlette.requests import Request
 
@@ -205,8 +205,19 @@ def test_a_batch_builds_each_part_when_its_job_ends(demo_dir: str) -> None:
                 built[out.request_id] = time.monotonic()
                 return out.request_id, len(out.output_ids)
 
+            sends = []
+            send = client._send
+
+            async def spy(msg):  # noqa: ANN001, ANN202
+                sends.append(msg)
+                await send(msg)
+
+            client._send = spy
             t0 = time.monotonic()
             parts = await run_jobs(client, Metrics(), jobs, request, finish)
+            # Both jobs went in one message, so they started in the same engine step.
+            assert [type(m).__name__ for m in sends] == ["AddRequests"]
+            assert [r.request_id for r in sends[0].requests] == ["finish-2", "finish-160"]
             return {rid: t - t0 for rid, t in built.items()}, parts
         finally:
             await client.shutdown()

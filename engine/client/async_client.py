@@ -45,6 +45,7 @@ from engine.core.calls import Abort, Call
 from engine.core.protocol import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     ControlReply,
     StateUpdate,
     StepOutputs,
@@ -240,11 +241,15 @@ class AsyncEngineClient:
         live = self._live[request_id] = LiveRequest(state, every_step, waker, on_tokens)
         return live
 
-    async def submit(self, live: LiveRequest) -> None:
-        """Send an opened request to the engine."""
-        out = live.state.output
-        await self._send(AddRequest(request_id=out.request_id, prompt_token_ids=out.prompt_token_ids,
-                                    sampling_params=live.state.params))
+    async def submit(self, *lives: LiveRequest) -> None:
+        """Send opened requests to the engine, several in one message (`AddRequests`): they start
+        in the same engine step."""
+        adds = [
+            AddRequest(request_id=live.request_id, prompt_token_ids=live.state.output.prompt_token_ids,
+                       sampling_params=live.state.params)
+            for live in lives
+        ]  # fmt: skip
+        await self._send(adds[0] if len(adds) == 1 else AddRequests(requests=adds))
 
     def close(self, live: LiveRequest) -> None:
         """Forget a request; abort it in the engine if it has not finished (never blocks)."""
@@ -267,18 +272,24 @@ class AsyncEngineClient:
         live = self.open(request_id, prompt_token_ids, params, every_step, waker, on_tokens)
         try:
             await self.submit(live)
-            finished = False
-            while not finished:
-                await waker.wait()
-                if live.error is not None:
-                    raise live.error
-                if not live.ready:
-                    continue
-                update = live.take()
-                finished = update.finished
-                yield update, live.state.output
+            async for item in self.updates(live, waker):
+                yield item
         finally:
             self.close(live)
+
+    async def updates(self, live: LiveRequest, waker: Waker) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
+        """A submitted request's updates (`generate`'s), `waker` the one it was opened with, until
+        it finishes; the caller closes it."""
+        finished = False
+        while not finished:
+            await waker.wait()
+            if live.error is not None:
+                raise live.error
+            if not live.ready:
+                continue
+            update = live.take()
+            finished = update.finished
+            yield update, live.state.output
 
     async def abort(self, rid: str | None) -> int:
         """Abort a request and its samples (sent with n > 1), whichever API server process it came

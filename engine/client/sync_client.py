@@ -14,7 +14,14 @@ from engine.client.core_process import POLL_MS, CoreProcess, reply_result
 from engine.client.output import GenerationOutput, RequestState
 from engine.config import EngineConfig
 from engine.core import calls
-from engine.core.protocol import AbortRequests, AddRequest, ControlReply, FromCore, StepOutputs
+from engine.core.protocol import (
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    ControlReply,
+    FromCore,
+    StepOutputs,
+)
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.request import SamplingParams
 
@@ -55,10 +62,12 @@ class Engine:
         prompt_ids = self._prompt_ids(prompts, input_ids)
         params = self._params(sampling_params, len(prompt_ids))
         states: dict[str, RequestState] = {}
+        adds = []
         for ids, sp in zip(prompt_ids, params, strict=True):
             rid = f"gen-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             states[rid] = RequestState(rid, ids, sp, self.tokenizer, incremental=bool(sp.stop))  # text once, at the end
-            self._core.send(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
+            adds.append(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
+        self._core.send(AddRequests(requests=adds))  # one message: the prompts start in one step
         pending = set(states)
         try:
             while pending:

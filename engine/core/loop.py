@@ -21,6 +21,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.protocol import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     ControlError,
     ControlReply,
     Failed,
@@ -94,12 +95,16 @@ def _handle(
     """Apply one message from `client`. A refused request is answered to its sender; a control
     call's own deltas (aborts) are sent before its reply, so a caller that sees the reply has seen
     them too. A call that answers later joins `waiting_calls`."""
-    if isinstance(msg, AddRequest):
-        refusal = core.add_request(msg)
-        if refusal is not None:
-            clients.send(client, StepOutputs(deltas=[refusal]))
-        else:
-            clients.added(client, msg.request_id)
+    if isinstance(msg, AddRequest | AddRequests):
+        refusals = []
+        for request in msg.requests if isinstance(msg, AddRequests) else [msg]:
+            refusal = core.add_request(request)
+            if refusal is not None:
+                refusals.append(refusal)
+            else:
+                clients.added(client, request.request_id)
+        if refusals:
+            clients.send(client, StepOutputs(deltas=refusals))
     elif isinstance(msg, AbortRequests):
         clients.route(core.abort(msg.request_ids))
     elif isinstance(msg, Call):

@@ -38,6 +38,14 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling_params: SamplingParams
 
 
+class AddRequests(msgspec.Struct, tag=True):
+    """Several requests sent together (one `generate` call's prompts, one HTTP request's jobs):
+    the engine adds them all before its next step, so they start in the same step and a batch
+    is scheduled the same way on every run."""
+
+    requests: list[AddRequest]
+
+
 class AbortRequests(msgspec.Struct, tag=True):
     """Abort the named requests; `None` aborts every request in the engine."""
 
@@ -110,5 +118,5 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-ToCore = AddRequest | AbortRequests | Shutdown | ControlCall
+ToCore = AddRequest | AddRequests | AbortRequests | Shutdown | ControlCall
 FromCore = StepOutputs | ControlReply | StateUpdate | Ready | Failed
