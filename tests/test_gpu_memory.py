@@ -74,8 +74,8 @@ BATCH_PROMPTS = _prompts(1, (5, 9, 17, 23, 33, 41, 60, 70))
 
 def _generate(llm: Engine, prompts: list[list[int]] = PROMPTS) -> list[Any]:
     """One request at a time, each after a prefix-cache flush, so that every run schedules and
-    computes exactly alike: requests sent together may reach the engine loop one step apart, and
-    a different batch shape is a different (bf16) rounding."""
+    computes exactly alike (a prefix hit would change the prefill's shape, and a different batch
+    shape is a different bf16 rounding)."""
     outs = []
     for p in prompts:
         llm.flush_cache()
@@ -85,9 +85,9 @@ def _generate(llm: Engine, prompts: list[list[int]] = PROMPTS) -> list[Any]:
 
 def _greedy(llm: Engine, batch: bool = False) -> list[tuple[list[int], list[tuple[float, int]]]]:
     """Token ids and logprobs of a greedy run; equal lists mean bit-identical output. One prompt at
-    a time (`_generate`), or with `batch` eight prompts in one call: decode steps of eight rows (the
-    batch decode, its attention's splits merged in the kernel with counters in the `cuda_graph`
-    region)."""
+    a time (`_generate`), or with `batch` eight prompts in one call, which the engine starts in one
+    step (`AddRequests`): decode steps of eight rows (the batch decode, its attention's splits
+    merged in the kernel with counters in the `cuda_graph` region)."""
     if batch:
         llm.flush_cache()
         outs = llm.generate(input_ids=BATCH_PROMPTS, sampling_params=GREEDY)
