@@ -243,7 +243,9 @@ class AsyncEngineClient:
 
     async def submit(self, *lives: LiveRequest) -> None:
         """Send opened requests to the engine, several in one message (`AddRequests`): they start
-        in the same engine step."""
+        in the same engine step (none: nothing is sent)."""
+        if not lives:
+            return
         adds = [
             AddRequest(request_id=live.request_id, prompt_token_ids=live.state.output.prompt_token_ids,
                        sampling_params=live.state.params)

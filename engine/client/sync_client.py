@@ -67,7 +67,8 @@ class Engine:
             rid = f"gen-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
             states[rid] = RequestState(rid, ids, sp, self.tokenizer, incremental=bool(sp.stop))  # text once, at the end
             adds.append(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
-        self._core.send(AddRequests(requests=adds))  # one message: the prompts start in one step
+        if adds:
+            self._core.send(AddRequests(requests=adds))  # one message: the prompts start in one step
         pending = set(states)
         try:
             while pending:
