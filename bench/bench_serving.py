@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -75,7 +76,8 @@ TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompt
 
 
 def build_checkpoint(shape: str, model_dir: str | None, seed: int, tiny: bool) -> dict[str, Any]:
-    """In a child process: bench_engine's checkpoint, and the demo tokenizer where none is."""
+    """In a child process: bench_engine's checkpoint, and the demo tokenizer, widened to the
+    model's vocabulary (`widen_tokenizer`), where the checkpoint is the bench's own or has none."""
     import bench_engine
     import torch
     import transformers
@@ -86,11 +88,36 @@ def build_checkpoint(shape: str, model_dir: str | None, seed: int, tiny: bool) -
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
     out = bench_engine.checkpoint(shape, model_dir, device, seed)
     out["label"], out["tokenizer"] = bench_engine.shape_label(out["shape"]), None
-    if not all(os.path.isfile(os.path.join(out["path"], f)) for f in TOKENIZER_FILES):
-        mine = os.path.isfile(os.path.join(out["path"], bench_engine.BUILT_MARKER))
+    mine = os.path.isfile(os.path.join(out["path"], bench_engine.BUILT_MARKER))
+    if mine or not all(os.path.isfile(os.path.join(out["path"], f)) for f in TOKENIZER_FILES):
         out["tokenizer"] = None if mine else "/tmp/siesta-bench-demo-tokenizer"
         save_tokenizer(out["path"] if mine else out["tokenizer"])
+        widen_tokenizer(out["path"] if mine else out["tokenizer"], out["shape"]["vocab_size"])
     return out
+
+
+def widen_tokenizer(path: str, vocab_size: int) -> None:
+    """Give the demo tokenizer saved at `path` (512 tokens) one token for every id below
+    `vocab_size`: ids from 512 on decode to synthetic words (" aaba", " aabb", ...), with no merge
+    that encodes to them. A random model samples its whole vocabulary, and an id that a tokenizer
+    cannot decode adds nothing to the text, so the incremental detokenizer's window would grow with
+    each one (a stream decoding ever longer windows: a cost no real checkpoint's text has)."""
+    file = os.path.join(path, "tokenizer.json")
+    with open(file, encoding="utf-8") as f:
+        data = json.load(f)
+    vocab: dict[str, int] = data["model"]["vocab"]
+    next_id, i = max(vocab.values()) + 1, 0
+    while next_id < vocab_size:
+        word, k = "", i + 26 * 26  # three letters or more
+        while k:
+            k, r = divmod(k, 26)
+            word = chr(ord("a") + r) + word
+        i += 1
+        if "\u0120" + word not in vocab:  # byte-level BPE writes a leading space as U+0120
+            vocab["\u0120" + word] = next_id
+            next_id += 1
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False)
 
 
 def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, Any]]], expected: int,

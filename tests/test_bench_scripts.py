@@ -101,6 +101,28 @@ def test_bench_engine_keeps_the_names_other_scripts_import() -> None:
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 
 
+def test_bench_tokenizer_decodes_every_id_of_the_model(tmp_path: str) -> None:
+    """bench_serving's tokenizer for a checkpoint of a wider vocabulary than the demo's 512: every
+    id decodes to text (a random model samples them all), and text encodes as the demo's does."""
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); import json\n"
+        "from bench_serving import widen_tokenizer\n"
+        "from engine.demo_model import build_tokenizer, save_tokenizer\n"
+        "from transformers import AutoTokenizer\n"
+        f"p = {str(tmp_path)!r}; save_tokenizer(p); widen_tokenizer(p, 2000)\n"
+        "t = AutoTokenizer.from_pretrained(p)\n"
+        "words = [t.decode([i]) for i in range(512, 2000)]\n"
+        "text = 'Hello world, ça va? 日本語'\n"
+        "print(json.dumps([len(t), len(set(words)), min(len(w) for w in words), words[:2],\n"
+        "                  t(text)['input_ids'] == build_tokenizer()(text)['input_ids']]))\n"
+    )
+    p = _run("-c", code)
+    assert p.returncode == 0, p.stdout + p.stderr
+    size, distinct, shortest, first, same_encoding = json.loads(p.stdout.strip().splitlines()[-1])
+    assert size == 2000 and distinct == 2000 - 512 and shortest >= 4  # " " and three letters at least
+    assert all(w.startswith(" ") and w[1:].isalpha() for w in first) and same_encoding
+
+
 def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     out = os.path.join(tmp_path, "serving.json")
     server_args = "--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256 --api-server-count 2"
