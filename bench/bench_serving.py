@@ -69,10 +69,12 @@ TARGETS = {"singles": 0.95, "streams": 0.85, "n8": 0.95, "engine": 0.95}
 SERVER_CPU_TARGET_PCT, CLIENT_CPU_LIMIT_PCT, SAMPLES = 60.0, 90.0, 8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 FULL = dict(shape="0.6b", server_args="", num_prompts="64,256,1024", input_len=256, output_len=256,
-            num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
+            online_output_len=256, num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
 TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompts="8", input_len=16,
             output_len=8, server_args="--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256",
-            num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0)
+            # streams long enough that a server starved of CPU (CI: 2 cores) cannot send one whole
+            # in a single event, so they have inter-token gaps to measure
+            online_output_len=48, num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0)
 
 
 def build_checkpoint(shape: str, model_dir: str | None, seed: int, tiny: bool) -> dict[str, Any]:
@@ -222,7 +224,7 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
                 write_json(args.out, res)
         if "online" not in args.skip and time.perf_counter() - T0 <= args.deadline_s:
             shares = online_specs(random.Random(args.seed + 99), args.num_online, args.request_rate, args.input_len,
-                                  args.output_len, args.random_range_ratio, vocab, sampling, args.client_procs)
+                                  args.online_output_len, args.random_range_ratio, vocab, sampling, args.client_procs)
             r = res["online"] = http_section(server, pool, *shares)
             r |= {"request_rate": args.request_rate, "num_requests": args.num_online}
             say(f"online: {r['ok']}/{r['requests']} ok, {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.0f} tok/s, "
@@ -306,6 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, help="new tokens (default 256)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (RL rollouts sample)")
     p.add_argument("--num-online", type=int, help="requests of the online shape (default 256)")
+    p.add_argument("--online-output-len", type=int, help="the online shape's longest output (default 256)")
     p.add_argument("--request-rate", type=float, help="online arrivals per second, Poisson; inf: all at once (default 16)")
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="online lengths uniform in [ratio*len, len]")
     p.add_argument("--client-procs", type=int, help="client processes (default 8)")
