@@ -3,7 +3,7 @@ engine client's reader, native and OpenAI routes alike (what the events hold is 
 
 Rules:
 - The jobs are sent to the engine right after the response's first events (OpenAI's role or echo
-  chunks), before any token, in one message: they start in the same engine step.
+  chunks), before any token, in one message: the engine adds them all before its next step.
 - The stream is a push consumer of the engine client (`after_drain`): once the reader has
   applied every engine message queued, it takes what each job gained, renders one blob and sends
   it as one ASGI body message, from the reader itself. No task wakes per event, and a stream
@@ -99,7 +99,7 @@ class EventStream(Response):
                         tracker.finish("error", len(job.prompt_token_ids))
                         raise
                     self._running.append((job, live, tracker))
-                if self._running and not self._ended:  # in one message: they start in the same step
+                if self._running and not self._ended:  # in one message (`AddRequests`)
                     await self.client.submit(*(live for _, live, _ in self._running))
                 self._opening = False
                 if not self._running and not self._ended:  # every job ended before the sending returned

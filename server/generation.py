@@ -126,8 +126,8 @@ async def run_jobs(
     """Run jobs to their ends, concurrently, each output through `finish` as soon as its job
     ends (a response part built while the other jobs still run: only the last to end are built
     after the engine's last step), in the jobs' order; if the HTTP client goes away, abort them
-    all and raise `ClientDisconnected`. The jobs go to the engine in one message, so they start
-    in the same engine step (a batch is scheduled alike on every run)."""
+    all and raise `ClientDisconnected`. The jobs go to the engine in one message, added whole
+    before its next step (a batch is scheduled alike on every run)."""
     opened: list[tuple[Job, LiveRequest, Waker, RequestTracker]] = []
     try:
         for job in jobs:

@@ -215,7 +215,7 @@ def test_a_batch_builds_each_part_when_its_job_ends(demo_dir: str) -> None:
             client._send = spy
             t0 = time.monotonic()
             parts = await run_jobs(client, Metrics(), jobs, request, finish)
-            # Both jobs went in one message, so they started in the same engine step.
+            # Both jobs went in one message, added whole before the engine's next step.
             assert [type(m).__name__ for m in sends] == ["AddRequests"]
             assert [r.request_id for r in sends[0].requests] == ["finish-2", "finish-160"]
             return {rid: t - t0 for rid, t in built.items()}, parts

@@ -242,8 +242,8 @@ class AsyncEngineClient:
         return live
 
     async def submit(self, *lives: LiveRequest) -> None:
-        """Send opened requests to the engine, several in one message (`AddRequests`): they start
-        in the same engine step (none: nothing is sent)."""
+        """Send opened requests to the engine, several in one message (`AddRequests`): the engine
+        adds them all before its next step (none: nothing is sent)."""
         if not lives:
             return
         adds = [

@@ -68,7 +68,7 @@ class Engine:
             states[rid] = RequestState(rid, ids, sp, self.tokenizer, incremental=bool(sp.stop))  # text once, at the end
             adds.append(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
         if adds:
-            self._core.send(AddRequests(requests=adds))  # one message: the prompts start in one step
+            self._core.send(AddRequests(requests=adds))  # one message: added whole before the next step
         pending = set(states)
         try:
             while pending:

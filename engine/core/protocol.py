@@ -40,8 +40,9 @@ class AddRequest(msgspec.Struct, tag=True):
 
 class AddRequests(msgspec.Struct, tag=True):
     """Several requests sent together (one `generate` call's prompts, one HTTP request's jobs):
-    the engine adds them all before its next step, so they start in the same step and a batch
-    is scheduled the same way on every run."""
+    the engine adds them all before its next step, so its scheduler sees the whole batch at once
+    (budget, `max_num_seqs` and samples waiting for their prompt's prefill apply as ever) and
+    schedules it the same way on every run, however fast the sender was."""
 
     requests: list[AddRequest]
 
