@@ -33,7 +33,7 @@ from engine.client.async_client import AsyncEngineClient
 from engine.client.output import GenerationOutput, LiveRequest, StepUpdate
 from engine.errors import EngineUnavailable
 from server.errors import error_body
-from server.generation import Job
+from server.generation import Job, open_job
 from server.metrics import Metrics, RequestTracker
 
 DONE = b"data: [DONE]\n\n"
@@ -91,14 +91,7 @@ class EventStream(Response):
                 for job in self.jobs:
                     if self._ended:  # the client went away meanwhile
                         break
-                    tracker = self.metrics.tracker()
-                    try:
-                        live = self.client.open(job.request_id, job.prompt_token_ids, job.params, True, self,
-                                                tracker.on_tokens)
-                    except Exception:  # e.g. its id is running already
-                        tracker.finish("error", len(job.prompt_token_ids))
-                        raise
-                    self._running.append((job, live, tracker))
+                    self._running.append((job, *open_job(self.client, self.metrics, job, True, self)))
                 if self._running and not self._ended:  # in one message (`AddRequests`)
                     await self.client.submit(*(live for _, live, _ in self._running))
                 self._opening = False

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from engine.client.async_client import AsyncEngineClient
-from engine.client.output import GenerationOutput, LiveRequest, Waker
+from engine.client.output import Consumer, GenerationOutput, LiveRequest, Waker
 from engine.errors import EngineUnavailable, InvalidRequest
 from engine.limits import RequestLimits, prompt_error, vocab_error
 from engine.request import SAMPLE_SEP, SamplingParams
@@ -91,15 +91,27 @@ def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + i)
 
 
-async def _run(
-    client: AsyncEngineClient, job: Job, live: LiveRequest, waker: Waker, tracker: RequestTracker
-) -> GenerationOutput:
-    """A submitted job (opened with `waker`) to its end, its metrics recorded; a cancel aborts it
+def open_job(
+    client: AsyncEngineClient, metrics: Metrics, job: Job, every_step: bool, consumer: Consumer
+) -> tuple[LiveRequest, RequestTracker]:
+    """Register a job with the client, not sent yet (`AsyncEngineClient.submit`), and start its
+    metrics; one the client refuses (its id runs already) is recorded as an error and raises."""
+    tracker = metrics.tracker()
+    try:
+        live = client.open(job.request_id, job.prompt_token_ids, job.params, every_step, consumer, tracker.on_tokens)
+    except Exception:
+        tracker.finish("error", len(job.prompt_token_ids))
+        raise
+    return live, tracker
+
+
+async def _run(client: AsyncEngineClient, job: Job, live: LiveRequest, tracker: RequestTracker) -> GenerationOutput:
+    """A submitted job (opened with a `Waker`) to its end, its metrics recorded; a cancel aborts it
     in the engine. (Streams are `server.event_stream.EventStream`'s.)"""
     outcome = "disconnected"
     last: GenerationOutput | None = None
     try:
-        async for update, out in client.updates(live, waker):
+        async for update, out in client.updates(live):
             refusal = out.refusal()
             if refusal is not None:
                 raise refusal
@@ -128,25 +140,19 @@ async def run_jobs(
     after the engine's last step), in the jobs' order; if the HTTP client goes away, abort them
     all and raise `ClientDisconnected`. The jobs go to the engine in one message, added whole
     before its next step (a batch is scheduled alike on every run)."""
-    opened: list[tuple[Job, LiveRequest, Waker, RequestTracker]] = []
+    opened: list[tuple[Job, LiveRequest, RequestTracker]] = []
     try:
         for job in jobs:
-            tracker, waker = metrics.tracker(), Waker()
-            try:
-                live = client.open(job.request_id, job.prompt_token_ids, job.params, False, waker, tracker.on_tokens)
-            except Exception:  # e.g. its id is running already
-                tracker.finish("error", len(job.prompt_token_ids))
-                raise
-            opened.append((job, live, waker, tracker))
-        await client.submit(*(live for _, live, _, _ in opened))
+            opened.append((job, *open_job(client, metrics, job, False, Waker())))
+        await client.submit(*(live for _, live, _ in opened))
     except BaseException:
-        for job, live, _, tracker in opened:
+        for job, live, tracker in opened:
             client.close(live)
             tracker.finish("error", len(job.prompt_token_ids))
         raise
 
-    async def one(job: Job, live: LiveRequest, waker: Waker, tracker: RequestTracker) -> T:
-        return finish(await _run(client, job, live, waker, tracker))
+    async def one(job: Job, live: LiveRequest, tracker: RequestTracker) -> T:
+        return finish(await _run(client, job, live, tracker))
 
     tasks = [asyncio.ensure_future(one(*o)) for o in opened]
     work = asyncio.gather(*tasks)

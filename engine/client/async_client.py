@@ -14,8 +14,9 @@ Rules of the per-token path (it runs for every request on every step):
   reader has applied every message queued so far, and sends its events from there, in the
   reader: no task switch per event, and one event per drain however many steps it applied.
 - The consumer `take`s what changed since its last take, straight from the request's output.
-- `open` registers a request, `submit` sends it, `close` forgets it and aborts it in the engine
-  if it has not finished: a consumer that stops early (its HTTP client went away) must close.
+- `open` registers a request, `submit` sends it (several in one message), `updates` yields a
+  `Waker`'s updates, `close` forgets it and aborts it in the engine if it has not finished: a
+  consumer that stops early (its HTTP client went away) must close.
 """
 
 from __future__ import annotations
@@ -262,26 +263,13 @@ class AsyncEngineClient:
             sent = self._to_core.send(self._core.encode(AbortRequests(request_ids=[rid])), flags=zmq.NOBLOCK)
             sent.add_done_callback(_ignore_outcome)  # zmq.Again, a full queue: the engine is stuck anyway
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, every_step: bool = True,
-        on_tokens: Callable[[int], None] | None = None,
-    ) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
-        """Yield (what changed, the output so far) until the request finishes: per engine step, or
-        per batch of steps when the consumer is slower than the engine; with `every_step` False,
-        once, at the end. Closing the iterator early (a client that went away) aborts the request
-        in the engine."""
-        waker = Waker()
-        live = self.open(request_id, prompt_token_ids, params, every_step, waker, on_tokens)
-        try:
-            await self.submit(live)
-            async for item in self.updates(live, waker):
-                yield item
-        finally:
-            self.close(live)
-
-    async def updates(self, live: LiveRequest, waker: Waker) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
-        """A submitted request's updates (`generate`'s), `waker` the one it was opened with, until
-        it finishes; the caller closes it."""
+    async def updates(self, live: LiveRequest) -> AsyncIterator[tuple[StepUpdate, GenerationOutput]]:
+        """Yield (what changed, the output so far) of a submitted request opened with a `Waker`
+        until it finishes: per engine step, or per batch of steps when the consumer is slower than
+        the engine; opened without `every_step`, once, at the end. The caller closes it (a close
+        before its end, a client that went away, aborts it in the engine)."""
+        waker = live.waker
+        assert isinstance(waker, Waker), "a push consumer is called back, it does not wait"
         finished = False
         while not finished:
             await waker.wait()
