@@ -28,7 +28,9 @@ waits for it anyway. Who does what in a decode layer:
   split-KV attention in one kernel) launches with PDL after the qkv GEMV: it reads the step's
   metadata and the rope table, prefetches its first K/V tile into L2, waits and triggers.
 - In the one-kernel-per-layer decode (models/layer_kernel.py): every layer's launch waits after
-  its attention prologue (the next layer's KV loads) and triggers after its o_proj.
+  its attention prologue (the next layer's KV loads) and triggers after its o_proj. Inside it and
+  the batch decode's persistent kernel, `prefetch_l2` also pulls a GEMV phase's first weights
+  into L2 behind the barrier before it (models/grid_phases.py `prefetch_items`).
 - In the batch decode (models/batch_decode.py): the persistent kernel triggers before its qkv
   phase; the split-KV attention kernel after it (models/batch_attention.py) launches with PDL,
   reads the step's metadata (uploaded before any kernel ran) and the rope table, prefetches its

@@ -291,3 +291,16 @@ def test_model_config_caps_context_at_sliding_window(tmp_path, llama_dir: str) -
     hf.update(architectures=["Qwen2ForCausalLM"], use_sliding_window=False)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert ModelConfig.from_hf(str(tmp_path)).max_position_embeddings == 512
+
+
+def test_decode_kernels_prefetch_whole_lines_within_a_row() -> None:
+    """The persistent decode kernels' L2 prefetch widths (decode_path.prefetch_width): what was
+    asked for, cut to the row and down to a power of two of 128-byte lines (Triton's aranges);
+    none below one line."""
+    from engine.models.decode_path import prefetch_width
+
+    assert prefetch_width(1024, 256) == 256  # gate_up's first columns, 0.6B
+    assert prefetch_width(512, 1 << 30) == 512  # a whole o_proj tile, 0.6B
+    assert prefetch_width(896, 1 << 30) == 512  # 14 heads x 64 (Qwen2-0.5B): 14 lines -> 8
+    assert prefetch_width(768, 512) == 512  # down_proj's K split of 3072 / 4
+    assert prefetch_width(32, 256) == 0 and prefetch_width(1024, 0) == 0

@@ -31,13 +31,17 @@ from torch import nn
 from engine.attention import ForwardContext
 from engine.attention.base import AttentionMetadata
 from engine.models import decode_path
-from engine.models.decode_path import LayerShape, k_splits
+from engine.models.decode_path import LayerShape, k_splits, prefetch_width
 
 BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 # Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
 MAX_ROWS = 64
 _BK = 128  # K per step of the GEMV loops
+# L2 prefetches (batch_kernel.py; bench/RESULTS.md, thirty-eighth session): the first weights of
+# each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
+# before them is done, so they land during the barrier (and norm) between.
+_G_PRE, _D_PRE, _Q_PRE = 256, 512, 256
 
 
 def unsupported(model: nn.Module, backend: object) -> str | None:
@@ -48,26 +52,31 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 
 def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
-    bn_gate: int = 32, bk: int = _BK, stages: int = 4,
+    bn_gate: int = 32, bk: int = _BK, stages: int = 4, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/compile_offline.py compiles them)."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
+    ks_d = k_splits(shape.hidden // bn, shape.inter, programs, bk)
+    ks_q = k_splits(-(-qkv // bn), shape.hidden, programs, bk)
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
-        KS_O=k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk), KS_D=k_splits(shape.hidden // bn, shape.inter, programs, bk),
-        KS_Q=k_splits(-(-qkv // bn), shape.hidden, programs, bk), MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
+        KS_O=k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk), KS_D=ks_d,
+        KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
+        G_PRE=prefetch_width(shape.hidden, g_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
+        Q_PRE=prefetch_width(shape.hidden // ks_q, q_pre),
     )  # fmt: skip
 
 
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
-        bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1,
+        bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
+        q_pre: int = _Q_PRE,
     ) -> None:  # fmt: skip
         from engine import pdl
         from engine.models import batch_attention
@@ -83,7 +92,7 @@ class BatchDecode:
         # engine/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The kernel's arguments that are the same at every layer and step.
-        self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages)
+        self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre)
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn

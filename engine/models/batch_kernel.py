@@ -14,6 +14,9 @@ barrier after each but the last:
      -> xn (TAIL: the model's output).
   6. qkv of layer l+1, items (tile, K split c): qkv_part[c] [M, QKV] fp32, no bias (the
      attention kernel adds it).
+L2 prefetches (grid_phases.prefetch_items; weights only): once a program's item of phase 1, 3
+or 4 is done, the first G_PRE, D_PRE or Q_PRE weights of each row of its items of phase 3, 4 or
+6, so they land over the barriers and norm between.
 HEAD (the step's first launch, no layer l): phase 5 on the embedding alone, then 6. TAIL (the
 last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py): results match them
 up to the order of fp32 sums.
@@ -29,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
+from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, prefetch_items, stamp
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -52,7 +55,8 @@ def batch_layer_kernel(
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr, MAX_M: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BN_G: tl.constexpr, BK: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr,
-    FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
+    FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr,
+    G_PRE: tl.constexpr, D_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -67,12 +71,19 @@ def batch_layer_kernel(
         norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE)
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+        if G_PRE > 0:
+            prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN_G, P, G_PRE)
         phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
         norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE)
         phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE)
+        if D_PRE > 0:
+            prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
         phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
         gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+        if Q_PRE > 0:
+            if not TAIL:
+                prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN, P, Q_PRE)
         phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
         norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE)
     if not TAIL:

@@ -76,3 +76,10 @@ class LayerShape:
 def k_splits(tiles: int, k: int, programs: int, unit: int) -> int:
     """K splits of a GEMV phase: items (tiles * splits) within one wave, chunks of whole units."""
     return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= programs and k % (s * unit) == 0))
+
+
+def prefetch_width(k: int, want: int) -> int:
+    """Weights per row that a layer kernel's L2 prefetch covers (O_PRE, G_PRE): `want` cut to the
+    row's k, down to a power of two of 128-byte lines (64 bf16); 0 (none) below one line."""
+    n = min(k, want) // 64
+    return 0 if n < 1 else 64 << (n.bit_length() - 1)

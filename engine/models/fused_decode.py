@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.models import decode_path
-from engine.models.decode_path import LayerShape, k_splits
+from engine.models.decode_path import LayerShape, k_splits, prefetch_width
 
 FUSED_DECODE_ENV = "SIESTA_FUSED_DECODE"
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
@@ -43,6 +43,11 @@ MAX_ROWS = 4
 _BM = 16  # rows per GEMV tile (tl.dot's smallest M)
 _BN = 32  # output columns per GEMV item
 _BK = 128  # K per step of the GEMV loops (256 where every K is a multiple)
+# L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth session): each o_proj item's whole
+# tile when its phase starts, under the split merge; the first 256 columns of each gate_up row
+# after o_proj, under its barrier and the norm (the whole row there, or down_proj's too: no better).
+_O_PRE = 1 << 30
+_G_PRE = 256
 _PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
 
 
@@ -65,7 +70,7 @@ def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
 
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
-    bn: int = _BN, bk: int | None = None,
+    bn: int = _BN, bk: int | None = None, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
@@ -75,20 +80,21 @@ def layer_consts(
     if bk is None:
         bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (shape.hidden, shape.inter, shape.nh * shape.d)) else _BK
     tiles = shape.hidden // bn
+    ks_o = k_splits(tiles, shape.nh * shape.d, programs, math.lcm(bk, shape.d))
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
-        KS_O=k_splits(tiles, shape.nh * shape.d, programs, math.lcm(bk, shape.d)), KS_D=k_splits(tiles, shape.inter, programs, bk),
+        KS_O=ks_o, KS_D=k_splits(tiles, shape.inter, programs, bk),
         BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(most_pairs(programs, shape, rows)),
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
-        USE_PDL=use_pdl, num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False,
-        launch_pdl=use_pdl,
+        USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
+        num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
 
 class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
-        bn: int = _BN, bk: int | None = None, use_pdl: int = 1, norm_everywhere: int = 1,
+        bn: int = _BN, bk: int | None = None, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
     ) -> None:  # fmt: skip
         from engine import pdl
 
@@ -102,7 +108,7 @@ class FusedDecode:
         # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
-        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk)
+        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre)
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)

@@ -1,5 +1,5 @@
 """The pieces of Siesta's persistent decode kernels (layer_kernel.py, batch_kernel.py): a grid
-barrier, the row-norm phase and the GEMV phase. Triton functions inlined into those kernels, not
+barrier, the row-norm phase, the GEMV phase and the L2 prefetch of a GEMV phase's weights. Triton functions inlined into those kernels, not
 kernels; only modules that import Triton import this one.
 
 Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so the sign bit
@@ -7,6 +7,11 @@ flips once all P have arrived and the low bits return to 0 (no reset between bar
 launches; the kernels' owners zero it once per step). Release on arrival, acquire loads while
 waiting, CTA barriers around both; every program must be resident (cooperative launch, grid <=
 SMs).
+
+L2 prefetch (`prefetch_items`): a program pulls the first weights of its items of a later GEMV
+phase into L2 where HBM would idle: once its own item before is done, over the barrier (and norm)
+between, or under o_proj's split merge. Whole tiles, or every weight phase at once, only take
+bandwidth from the phase running (bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
 
 Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).
 Roundings are the unfused layers' (fused_ops.py, skinny_linear.py): a GEMV rounds its fp32 sum
@@ -20,6 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.attention.triton_kernels import stamp_row
+from engine.pdl import prefetch_l2
 
 STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
 SM_SLOT: tl.constexpr = tl.constexpr(16)
@@ -137,3 +143,21 @@ def gemv_phase(
                 g = rnd(acc, DTYPE)
                 acc = rnd(tl.math.div_rn(g, 1.0 + libdevice.exp(-g)), DTYPE) * rnd(acc_up, DTYPE)
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def prefetch_items(
+    w_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr,
+    P: tl.constexpr, KPRE: tl.constexpr,
+):  # fmt: skip
+    # The first KPRE weights of each row of this program's items of a gemv_phase (the same dealing)
+    # pulled into L2: one prefetch per 128-byte line.
+    pid = tl.program_id(0)
+    tiles: tl.constexpr = (N + BN - 1) // BN
+    KC: tl.constexpr = K // KS
+    for item in range(pid, tiles * KS, P):
+        offs_n = tl.minimum((item // KS) * BN + tl.arange(0, BN), N - 1).to(tl.int64)
+        ptrs = w_ptr + offs_n[:, None] * K + (item % KS) * KC + tl.arange(0, KPRE // 64)[None, :] * 64
+        prefetch_l2(ptrs)
+        if SILU:
+            prefetch_l2(ptrs + N * K)

@@ -25,6 +25,9 @@ i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
   6. act = silu(gate) * up of xn @ w_gate_up.T.
   7. down_proj, items (tile, K split c): down_part[c] [M, hidden] fp32; the next layer's phase 1
      (or `finish_kernel`) adds them to h_mid.
+L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
+weights of each row of the program's o_proj tile when phase 4 starts, under its merge; G_PRE
+columns of its gate_up rows once its o_proj item is done, over the barrier and phase 5.
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
@@ -41,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, stamp
+from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, prefetch_items, stamp
 from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
 
 
@@ -88,7 +91,7 @@ def decoder_layer_kernel(
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
-    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, TIMING: tl.constexpr = False,
+    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -120,11 +123,15 @@ def decoder_layer_kernel(
     # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
     # it merges the splits of its chunk's heads into its own scratch rows first.
     xo = xo_ptr + pid * (BM * KCO)
+    if O_PRE > 0:  # its weight tile pulled into L2 while the merge waits on the partials
+        prefetch_items(o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE)
     if pid < (HID // BN) * KS_O:
         combine_heads(part_o_ptr, part_lse_ptr, xo, M, (pid % KS_O) * (KCO // D), num_splits, NH, D, KCO // D, 4, BLOCK_S, DTYPE)
     tl.debug_barrier()
     stamp(t_ptr, 15, TIMING)
     gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+    if G_PRE > 0:  # the first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm
+        prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE)
     phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
