@@ -131,7 +131,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
         # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
         "rope_decode_kernel (layers)": layers_attention(D, 2),
-        "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt")),
+        "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt", "has_next")),
     }
 
 

@@ -45,9 +45,11 @@ _BN = 32  # output columns per GEMV item
 _BK = 128  # K per step of the GEMV loops (256 where every K is a multiple)
 # L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth session): each o_proj item's whole
 # tile when its phase starts, under the split merge; the first 256 columns of each gate_up row
-# after o_proj, under its barrier and the norm (the whole row there, or down_proj's too: no better).
+# after o_proj, under its barrier and the norm (the whole row there, or down_proj's too: no better);
+# the first 256 of the next layer's qkv rows after down_proj, under the launch boundary and norm.
 _O_PRE = 1 << 30
 _G_PRE = 256
+_Q_PRE = 256
 _PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
 
 
@@ -70,7 +72,7 @@ def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
 
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
-    bn: int = _BN, bk: int | None = None, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
+    bn: int = _BN, bk: int | None = None, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE,
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
@@ -87,6 +89,7 @@ def layer_consts(
         BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(most_pairs(programs, shape, rows)),
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
+        Q_PRE=prefetch_width(shape.hidden, q_pre),
         num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
@@ -95,6 +98,7 @@ class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
         bn: int = _BN, bk: int | None = None, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
+        q_pre: int = _Q_PRE,
     ) -> None:  # fmt: skip
         from engine import pdl
 
@@ -108,7 +112,7 @@ class FusedDecode:
         # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
-        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre)
+        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre)
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)
@@ -165,10 +169,11 @@ class FusedDecode:
                 layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_b if qkv_b is not None else attn.qkv_proj.weight,
                 attn.q_norm.weight if self.shape.qk_norm else cos_sin, attn.k_norm.weight if self.shape.qk_norm else cos_sin,
                 attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                lm.layers[min(i + 1, len(lm.layers) - 1)].self_attn.qkv_proj.weight,
                 self.xn, self.qkv, positions, cos_sin, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping,
                 self.part_o, self.part_lse, self.xo, self.o_part, self.act, self.down, self.barrier,
                 timing[i] if timing is not None else self.barrier,
-                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn,
+                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn, int(i + 1 < len(lm.layers)),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
                 HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, NORM_EVERYWHERE=everywhere, TIMING=timing is not None,
                 **self.consts,

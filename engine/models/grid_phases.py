@@ -10,7 +10,7 @@ SMs).
 
 L2 prefetch (`prefetch_items`): a program pulls the first weights of its items of a later GEMV
 phase into L2 where HBM would idle: once its own item before is done, over the barrier (and norm)
-between, or under o_proj's split merge. Whole tiles, or every weight phase at once, only take
+or launch boundary between, or under o_proj's split merge. Whole tiles, or every weight phase at once, only take
 bandwidth from the phase running (bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
 
 Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).

@@ -27,7 +27,9 @@ i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
      (or `finish_kernel`) adds them to h_mid.
 L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
 weights of each row of the program's o_proj tile when phase 4 starts, under its merge; G_PRE
-columns of its gate_up rows once its o_proj item is done, over the barrier and phase 5.
+columns of its gate_up rows once its o_proj item is done, over the barrier and phase 5; Q_PRE
+columns of the next layer's qkv rows once its down_proj item is done (has_next), over the launch
+boundary and the next layer's phase 1.
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
@@ -68,13 +70,14 @@ def _norm(
         phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING)
 
 
-@triton.jit(do_not_specialize=["M", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["M", "num_splits", "stride_bt", "has_next"])
 def decoder_layer_kernel(
     h_prev_ptr,  # [M, HID]: the stream before the previous layer's MLP (h_mid), or the embedding
     down_prev_ptr,  # [KS_D, MAX_M, HID] fp32: the previous layer's down_proj partials (KS_PREV > 0)
     h_ptr,  # [M, HID]: this layer's input stream (written)
     h_mid_ptr,  # [M, HID]: the stream after attention (written)
     in_norm_ptr, qkv_w_ptr, qkv_b_ptr, qn_ptr, kn_ptr, o_w_ptr, post_norm_ptr, gate_up_w_ptr, down_w_ptr,
+    next_qkv_w_ptr,  # the next layer's qkv weight (Q_PRE), or any weight with has_next 0
     xn_ptr,  # [P or 1, M, HID] scratch at stride_xn (0: one shared): the normed stream, input of qkv and gate_up
     qkv_ptr,  # [M, QKV] scratch
     pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
@@ -85,13 +88,13 @@ def decoder_layer_kernel(
     down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
-    M, num_splits, eps, sm_scale_log2, stride_part, stride_xn,
+    M, num_splits, eps, sm_scale_log2, stride_part, stride_xn, has_next,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
-    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, TIMING: tl.constexpr = False,
+    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -140,6 +143,9 @@ def decoder_layer_kernel(
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+    if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm
+        if has_next != 0:
+            prefetch_items(next_qkv_w_ptr, QKV, HID, 1, False, BN, P, Q_PRE)
     stamp(t_ptr, 13, TIMING)
 
 
