@@ -79,7 +79,8 @@ def k_splits(tiles: int, k: int, programs: int, unit: int) -> int:
 
 
 def prefetch_width(k: int, want: int) -> int:
-    """Weights per row that a layer kernel's L2 prefetch covers (O_PRE, G_PRE): `want` cut to the
-    row's k, down to a power of two of 128-byte lines (64 bf16); 0 (none) below one line."""
+    """Weights per row that a persistent decode kernel's L2 prefetch covers (its *_PRE constants):
+    `want` cut to the row's k, down to a power of two of 128-byte lines (64 bf16); 0 (none) below
+    one line."""
     n = min(k, want) // 64
     return 0 if n < 1 else 64 << (n.bit_length() - 1)

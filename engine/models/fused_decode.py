@@ -47,7 +47,7 @@ _BK = 128  # K per step of the GEMV loops (256 where every K is a multiple)
 # tile when its phase starts, under the split merge; the first 256 columns of each gate_up row
 # after o_proj, under its barrier and the norm (the whole row there, or down_proj's too: no better);
 # the first 256 of the next layer's qkv rows after down_proj, under the launch boundary and norm.
-_O_PRE = 1 << 30
+_O_PRE = 1 << 30  # more than any row: the whole tile
 _G_PRE = 256
 _Q_PRE = 256
 _PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
@@ -162,6 +162,7 @@ class FusedDecode:
         stride_xn = self.xn.stride(0) if everywhere else 0
         for i, layer in enumerate(lm.layers):
             attn, mlp = layer.self_attn, layer.mlp
+            has_next = i + 1 < len(lm.layers)  # else the kernel is handed this layer's qkv and prefetches nothing
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             qkv_b = attn.qkv_proj.bias
             self.compiled = decoder_layer_kernel[(self.programs,)](
@@ -169,11 +170,11 @@ class FusedDecode:
                 layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_b if qkv_b is not None else attn.qkv_proj.weight,
                 attn.q_norm.weight if self.shape.qk_norm else cos_sin, attn.k_norm.weight if self.shape.qk_norm else cos_sin,
                 attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-                lm.layers[min(i + 1, len(lm.layers) - 1)].self_attn.qkv_proj.weight,
+                (lm.layers[i + 1] if has_next else layer).self_attn.qkv_proj.weight,
                 self.xn, self.qkv, positions, cos_sin, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping,
                 self.part_o, self.part_lse, self.xo, self.o_part, self.act, self.down, self.barrier,
                 timing[i] if timing is not None else self.barrier,
-                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn, int(i + 1 < len(lm.layers)),
+                m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn, int(has_next),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
                 HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, NORM_EVERYWHERE=everywhere, TIMING=timing is not None,
                 **self.consts,

@@ -1,6 +1,7 @@
 """The pieces of Siesta's persistent decode kernels (layer_kernel.py, batch_kernel.py): a grid
-barrier, the row-norm phase, the GEMV phase and the L2 prefetch of a GEMV phase's weights. Triton functions inlined into those kernels, not
-kernels; only modules that import Triton import this one.
+barrier, the row-norm phase, the GEMV phase and the L2 prefetch of a GEMV phase's weights.
+Triton functions inlined into those kernels, not kernels; only modules that import Triton import
+this one.
 
 Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so the sign bit
 flips once all P have arrived and the low bits return to 0 (no reset between barriers or
@@ -8,10 +9,11 @@ launches; the kernels' owners zero it once per step). Release on arrival, acquir
 waiting, CTA barriers around both; every program must be resident (cooperative launch, grid <=
 SMs).
 
-L2 prefetch (`prefetch_items`): a program pulls the first weights of its items of a later GEMV
-phase into L2 where HBM would idle: once its own item before is done, over the barrier (and norm)
-or launch boundary between, or under o_proj's split merge. Whole tiles, or every weight phase at once, only take
-bandwidth from the phase running (bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
+L2 prefetch (`prefetch_items`, gemv_phase's dealing of items): a program pulls the first weights
+of its items of a later GEMV phase into L2 where HBM would idle: once its own item before is
+done, over the barrier (and norm) or launch boundary between, or under o_proj's split merge.
+Whole tiles, or every weight phase at once, only take bandwidth from the phase running
+(bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
 
 Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).
 Roundings are the unfused layers' (fused_ops.py, skinny_linear.py): a GEMV rounds its fp32 sum
@@ -105,6 +107,17 @@ def norm_phase(
 
 
 @triton.jit
+def _item(item, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BN: tl.constexpr):
+    # A GEMV phase's item (of (N + BN - 1) // BN * KS: tiles of BN output columns x K splits) ->
+    # (its K split c, its columns offs_n [BN], their weight rows' offsets w_rows [BN, 1] int64,
+    # clamped to row N - 1, its split's first K index).
+    c = item % KS
+    offs_n = (item // KS) * BN + tl.arange(0, BN)
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    return c, offs_n, w_rows, c * (K // KS)
+
+
+@triton.jit
 def gemv_phase(
     x_ptr, stride_x, w_ptr, b_ptr, out_ptr, stride_out, M,
     N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
@@ -118,16 +131,14 @@ def gemv_phase(
     rows = tl.arange(0, BM)
     m_ok = rows < M
     offs_k = tl.arange(0, BK)
-    tiles: tl.constexpr = (N + BN - 1) // BN
     KC: tl.constexpr = K // KS
-    for item in range(pid, tiles * KS, P):
-        c = item % KS
-        offs_n = (item // KS) * BN + tl.arange(0, BN)
+    items: tl.constexpr = (N + BN - 1) // BN * KS
+    for item in range(pid, items, P):
+        c, offs_n, w_rows, k_lo = _item(item, N, K, KS, BN)
         n_ok = offs_n < N
-        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
         acc = tl.zeros([BM, BN], tl.float32)
         acc_up = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(c * KC, c * KC + KC, BK):
+        for k0 in range(k_lo, k_lo + KC, BK):
             cols = (k0 + offs_k)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
             acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), acc)
@@ -152,12 +163,10 @@ def prefetch_items(
 ):  # fmt: skip
     # The first KPRE weights of each row of this program's items of a gemv_phase (the same dealing)
     # pulled into L2: one prefetch per 128-byte line.
-    pid = tl.program_id(0)
-    tiles: tl.constexpr = (N + BN - 1) // BN
-    KC: tl.constexpr = K // KS
-    for item in range(pid, tiles * KS, P):
-        offs_n = tl.minimum((item // KS) * BN + tl.arange(0, BN), N - 1).to(tl.int64)
-        ptrs = w_ptr + offs_n[:, None] * K + (item % KS) * KC + tl.arange(0, KPRE // 64)[None, :] * 64
+    items: tl.constexpr = (N + BN - 1) // BN * KS
+    for item in range(tl.program_id(0), items, P):
+        _, _, w_rows, k_lo = _item(item, N, K, KS, BN)
+        ptrs = w_ptr + w_rows + k_lo + tl.arange(0, KPRE // 64)[None, :] * 64
         prefetch_l2(ptrs)
         if SILU:
             prefetch_l2(ptrs + N * K)

@@ -94,7 +94,8 @@ def decoder_layer_kernel(
     QK_NORM: tl.constexpr, HAS_QKV_BIAS: tl.constexpr, KS_PREV: tl.constexpr, KS_O: tl.constexpr, KS_D: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
-    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
+    NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr,
+    TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
