@@ -42,7 +42,8 @@ KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every ste
 MAX_ROWS = 4
 _BM = 16  # rows per GEMV tile (tl.dot's smallest M)
 _BN = 32  # output columns per GEMV item
-_BK = 128  # K per step of the GEMV loops (256 where every K is a multiple)
+_BK = 128  # K per step of the GEMV loops
+_STAGES = 5  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
 # L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth session): each o_proj item's whole
 # tile when its phase starts, under the split merge; the first 256 columns of each gate_up row
 # after o_proj, under its barrier and the norm (the whole row there, or down_proj's too: no better);
@@ -72,15 +73,13 @@ def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
 
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
-    bn: int = _BN, bk: int | None = None, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE,
+    bn: int = _BN, bk: int = _BK, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE, stages: int = _STAGES,
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
     bench/compile_offline.py compiles them)."""
     import triton
 
-    if bk is None:
-        bk = 2 * _BK if all(n % (2 * _BK) == 0 for n in (shape.hidden, shape.inter, shape.nh * shape.d)) else _BK
     tiles = shape.hidden // bn
     ks_o = k_splits(tiles, shape.nh * shape.d, programs, math.lcm(bk, shape.d))
     return dict(
@@ -90,15 +89,15 @@ def layer_consts(
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
         Q_PRE=prefetch_width(shape.hidden, q_pre),
-        num_warps=num_warps, num_stages=3, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
+        num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
 
 class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
-        bn: int = _BN, bk: int | None = None, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
-        q_pre: int = _Q_PRE,
+        bn: int = _BN, bk: int = _BK, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
+        q_pre: int = _Q_PRE, stages: int = _STAGES,
     ) -> None:  # fmt: skip
         from engine import pdl
 
@@ -112,7 +111,7 @@ class FusedDecode:
         # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
-        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre)
+        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages)
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)
