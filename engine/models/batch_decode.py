@@ -37,7 +37,8 @@ BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 # Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
 MAX_ROWS = 64
-_BK = 128  # K per step of the GEMV loops
+_BK = 64  # K per step of the GEMV loops
+_STAGES = 8  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
 # L2 prefetches (batch_kernel.py; bench/RESULTS.md, thirty-eighth session): the first weights of
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
 # before them is done, so they land during the barrier (and norm) between.
@@ -52,7 +53,7 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 
 def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
-    bn_gate: int = 32, bk: int = _BK, stages: int = 4, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
+    bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/compile_offline.py compiles them)."""
@@ -75,7 +76,7 @@ def kernel_consts(
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
-        bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = 4, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
+        bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
         q_pre: int = _Q_PRE,
     ) -> None:  # fmt: skip
         from engine import pdl
