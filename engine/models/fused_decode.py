@@ -44,9 +44,9 @@ _BM = 16  # rows per GEMV tile (tl.dot's smallest M)
 _BN = 32  # output columns per GEMV item
 _BK = 128  # K per step of the GEMV loops
 _STAGES = 5  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
-# L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth session): each o_proj item's whole
-# tile when its phase starts, under the split merge; the first 256 columns of each gate_up row
-# after o_proj, under its barrier and the norm (the whole row there, or down_proj's too: no better);
+# L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth and thirty-ninth sessions): each
+# o_proj item's whole tile while the attention's barrier waits and under the split merge; the first
+# 256 columns of each gate_up row while o_proj's barrier waits and under the norm (the whole row there, or down_proj's too: no better);
 # the first 256 of the next layer's qkv rows after down_proj, under the launch boundary and norm.
 _O_PRE = 1 << 30  # more than any row: the whole tile
 _G_PRE = 256

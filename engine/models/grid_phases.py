@@ -12,6 +12,8 @@ SMs).
 L2 prefetch (`prefetch_items`, gemv_phase's dealing of items): a program pulls the first weights
 of its items of a later GEMV phase into L2 where HBM would idle: once its own item before is
 done, over the barrier (and norm) or launch boundary between, or under o_proj's split merge.
+Issued between a barrier's `grid_arrive` and its `grid_wait`, a prefetch delays neither the
+program's own loads nor its release (one-row kernel, thirty-ninth session).
 Whole tiles, or every weight phase at once, only take bandwidth from the phase running
 (bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
 
@@ -47,16 +49,28 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
+def grid_arrive(bar_ptr, FIRST_ADD: tl.constexpr):
+    # The barrier's first half: this program's writes released, its arrival counted; returns the
+    # counter before it, for grid_wait.
     tl.debug_barrier()
     add = 1
     if tl.program_id(0) == 0:
         add = FIRST_ADD
-    old = tl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
+    return tl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
+
+
+@triton.jit
+def grid_wait(bar_ptr, old):
+    # The barrier's second half: wait until every program has arrived (the sign bit flipped).
     cur = _load_acquire(bar_ptr)
     while (old ^ cur) >= 0:  # same sign bit: someone has not arrived
         cur = _load_acquire(bar_ptr)
     tl.debug_barrier()
+
+
+@triton.jit
+def grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
+    grid_wait(bar_ptr, grid_arrive(bar_ptr, FIRST_ADD))
 
 
 @triton.jit

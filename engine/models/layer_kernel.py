@@ -26,10 +26,12 @@ i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
   7. down_proj, items (tile, K split c): down_part[c] [M, hidden] fp32; the next layer's phase 1
      (or `finish_kernel`) adds them to h_mid.
 L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
-weights of each row of the program's o_proj tile when phase 4 starts, under its merge; G_PRE
-columns of its gate_up rows once its o_proj item is done, over the barrier and phase 5; Q_PRE
-columns of the next layer's qkv rows once its down_proj item is done (has_next), over the launch
-boundary and the next layer's phase 1.
+weights of each row of the program's o_proj tile once it has arrived at the barrier after phase
+3, so they land while it waits and under the merge; G_PRE columns of its gate_up rows once it has
+arrived at o_proj's barrier, over the wait and phase 5 (issued between the arrival and the wait,
+neither delays the program's own loads nor its release: bench/RESULTS.md, thirty-ninth session);
+Q_PRE columns of the next layer's qkv rows once its down_proj item is done (has_next), over the
+launch boundary and the next layer's phase 1.
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
@@ -46,7 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, prefetch_items, stamp
+from engine.models.grid_phases import gemv_phase, grid_arrive, grid_wait, norm_phase, phase_end, prefetch_items, stamp
 from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
 
 
@@ -123,20 +125,26 @@ def decoder_layer_kernel(
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
     )  # fmt: skip
-    phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
+    stamp(t_ptr, 5, TIMING)
+    old = grid_arrive(bar_ptr, FIRST_ADD)
+    if O_PRE > 0:  # o_proj's weight tile pulled into L2 while the barrier waits, then under the merge
+        prefetch_items(o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE)
+    grid_wait(bar_ptr, old)
+    stamp(t_ptr, 6, TIMING)
     # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
     # it merges the splits of its chunk's heads into its own scratch rows first.
     xo = xo_ptr + pid * (BM * KCO)
-    if O_PRE > 0:  # its weight tile pulled into L2 while the merge waits on the partials
-        prefetch_items(o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE)
     if pid < (HID // BN) * KS_O:
         combine_heads(part_o_ptr, part_lse_ptr, xo, M, (pid % KS_O) * (KCO // D), num_splits, NH, D, KCO // D, 4, BLOCK_S, DTYPE)
     tl.debug_barrier()
     stamp(t_ptr, 15, TIMING)
     gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+    stamp(t_ptr, 7, TIMING)
+    old = grid_arrive(bar_ptr, FIRST_ADD)
     if G_PRE > 0:  # the first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm
         prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE)
-    phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
+    grid_wait(bar_ptr, old)
+    stamp(t_ptr, 8, TIMING)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
