@@ -46,11 +46,14 @@ _BK = 128  # K per step of the GEMV loops
 _STAGES = 5  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
 # L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth and thirty-ninth sessions): each
 # o_proj item's whole tile while the attention's barrier waits and under the split merge; the first
-# 256 columns of each gate_up row while o_proj's barrier waits and under the norm (the whole row there, or down_proj's too: no better);
+# 256 columns of each gate_up row while o_proj's barrier waits and under the norm (the whole row: no
+# better); the first 512 of each down_proj item's K split while gate_up's barrier waits, by the
+# programs that had a gate_up item (issued before it, they slowed gate_up as much as they saved);
 # the first 256 of the next layer's qkv rows after down_proj, under the launch boundary and norm.
 _O_PRE = 1 << 30  # more than any row: the whole tile
 _G_PRE = 256
 _Q_PRE = 256
+_D_PRE = 512
 _PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
 
 
@@ -73,7 +76,7 @@ def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
 
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
-    bn: int = _BN, bk: int = _BK, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE, stages: int = _STAGES,
+    bn: int = _BN, bk: int = _BK, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE,
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
@@ -82,13 +85,14 @@ def layer_consts(
 
     tiles = shape.hidden // bn
     ks_o = k_splits(tiles, shape.nh * shape.d, programs, math.lcm(bk, shape.d))
+    ks_d = k_splits(tiles, shape.inter, programs, bk)
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
-        KS_O=ks_o, KS_D=k_splits(tiles, shape.inter, programs, bk),
+        KS_O=ks_o, KS_D=ks_d,
         BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(most_pairs(programs, shape, rows)),
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
-        Q_PRE=prefetch_width(shape.hidden, q_pre),
+        Q_PRE=prefetch_width(shape.hidden, q_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
@@ -97,7 +101,7 @@ class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
         bn: int = _BN, bk: int = _BK, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
-        q_pre: int = _Q_PRE, stages: int = _STAGES,
+        q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE,
     ) -> None:  # fmt: skip
         from engine import pdl
 
@@ -111,7 +115,7 @@ class FusedDecode:
         # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
-        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages)
+        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages, d_pre)
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)

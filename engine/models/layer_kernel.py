@@ -30,7 +30,9 @@ weights of each row of the program's o_proj tile once it has arrived at the barr
 3, so they land while it waits and under the merge; G_PRE columns of its gate_up rows once it has
 arrived at o_proj's barrier, over the wait and phase 5 (issued between the arrival and the wait,
 neither delays the program's own loads nor its release: bench/RESULTS.md, thirty-ninth session);
-Q_PRE columns of the next layer's qkv rows once its down_proj item is done (has_next), over the
+D_PRE columns of its down_proj item's K split once it has arrived at gate_up's barrier, issued
+only by the programs that had a gate_up item (the others arrive at once, and their fills would
+queue ahead of gate_up's loads); Q_PRE columns of the next layer's qkv rows once its down_proj item is done (has_next), over the
 launch boundary and the next layer's phase 1.
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
@@ -48,7 +50,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import gemv_phase, grid_arrive, grid_wait, norm_phase, phase_end, prefetch_items, stamp
+from engine.models.grid_phases import (
+    gemv_phase,
+    grid_arrive,
+    grid_wait,
+    norm_phase,
+    phase_end,
+    prefetch_items,
+    stamp,
+)
 from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
 
 
@@ -97,7 +107,7 @@ def decoder_layer_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
     NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr,
-    TIMING: tl.constexpr = False,
+    D_PRE: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -150,7 +160,12 @@ def decoder_layer_kernel(
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
-    phase_end(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING)
+    stamp(t_ptr, 11, TIMING)
+    old = grid_arrive(bar_ptr, FIRST_ADD)
+    if D_PRE > 0 and pid < INTER // BN:  # programs that had a gate_up item: down_proj's first columns
+        prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
+    grid_wait(bar_ptr, old)
+    stamp(t_ptr, 12, TIMING)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
     if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm
         if has_next != 0:
