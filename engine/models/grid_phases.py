@@ -90,6 +90,23 @@ def phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMI
 
 
 @triton.jit
+def phase_end_prefetching(
+    bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr, issue,
+    w_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
+    KPRE: tl.constexpr,
+):  # fmt: skip
+    # phase_end, with this program's prefetch_items(w_ptr, ...) of the next GEMV phase issued (KPRE
+    # > 0 and `issue`) between its arrival and its wait: they land while it waits.
+    stamp(t_ptr, POINT, TIMING)
+    old = grid_arrive(bar_ptr, FIRST_ADD)
+    if KPRE > 0:
+        if issue:
+            prefetch_items(w_ptr, N, K, KS, SILU, BN, P, KPRE)
+    grid_wait(bar_ptr, old)
+    stamp(t_ptr, POINT + 1, TIMING)
+
+
+@triton.jit
 def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
     # [BLOCK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add).
     h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)

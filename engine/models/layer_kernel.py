@@ -32,8 +32,8 @@ arrived at o_proj's barrier, over the wait and phase 5 (issued between the arriv
 neither delays the program's own loads nor its release: bench/RESULTS.md, thirty-ninth session);
 D_PRE columns of its down_proj item's K split once it has arrived at gate_up's barrier, issued
 only by the programs that had a gate_up item (the others arrive at once, and their fills would
-queue ahead of gate_up's loads); Q_PRE columns of the next layer's qkv rows once its down_proj item is done (has_next), over the
-launch boundary and the next layer's phase 1.
+queue ahead of gate_up's loads); Q_PRE columns of the next layer's qkv rows once its down_proj
+item is done (has_next), over the launch boundary and the next layer's phase 1.
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
@@ -52,10 +52,9 @@ import triton.language as tl
 
 from engine.models.grid_phases import (
     gemv_phase,
-    grid_arrive,
-    grid_wait,
     norm_phase,
     phase_end,
+    phase_end_prefetching,
     prefetch_items,
     stamp,
 )
@@ -135,12 +134,8 @@ def decoder_layer_kernel(
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
     )  # fmt: skip
-    stamp(t_ptr, 5, TIMING)
-    old = grid_arrive(bar_ptr, FIRST_ADD)
-    if O_PRE > 0:  # o_proj's weight tile pulled into L2 while the barrier waits, then under the merge
-        prefetch_items(o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE)
-    grid_wait(bar_ptr, old)
-    stamp(t_ptr, 6, TIMING)
+    # o_proj's weight tile pulled into L2 while the barrier waits, and under the merge after it.
+    phase_end_prefetching(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING, True, o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE)
     # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
     # it merges the splits of its chunk's heads into its own scratch rows first.
     xo = xo_ptr + pid * (BM * KCO)
@@ -149,23 +144,15 @@ def decoder_layer_kernel(
     tl.debug_barrier()
     stamp(t_ptr, 15, TIMING)
     gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
-    stamp(t_ptr, 7, TIMING)
-    old = grid_arrive(bar_ptr, FIRST_ADD)
-    if G_PRE > 0:  # the first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm
-        prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE)
-    grid_wait(bar_ptr, old)
-    stamp(t_ptr, 8, TIMING)
+    # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm.
+    phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
-    stamp(t_ptr, 11, TIMING)
-    old = grid_arrive(bar_ptr, FIRST_ADD)
-    if D_PRE > 0 and pid < INTER // BN:  # programs that had a gate_up item: down_proj's first columns
-        prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
-    grid_wait(bar_ptr, old)
-    stamp(t_ptr, 12, TIMING)
+    # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item.
+    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < INTER // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
     if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm
         if has_next != 0:
