@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench_runtime import MIB, free_memory, say
@@ -65,15 +66,19 @@ def _capture(runner: Any, max_bs: int, vocab: int, batch_sizes: list[int] | None
 
 
 def count_graph_replays(core: EngineCore) -> list[int]:
-    """Wraps the engine's graph runner so the benchmark can tell replayed steps from eager ones."""
-    counter = [0]
-    graphs = core.runner.graphs
-    if graphs is not None:
-        run = graphs.run
-
-        def counted(*a: Any, **kw: Any) -> Any:
-            counter[0] += 1
-            return run(*a, **kw)
-
-        graphs.run = counted  # type: ignore[method-assign]
+    """Wraps the engine's graph runners so the benchmark can tell replayed steps from eager ones:
+    [steps replayed from a decode graph, steps run through the piecewise graphs (prefill and
+    mixed steps)], counted as they happen."""
+    counter = [0, 0]
+    for i, graphs in enumerate((core.runner.graphs, core.runner.piecewise)):
+        if graphs is not None:
+            graphs.run = _counted(graphs.run, counter, i)  # type: ignore[method-assign]
     return counter
+
+
+def _counted(run: Callable[..., Any], counter: list[int], i: int) -> Callable[..., Any]:
+    def counted(*a: Any, **kw: Any) -> Any:
+        counter[i] += 1
+        return run(*a, **kw)
+
+    return counted

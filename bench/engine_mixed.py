@@ -52,17 +52,17 @@ def mixed_steps(core: EngineCore, args: argparse.Namespace, rng: random.Random, 
     try:
         chunk_s = [_timed_run(core, device, steps, fresh, []) for _ in range(total)][args.mixed_warmup:]
         decodes = _start_decodes(core, rng, bs, ctx, room)
-        decode_s, mixed_s, replayed = [], [], [0, 0]  # graph replays in timed (a) and (c) steps
+        decode_s, mixed_s, replayed = [], [], [0, 0]  # decode-graph (a) and piecewise (c) replays in timed steps
         context_start = _mean_context(decodes)
         for rep in range(total):
             r0 = replays[0]
             d = _timed_run(core, device, steps, None, decodes)
-            r1 = replays[0]
+            r1 = replays[0], replays[1]
             m = _timed_run(core, device, steps, fresh, decodes)
             if rep >= args.mixed_warmup:
                 decode_s.append(d)
                 mixed_s.append(m)
-                replayed = [replayed[0] + r1 - r0, replayed[1] + replays[0] - r1]
+                replayed = [replayed[0] + r1[0] - r0, replayed[1] + replays[1] - r1[1]]
         context_end = _mean_context(decodes)
         bad = [r.request_id for r in fresh.requests if r.num_cached_tokens or r.num_preemptions]
         if bad or sched.num_preemptions != preempt0:
@@ -83,8 +83,9 @@ def mixed_steps(core: EngineCore, args: argparse.Namespace, rng: random.Random, 
         "chunks_prefilled": len(fresh.requests),
     }
     say(f"mixed: bs={bs} + {chunk}-token chunk: decode {a * 1e3:.3f} ms, chunk alone {b * 1e3:.3f} ms, mixed "
-        f"{c * 1e3:.3f} ms -> mixed / (decode + chunk) = {out['ratio']:.2f}; CUDA graphs replayed in "
-        f"{replayed[0]} decode and {replayed[1]} mixed steps of {len(decode_s) * steps} each, context "
+        f"{c * 1e3:.3f} ms -> mixed / (decode + chunk) = {out['ratio']:.2f}; decode graphs replayed in "
+        f"{replayed[0]} decode steps and piecewise graphs in {replayed[1]} mixed steps of {len(decode_s) * steps} "
+        f"each, context "
         f"{context_start:.0f}..{context_end:.0f}")
     return out
 
