@@ -304,3 +304,38 @@ def test_decode_kernels_prefetch_whole_lines_within_a_row() -> None:
     assert prefetch_width(896, 1 << 30) == 512  # 14 heads x 64 (Qwen2-0.5B): 14 lines -> 8
     assert prefetch_width(768, 512) == 512  # down_proj's K split of 3072 / 4
     assert prefetch_width(32, 256) == 0 and prefetch_width(1024, 0) == 0
+
+
+@pytest.mark.parametrize(
+    "hidden, inter, nh, nkv, d",
+    [(1024, 3072, 16, 8, 128), (896, 4864, 14, 2, 64), (2048, 6144, 16, 8, 128)],  # Qwen3-0.6B, Qwen2-0.5B, Qwen3-1.7B
+)
+def test_decode_kernels_prefetch_within_their_items_k_split(hidden: int, inter: int, nh: int, nkv: int, d: int) -> None:
+    """Every L2 prefetch width the persistent decode kernels are built with (fused_decode.layer_consts,
+    batch_decode.kernel_consts, their defaults) covers at most its GEMV item's K split: the kernels'
+    prefetch_items reads k_lo + [0, width), so a wider one would pull the next split's or the next
+    row's weights, or run past the weight's end at its last row. Widths are whole power-of-two runs
+    of 128-byte lines, or 0."""
+    pytest.importorskip("triton")
+    from engine.models import batch_decode, fused_decode
+    from engine.models.decode_path import LayerShape
+
+    shape = LayerShape(hidden=hidden, inter=inter, nh=nh, nkv=nkv, d=d, eps=1e-6, qk_norm=True,
+                       device=torch.device("cpu"), dtype=torch.bfloat16)  # fmt: skip
+    for programs in (132, 78):  # an H100 / H200, and a smaller part
+        one = fused_decode.layer_consts(shape, programs, fused_decode.MAX_ROWS, 16, use_pdl=True)
+        batch = batch_decode.kernel_consts(shape, programs, batch_decode.MAX_ROWS, use_pdl=True)
+        widths = {
+            "one-row O_PRE": (one["O_PRE"], nh * d // one["KS_O"]),
+            "one-row G_PRE": (one["G_PRE"], hidden),
+            "one-row Q_PRE": (one["Q_PRE"], hidden),
+            "one-row D_PRE": (one["D_PRE"], inter // one["KS_D"]),
+            "batch G_PRE": (batch["G_PRE"], hidden),
+            "batch D_PRE": (batch["D_PRE"], inter // batch["KS_D"]),
+            "batch Q_PRE": (batch["Q_PRE"], hidden // batch["KS_Q"]),
+        }
+        for name, (width, k_split) in widths.items():
+            lines = width // 64
+            assert width <= k_split, (name, programs, width, k_split)
+            assert width % 64 == 0 and lines & (lines - 1) == 0, (name, programs, width)
+        assert one["D_PRE"] > 0 and one["O_PRE"] > 0, one  # the defaults prefetch at these shapes
