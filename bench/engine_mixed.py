@@ -85,8 +85,7 @@ def mixed_steps(core: EngineCore, args: argparse.Namespace, rng: random.Random, 
     say(f"mixed: bs={bs} + {chunk}-token chunk: decode {a * 1e3:.3f} ms, chunk alone {b * 1e3:.3f} ms, mixed "
         f"{c * 1e3:.3f} ms -> mixed / (decode + chunk) = {out['ratio']:.2f}; decode graphs replayed in "
         f"{replayed[0]} decode steps and piecewise graphs in {replayed[1]} mixed steps of {len(decode_s) * steps} "
-        f"each, context "
-        f"{context_start:.0f}..{context_end:.0f}")
+        f"each, context {context_start:.0f}..{context_end:.0f}")
     return out
 
 

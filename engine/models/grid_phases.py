@@ -69,11 +69,6 @@ def grid_wait(bar_ptr, old):
 
 
 @triton.jit
-def grid_barrier(bar_ptr, FIRST_ADD: tl.constexpr):
-    grid_wait(bar_ptr, grid_arrive(bar_ptr, FIRST_ADD))
-
-
-@triton.jit
 def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
     # bench only (TIMING): this program's %globaltimer (ns) at point i < 16, into t [P, STAMPS]
     # int64; at point 0 also its %smid, into t[:, SM_SLOT].
@@ -85,7 +80,7 @@ def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
 def phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr):
     # The grid barrier after a phase, stamped (TIMING) at arrival (POINT) and on leaving (POINT + 1).
     stamp(t_ptr, POINT, TIMING)
-    grid_barrier(bar_ptr, FIRST_ADD)
+    grid_wait(bar_ptr, grid_arrive(bar_ptr, FIRST_ADD))
     stamp(t_ptr, POINT + 1, TIMING)
 
 

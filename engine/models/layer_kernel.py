@@ -152,7 +152,7 @@ def decoder_layer_kernel(
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
     # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item.
-    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < INTER // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
+    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < (INTER + BN - 1) // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
     if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm
         if has_next != 0:
