@@ -22,13 +22,22 @@ binding is 3.4 us of it and the compiled kernel's own launcher 5.7. A 28-layer m
   takes the JIT path: slower, never wrong.
 Attribute access falls through to the JIT function (`device_caches`, `warmup`, ...).
 
+Recording (`record_launches()`): while it is open, each launch also appends a `RecordedLaunch`
+(the compiled variant, its grid, the stream and every bound argument), or None where the launch
+had no compiled variant to keep (a hook set, another Triton). A recorded launch relaunches with
+some arguments replaced (`relaunch`): how a step's attention runs its later layers with the
+launches of its first (engine/attention/layer_replay.py). The caller owns the rule that the
+replaced arguments specialize as the recorded ones did.
+
 SIESTA_FAST_LAUNCH=0 (read once, at import) sends every launch down Triton's JIT path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from triton.runtime import driver
@@ -42,6 +51,35 @@ except ImportError:  # Triton before 3.4: every launch takes the JIT path
 Grid = tuple[int, ...]
 FAST_LAUNCH_ENV = "SIESTA_FAST_LAUNCH"
 _ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class RecordedLaunch:
+    """One launch of a compiled variant: grid (3-D), stream and its bound arguments in order."""
+
+    kernel: Any  # triton.compiler.CompiledKernel
+    grid: tuple[int, int, int]
+    stream: int
+    values: tuple[Any, ...]  # every parameter's value, constexprs included, as Triton's binder bound them
+
+    def relaunch(self, values: list[Any]) -> None:
+        """Launch the same variant, grid and stream with `values` (the recorded ones, some replaced)."""
+        k, (gx, gy, gz) = self.kernel, self.grid
+        k.run(gx, gy, gz, self.stream, k.function, k.packed_metadata, None, None, None, *values)
+
+
+_recording: list[RecordedLaunch | None] | None = None  # the open record_launches() list, if any
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[list[RecordedLaunch | None]]:
+    """Every Launcher launch made inside the block, in order (None: one that cannot be relaunched)."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer
 
 
 class Launcher:
@@ -82,11 +120,15 @@ class Launcher:
                 g = grid + (1,) * (3 - len(grid))
                 stream = driver.active.get_current_stream(device)
                 kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *bound.values())
+                if _recording is not None:
+                    _recording.append(RecordedLaunch(kernel, (g[0], g[1], g[2]), stream, tuple(bound.values())))
                 return
         self.misses += 1
         kernel = self.fn[grid](*args, **kwargs)
         if key is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
             self._compiled[key] = kernel
+        if _recording is not None:
+            _recording.append(None)  # the JIT path's launch: relaunched only once it is a known variant
 
 
 def _hooks_set() -> bool:

@@ -118,3 +118,33 @@ def test_siesta_fast_launch_0_sends_every_launch_down_the_jit_path() -> None:
         p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         assert p.stdout.split("\n")[-2] == expected, (flag, p.stdout)
+
+
+def test_a_recorded_launch_relaunches_with_other_tensors_and_a_jit_launch_records_none() -> None:
+    from engine.attention import triton_kernels as tk
+    from engine.launcher import record_launches
+
+    k_cache, v_cache = _cache()
+    slots = torch.tensor([3, 17, 40], dtype=torch.int64, device="cuda")
+    k, v = _rows(3), _rows(3)
+    tk.store_kv(k, v, k_cache, v_cache, slots)  # compiled from now on
+    with record_launches() as launches:
+        tk.store_kv(k, v, k_cache, v_cache, slots)
+    assert len(launches) == 1 and launches[0] is not None
+    (launch,) = launches
+    other_k, other_v = _rows(3), _rows(3)
+    other_cache = _cache()
+    values = [{id(k): other_k, id(v): other_v, id(k_cache): other_cache[0], id(v_cache): other_cache[1]}.get(id(x), x)
+              for x in launch.values]
+    launch.relaunch(values)
+    torch.cuda.synchronize()
+    flat_k, flat_v = other_cache[0].view(-1, HKV, D), other_cache[1].view(-1, HKV, D)
+    assert torch.equal(flat_k[slots], other_k) and torch.equal(flat_v[slots], other_v)
+    assert torch.equal(k_cache.view(-1, HKV, D)[slots], k), "the relaunch wrote the recorded cache"
+    # A launch Triton compiles anew (float16: a variant first seen here) is recorded as None.
+    k16 = _rows(3).half()
+    c16 = torch.zeros(8, BLOCK, HKV, D, dtype=torch.float16, device="cuda")
+    with record_launches() as launches:
+        tk.store_kv(k16, k16, c16, c16, slots)
+        tk.store_kv(k16, k16, c16, c16, slots)
+    assert launches[0] is None and launches[1] is not None

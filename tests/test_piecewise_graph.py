@@ -222,6 +222,29 @@ def test_metadata_must_cover_exactly_the_steps_tokens(qwen3_dir: str) -> None:
 # ---- out= ---------------------------------------------------------------------------------------
 
 
+def test_layer_forward_attends_the_steps_rows_and_leaves_the_padding_rows(qwen3_dir: str) -> None:
+    """The base rule (SDPA): per layer, `forward` on the first T rows into out's first T rows."""
+    model = load_model(qwen3_dir, torch.float32, "cpu")
+    c = model.config
+    cache = random_cache(model, torch.float32, "cpu")
+    cache0 = cache.clone()
+    backend = make_backend(SdpaBackend, model, cache)
+    step = make_step(mixed_specs(20, seed=3), "cpu", c.vocab_size, seed=3)
+    g = torch.Generator().manual_seed(1)
+    rows = [(torch.randn(24, c.num_heads, c.head_dim, generator=g), torch.randn(24, c.num_kv_heads, c.head_dim, generator=g),
+             torch.randn(24, c.num_kv_heads, c.head_dim, generator=g)) for _ in range(c.num_layers)]
+    want = [backend.forward(layer, q[:20], k[:20], v[:20], step.meta) for layer, (q, k, v) in enumerate(rows)]
+    want_kv = cache.clone()
+    cache.copy_(cache0)
+    attend = backend.layer_forward(step.meta, 20)
+    out = torch.full((24, c.num_heads, c.head_dim), 3.0)
+    for layer, (q, k, v) in enumerate(rows):
+        attend(layer, q, k, v, out)
+        assert torch.equal(out[:20], want[layer]), f"layer {layer}"
+    assert torch.equal(out[20:], torch.full_like(out[20:], 3.0)), "a padding row was written"
+    assert torch.equal(cache, want_kv), "the KV writes differ from forward's"
+
+
 def test_sdpa_writes_into_out_and_zeroes_its_padding_rows(qwen3_dir: str) -> None:
     model = load_model(qwen3_dir, torch.float32, "cpu")
     c = model.config

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,19 @@ class AttentionBackend(ABC):
         at position p of sequence i sees cached and new tokens 0..p of sequence i. Rows past the
         last sequence are zero. With `out`, the result is written there and nothing is allocated
         for it (piecewise CUDA graphs read it from a static buffer)."""
+
+    def layer_forward(
+        self, meta: AttentionMetadata, num_tokens: int
+    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+        """A step's attention for one layer after another, planned once per step: call it with
+        (layer_id, q, k, v, out), tensors of T_pad >= num_tokens rows whose first num_tokens are
+        the step's (the rest padding, left as they are in `out`). Here: `forward` on those rows."""
+        n = num_tokens
+
+        def attend(layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+            self.forward(layer_id, q[:n], k[:n], v[:n], meta, out=out[:n])
+
+        return attend
 
     @staticmethod
     def check_out(q: torch.Tensor, out: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from engine.attention import triton_decode as td
 from engine.attention import triton_kernels as tk
 from engine.attention import triton_prefill as tp
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.layer_replay import LayerReplay
 
 _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
 # Decode programs resident per SM (the default config's registers allow 4): splits fill one wave
@@ -62,6 +63,8 @@ class TritonBackend(AttentionBackend):
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous")
         device = kv_cache.device
+        # Each layer's K and V cache, [num_blocks, block_size, Hkv, D]: one view each, made once.
+        self.layer_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.wave_programs = _PROGRAMS_PER_SM * num_sms  # decode programs of one wave
         self._merge_programs = _MERGE_PROGRAMS_PER_SM * num_sms
@@ -126,7 +129,7 @@ class TritonBackend(AttentionBackend):
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         else:
             self.check_out(q, out)
-        k_cache, v_cache = self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1]
+        k_cache, v_cache = self.layer_caches[layer_id]
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_seqs = meta.seq_lens.shape[0]  # a shape, not a host value: fine inside a graph
         if meta.is_decode:
@@ -151,6 +154,11 @@ class TritonBackend(AttentionBackend):
                 self.decode(layer_id, q, meta, out, mixed=True)
         return out
 
+    def layer_forward(self, meta: AttentionMetadata, num_tokens: int) -> LayerReplay:
+        """The base rule, with every layer after the first relaunching the first's kernels
+        (layer_replay.py): a piecewise step's 28 layers x 2-3 launches cost the host that much less."""
+        return LayerReplay(self.forward, self.layer_caches.__getitem__, meta, num_tokens)
+
     def decode(
         self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor, pdl_launch: bool = False,
         mixed: bool = False,
@@ -165,8 +173,9 @@ class TritonBackend(AttentionBackend):
         num_seqs = meta.seq_lens.shape[0]
         splits, merge = self.decode_splits(num_seqs, pdl_launch)
         self._check_workspace(num_seqs, splits, merge)
+        k_cache, v_cache = self.layer_caches[layer_id]
         td.decode_attention(
-            q, self.kv_cache[layer_id, 0], self.kv_cache[layer_id, 1], meta.block_tables, meta.seq_lens, out,
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out,
             self.scale, splits, self._part_out, self._part_lse, pdl_launch=pdl_launch,
             query_start_loc=meta.query_start_loc if mixed else None, counts=self._counts if merge else None,
         )  # fmt: skip

@@ -187,6 +187,7 @@ class PiecewiseGraphRunner:
         self.pool_bytes = 0  # device memory of the shared pool, once captured
         self.pool_bytes_by_size: dict[int, int] = {}  # the pool after capturing each size
         self.num_attention_calls = 0  # per forward: the model's layer count, as seen in warm-up
+        self.last_attention: Any = None  # the last `run`'s backend.layer_forward (tests, bench)
 
     def _forward(self, size: int) -> None:
         """The model on the first `size` rows of the static inputs, attention answered by the
@@ -273,10 +274,12 @@ class PiecewiseGraphRunner:
     ) -> torch.Tensor:  # [T, hidden] (a view of the static buffer: use before the next run)
         n, size = self._load_inputs(input_ids, positions, meta)
         graphs, attention = self.graphs[size], self.attention[size]
+        attend = self.backend.layer_forward(meta, n)  # planned once for the step's layers
         for graph, a in zip(graphs[:-1], attention, strict=True):
             graph.replay()
-            self.backend.forward(a.layer_id, a.q[:n], a.k[:n], a.v[:n], meta, out=self.attn_out[:n])
+            attend(a.layer_id, a.q, a.k, a.v, self.attn_out)
         graphs[-1].replay()
+        self.last_attention = attend
         return self.hidden[:n]
 
     @torch.inference_mode()
