@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from bench_runtime import say, sync
+from engine_decode import device_waits
 
 from engine.core.engine_core import EngineCore
 from engine.core.protocol import AddRequest
@@ -49,8 +50,10 @@ def mixed_steps(core: EngineCore, args: argparse.Namespace, rng: random.Random, 
         core.abort(None)
     preempt0 = sched.num_preemptions
     fresh = _Prompts(rng, core.model_config.vocab_size, chunk)
+    busy: dict[str, list[float]] = {"chunk": [], "decode": [], "mixed": []}  # host busy per step, per run
     try:
-        chunk_s = [_timed_run(core, device, steps, fresh, []) for _ in range(total)][args.mixed_warmup:]
+        chunk_runs = [_timed_run(core, device, steps, fresh, []) for _ in range(total)][args.mixed_warmup:]
+        chunk_s, busy["chunk"] = [r[0] for r in chunk_runs], [r[1] for r in chunk_runs]
         decodes = _start_decodes(core, rng, bs, ctx, room)
         decode_s, mixed_s, replayed = [], [], [0, 0]  # decode-graph (a) and piecewise (c) replays in timed steps
         context_start = _mean_context(decodes)
@@ -60,8 +63,10 @@ def mixed_steps(core: EngineCore, args: argparse.Namespace, rng: random.Random, 
             r1 = replays[0], replays[1]
             m = _timed_run(core, device, steps, fresh, decodes)
             if rep >= args.mixed_warmup:
-                decode_s.append(d)
-                mixed_s.append(m)
+                decode_s.append(d[0])
+                mixed_s.append(m[0])
+                busy["decode"].append(d[1])
+                busy["mixed"].append(m[1])
                 replayed = [replayed[0] + r1[0] - r0, replayed[1] + replays[1] - r1[1]]
         context_end = _mean_context(decodes)
         bad = [r.request_id for r in fresh.requests if r.num_cached_tokens or r.num_preemptions]
@@ -77,13 +82,16 @@ def mixed_steps(core: EngineCore, args: argparse.Namespace, rng: random.Random, 
         "decode_step_s": decode_s, "chunk_step_s": chunk_s, "mixed_step_s": mixed_s,
         "decode_step_median_s": a, "chunk_step_median_s": b, "mixed_step_median_s": c,
         "reference_s": a + b, "ratio": c / (a + b),
+        "host_busy_median_s": {k: statistics.median(v) for k, v in busy.items()},
         "decode_context_start": context_start, "decode_context_end": context_end,
         "decode_graph_replayed_steps": replayed[0], "mixed_graph_replayed_steps": replayed[1],
         "decode_timed_steps": len(decode_s) * steps,
         "chunks_prefilled": len(fresh.requests),
     }
     say(f"mixed: bs={bs} + {chunk}-token chunk: decode {a * 1e3:.3f} ms, chunk alone {b * 1e3:.3f} ms, mixed "
-        f"{c * 1e3:.3f} ms -> mixed / (decode + chunk) = {out['ratio']:.2f}; decode graphs replayed in "
+        f"{c * 1e3:.3f} ms -> mixed / (decode + chunk) = {out['ratio']:.2f}; host busy per step: "
+        + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in out["host_busy_median_s"].items())
+        + f"; decode graphs replayed in "
         f"{replayed[0]} decode steps and piecewise graphs in {replayed[1]} mixed steps of {len(decode_s) * steps} "
         f"each, context {context_start:.0f}..{context_end:.0f}")
     return out
@@ -131,8 +139,11 @@ def _mean_context(decodes: list[Request]) -> float:
 
 
 def _timed_run(core: EngineCore, device: torch.device, steps: int, fresh: _Prompts | None,
-               decodes: list[Request]) -> float:
-    """Seconds per step of `steps` consecutive `core.step()` calls; with `fresh`, one new prompt is
+               decodes: list[Request]) -> tuple[float, float]:
+    """(seconds per step, host busy seconds per step) of `steps` consecutive `core.step()` calls:
+    host busy is the time inside `core.step()` less its waits for the device (the engine reads
+    results through CUDA events), so a run whose host busy is its step time is host-bound.
+    With `fresh`, one new prompt is
     added before each and must be prefilled whole in that very step, beside `decodes` (all
     running, all decoding: checked before and after).
 
@@ -146,25 +157,28 @@ def _timed_run(core: EngineCore, device: torch.device, steps: int, fresh: _Promp
     _check_decoding(sched, decodes)
     prompts = fresh.draw(steps) if fresh is not None else []  # drawn before the clock starts
     sync(device)
-    t = time.perf_counter()
-    for i in range(steps):
-        req = _add(core, f"mixed-chunk-{len(fresh.requests)}", prompts[i], 1) if fresh is not None else None
-        n0 = core.num_steps
-        core.step()
-        # One model step ran, and it computed the whole fresh prompt (computed 0 -> C in it; a
-        # budget >= B + C means nothing of the decodes was left out for it). The prefix cache did
-        # not serve it: it computed every one of its tokens.
-        if core.num_steps != n0 + 1:
-            raise RuntimeError(f"core.step() ran {core.num_steps - n0} model steps, not 1")
-        if req is not None:
-            fresh.requests.append(req)
-            if req.num_computed_tokens != fresh.length or req.num_cached_tokens:
-                raise RuntimeError(f"chunk {req.request_id}: {req.num_computed_tokens} of {fresh.length} tokens "
-                                   f"computed in its first step ({req.num_cached_tokens} from the prefix cache)")
+    t, inside = time.perf_counter(), 0.0
+    with device_waits() as waits:
+        for i in range(steps):
+            req = _add(core, f"mixed-chunk-{len(fresh.requests)}", prompts[i], 1) if fresh is not None else None
+            n0 = core.num_steps
+            t_step = time.perf_counter()
+            core.step()
+            inside += time.perf_counter() - t_step
+            # One model step ran, and it computed the whole fresh prompt (computed 0 -> C in it; a
+            # budget >= B + C means nothing of the decodes was left out for it). The prefix cache did
+            # not serve it: it computed every one of its tokens.
+            if core.num_steps != n0 + 1:
+                raise RuntimeError(f"core.step() ran {core.num_steps - n0} model steps, not 1")
+            if req is not None:
+                fresh.requests.append(req)
+                if req.num_computed_tokens != fresh.length or req.num_cached_tokens:
+                    raise RuntimeError(f"chunk {req.request_id}: {req.num_computed_tokens} of {fresh.length} tokens "
+                                       f"computed in its first step ({req.num_cached_tokens} from the prefix cache)")
     sync(device)
     dt = (time.perf_counter() - t) / steps
     _check_decoding(sched, decodes)
-    return dt
+    return dt, (inside - sum(waits)) / steps
 
 
 def _check_decoding(sched: Any, decodes: list[Request]) -> None:

@@ -77,6 +77,11 @@ def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
     for key in ("decode_step_s", "chunk_step_s", "mixed_step_s"):
         assert len(mixed[key]) == mixed["reps"] == 3 and min(mixed[key]) > 0, key
     assert mixed["reference_s"] == pytest.approx(a + b) and mixed["ratio"] == pytest.approx(c / (a + b))
+    # Host busy: inside core.step() less its waits for the device; on the CPU, the whole step or nearly.
+    busy = mixed["host_busy_median_s"]
+    assert set(busy) == {"chunk", "decode", "mixed"}
+    for kind, step in (("chunk", b), ("decode", a), ("mixed", c)):
+        assert 0.5 * step < busy[kind] <= step * 1.001, (kind, busy[kind], step)
     reps = mixed["warmup_reps"] + mixed["reps"]
     assert mixed["chunks_prefilled"] == 2 * reps * mixed["steps_per_rep"]  # (b) and (c), one per step
     # Every decode ran in every (a) and (c) step: one token more each.

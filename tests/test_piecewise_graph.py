@@ -207,6 +207,19 @@ def test_padded_pieces_equal_the_plain_forward(arch_dir: str, num_tokens: int) -
     assert torch.equal(got_rest, written(cache0, step.slots)[1]) and torch.equal(want_rest, got_rest)
 
 
+def test_metadata_names_the_span_of_sequences_with_more_than_one_query() -> None:
+    """The prefill kernel's grid in a mixed step: from the first to the last sequence of more than
+    one new token, the one-token sequences before and after it left out."""
+    for specs, span, single in (
+        ([(9, 1), (4, 1), (0, 30), (7, 1)], (2, 3), 3),
+        ([(9, 1), (0, 5), (7, 1), (3, 2), (2, 1)], (1, 4), 3),
+        ([(0, 5), (0, 9)], (0, 2), 0),
+        ([(9, 1), (4, 1)], (0, 0), 2),
+    ):
+        meta = make_step(specs, "cpu", 100, seed=0).meta
+        assert meta.multi_query_seqs == span and meta.single_query_rows == single, specs
+
+
 def test_metadata_must_cover_exactly_the_steps_tokens(qwen3_dir: str) -> None:
     model = load_model(qwen3_dir, torch.float32, "cpu")
     cache = random_cache(model, torch.float32, "cpu")

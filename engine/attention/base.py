@@ -46,6 +46,14 @@ class AttentionMetadata:
         q = self.query_start_loc_cpu
         return sum(b - a == 1 for a, b in zip(q, q[1:], strict=False))
 
+    @functools.cached_property
+    def multi_query_seqs(self) -> tuple[int, int]:
+        """(first, end): the sequences from the first to the last with more than one new token
+        (a mixed step's prefill chunks, and any decodes between them); (0, 0) if none."""
+        q = self.query_start_loc_cpu
+        multi = [i for i, (a, b) in enumerate(zip(q, q[1:], strict=False)) if b - a > 1]
+        return (multi[0], multi[-1] + 1) if multi else (0, 0)
+
 
 class AttentionBackend(ABC):
     """Reads and writes one engine's paged KV cache. `kv_cache` is the tensor described above.

@@ -148,7 +148,7 @@ class TritonBackend(AttentionBackend):
             mixed = meta.single_query_rows > 0
             tp.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                self.scale, meta.max_query_len, skip_single=mixed,
+                self.scale, meta.max_query_len, skip_single=mixed, seqs=meta.multi_query_seqs if mixed else None,
             )  # fmt: skip
             if mixed:
                 self.decode(layer_id, q, meta, out, mixed=True)
