@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+# A step's attention for one layer: (layer_id, q, k, v, out) -> None (AttentionBackend.layer_forward)
+LayerForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
 
 @dataclass
 class AttentionMetadata:
@@ -98,9 +101,7 @@ class AttentionBackend(ABC):
         last sequence are zero. With `out`, the result is written there and nothing is allocated
         for it (piecewise CUDA graphs read it from a static buffer)."""
 
-    def layer_forward(
-        self, meta: AttentionMetadata, num_tokens: int
-    ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    def layer_forward(self, meta: AttentionMetadata, num_tokens: int) -> LayerForward:
         """A step's attention for one layer after another, planned once per step: call it with
         (layer_id, q, k, v, out), tensors of T_pad >= num_tokens rows whose first num_tokens are
         the step's (the rest padding, left as they are in `out`). Here: `forward` on those rows."""

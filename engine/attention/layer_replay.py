@@ -28,8 +28,6 @@ import torch
 from engine.attention.base import AttentionMetadata
 from engine.launcher import RecordedLaunch, record_launches
 
-# (layer_id, q, k, v, out) -> None: the step's attention for one layer
-LayerForward = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 CacheViews = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_cache, v_cache)
 
 

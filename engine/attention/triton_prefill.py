@@ -5,8 +5,9 @@ queries of one sequence and one head over that sequence's keys, causally with th
 cached prefix (context = seq_len - q_len). Eager only: its grid uses the host's max_query_len. In
 a mixed step (`skip_single`) it leaves sequences of one query to the split-KV decode kernel
 (triton_decode.py), which reads each KV head once for its GROUP query heads, and its grid spans
-only the sequences from the first to the last with more than one (`seqs`): 64 decodes beside a
-chunk made 4096 programs that returned at once, 12 of the kernel's 29 us on an H100.
+only the sequences from the first to the last with more than one (`seqs`). Over all sequences,
+64 decodes beside a chunk made 4096 programs that returned at once; profiled on an H100, the
+kernel then took 28.7 us a layer beside the decodes against 16.5 for the chunk alone.
 """
 
 from __future__ import annotations

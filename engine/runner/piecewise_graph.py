@@ -187,7 +187,6 @@ class PiecewiseGraphRunner:
         self.pool_bytes = 0  # device memory of the shared pool, once captured
         self.pool_bytes_by_size: dict[int, int] = {}  # the pool after capturing each size
         self.num_attention_calls = 0  # per forward: the model's layer count, as seen in warm-up
-        self.last_attention: Any = None  # the last `run`'s backend.layer_forward (tests, bench)
 
     def _forward(self, size: int) -> None:
         """The model on the first `size` rows of the static inputs, attention answered by the
@@ -279,7 +278,6 @@ class PiecewiseGraphRunner:
             graph.replay()
             attend(a.layer_id, a.q, a.k, a.v, self.attn_out)
         graphs[-1].replay()
-        self.last_attention = attend
         return self.hidden[:n]
 
     @torch.inference_mode()
