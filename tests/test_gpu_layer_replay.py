@@ -2,11 +2,13 @@
 layer_forward`) over several layers, each layer after the first relaunching the first's kernels
 with its own q/k/v and cache, against `forward` per layer: the same outputs and KV cache bit for
 bit, for a prefill step, a mixed step (decode rows with splits) and a decode step (whose
-kernels get views of q and out); a layer whose tensors do not
-fit the recorded variant (a misaligned q, other strides) runs through `forward` and is right too.
-GPU only: every test skips without CUDA."""
+kernels get views of q and out); a layer whose tensors do not fit the recorded variant (a
+misaligned q, other strides) runs through `forward` and is right too. GPU only: every test
+skips without CUDA."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -19,12 +21,17 @@ from test_piecewise_graph import (
     mixed_specs,
 )
 
+if TYPE_CHECKING:  # Triton is imported on CUDA machines only
+    from engine.attention import AttentionMetadata
+    from engine.attention.layer_replay import LayerReplay
+    from engine.attention.triton import TritonBackend
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 LAYERS, H, HKV, D = 5, 8, 2, 64
 
 
-def _backend(cache: torch.Tensor):  # -> TritonBackend
+def _backend(cache: torch.Tensor) -> TritonBackend:
     from engine.attention.triton import TritonBackend
 
     return TritonBackend(cache, scale=D**-0.5, num_heads=H, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
@@ -45,6 +52,21 @@ def _cache(seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, HKV, D)
     return torch.randn(shape, device="cuda", generator=g).to(torch.bfloat16)
+
+
+def _planned_runs(backend: TritonBackend, cache: torch.Tensor, cache0: torch.Tensor, meta: AttentionMetadata, n: int,
+                  inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  out: torch.Tensor) -> tuple[list[torch.Tensor], LayerReplay]:
+    """Every layer through one `layer_forward` plan into the one `out`, twice from `cache0` (the
+    first run may compile): the second run's per-layer outputs and its plan."""
+    for _ in range(2):
+        cache.copy_(cache0)
+        attend = backend.layer_forward(meta, n)
+        got = []
+        for layer, (q, k, v) in enumerate(inputs):
+            attend(layer, q, k, v, out)
+            got.append(out.clone())
+    return got, attend
 
 
 @pytest.mark.parametrize("specs", [
@@ -85,13 +107,7 @@ def test_replayed_layers_equal_forward_per_layer(specs: list[tuple[int, int]]) -
     cache = cache0.clone()
     backend = _backend(cache)
     out = torch.full((n + pad, H, D), 7.0, dtype=torch.bfloat16, device="cuda")
-    for _ in range(2):
-        cache.copy_(cache0)
-        attend = backend.layer_forward(step.meta, n)
-        got = []
-        for layer, (q, k, v) in enumerate(inputs):
-            attend(layer, q, k, v, out)
-            got.append(out.clone())
+    got, attend = _planned_runs(backend, cache, cache0, step.meta, n, inputs, out)
     assert attend.replayed == LAYERS - 1
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), "a relaunched layer differs from forward"
     assert torch.equal(cache, want_kv), "a relaunched layer's KV writes differ from forward's"
@@ -116,13 +132,7 @@ def test_a_layer_that_does_not_fit_the_recorded_variant_runs_through_forward() -
         want.append(out)
     want_kv = cache.clone()
     out = torch.empty(n, H, D, dtype=torch.bfloat16, device="cuda")
-    for _ in range(2):
-        cache.copy_(cache0)
-        attend = backend.layer_forward(step.meta, n)
-        got = []
-        for layer, (q, k, v) in enumerate(inputs):
-            attend(layer, q, k, v, out)
-            got.append(out.clone())
+    got, attend = _planned_runs(backend, cache, cache0, step.meta, n, inputs, out)
     assert attend.replayed == LAYERS - 3, "the misaligned and the strided layer must not be relaunched"
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert torch.equal(cache, want_kv)
