@@ -57,12 +57,12 @@ def _label(owner: Any, attr: str, name: str) -> None:
     setattr(owner, attr, labelled)
 
 
-def _profile_last_reps(out: str) -> None:
+def _profile_last_reps(out: str, reps: int) -> None:
     """Wrap the mixed section's timed runs: the last chunk run (one profile) and the last decode and
     mixed runs (another) run under the profiler; each trace is written and analysed."""
     timed = engine_mixed._timed_run
     calls = [0]
-    reps = _ARGS["reps"]  # the chunk's runs come first, then decode and mixed alternate, reps each
+    # `reps` runs of each kind (warm-up included): the chunk's come first, then decode and mixed alternate.
     state: dict[str, Any] = {}
 
     def run(core: Any, device: Any, steps: int, fresh: Any, decodes: list[Any]) -> float:
@@ -86,9 +86,6 @@ def _profile_last_reps(out: str) -> None:
         return dt
 
     engine_mixed._timed_run = run
-
-
-_ARGS: dict[str, int] = {}
 
 
 def analyze_trace(path: str) -> None:
@@ -158,10 +155,9 @@ def main() -> None:
     args = bench_engine.parse_args(sys.argv[1:])
     if not args.out:
         raise SystemExit("--out is needed: the trace is written beside it")
-    _ARGS["reps"] = args.mixed_warmup + args.mixed_reps
     for owner, attr, name in _LABELS:
         _label(owner, attr, name)
-    _profile_last_reps(args.out)
+    _profile_last_reps(args.out, args.mixed_warmup + args.mixed_reps)
     bench_engine.main(sys.argv[1:])
 
 

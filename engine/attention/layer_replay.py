@@ -60,10 +60,11 @@ class LayerReplay:
         rows = (q[:n], k[:n], v[:n])
         with record_launches() as launches:
             self.forward(layer_id, *rows, self.meta, out=out[:n])
-        if self.launches is None and all(x is not None for x in launches) and all(t.stride(-1) == 1 for t in rows):
-            kept = [(x, _slots(x.values, tensors)) for x in launches if x is not None]
-            if all(slots is not None for _, slots in kept):
-                self.launches = [(x, slots) for x, slots in kept if slots is not None]
+        recorded = [x for x in launches if x is not None]
+        if self.launches is None and len(recorded) == len(launches) and all(t.stride(-1) == 1 for t in rows):
+            slots = [_slots(x.values, tensors) for x in recorded]
+            if None not in slots:
+                self.launches = list(zip(recorded, slots, strict=True))
                 self.recorded = [_signature(t) for t in tensors]
                 self.out_ptr = out.data_ptr()
 
