@@ -104,6 +104,7 @@ def main() -> None:
         __doc__, "1,8,16",
         "';'-separated FusedDecode keyword sets to compare, each 'key=int,...' (e.g. "
         "'num_warps=8;bk=128;bn=16,programs_per_sm=2'); the empty set is the default kernel",
+        lambda p: p.add_argument("--stamps", help="directory: each run's raw stamps [layers, P, STAMPS] saved there (torch.save)"),
     )  # fmt: skip
     model, cache, backend, rows_list, variants = setup(args)
     c = model.config
@@ -132,6 +133,8 @@ def main() -> None:
             for _ in range(3):
                 fused.forward(ids, pos, ctx, timing=stamps)
             torch.cuda.synchronize()
+            if args.stamps:
+                torch.save(stamps.cpu(), f"{args.stamps}/stamps_{name}_{rows}.pt")
             t_all = stamps.double().cpu()
             t = t_all[:, :, : len(POINTS)]
             start = t[:, :, 0].min(1).values  # [L]

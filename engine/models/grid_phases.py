@@ -7,7 +7,11 @@ Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so
 flips once all P have arrived and the low bits return to 0 (no reset between barriers or
 launches; the kernels' owners zero it once per step). Release on arrival, acquire loads while
 waiting, CTA barriers around both; every program must be resident (cooperative launch, grid <=
-SMs).
+SMs). LAST_LEAVES (the one-row kernel's barriers): the arrival is acq_rel, and the program whose
+own add flips the sign leaves without polling. It arrived last, so the rest of the grid waits on
+it anyway; its poll cost a round trip to L2 (0.6B step, H100: 1 / 2 / 4 rows 0.856 / 1.011-1.018
+/ 1.142-1.145 -> 0.848-0.853 / 1.004 / 1.135-1.136 ms). The batch kernel keeps the plain wait:
+64 rows 2.308-2.313 -> 2.319 ms with it (bench/RESULTS.md, forty-first session).
 
 L2 prefetch (`prefetch_items`, gemv_phase's dealing of items): a program pulls the first weights
 of its items of a later GEMV phase into L2 where HBM would idle: once its own item before is
@@ -49,20 +53,35 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def grid_arrive(bar_ptr, FIRST_ADD: tl.constexpr):
-    # The barrier's first half: this program's writes released, its arrival counted; returns the
-    # counter before it, for grid_wait.
-    tl.debug_barrier()
+def _add(FIRST_ADD: tl.constexpr):
+    # This program's share of a barrier: FIRST_ADD for program 0, 1 for the others.
     add = 1
     if tl.program_id(0) == 0:
         add = FIRST_ADD
-    return tl.atomic_add(bar_ptr, add, sem="release", scope="gpu")
+    return add
 
 
 @triton.jit
-def grid_wait(bar_ptr, old):
+def grid_arrive(bar_ptr, FIRST_ADD: tl.constexpr, LAST_LEAVES: tl.constexpr = False):
+    # The barrier's first half: this program's writes released, its arrival counted; returns the
+    # counter before it, for grid_wait. LAST_LEAVES: the atomic acquires too, so the program
+    # that arrives last can leave on its result (grid_wait).
+    tl.debug_barrier()
+    if LAST_LEAVES:
+        return tl.atomic_add(bar_ptr, _add(FIRST_ADD), sem="acq_rel", scope="gpu")
+    else:
+        return tl.atomic_add(bar_ptr, _add(FIRST_ADD), sem="release", scope="gpu")
+
+
+@triton.jit
+def grid_wait(bar_ptr, old, FIRST_ADD: tl.constexpr, LAST_LEAVES: tl.constexpr = False):
     # The barrier's second half: wait until every program has arrived (the sign bit flipped).
-    cur = _load_acquire(bar_ptr)
+    # LAST_LEAVES (grid_arrive's): the program whose own add flipped it leaves without a load, a
+    # round trip to L2 sooner; it was the last to arrive, and the others' next phase waits on it.
+    if LAST_LEAVES:
+        cur = old + _add(FIRST_ADD)
+    else:
+        cur = _load_acquire(bar_ptr)
     while (old ^ cur) >= 0:  # same sign bit: someone has not arrived
         cur = _load_acquire(bar_ptr)
     tl.debug_barrier()
@@ -77,10 +96,12 @@ def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
-def phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr):
+def phase_end(
+    bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr, LAST_LEAVES: tl.constexpr = False
+):  # fmt: skip
     # The grid barrier after a phase, stamped (TIMING) at arrival (POINT) and on leaving (POINT + 1).
     stamp(t_ptr, POINT, TIMING)
-    grid_wait(bar_ptr, grid_arrive(bar_ptr, FIRST_ADD))
+    grid_wait(bar_ptr, grid_arrive(bar_ptr, FIRST_ADD, LAST_LEAVES), FIRST_ADD, LAST_LEAVES)
     stamp(t_ptr, POINT + 1, TIMING)
 
 
@@ -88,16 +109,16 @@ def phase_end(bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMI
 def phase_end_prefetching(
     bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr, issue,
     w_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
-    KPRE: tl.constexpr,
+    KPRE: tl.constexpr, LAST_LEAVES: tl.constexpr = False,
 ):  # fmt: skip
     # phase_end, with this program's prefetch_items(w_ptr, ...) of the next GEMV phase issued (KPRE
     # > 0 and `issue`) between its arrival and its wait: they land while it waits.
     stamp(t_ptr, POINT, TIMING)
-    old = grid_arrive(bar_ptr, FIRST_ADD)
+    old = grid_arrive(bar_ptr, FIRST_ADD, LAST_LEAVES)
     if KPRE > 0:
         if issue:
             prefetch_items(w_ptr, N, K, KS, SILU, BN, P, KPRE)
-    grid_wait(bar_ptr, old)
+    grid_wait(bar_ptr, old, FIRST_ADD, LAST_LEAVES)
     stamp(t_ptr, POINT + 1, TIMING)
 
 

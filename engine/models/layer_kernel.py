@@ -78,7 +78,7 @@ def _norm(
         stamp(t_ptr, POINT + 1, TIMING)
     else:
         norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE)
-        phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING)
+        phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING, True)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "stride_bt", "has_next"])
@@ -127,7 +127,7 @@ def decoder_layer_kernel(
     _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
           1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
-    phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
+    phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
     attention_phase(
         m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,
         qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
@@ -135,7 +135,7 @@ def decoder_layer_kernel(
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
     )  # fmt: skip
     # o_proj's weight tile pulled into L2 while the barrier waits, and under the merge after it.
-    phase_end_prefetching(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING, True, o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE)
+    phase_end_prefetching(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING, True, o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE, True)
     # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
     # it merges the splits of its chunk's heads into its own scratch rows first.
     xo = xo_ptr + pid * (BM * KCO)
@@ -145,14 +145,14 @@ def decoder_layer_kernel(
     stamp(t_ptr, 15, TIMING)
     gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
     # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm.
-    phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE)
+    phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
     # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item.
-    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < (INTER + BN - 1) // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
+    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < (INTER + BN - 1) // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE, True)
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
     if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm
         if has_next != 0:
