@@ -289,3 +289,16 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer
     assert kernels["batch_layer_kernel"]["per_sm_shared"] >= 1
     assert {name: r["stack"] for name, r in kernels.items()} == dict.fromkeys(kernels, 0)  # nothing spills
+
+
+def test_probe_step_plan_times_both_slot_lists_on_the_cpu(tmp_path: str) -> None:
+    out = os.path.join(tmp_path, "plan.json")
+    p = _run(os.path.join("bench", "probe_step_plan.py"), "--number", "3", "--out", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    assert [r["tokens"] for r in rows] == [1, 64, 256, 576, 8192]
+    for r in rows:
+        assert r["per_token_us"] > 0 and r["slot_mapping_us"] > 0
+        assert r["ratio"] == pytest.approx(r["slot_mapping_us"] / r["per_token_us"])
+    assert "| one 8192-token chunk | 8192 |" in p.stdout

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from engine.request import PENDING_TOKEN, Batch, Request, SamplingParams
-from engine.runner.step_inputs import PendingTokens, _plan_any, _plan_decode, plan_step
+from engine.runner.step_inputs import (
+    PendingTokens,
+    _plan_any,
+    _plan_decode,
+    plan_step,
+    slot_mapping,
+)
 
 BLOCK = 16
 
@@ -78,3 +84,21 @@ def test_a_pending_token_not_in_flight_is_refused() -> None:
             plan(batch, BLOCK, partial)
         with pytest.raises(RuntimeError, match="pending but not in flight"):
             plan(batch, BLOCK, None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_mapping_is_each_tokens_block_slot(seed: int) -> None:
+    """`slot_mapping`, built a block's run at a time, gives each new token p of sequence i the
+    slot tables[i][p // block] * block + p % block: chunks that start and end mid-block, span
+    many blocks, are one token or empty."""
+    rng = random.Random(seed)
+    starts, ends, tables = [], [], []
+    for _ in range(rng.randrange(1, 12)):
+        start = rng.randrange(0, 200)
+        end = start + rng.choice([0, 1, 1, rng.randrange(2, 40), rng.randrange(40, 300)])
+        first = rng.randrange(10_000)
+        tables.append(rng.sample(range(first, first + 1000), -(-end // BLOCK) or 1))
+        starts.append(start)
+        ends.append(end)
+    want = [t[p // BLOCK] * BLOCK + p % BLOCK for s, e, t in zip(starts, ends, tables, strict=True) for p in range(s, e)]
+    assert slot_mapping(starts, ends, tables, BLOCK) == want
