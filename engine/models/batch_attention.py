@@ -179,7 +179,7 @@ def rope_decode(
     attn: nn.Module,  # the layer's models/layers.py `Attention`: its q/k norms (Qwen3), else none
     qkv_part: torch.Tensor,  # [KS, MAX_M, QKV] fp32 partial sums, or [1, B, QKV] the qkv linear's output
     qkv_bias: torch.Tensor | None,  # added here (None: already in the part)
-    kv: torch.Tensor,  # [2, num_blocks, block_size, NKV, D]: the layer's K and V cache
+    caches: tuple[torch.Tensor, torch.Tensor],  # the layer's K and V caches, each [num_blocks, block_size, NKV, D]
     positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
     out: torch.Tensor,  # [B, NH, D]
     scale: float,
@@ -189,7 +189,7 @@ def rope_decode(
     """Attention of a decode step of B rows from the qkv projection's output (module docstring)."""
     splits, part_out, part_lse, counts = plan
     qn, kn = attn.q_norm, attn.k_norm
-    k_cache, v_cache = kv[0], kv[1]
+    k_cache, v_cache = caches
     rope_decode_kernel[(out.shape[0], k_cache.shape[2], splits)](
         qkv_part, qkv_bias if qkv_bias is not None else qkv_part, qn.weight if qn is not None else cos_sin,
         kn.weight if kn is not None else cos_sin, positions, cos_sin, meta.slot_mapping, k_cache, v_cache,
@@ -259,7 +259,7 @@ class DecodeAttention:
         nh, _, d = self.shape
         out = torch.empty(qkv.shape[0], nh, d, dtype=qkv.dtype, device=qkv.device)
         rope_decode(
-            attn, qkv.unsqueeze(0), None, self.backend.kv_cache[attn.layer_id], rope.positions, rope.cos_sin_cache,
+            attn, qkv.unsqueeze(0), None, self.backend.layer_caches[attn.layer_id], rope.positions, rope.cos_sin_cache,
             ctx.meta, out, self.backend.scale, self.plan(qkv.shape[0]), self.consts,
         )  # fmt: skip
         return out

@@ -151,7 +151,7 @@ class BatchDecode:
 
         attn = layer.self_attn
         batch_attention.rope_decode(
-            attn, self.qkv_part, attn.qkv_proj.bias, self.backend.kv_cache[i], positions, self.lm.rotary_emb.cos_sin_cache,
+            attn, self.qkv_part, attn.qkv_proj.bias, self.backend.layer_caches[i], positions, self.lm.rotary_emb.cos_sin_cache,
             meta, self.attn[: positions.shape[0]], self.backend.scale, plan, self.attention_consts,
         )  # fmt: skip
 

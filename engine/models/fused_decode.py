@@ -158,7 +158,6 @@ class FusedDecode:
         m = input_ids.shape[0]
         x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
         self.barrier.zero_()
-        kv = self.backend.kv_cache
         cos_sin = lm.rotary_emb.cos_sin_cache
         splits = self.splits(m)
         everywhere = m <= self.norm_everywhere
@@ -166,7 +165,7 @@ class FusedDecode:
         for i, layer in enumerate(lm.layers):
             attn, mlp = layer.self_attn, layer.mlp
             has_next = i + 1 < len(lm.layers)  # else the kernel is handed this layer's qkv and prefetches nothing
-            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            k_cache, v_cache = self.backend.layer_caches[i]
             qkv_b = attn.qkv_proj.bias
             self.compiled = decoder_layer_kernel[(self.programs,)](
                 x if i == 0 else self.h_mid, self.down, self.h, self.h_mid,
