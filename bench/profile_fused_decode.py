@@ -2,7 +2,8 @@
 program stamps %globaltimer at the ends of the layer kernel's phases and barriers, and this
 prints, per row count, the timeline of a layer (median over layers of the last program's stamp
 minus the first program's start), the gap between layer launches, and the step replayed from a
-CUDA graph with and without the fused decode (the model forward only: no logits, no sampler).
+CUDA graph with and without the fused decode (the model forward only: no logits, no sampler);
+then the attention phase's parts, from each program's own stamps.
 
     python3 bench/profile_fused_decode.py --shape 0.6b --rows 1,8,16 --context 512
 """
@@ -31,6 +32,10 @@ from engine.weights.loader import load_checkpoint
 BLOCK = 16
 POINTS = ["start", "norm", "barrier", "qkv", "barrier", "attention", "barrier", "o_proj", "barrier", "norm",
           "barrier", "gate_up", "barrier", "down"]
+# Inside the attention phase, each program from stamp a to stamp b (layer_attention.py's points;
+# 4: the qkv barrier left, 5: arrived at the next one): medians over the programs with an item.
+ATTENTION_PARTS = [("q, k loaded, normed, rotated", 4, 17), ("K/V row stored, tile ready", 17, 18), ("q.k", 18, 19),
+                   ("softmax", 19, 20), ("p.v", 20, 21), ("rest of the loop", 21, 14), ("partials stored", 14, 5)]
 
 
 def load(path: str) -> torch.nn.Module:
@@ -142,8 +147,10 @@ def main() -> None:
             # Inside phases: the attention item's KV loop done (14), o_proj's split merge done (15).
             sub = [statistics.median((t_all[:, :, i].max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
             gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
+            items = t_all[:, : rows * c.num_kv_heads * fused.splits(rows)]  # [L, programs with an item, STAMPS]
+            parts = [statistics.median((items[:, :, b] - items[:, :, a]).flatten().tolist()) / 1e3 for _, a, b in ATTENTION_PARTS]
             row = {"rows": rows, "variant": name, "regs": fused.compiled.n_regs, "spills": fused.compiled.n_spills,
-                   "plain_ms": plain, "fused_ms": fast, "rel_err": err, "timeline_us": line, "attention_us": sub,
+                   "plain_ms": plain, "fused_ms": fast, "rel_err": err, "timeline_us": line, "attention_us": sub, "attention_parts_us": parts,
                    "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
             results.append(row)
             say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused, max error {err:.2e} of max |out|")
@@ -157,6 +164,11 @@ def main() -> None:
         loop, pub = (max(0.0, x - r["timeline_us"][i]) for x, i in zip(r["attention_us"], (4, 6), strict=True))
         print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
               + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {r['layer_gap_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+    print("\n### inside the attention phase (us, each program's own stamps, median over layers and programs)\n")
+    print("| variant | rows | " + " | ".join(n for n, _, _ in ATTENTION_PARTS) + " |")
+    print("| --- " * (len(ATTENTION_PARTS) + 2) + "|")
+    for r in results:
+        print(f"| {r['variant']} | {r['rows']} | " + " | ".join(f"{x:.2f}" for x in r["attention_parts_us"]) + " |")
     if args.out:
         write_json(args.out, {"shape": args.shape, "context": args.context, "results": results})
 

@@ -4,7 +4,8 @@ splits: Triton functions inlined into `decoder_layer_kernel`, not kernels.
 Items (row m, KV head g, split s), at most one per program (rows * KV heads * splits <= P, so
 item = program id). Before the barrier that ends the qkv phase, `attention_prologue` issues every
 load of the item that needs no output of this layer: the row's metadata, its cos/sin and the
-first KV tile of its chunk; they land while the program waits. After it, `attention_phase`
+first KV tile of its chunk, and the q/k norm's weights (one row: the attention phase 2.82 ->
+2.56 us; bench/RESULTS.md, forty-second session); they land while the program waits. After it, `attention_phase`
 normalizes (Qwen3) and rotates the GROUP query heads and the new key in registers, with the
 roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into the cache, and every
 split takes it from registers instead of the cache, so no barrier waits for that store. Each
@@ -26,14 +27,30 @@ from engine.models.grid_phases import rnd, stamp
 
 
 @triton.jit
+def norm_weights(w_ptr, QK_NORM: tl.constexpr, HALF: tl.constexpr):
+    # The q/k norm's weight halves [1, HALF] (QK_NORM; else placeholders norm_rope_w ignores).
+    d = tl.arange(0, HALF)[None, :]
+    if QK_NORM:
+        return tl.load(w_ptr + d), tl.load(w_ptr + HALF + d)
+    else:
+        return d, d
+
+
+@triton.jit
 def norm_rope(x1, x2, w_ptr, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
     # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) and rotated, in DTYPE;
     # the roundings of fused_ops._norm_rope_heads.
+    w1, w2 = norm_weights(w_ptr, QK_NORM, HALF)
+    return norm_rope_w(x1, x2, w1, w2, cos, sin, eps, QK_NORM, HALF, DTYPE)
+
+
+@triton.jit
+def norm_rope_w(x1, x2, w1, w2, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    # norm_rope with the norm's weight halves w1, w2 [1, HALF] already loaded (norm_weights).
     if QK_NORM:
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) * (1.0 / (2 * HALF)) + eps)[:, None]
-        d = tl.arange(0, HALF)[None, :]
-        x1 = rnd(tl.load(w_ptr + d).to(tl.float32) * rnd(x1 * rstd, DTYPE), DTYPE)
-        x2 = rnd(tl.load(w_ptr + HALF + d).to(tl.float32) * rnd(x2 * rstd, DTYPE), DTYPE)
+        x1 = rnd(w1.to(tl.float32) * rnd(x1 * rstd, DTYPE), DTYPE)
+        x2 = rnd(w2.to(tl.float32) * rnd(x2 * rstd, DTYPE), DTYPE)
     o1 = rnd(x1 * cos, DTYPE) - rnd(x2 * sin, DTYPE)
     o2 = rnd(x2 * cos, DTYPE) + rnd(x1 * sin, DTYPE)
     return o1.to(DTYPE), o2.to(DTYPE)
@@ -70,9 +87,10 @@ def _item(item, seq_lens_ptr, M, num_splits, NKV: tl.constexpr, ABN: tl.constexp
 
 @triton.jit
 def attention_prologue(
-    pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
+    pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr, qn_ptr, kn_ptr,
     M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NKV: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr, DTYPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):  # fmt: skip
     # This program's item and its loads that need nothing of this layer (module docstring).
     m, g, s, seq_len, start, end = _item(tl.program_id(0), seq_lens_ptr, M, num_splits, NKV, ABN)
@@ -86,12 +104,14 @@ def attention_prologue(
     cos = rnd(tl.load(cos_sin_ptr + pos * D + d, mask=live, other=0.0), DTYPE)
     sin = rnd(tl.load(cos_sin_ptr + pos * D + HALF + d, mask=live, other=0.0), DTYPE)
     slot = tl.load(slot_ptr + m, mask=live, other=-1)
-    return m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot
+    qw1, qw2 = norm_weights(qn_ptr, QK_NORM, HALF)
+    kw1, kw2 = norm_weights(kn_ptr, QK_NORM, HALF)
+    return m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2
 
 
 @triton.jit
 def attention_phase(
-    m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,  # attention_prologue's
+    m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2,  # attention_prologue's
     qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
     M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -116,16 +136,14 @@ def attention_phase(
             row = qkv_ptr + m * QKV
             qp = row + heads[:, None] * D + d
             kp = row + NH * D + g * D + d
-            q1, q2 = norm_rope(
-                tl.load(qp, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
-                tl.load(qp + HALF, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32),
-                qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
-            )  # fmt: skip
-            k1c, k2c = norm_rope(
-                tl.load(kp, cache_modifier=".cg").to(tl.float32), tl.load(kp + HALF, cache_modifier=".cg").to(tl.float32),
-                kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
-            )  # fmt: skip
+            xq1 = tl.load(qp, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            xq2 = tl.load(qp + HALF, mask=h_ok[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+            xk1 = tl.load(kp, cache_modifier=".cg").to(tl.float32)
+            xk2 = tl.load(kp + HALF, cache_modifier=".cg").to(tl.float32)
             vc = tl.load(row + (NH + NKV) * D + g * D + dd, cache_modifier=".cg")  # [1, D]
+            q1, q2 = norm_rope_w(xq1, xq2, qw1, qw2, cos, sin, eps, QK_NORM, HALF, DTYPE)
+            k1c, k2c = norm_rope_w(xk1, xk2, kw1, kw2, cos, sin, eps, QK_NORM, HALF, DTYPE)
+            stamp(t_ptr, 17, TIMING)
             if (s == 0) & (slot >= 0):
                 dst = slot * stride_ctok + g * stride_chead
                 tl.store(k_cache_ptr + dst + d, k1c)
@@ -140,15 +158,22 @@ def attention_phase(
                 k1 = tl.where(is_cur, k1c, k1)
                 k2 = tl.where(is_cur, k2c, k2)
                 v = tl.where(is_cur, vc, v)
+                stamp(t_ptr, 18, TIMING)
                 sc = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale_log2
                 sc = tl.where((offs_n < end)[None, :], sc, float("-inf"))
+                stamp(t_ptr, 19, TIMING)
                 m_new = tl.maximum(m_i, tl.max(sc, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(sc - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
+                stamp(t_ptr, 20, TIMING)
                 acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v)
+                stamp(t_ptr, 21, TIMING)
                 m_i = m_new
-        stamp(t_ptr, 14, TIMING)  # bench only: inside the phase, after the attention loop
+        # bench only (TIMING): inside the phase, q and k normed and rotated (17); in the loop's
+        # last tile the tile ready (18), after q.k (19), the softmax (20) and p.v (21); after the
+        # loop (14). profile_fused_decode.py prints them per program.
+        stamp(t_ptr, 14, TIMING)
         part = (m * NH + heads) * num_splits + s  # [BH]
         tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
         tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=h_ok)

@@ -117,9 +117,9 @@ def decoder_layer_kernel(
     norm_row = P - 1 - pid
     stamp(t_ptr, 0, TIMING)
     # The attention item's loads that need nothing of this layer: they land during norm and qkv.
-    m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot = attention_prologue(
-        pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
-        M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE,
+    m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2 = attention_prologue(
+        pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr, qn_ptr, kn_ptr,
+        M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE, QK_NORM,
     )  # fmt: skip
     if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
@@ -129,7 +129,7 @@ def decoder_layer_kernel(
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
     attention_phase(
-        m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot,
+        m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2,
         qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
