@@ -3,12 +3,13 @@ splits: Triton functions inlined into `decoder_layer_kernel`, not kernels.
 
 Items (row m, KV head g, split s), at most one per program (rows * KV heads * splits <= P, so
 item = program id). Before the barrier that ends the qkv phase, `attention_prologue` issues every
-load of the item that needs no output of this layer: the row's metadata, its cos/sin and the
-first KV tile of its chunk, and the q/k norm's weights (one row: the attention phase 2.82 ->
-2.56 us; bench/RESULTS.md, forty-second session); they land while the program waits. After it, `attention_phase`
-normalizes (Qwen3) and rotates the GROUP query heads and the new key in registers, with the
-roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into the cache, and every
-split takes it from registers instead of the cache, so no barrier waits for that store. Each
+load of the item that needs no output of this layer: the row's metadata, its cos/sin, the first
+KV tile of its chunk and the q/k norm's weights (one row: the attention phase 2.82 -> 2.56 us;
+bench/RESULTS.md, forty-second session); they land while the program waits. After it,
+`attention_phase` normalizes (Qwen3) and rotates the GROUP query heads and the new key in
+registers, with the roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into
+the cache, and every split takes it from registers instead of the cache, so no barrier waits for
+that store. Each
 split runs the online softmax (base 2) over its chunk of the row's context, in tiles of ABN
 tokens; the chunk is an even share rounded up to whole tiles (engine/attention/split_kv.py's
 `split_chunk`). Every split writes its normalized output and log-sum-exp (empty splits and rows of
@@ -112,7 +113,7 @@ def attention_prologue(
 @triton.jit
 def attention_phase(
     m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2,  # attention_prologue's
-    qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
+    qkv_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
     M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ABN: tl.constexpr, DTYPE: tl.constexpr, t_ptr, TIMING: tl.constexpr,

@@ -130,7 +130,7 @@ def decoder_layer_kernel(
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
     attention_phase(
         m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2,
-        qkv_ptr, qn_ptr, kn_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
+        qkv_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
     )  # fmt: skip
