@@ -142,10 +142,9 @@ def _timed_run(core: EngineCore, device: torch.device, steps: int, fresh: _Promp
                decodes: list[Request]) -> tuple[float, float]:
     """(seconds per step, host busy seconds per step) of `steps` consecutive `core.step()` calls:
     host busy is the time inside `core.step()` less its waits for the device (the engine reads
-    results through CUDA events), so a run whose host busy is its step time is host-bound.
-    With `fresh`, one new prompt is
-    added before each and must be prefilled whole in that very step, beside `decodes` (all
-    running, all decoding: checked before and after).
+    results through CUDA events), so a run whose host busy is its step time is host-bound. With
+    `fresh`, one new prompt is added before each and must be prefilled whole in that very step,
+    beside `decodes` (all running, all decoding: checked before and after).
 
     Timing: the run is timed as a whole, between two device syncs, and divided by its steps. A
     step that overlaps host and device work may return before its device work ends (and return

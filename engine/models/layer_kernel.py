@@ -40,7 +40,8 @@ to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the spli
 USE_PDL (engine/pdl.py): each layer's launch is programmatic. A layer triggers its dependents
 after o_proj's barrier, so the next layer's programs get scheduled during phases 5-7, issue their
 phase-0 loads (the layer's KV cache, its q/k norm weights and the step's metadata: nothing a
-layer kernel writes), and wait before phase 1. No gap between layer launches (bench/RESULTS.md, eighteenth session).
+layer kernel writes), and wait before phase 1. No gap between layer launches (bench/RESULTS.md,
+eighteenth session).
 
 The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """
