@@ -90,7 +90,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v bias; Llama-family configs say so with `attention_bias`.
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             torch_dtype=_dtype_name(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-            eos_token_ids=_eos_ids(path, hf),
+            eos_token_ids=_eos_ids(path, hf, int(hf["vocab_size"])),
             bos_token_id=hf.get("bos_token_id"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
         )
@@ -149,14 +149,16 @@ def _as_ids(v: Any) -> list[int]:
     return [int(x) for x in (v if isinstance(v, list) else [v])]
 
 
-def _eos_ids(path: str, hf: dict[str, Any]) -> tuple[int, ...]:
-    """EOS ids from config.json and generation_config.json, in that order, without repeats."""
+def _eos_ids(path: str, hf: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json, in that order, without repeats; an id
+    outside the model's vocabulary is dropped (it is never sampled, and masking it would index
+    past the logits)."""
     ids = _as_ids(hf.get("eos_token_id"))
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
         with open(gen_file) as f:
             ids += _as_ids(json.load(f).get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))
+    return tuple(t for t in dict.fromkeys(ids) if 0 <= t < vocab_size)
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,15 @@ class RequestLimits:
     max_model_len: int  # prompt + max_new_tokens, at most
     kv_blocks: int  # the whole KV cache, in blocks of block_size tokens
     block_size: int
+    eos_token_ids: tuple[int, ...] = ()  # the model's: they end a request unless ignore_eos
 
     @classmethod
     def from_info(cls, info: dict[str, Any]) -> RequestLimits:
         """The limits in `EngineCore.get_info()`'s answer."""
-        return cls(info["vocab_size"], info["max_context_length"], info["kv_blocks_total"], info["block_size"])
+        return cls(
+            info["vocab_size"], info["max_context_length"], info["kv_blocks_total"], info["block_size"],
+            tuple(info.get("eos_token_ids") or ()),
+        )
 
 
 def prompt_error(prompt_token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits) -> str | None:
@@ -42,6 +46,13 @@ def prompt_error(prompt_token_ids: Sequence[int], params: SamplingParams, limits
     error = vocab_error(prompt_token_ids, limits.vocab_size)
     if error is None and params.logit_bias:
         error = vocab_error([t for t, _ in params.logit_bias], limits.vocab_size, "logit_bias token id")
+    if error is None and params.stop_token_ids:
+        error = vocab_error(params.stop_token_ids, limits.vocab_size, "stop_token_ids token id")
+    if error is None and params.min_new_tokens > 0:
+        # min_new_tokens bans every token that would end the request; one must remain.
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(limits.eos_token_ids))
+        if sum(0 <= t < limits.vocab_size for t in ends) == limits.vocab_size:
+            error = f"min_new_tokens {params.min_new_tokens} can never be met: every token of the vocabulary ends the request"
     if error is not None:
         return error
     total = n + params.max_new_tokens

@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
 
+# Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): logits / T stays finite.
+SAMPLING_EPS = 1e-6
+# Every float of a request is used in float32 on the device: it must be finite there too.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _finite32(x: float) -> bool:
+    return math.isfinite(x) and abs(x) <= FLOAT32_MAX
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,7 +34,10 @@ class SamplingParams:
     - `spaces_between_special_tokens`: passed to the tokenizer's decode. Python ("slow")
       tokenizers honour it; fast tokenizers (every `tokenizer.json` checkpoint) ignore it.
     - `logit_bias`: (token id, bias) pairs added to the logits after the penalties; a dict is
-      accepted too. Token ids are checked against the vocabulary when the request is added.
+      accepted too. Token ids (these and `stop_token_ids`) are checked against the vocabulary
+      when the request is added.
+    - `temperature` below SAMPLING_EPS (1e-6) is greedy, as in SGLang. Every float must be finite
+      in float32, where the sampler uses it.
     """
 
     max_new_tokens: int = 128
@@ -63,8 +75,8 @@ class SamplingParams:
             return InvalidRequest(f"invalid sampling_params: {msg}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise bad(f"{name} must be a finite number, got {getattr(self, name)}")
+            if not _finite32(getattr(self, name)):
+                raise bad(f"{name} must be a finite number (at most {FLOAT32_MAX:.4g} in size), got {getattr(self, name)}")
         if self.max_new_tokens < 0:
             raise bad(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -89,14 +101,14 @@ class SamplingParams:
             raise bad(f"logprob_start_len must be -1 (none) or >= 0, got {self.logprob_start_len}")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
-        if any(not math.isfinite(b) for _, b in self.logit_bias):
-            raise bad("logit_bias values must be finite numbers")
+        if any(not _finite32(b) for _, b in self.logit_bias):
+            raise bad(f"logit_bias values must be finite numbers (at most {FLOAT32_MAX:.4g} in size)")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id twice")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @functools.cached_property
     def plan_row(self) -> tuple[float, float, float, float, float, float, float, float, int]:
@@ -104,7 +116,7 @@ class SamplingParams:
         temperature (1.0 when greedy), greedy (0/1), top_k (0 = off), top_p, min_p, the
         repetition, frequency and presence penalties, top_logprobs_num."""
         return (
-            self.temperature if self.temperature > 0 else 1.0, float(self.greedy), float(max(self.top_k, 0)),
+            self.temperature if self.temperature >= SAMPLING_EPS else 1.0, float(self.greedy), float(max(self.top_k, 0)),
             self.top_p, self.min_p, self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
             self.top_logprobs_num,
         )  # fmt: skip

@@ -9,7 +9,7 @@ Rules:
   included, else null.
 - usage counts each prompt once, however many samples it has, and every generated token.
 - Logprob token strings are each token decoded alone, special tokens included; a logprob of
-  -inf is sent as -9999.0 (JSON has no infinity).
+  -inf (or, should one ever come, NaN) is sent as -9999.0 (JSON has neither).
 - When streaming, each chunk carries the logprobs of the tokens that arrived since the last one.
 """
 
@@ -43,7 +43,7 @@ class TokenText:
 
 
 def _lp(value: float) -> float:
-    return max(value, _MIN_LOGPROB)
+    return value if value >= _MIN_LOGPROB else _MIN_LOGPROB  # NaN compares false
 
 
 @dataclass

@@ -73,6 +73,19 @@ BAD: dict[str, tuple[str, bytes, list[str]]] = {
     "prompt_mixed": ("/v1/completions", _raw('{"model": "m", "prompt": [1, "a"]}'), ["prompt"]),
     "stop_ids_huge": ("/generate", _raw('{"text": "hi", "sampling_params": {"stop_token_ids": [100000000000000000000000]}}'),
                       ["sampling_params.stop_token_ids"]),
+    # Once these killed the engine (the min_new_tokens mask indexed past the logits) or gave NaN logprobs.
+    "stop_ids_vocab": ("/generate", _raw('{"text": "hi", "sampling_params": {"stop_token_ids": [3, 100000], "min_new_tokens": 2}}'),
+                       ["stop_token_ids token id 100000 is outside the vocabulary [0, 512)"]),
+    "min_new_unmeetable": ("/generate", json.dumps({"text": "hi", "sampling_params": {
+        "stop_token_ids": list(range(512)), "min_new_tokens": 1}}).encode(), ["min_new_tokens 1 can never be met"]),
+    "repetition_float32": ("/generate", _raw('{"text": "hi", "sampling_params": {"repetition_penalty": 6e91}}'),
+                           ["repetition_penalty must be a finite number"]),
+    "bias_float32": ("/generate", _raw('{"text": "hi", "sampling_params": {"logit_bias": {"5": -1e39}}}'),
+                     ["logit_bias values must be finite"]),
+    "chat_temperature_float32": ("/v1/chat/completions", _raw(
+        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e300}'), ["temperature must be a finite"]),
+    "weight_version_huge": ("/update_weight_version", _raw('{"new_version": 643575036341766585429386823613808640}'),
+                            ["new_version"]),
     "text_10mb": ("/generate", json.dumps({"text": TEN_MB, "sampling_params": GEN}).encode(),
                   ["the prompt is at least", f"over the context length of {CONTEXT}"]),
     "completion_10mb": ("/v1/completions", json.dumps({"model": "m", "prompt": TEN_MB, "max_tokens": 2}).encode(),
@@ -140,6 +153,42 @@ def test_near_misses_are_served(demo_server: ServerProcess, demo_dir: str, name:
     if name == "echo_ids":
         echoed = AutoTokenizer.from_pretrained(demo_dir).decode([5, 511], skip_special_tokens=False)
         assert r.json()["choices"][0]["text"].startswith(echoed)
+
+
+# Values float32 holds that overflow once applied; each once gave NaN logprobs (a 500 from the
+# OpenAI routes, whose JSON has no NaN) or NaN-picked tokens.
+EXTREME = {
+    "repetition_rounds_to_zero": {"repetition_penalty": 1e-300, "presence_penalty": -2.0},
+    "repetition_float32_max": {"repetition_penalty": 3.0e38},
+    "bias_float32_edge": {"logit_bias": {"5": 3.0e38, "6": 3.0e38, "7": -3.0e38}, "temperature": 2e-6},
+    "temperature_below_eps": {"temperature": 1e-30, "repetition_penalty": 1.5},
+}
+
+
+CHAT_FIELDS = ("temperature", "repetition_penalty", "presence_penalty")  # the chat route takes no logit_bias
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME))
+def test_extreme_sampling_values_give_numbers(demo_server: ServerProcess, name: str) -> None:
+    """Every logprob is a number on /generate (where non-finite floats would be null) and the
+    chat route answers 200 with its logprobs; a temperature below 1e-6 samples greedily."""
+    params = EXTREME[name] | {"max_new_tokens": 8, "ignore_eos": True}
+    with demo_server.client() as http:
+        for seed in range(4):
+            r = http.post("/generate", json={"text": "None None hello", "return_logprob": True, "top_logprobs_num": 3,
+                                              "sampling_params": params | {"seed": seed}})
+            assert r.status_code == 200, r.text[:500]
+            meta = r.json()["meta_info"]
+            values = [lp for lp, _, _ in meta["output_token_logprobs"]]
+            values += [lp for top in meta["output_top_logprobs"] for lp, _, _ in top]
+            assert len(values) == 8 * 4 and all(isinstance(v, float) for v in values), meta
+            chat = http.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "None None"}], "logprobs": True, "top_logprobs": 3,
+                "max_tokens": 8, "seed": seed, **{k: v for k, v in params.items() if k in CHAT_FIELDS}})
+            assert chat.status_code == 200, chat.text[:500]
+        if name == "temperature_below_eps":
+            greedy = http.post("/generate", json={"text": "None None hello", "sampling_params": params | {"temperature": 0}})
+            assert r.json()["output_ids"] == greedy.json()["output_ids"]
 
 
 # ---- the lower bound on tokens ------------------------------------------------------------------

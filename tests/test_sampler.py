@@ -221,6 +221,32 @@ def test_logit_bias_is_added_after_penalties() -> None:
         SamplingParams(logit_bias={1: float("nan")})
 
 
+def test_extreme_penalties_biases_and_temperatures_give_numbers() -> None:
+    """Float32-finite values that overflow once applied (a repetition penalty that rounds to 0 or
+    multiplies past float32, biases at float32's edge, temperatures down to SAMPLING_EPS) give
+    finite logprobs and the limit's tokens; a temperature below SAMPLING_EPS is greedy; values
+    float32 cannot hold are refused."""
+    logits = torch.tensor([[2.0, -1.0, 0.0, 0.5, -3.0]] * 5)
+    reqs = [
+        make_request([0, 1, 2], repetition_penalty=1e-300, top_logprobs_num=5),  # 2 / 0: +inf
+        make_request([0, 1, 2], repetition_penalty=3.0e38, top_logprobs_num=5),  # -1 * 3e38: -inf
+        make_request(logit_bias={3: 3.0e38, 4: -3.0e38}, top_logprobs_num=5, temperature=2e-6),
+        make_request([0], repetition_penalty=1e-300, presence_penalty=-2.0, output=[0], temperature=2e-6),
+        make_request(temperature=1e-30, top_logprobs_num=5),
+    ]
+    out = sample(logits, reqs)
+    assert out.token_ids[0] == 0 and out.token_ids[2] == 3 and out.token_ids[3] == 0  # the limits' winners
+    assert out.token_ids[4] == 0 and reqs[4].sampling_params.greedy  # T < SAMPLING_EPS: argmax, at T = 1
+    assert out.logprobs[4] == pytest.approx(torch.log_softmax(logits[4], -1)[0].item(), abs=1e-6)
+    assert out.top_logprobs is not None
+    for lp, top in zip(out.logprobs, out.top_logprobs, strict=True):
+        assert math.isfinite(lp) and all(math.isfinite(v) for _, v in top), out
+    for bad in ({"repetition_penalty": 1e39}, {"temperature": 1e300}, {"presence_penalty": float("inf")},
+                {"logit_bias": {1: -1e39}}):
+        with pytest.raises(ValueError, match="finite"):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+
+
 def test_logprobs_are_log_softmax_of_penalised_scaled_logits() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
     reqs = [

@@ -21,7 +21,7 @@ DEFAULT_GROUP = "weight_update_group"
 # a call refuses larger ones there.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # A weight version as clients send it (slime: "3" or 3); the engine keeps it as a string.
-WeightVersion = str | int | None
+WeightVersion = str | Int64 | None
 
 
 class Call(msgspec.Struct, tag=True, kw_only=True, frozen=True):
@@ -195,7 +195,7 @@ class UpdateWeightVersion(Call):
     """Name the weights in use without touching them (SGLang's update_weight_version): for a
     trainer that declares its starting checkpoint's version before the first rollout."""
 
-    new_version: str | int
+    new_version: str | Int64
     abort_all_requests: bool = False
     reply = VersionReply
 

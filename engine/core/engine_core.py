@@ -58,7 +58,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.limits = RequestLimits(
-            self.model_config.vocab_size, self.max_model_len, self.block_manager.num_blocks, config.block_size
+            self.model_config.vocab_size, self.max_model_len, self.block_manager.num_blocks, config.block_size,
+            tuple(self.model_config.eos_token_ids),
         )
         self.num_steps = 0
         self.memory = self.runner.memory

@@ -7,8 +7,10 @@ is `SampledOnDevice.wait`, which reads the results. Per-row choices that change 
 (any penalties? any sampled rows? any top-k?) are Python flags on `SamplingBatch`, known without
 looking at a tensor.
 
-Order, per row: penalties, then logit_bias (added, as SGLang), then min_new_tokens masking, then
-logprobs = log_softmax(logits / T) (T 0 counts as 1; computed as x - logsumexp(x) for the tokens
+Order, per row: penalties, then logit_bias (added, as SGLang), then the result held to
+|x| <= LOGIT_LIMIT (a huge penalty or bias overflows float32; held there, x / T stays finite for
+every T >= SAMPLING_EPS, so no logprob is NaN), then min_new_tokens masking, then
+logprobs = log_softmax(logits / T) (T below SAMPLING_EPS counts as 1; computed as x - logsumexp(x) for the tokens
 reported, never over the whole [B, V]: engine/runner/lse_argmax.py on CUDA), then greedy rows
 take the argmax and the others divide by T, truncate (top-k, top-p, min-p) and sample with an exponential race:
 argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i] / sum(probs), and
@@ -22,10 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.request import FLOAT32_MAX, SAMPLING_EPS, Request
 from engine.runner.pinned import PinnedRing
 from engine.runner.sampling_plan import SamplingPlan
 from engine.runner.step_inputs import Uploader
+
+LOGIT_LIMIT = FLOAT32_MAX * SAMPLING_EPS  # processed logits stay within +-this (rule above)
 
 
 @dataclass
@@ -33,8 +37,8 @@ class SamplingBatch:
     """Per-step sampling inputs of B rows, on `device`. Token lists are (row, token) pairs so that
     building them needs no vocabulary size."""
 
-    temperatures: torch.Tensor  # [B] float32; 1.0 where the request's temperature is 0
-    greedy: torch.Tensor | None  # [B] bool: temperature 0 or top_k 1; None when every row is
+    temperatures: torch.Tensor  # [B] float32; 1.0 where the request's temperature is below SAMPLING_EPS
+    greedy: torch.Tensor | None  # [B] bool: temperature below SAMPLING_EPS or top_k 1; None when every row is
     top_ks: torch.Tensor | None  # [B] int64; 0 = off; None without top-k (no launch for either)
     top_ps: torch.Tensor  # [B] float32; 1.0 = off
     min_ps: torch.Tensor  # [B] float32; 0.0 = off
@@ -258,6 +262,8 @@ class Sampler:
             logits -= batch.presence_penalties[:, None] * (counts > 0).float()
         if batch.bias_pairs is not None and batch.bias_values is not None:
             logits[batch.bias_pairs[0], batch.bias_pairs[1]] += batch.bias_values  # pairs are unique
+        # +-inf where a penalty or bias overflowed; never NaN: every factor and term is finite.
+        logits.clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
         if batch.banned_pairs is not None:
             logits[batch.banned_pairs[0], batch.banned_pairs[1]] = float("-inf")
         return logits
