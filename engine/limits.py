@@ -48,6 +48,8 @@ def prompt_error(prompt_token_ids: Sequence[int], params: SamplingParams, limits
         error = vocab_error([t for t, _ in params.logit_bias], limits.vocab_size, "logit_bias token id")
     if error is None and params.stop_token_ids:
         error = vocab_error(params.stop_token_ids, limits.vocab_size, "stop_token_ids token id")
+    if error is None and params.top_logprobs_num > limits.vocab_size:
+        error = f"top_logprobs_num {params.top_logprobs_num} exceeds the vocabulary's {limits.vocab_size} tokens"
     if error is None and params.min_new_tokens > 0:
         # min_new_tokens bans every token that would end the request; one must remain.
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(limits.eos_token_ids))

@@ -220,6 +220,17 @@ def test_prompt_rules_name_the_first_bad_field() -> None:
     assert prompt_error([1, 50, -1], ok, limits) == "token id 50 is outside the vocabulary [0, 50)"
     biased = SamplingParams(max_new_tokens=4, logit_bias={3: 1.0, 77: -1.0})
     assert prompt_error([1], biased, limits) == "logit_bias token id 77 is outside the vocabulary [0, 50)"
+    stops = SamplingParams(max_new_tokens=4, stop_token_ids=[3, 50])
+    assert prompt_error([1], stops, limits) == "stop_token_ids token id 50 is outside the vocabulary [0, 50)"
+    assert prompt_error([1], SamplingParams(max_new_tokens=4, top_logprobs_num=20), limits) is None
+    tiny = RequestLimits(vocab_size=8, max_model_len=64, kv_blocks=100, block_size=4, eos_token_ids=(7,))
+    assert prompt_error([1], SamplingParams(max_new_tokens=4, top_logprobs_num=9), tiny) == (
+        "top_logprobs_num 9 exceeds the vocabulary's 8 tokens")
+    # min_new_tokens bans what would end the request: with EOS, 7 stop ids leave no token; ignore_eos leaves 7.
+    ends = SamplingParams(max_new_tokens=4, min_new_tokens=1, stop_token_ids=list(range(7)))
+    assert prompt_error([1], ends, tiny) == "min_new_tokens 1 can never be met: every token of the vocabulary ends the request"
+    assert prompt_error([1], SamplingParams(max_new_tokens=4, min_new_tokens=1, stop_token_ids=list(range(7)), ignore_eos=True), tiny) is None
+    assert prompt_error([1], SamplingParams(max_new_tokens=4, stop_token_ids=list(range(7))), tiny) is None  # no ban
     assert prompt_error([1] * 60, ok, limits) is None  # 64 tokens: exactly the context
     assert "exceeds the context length of 64" in prompt_error([1] * 61, ok, limits)
 
