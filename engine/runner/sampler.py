@@ -9,12 +9,12 @@ looking at a tensor.
 
 Order, per row: penalties, then logit_bias (added, as SGLang), then the result held to
 |x| <= LOGIT_LIMIT (a huge penalty or bias overflows float32; held there, x / T stays finite for
-every T >= SAMPLING_EPS, so no logprob is NaN), then min_new_tokens masking, then
-logprobs = log_softmax(logits / T) (T below SAMPLING_EPS counts as 1; computed as x - logsumexp(x) for the tokens
-reported, never over the whole [B, V]: engine/runner/lse_argmax.py on CUDA), then greedy rows
-take the argmax and the others divide by T, truncate (top-k, top-p, min-p) and sample with an exponential race:
-argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i] / sum(probs), and
-lets a row draw q from its own generator.
+every T >= SAMPLING_EPS, so no logprob is NaN), then min_new_tokens masking, then logprobs =
+log_softmax(logits / T) (T below SAMPLING_EPS counts as 1; computed as x - logsumexp(x) for the
+tokens reported, never over the whole [B, V]: engine/runner/lse_argmax.py on CUDA), then greedy
+rows take the argmax and the others divide by T, truncate (top-k, top-p, min-p) and sample with
+an exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability
+probs[i] / sum(probs), and lets a row draw q from its own generator.
 """
 
 from __future__ import annotations
