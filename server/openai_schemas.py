@@ -109,7 +109,11 @@ class CompletionRequest(OpenAISampling):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (leave it unset or equal to n)")
         if self.echo and self.logprobs is not None:
-            raise InvalidRequest("echo with logprobs is not supported: it needs prompt logprobs, which this server does not compute")
+            raise InvalidRequest(
+                "echo with logprobs is not supported: it needs the top alternatives at prompt positions, which this "
+                "server does not compute (/generate returns the prompt tokens' own logprobs: return_logprob, "
+                "logprob_start_len)"
+            )
 
     def prompts(self, tokenizer: Any, info: Mapping[str, Any]) -> tuple[list[list[int]], list[str] | None]:
         """Token ids of each prompt, and its text when echo is on (token-id prompts decoded).
