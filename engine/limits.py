@@ -33,7 +33,7 @@ class RequestLimits:
         """The limits in `EngineCore.get_info()`'s answer."""
         return cls(
             info["vocab_size"], info["max_context_length"], info["kv_blocks_total"], info["block_size"],
-            tuple(info.get("eos_token_ids") or ()),
+            tuple(info["eos_token_ids"]),
         )
 
 

@@ -11,8 +11,9 @@ registers, with the roundings of fused_ops._norm_rope_heads; split 0 stores the 
 the cache, and every split takes it from registers instead of the cache, so no barrier waits for
 that store. Each split runs the online softmax (base 2) over its chunk of the row's context, in
 tiles of ABN tokens; the chunk is an even share rounded up to whole tiles
-(engine/attention/split_kv.py's `split_chunk`). Every split writes its normalized output and log-sum-exp (empty splits and rows of
-seq_len 0, graph padding, write zeros and -inf; padding rows write no cache row).
+(engine/attention/split_kv.py's `split_chunk`). Every split writes its normalized output and
+log-sum-exp (empty splits and rows of seq_len 0, graph padding, write zeros and -inf; padding
+rows write no cache row).
 `combine_heads` merges the splits of some heads for every row: the o_proj items call it for
 the heads of their K chunk (layer_kernel.py), so no program waits on another's splits.
 """
