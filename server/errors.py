@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from engine.errors import EngineDeadError, EngineUnavailable, Forbidden, InvalidRequest
 from server.generation import ClientDisconnected
+from server.schemas import UNION_TAGS
 
 log = logging.getLogger("siesta.server")
 
@@ -45,7 +46,7 @@ def service_unavailable(message: str) -> JSONResponse:
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and p not in UNION_TAGS)
         parts.append(f"{where or 'body'}: {err.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)
 

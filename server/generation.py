@@ -59,9 +59,11 @@ def check_vocab(ids: list[int], vocab: int) -> None:
 
 
 def make_jobs(
-    prompts: list[list[int]], params: SamplingParams, n: int, client: AsyncEngineClient, rids: list[str] | None = None
+    prompts: list[list[int]], params: SamplingParams | list[SamplingParams], n: int, client: AsyncEngineClient,
+    rids: list[str] | None = None,
 ) -> list[Job]:
-    """n jobs per prompt, prompt-major. Ids: the client's rid (or a fresh one) per prompt, and
+    """n jobs per prompt, prompt-major, with the params given for all prompts or one per prompt.
+    Ids: the client's rid (or a fresh one) per prompt, and
     f"{rid}#{i}" for the samples of an n > 1 request, so aborting the rid aborts them all.
     While the engine cannot serve (memory released), raises `EngineUnavailable` (503) at once,
     before any stream starts; a dead engine raises `EngineDeadError` (503) the same way."""
@@ -73,14 +75,15 @@ def make_jobs(
         raise InvalidRequest(f"n must be >= 1, got {n}")
     if rids is not None and len(rids) != len(prompts):
         raise InvalidRequest(f"{len(rids)} rids for {len(prompts)} prompts")
-    for ids in prompts:
-        check_prompt(ids, params, limits)
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for ids, prompt_params in zip(prompts, each, strict=True):
+        check_prompt(ids, prompt_params, limits)
     jobs = []
-    for p, ids in enumerate(prompts):
+    for p, (ids, prompt_params) in enumerate(zip(prompts, each, strict=True)):
         rid = rids[p] if rids is not None else uuid.uuid4().hex
         for i in range(n):
             request_id = rid if n == 1 else f"{rid}{SAMPLE_SEP}{i}"
-            jobs.append(Job(index=len(jobs), request_id=request_id, prompt_token_ids=ids, params=_sample_params(params, i)))
+            jobs.append(Job(index=len(jobs), request_id=request_id, prompt_token_ids=ids, params=_sample_params(prompt_params, i)))
     return jobs
 
 

@@ -53,7 +53,7 @@ def _prompts(client: AsyncEngineClient, body: GenerateRequest) -> tuple[list[lis
     return [list(ids)], False
 
 
-def meta_info(out: GenerationOutput, params: SamplingParams, weight_version: str) -> dict[str, Any]:
+def meta_info(out: GenerationOutput, weight_version: str) -> dict[str, Any]:
     reason: dict[str, Any] = {"type": out.finish_reason, "matched": out.matched_stop}
     if out.finish_reason == "length":
         reason["length"] = len(out.output_ids)
@@ -79,35 +79,34 @@ def meta_info(out: GenerationOutput, params: SamplingParams, weight_version: str
     return meta
 
 
-def _result(out: GenerationOutput, params: SamplingParams, weight_version: str) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, params, weight_version)}
+def _result(out: GenerationOutput, weight_version: str) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, weight_version)}
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     client = _client(request)
     prompts, is_batch = _prompts(client, body)
-    sp = body.sampling_params
-    params = sp.to_engine(body.return_logprob, body.top_logprobs_num, body.logprob_start_len if body.return_logprob else -1)
-    rids = [body.rid] if isinstance(body.rid, str) else body.rid
-    jobs = make_jobs(prompts, params, sp.n, client, rids)
+    each = body.per_prompt(len(prompts), is_batch)
+    jobs = make_jobs(prompts, each.params, each.n, client, body.rids(len(prompts), is_batch))
     version = client.info.get("weight_version", "default")
     metrics = request.app.state.metrics
     if body.stream:
-        return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, sp.stream_interval or 1))
+        intervals = [each.stream_intervals[job.index // each.n] for job in jobs]
+        return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, intervals))
     # Each job's JSON as it ends; the body is the parts joined (a list for a batch or n > 1).
-    parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, params, version)))
+    parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, version)))
     body = b"[" + b",".join(parts) + b"]" if is_batch or len(parts) > 1 else parts[0]
     return Response(body, media_type="application/json")
 
 
 class _NativeEvents:
-    """/generate's stream: one `data:` event per `interval` tokens of each job (and at its end),
+    """/generate's stream: one `data:` event per `intervals[j]` tokens of job j (and at its end),
     with the text and ids so far (as SGLang streams them), "index" when there are several jobs."""
 
-    def __init__(self, jobs: list[Job], version: str, indexed: bool, interval: int) -> None:
+    def __init__(self, jobs: list[Job], version: str, indexed: bool, intervals: list[int]) -> None:
         self.writers = [_EventWriter(job, version, indexed) for job in jobs]
-        self.interval = interval
+        self.intervals = intervals
         self.unsent = [0] * len(jobs)  # job index -> tokens since its last event
 
     def first(self) -> bytes:
@@ -122,7 +121,7 @@ class _NativeEvents:
                 continue
             writer.add(out)
             n = self.unsent[job.index] + len(update.token_ids)
-            if n >= self.interval:
+            if n >= self.intervals[job.index]:
                 n = 0
                 events.append(writer.event(out))
             self.unsent[job.index] = n
@@ -166,7 +165,7 @@ class _EventWriter:
                          _JSON.encode(out.e2e_latency), self.tail))
 
     def whole(self, out: GenerationOutput) -> bytes:
-        chunk = _result(out, self.job.params, self.version)
+        chunk = _result(out, self.version)
         if self.indexed:
             chunk["index"] = self.job.index
         return b"data: " + _JSON.encode(chunk) + b"\n\n"

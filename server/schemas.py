@@ -15,6 +15,11 @@ Rules:
 - `stream_interval`: a streamed request sends an event every that many tokens (and the last).
 - `logit_bias`: {"token id": bias}, added to the logits (engine/runner/sampler.py).
 - `weight_version` fields take a string or an integer, kept as a string.
+- A batched `/generate` (a list of texts or of id lists) may give `sampling_params`,
+  `return_logprob`, `top_logprobs_num` and `logprob_start_len` as lists, one value per prompt, as
+  SGLang's GenerateReqInput does; SGLang's rules hold: a list's length is the batch's, every
+  prompt's `n` is the same, and the logprob fields are lists only with n = 1. A string `rid` on a
+  batch names prompt p `f"{rid}_{p}"`.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictInt,
+    Tag,
     create_model,
     model_validator,
 )
@@ -126,6 +133,25 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 SamplingParamsIn = create_model("SamplingParamsIn", __base__=_SamplingBase, **_sampling_fields())
 
+# Tags of a one-or-per-prompt field's two shapes; they name no field, so error messages omit them.
+ONE, PER_PROMPT = "one", "per_prompt"
+UNION_TAGS = frozenset({ONE, PER_PROMPT})
+
+
+def _shape(value: Any) -> str:
+    return PER_PROMPT if isinstance(value, list) else ONE
+
+
+def one_or_per_prompt(t: Any) -> Any:
+    """A field that takes one value for every prompt or a list of one per prompt; an error names
+    only the shape the value has (a plain union would report both)."""
+    return Annotated[Annotated[t, Tag(ONE)] | Annotated[list[t], Tag(PER_PROMPT)], Discriminator(_shape)]
+
+
+SamplingParamsField = one_or_per_prompt(SamplingParamsIn)
+BoolField = one_or_per_prompt(bool)
+Int64Field = one_or_per_prompt(Int64)
+
 
 class GenerateRequest(BaseModel):
     @model_validator(mode="before")
@@ -135,10 +161,10 @@ class GenerateRequest(BaseModel):
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
-    return_logprob: bool = False
-    top_logprobs_num: Int64 = 0
-    logprob_start_len: Int64 = -1  # with return_logprob: input_token_logprobs from this prompt position
+    sampling_params: SamplingParamsField = Field(default_factory=SamplingParamsIn)
+    return_logprob: BoolField = False
+    top_logprobs_num: Int64Field = 0
+    logprob_start_len: Int64Field = -1  # with return_logprob: input_token_logprobs from this prompt position
     rid: str | list[str] | None = None
     stream: bool = False
     # SGLang's, not served here: null (or false) only.
@@ -153,6 +179,50 @@ class GenerateRequest(BaseModel):
             if getattr(self, name):
                 raise ValueError(f"{name} is not supported here (text-only models, no LoRA, no MoE routing)")
         return self
+
+    def per_prompt(self, num_prompts: int, is_batch: bool) -> PromptParams:
+        """Each prompt's engine params, with `n` and the stream interval (SGLang's rules, above);
+        raises `InvalidRequest` naming the field that breaks them."""
+        sampling = self._each("sampling_params", num_prompts, is_batch)
+        logprob, top_n, start = (self._each(name, num_prompts, is_batch) for name in _LOGPROB_FIELDS)
+        ns = sorted({sp.n for sp in sampling})
+        if len(ns) > 1:
+            raise InvalidRequest(f"sampling_params: every prompt's n must be the same, got {ns}")
+        listed = [name for name in _LOGPROB_FIELDS if isinstance(getattr(self, name), list)]
+        if ns[0] > 1 and listed:
+            raise InvalidRequest(f"{listed[0]} can be a list only with n = 1, got n = {ns[0]}")
+        params = [sp.to_engine(lp, k, s if lp else -1) for sp, lp, k, s in zip(sampling, logprob, top_n, start, strict=True)]
+        return PromptParams(params, ns[0], [sp.stream_interval or 1 for sp in sampling])
+
+    def rids(self, num_prompts: int, is_batch: bool) -> list[str] | None:
+        """Each prompt's request id (None: fresh ones), as SGLang expands a string for a batch."""
+        if isinstance(self.rid, str):
+            return [f"{self.rid}_{p}" for p in range(num_prompts)] if is_batch else [self.rid]
+        return self.rid
+
+    def _each(self, name: str, num_prompts: int, is_batch: bool) -> list[Any]:
+        value = getattr(self, name)
+        if not isinstance(value, list):
+            return [value] * num_prompts
+        if not is_batch:
+            raise InvalidRequest(f"{name} is a list, but the prompt is not a batch (give a list of texts or of id lists)")
+        if len(value) != num_prompts:
+            raise InvalidRequest(f"{name}: {len(value)} values for {num_prompts} prompts")
+        return value
+
+
+# The top-level logprob fields that may be lists, in `SamplingParamsIn.to_engine`'s argument order.
+_LOGPROB_FIELDS = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptParams:
+    """A `/generate` request's parameters per prompt: engine params, samples per prompt (one `n`
+    for all) and tokens per streamed event."""
+
+    params: list[SamplingParams]
+    n: int
+    stream_intervals: list[int]
 
 
 class AbortRequestIn(BaseModel):

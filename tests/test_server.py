@@ -349,5 +349,5 @@ def test_stream_events_are_the_json_of_the_result() -> None:
             out.cached_tokens = step // 10
             writer.add(out)
             if rng.random() < 0.7:
-                want = _result(out, job.params, "v\\1") | ({"index": 3} if indexed else {})
+                want = _result(out, "v\\1") | ({"index": 3} if indexed else {})
                 assert writer.event(out) == b"data: " + _JSON.encode(want) + b"\n\n"
