@@ -164,11 +164,15 @@ class Request:
     # Logprob of prompt token i given tokens < i, filled during prefill when asked for
     # (sampling_params.logprob_start_len >= 0); None where not computed (and for token 0).
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    # With top_logprobs_num > 0 as well: the top (token id, logprob) pairs at each such position.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprob_start_len >= 0:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            if self.sampling_params.top_logprobs_num > 0:
+                self.prompt_top_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

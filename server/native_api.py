@@ -76,6 +76,9 @@ def meta_info(out: GenerationOutput, weight_version: str) -> dict[str, Any]:
         meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in row] for row in out.output_top_logprobs]
+    if out.input_top_logprobs is not None:
+        meta["input_top_logprobs"] = [None if row is None else [[lp, tok, None] for tok, lp in row]
+                                      for row in out.input_top_logprobs]
     return meta
 
 

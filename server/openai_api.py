@@ -76,11 +76,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     limit = client.info["max_context_length"]
     max_new = body.max_tokens if body.max_tokens is not None else _fill_context(prompts, limit)
     want_lp = body.logprobs is not None
-    params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.logprobs or 0)
+    # echo with logprobs scores the prompt too: its tokens' logprobs and top alternatives from position 0.
+    score_prompt = want_lp and echo is not None
+    params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.logprobs or 0,
+                                  logprob_start_len=0 if score_prompt else -1)
     rid = f"cmpl-{uuid.uuid4().hex}"
     jobs = make_jobs(prompts, params, body.n, client, _rids(rid, len(prompts)))
     reply = Reply(rid, "text_completion", request.app.state.model_name, client.tokenizer, jobs, body.n,
-                  logprobs=want_lp, include_usage=body.stream and body.include_usage)
+                  logprobs=want_lp, include_usage=body.stream and body.include_usage, prompt_logprobs=score_prompt)
     prefix = {j.index: echo[j.index // body.n] for j in jobs} if echo is not None else {}
     metrics = request.app.state.metrics
     if body.stream:
@@ -139,21 +142,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 class _ChoiceEvents:
     """A stream's chunks: each choice opens with the assistant's role (chat) or its echoed
     prompt (completions with echo); then a chunk per update that has new text, new logprobs, or
-    ends its choice; then usage when asked for."""
+    ends its choice; then usage when asked for. An echo with logprobs waits for the prompt's
+    logprobs: it opens with the choice's first update, in one chunk with it (as vLLM sends it)."""
 
     def __init__(self, reply: Reply, prefix: dict[int, str]) -> None:
         self.reply, self.prefix = reply, prefix
+        self.unechoed = dict(prefix) if reply.prompt_logprobs else {}  # choice -> its prompt text, not sent yet
 
     def first(self) -> bytes:
         reply = self.reply
         if reply.chat:
             return b"".join(event(reply.role_chunk(job.index)) for job in reply.jobs)
+        if self.unechoed:
+            return b""
         return b"".join(event(reply.echo_chunk(index, text)) for index, text in self.prefix.items())
 
     def render(self, batch: Batch) -> bytes:
         reply, events = self.reply, []
         for job, update, out in batch:
-            if update.text or update.finished or (reply.logprobs and update.token_ids):
+            prompt_text = self.unechoed.pop(job.index, None)
+            if prompt_text is not None:
+                events.append(event(reply.echo_chunk(job.index, prompt_text, update.text, out, update.finished)))
+            elif update.text or update.finished or (reply.logprobs and update.token_ids):
                 events.append(event(reply.chunk([reply.choice(job.index, update.text, out, update.finished)])))
         return b"".join(events)
 

@@ -59,9 +59,11 @@ class Reply:
     n: int
     logprobs: bool  # logprobs were asked for
     include_usage: bool = False  # streaming: end with a usage chunk
+    prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead each choice's
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: TokenText = field(init=False)
     _lp_sent: dict[int, int] = field(default_factory=dict)  # choice -> tokens whose logprobs went
+    _prompt_lp_sent: set[int] = field(default_factory=set)  # choices whose prompt logprobs went
     _offset: dict[int, int] = field(default_factory=dict)  # choice -> text_offset of its next token
     _choice_of: dict[str, int] = field(init=False)
 
@@ -125,16 +127,19 @@ class Reply:
         delta = {"role": "assistant", "content": ""}
         return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
-    def echo_chunk(self, index: int, prompt_text: str) -> dict[str, Any]:
-        """A completions stream's first chunk of each choice when echo is on."""
+    def echo_chunk(
+        self, index: int, prompt_text: str, text: str = "", out: GenerationOutput | None = None, finished: bool = False
+    ) -> dict[str, Any]:
+        """A completions stream's first chunk of each choice when echo is on: the prompt's text,
+        and with `out` (echo with logprobs) the text of its first update and the logprobs so far."""
         self._offset[index] = len(prompt_text)
-        return self.chunk([self.choice(index, prompt_text, None, finished=False)])
+        return self.chunk([self.choice(index, prompt_text + text, out, finished)])
 
     # ---- logprobs -------------------------------------------------------------------------------
 
     def _logprobs(self, index: int, out: GenerationOutput) -> dict[str, Any]:
         new = self._new_logprobs(index, out)
-        return self._chat_logprobs(new) if self.chat else self._completion_logprobs(index, new)
+        return self._chat_logprobs(new) if self.chat else self._completion_logprobs(index, new, out)
 
     def _new_logprobs(self, index: int, out: GenerationOutput) -> list[tuple[float, int, list[tuple[int, float]]]]:
         """(logprob, token, top alternatives) of the tokens of choice `index` not sent yet."""
@@ -144,21 +149,45 @@ class Reply:
         self._lp_sent[index] = len(pairs)
         return [(lp, tok, tops[k] if tops is not None else []) for k, (lp, tok) in enumerate(pairs) if k >= start]
 
-    def _completion_logprobs(self, index: int, new: list[tuple[float, int, list[tuple[int, float]]]]) -> dict[str, Any]:
+    def _prompt_entries(self, index: int, out: GenerationOutput) -> dict[str, list[Any]]:
+        """The legacy logprobs of choice `index`'s prompt tokens, once (echo with logprobs): the
+        first token has none (nothing predicts it); each entry's top alternatives hold the top N
+        and the prompt's token; offsets lay the token texts end to end from 0."""
+        lps: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if not self.prompt_logprobs or index in self._prompt_lp_sent or out.input_token_logprobs is None:
+            return lps
+        self._prompt_lp_sent.add(index)
+        tops = out.input_top_logprobs or [None] * len(out.input_token_logprobs)
+        offset = 0
+        for (lp, tok), top in zip(out.input_token_logprobs, tops, strict=True):
+            text = self._token_text(tok)
+            lps["tokens"].append(text)
+            lps["token_logprobs"].append(None if lp is None else _lp(lp))
+            lps["top_logprobs"].append(None if lp is None else self._alternatives(top or [], text, lp))
+            lps["text_offset"].append(offset)
+            offset += len(text)
+        return lps
+
+    def _alternatives(self, top: list[tuple[int, float]], text: str, lp: float) -> dict[str, float]:
+        """A token's top alternatives by text, best first, with the token itself."""
+        alternatives: dict[str, float] = {}
+        for t, v in top:
+            alternatives.setdefault(self._token_text(t), _lp(v))
+        alternatives.setdefault(text, _lp(lp))
+        return alternatives
+
+    def _completion_logprobs(self, index: int, new: list[tuple[float, int, list[tuple[int, float]]]], out: GenerationOutput) -> dict[str, Any]:
         """OpenAI's legacy format. Each top_logprobs entry holds the top N and the sampled token
         (so N + 1 entries at most); text_offset is where each token starts in the choice's text,
-        token texts laid end to end after the echoed prompt, if any."""
-        lps: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        token texts laid end to end after the echoed prompt, if any (whose own tokens lead, with
+        echo)."""
+        lps = self._prompt_entries(index, out)
         for lp, tok, top in new:
             text = self._token_text(tok)
-            alternatives: dict[str, float] = {}
-            for t, v in top:
-                alternatives.setdefault(self._token_text(t), _lp(v))
-            alternatives.setdefault(text, _lp(lp))
             offset = self._offset.get(index, 0)
             lps["tokens"].append(text)
             lps["token_logprobs"].append(_lp(lp))
-            lps["top_logprobs"].append(alternatives)
+            lps["top_logprobs"].append(self._alternatives(top, text, lp))
             lps["text_offset"].append(offset)
             self._offset[index] = offset + len(text)
         return lps

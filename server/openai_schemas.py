@@ -66,7 +66,9 @@ class OpenAISampling(BaseModel):
         if self.logit_bias:
             raise InvalidRequest("logit_bias is not supported")
 
-    def sampling_params(self, max_new_tokens: int, logprobs: bool, top_logprobs_num: int) -> SamplingParams:
+    def sampling_params(
+        self, max_new_tokens: int, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1
+    ) -> SamplingParams:
         """The engine's params; raises `InvalidRequest` naming a bad value."""
 
         def pick(value: Any, default: Any) -> Any:
@@ -88,14 +90,16 @@ class OpenAISampling(BaseModel):
             stop_token_ids=pick(self.stop_token_ids, ()),
             logprobs=logprobs,
             top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
             skip_special_tokens=self.skip_special_tokens,
         )
 
 
 class CompletionRequest(OpenAISampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    # OpenAI's default is 16; null means "up to the context length" (as vLLM).
-    max_tokens: int | None = Field(default=16, ge=1)
+    # OpenAI's default is 16; null means "up to the context length" (as vLLM); 0 only with echo
+    # (the prompt scored, nothing generated).
+    max_tokens: int | None = Field(default=16, ge=0)
     # Legacy logprobs: an int, the number of top alternatives per token (0: the sampled one only).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -108,12 +112,8 @@ class CompletionRequest(OpenAISampling):
             raise InvalidRequest("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("best_of is not supported (leave it unset or equal to n)")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequest(
-                "echo with logprobs is not supported: it needs the top alternatives at prompt positions, which this "
-                "server does not compute (/generate returns the prompt tokens' own logprobs: return_logprob, "
-                "logprob_start_len)"
-            )
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens: 0 generates nothing; it is allowed only with echo (to score the prompt)")
 
     def prompts(self, tokenizer: Any, info: Mapping[str, Any]) -> tuple[list[list[int]], list[str] | None]:
         """Token ids of each prompt, and its text when echo is on (token-id prompts decoded).

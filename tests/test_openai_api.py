@@ -236,7 +236,6 @@ BAD = [
     ("completions", {"prompt": []}, "empty"),
     ("completions", {"prompt": [1, 99999]}, "vocabulary"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ("completions", {"prompt": "x", "extra_body": {"top_k": -5}}, "top_k"),
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"content": "hi"}]}, "role"),

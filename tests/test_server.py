@@ -244,17 +244,30 @@ def test_input_token_logprobs(demo_server: ServerProcess, demo_dir: str) -> None
     with torch.no_grad():
         logp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0], -1)
     want = [None] + [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    top_values, top_ids = logp.topk(3, dim=-1)  # position i's alternatives score token i + 1
+    want_top = [None] + [list(zip(top_ids[i - 1].tolist(), top_values[i - 1].tolist(), strict=True)) for i in range(1, len(prompt))]
     with demo_server.client() as http:
-        for start in (0, 3, 37):
+        for start, top_n in ((0, 0), (3, 3), (37, 0), (0, 2)):
             for _ in range(2):  # the second time the prompt's blocks are in the prefix cache
-                body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": start,
+                body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": top_n,
                         "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-                got = http.post("/generate", json=body).json()["meta_info"]["input_token_logprobs"]
+                meta = http.post("/generate", json=body).json()["meta_info"]
+                got = meta["input_token_logprobs"]
                 assert [t for _, t, _ in got] == prompt[start:]
                 for (lp, _, _), w in zip(got, want[start:], strict=True):
                     assert (lp is None) == (w is None) and (w is None or abs(lp - w) < 1e-4)
+                if not top_n:
+                    assert "input_top_logprobs" not in meta
+                    continue
+                # SGLang's input_top_logprobs: per position [logprob, token id, text] best first, None at token 0.
+                assert len(meta["input_top_logprobs"]) == len(prompt) - start and len(meta["output_top_logprobs"]) == 2
+                for row, w in zip(meta["input_top_logprobs"], want_top[start:], strict=True):
+                    assert (row is None) == (w is None)
+                    if w is not None:
+                        assert [t for _, t, _ in row] == [t for t, _ in w[:top_n]]
+                        assert [lp for lp, _, _ in row] == pytest.approx([v for _, v in w[:top_n]], abs=1e-4)
         plain = http.post("/generate", json={"input_ids": prompt, "return_logprob": True}).json()
-        assert "input_token_logprobs" not in plain["meta_info"]
+        assert "input_token_logprobs" not in plain["meta_info"] and "input_top_logprobs" not in plain["meta_info"]
 
 
 def test_n_samples_share_the_prompt_blocks(demo_server: ServerProcess) -> None:

@@ -102,3 +102,41 @@ def test_slot_mapping_is_each_tokens_block_slot(seed: int) -> None:
         ends.append(end)
     want = [t[p // BLOCK] * BLOCK + p % BLOCK for s, e, t in zip(starts, ends, tables, strict=True) for p in range(s, e)]
     assert slot_mapping(starts, ends, tables, BLOCK) == want
+
+
+def test_prompt_logprob_rows_and_their_top_k() -> None:
+    """A prefill chunk scores each prompt position it computes from the logprob start on (never
+    token 0), and asks for the most top alternatives any of those requests wants."""
+    plain = Request("a", list(range(3, 23)), SamplingParams(logprob_start_len=0, top_logprobs_num=2))
+    wide = Request("b", list(range(5, 15)), SamplingParams(logprob_start_len=4, top_logprobs_num=5))
+    skipped = Request("c", list(range(7, 17)), SamplingParams(logprob_start_len=9, top_logprobs_num=9))
+    for k, r in enumerate((plain, wide, skipped)):
+        r.block_table = [2 * k, 2 * k + 1]
+    batch = Batch(requests=[plain, wide, skipped], num_new_tokens=[8, 10, 6])  # c's chunk ends before position 9
+    plan = _plan_any(batch, BLOCK, None)
+    # A chunk's last row scores the prompt token after it: a's rows 0..7 score positions 1..8.
+    assert [(i, q) for i, q, _ in plan.prompt_logprob_rows] == [(0, q) for q in range(1, 9)] + [(1, q) for q in range(4, 10)]
+    assert [r for _, _, r in plan.prompt_logprob_rows] == list(range(0, 8)) + list(range(8 + 3, 8 + 9))
+    assert plan.prompt_logprob_top_k == 5
+    assert plan.prompt_logprob_targets == plain.token_ids[1:9] + wide.token_ids[4:10]
+
+
+def test_prompt_logprobs_in_slices_equal_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring in slices of rows (bounded logits memory) gives what one pass gives."""
+    from engine.runner import prompt_logprobs
+    from engine.runner.prompt_logprobs import PromptLogprobs
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, head = torch.randn(40, 16, generator=gen), torch.randn(16, 100, generator=gen)
+    rows = torch.randint(0, 40, (33,), generator=gen).tolist()
+    targets = torch.randint(0, 100, (33,), generator=gen).tolist()
+    log_probs = torch.log_softmax(hidden[rows] @ head, dim=-1)
+    whole = PromptLogprobs.score(hidden, rows, targets, 4, lambda h: h @ head)
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_SLICE", 5)
+    sliced = PromptLogprobs.score(hidden, rows, targets, 4, lambda h: h @ head)
+    assert sliced.logprobs == pytest.approx(whole.logprobs, abs=1e-5)
+    assert whole.logprobs == pytest.approx(log_probs[range(33), targets].tolist(), abs=1e-5)
+    assert sliced.tops is not None and whole.tops is not None
+    assert [[t for t, _ in row] for row in sliced.tops] == [[t for t, _ in row] for row in whole.tops]
+    assert [[t for t, _ in row] for row in whole.tops] == log_probs.topk(4, dim=-1).indices.tolist()
+    assert PromptLogprobs.score(hidden, rows, targets, 0, lambda h: h @ head).tops is None

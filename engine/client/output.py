@@ -33,6 +33,8 @@ class GenerationOutput:
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     input_token_logprobs: list[tuple[float | None, int]] | None = None  # from logprob_start_len
+    # With top_logprobs_num > 0 too: each of those positions' top (token id, logprob) pairs.
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     cached_tokens: int = 0
     e2e_latency: float = 0.0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released)
@@ -103,6 +105,9 @@ class RequestState:
         if delta.input_logprobs is not None:
             start = self.params.logprob_start_len
             out.input_token_logprobs = list(zip(delta.input_logprobs, out.prompt_token_ids[start:], strict=True))
+        if delta.input_top_logprobs is not None:
+            out.input_top_logprobs = [None if row is None else [(int(t), float(lp)) for t, lp in row]
+                                      for row in delta.input_top_logprobs]
         finished = delta.finished
         if not finished and self.incremental and delta.finish_reason is None:  # the common case: a running request
             detok = self.detok

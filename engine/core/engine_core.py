@@ -151,6 +151,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
                     new_logprobs=([s.logprob] if kept else []) if want_lp else None,
                     new_top_logprobs=([s.top_logprobs or []] if kept else []) if want_top else None,
                     input_logprobs=_input_logprobs(req) if first else None,
+                    input_top_logprobs=_input_top_logprobs(req) if first else None,
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                     stop_matched=req.stop_matched,
@@ -293,6 +294,11 @@ _HANDLERS: dict[type, Callable[[EngineCore, Any], Any]] = {
 def _input_logprobs(req: Request) -> list[float | None] | None:
     start = req.sampling_params.logprob_start_len
     return req.prompt_logprobs[start:] if req.prompt_logprobs else None
+
+
+def _input_top_logprobs(req: Request) -> list[list[tuple[int, float]] | None] | None:
+    start = req.sampling_params.logprob_start_len
+    return req.prompt_top_logprobs[start:] if req.prompt_top_logprobs else None
 
 
 def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:

@@ -69,6 +69,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # With the first output token, when asked: logprobs of prompt tokens logprob_start_len.. (None
     # for token 0, which nothing predicts).
     input_logprobs: list[float | None] | None = None
+    # With those and top_logprobs_num > 0: the top (token id, logprob) pairs at each (None for token 0).
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_matched: int | str | None = None

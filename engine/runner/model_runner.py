@@ -30,6 +30,7 @@ from engine.runner.decode_paths import attach_decode_paths
 from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
+from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
 from engine.runner.step_inputs import (
     StepInputs,
@@ -215,13 +216,16 @@ class ModelRunner:
         plan = plan_step(batch, self.block_size, previous.pending_tokens() if previous is not None else None)
         if self.fan_out is not None:
             self.fan_out(plan)
-        samples, prompt_logprobs = self.run(plan)
-        for (i, q, _), lp in zip(plan.prompt_logprob_rows, prompt_logprobs, strict=True):
-            batch.requests[i].prompt_logprobs[q] = lp
+        samples, prompt = self.run(plan)
+        for j, ((i, q, _), lp) in enumerate(zip(plan.prompt_logprob_rows, prompt.logprobs, strict=True)):
+            req = batch.requests[i]
+            req.prompt_logprobs[q] = lp
+            if req.prompt_top_logprobs and prompt.tops is not None:
+                req.prompt_top_logprobs[q] = prompt.tops[j][: req.sampling_params.top_logprobs_num]
         return LaunchedStep(batch, [batch.requests[i] for i in plan.sample_rows], samples)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[SampledOnDevice | None, list[float]]:
+    def run(self, plan: StepPlan) -> tuple[SampledOnDevice | None, PromptLogprobs]:
         """Run a planned step on this rank: (its samples, None when no row samples; the prompt
         logprobs it asked for). Stale weights (after a resume) are restored first. A decode step
         where every row samples replays a CUDA graph when one fits. Pending input tokens come
@@ -230,7 +234,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(plan):
             samples = self._replay(plan)
             self._last_tokens = self.graphs.io.tokens[: plan.num_seqs]
-            return samples, []
+            return samples, PromptLogprobs.none()
         inputs = step_inputs(plan, self.upload, self._last_tokens)
         samples = None
         if not inputs.sample_rows:
@@ -261,7 +265,7 @@ class ModelRunner:
         io.keep(samples.token_ids)
         return samples
 
-    def _eager(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, list[float]]:
+    def _eager(self, plan: StepPlan, inputs: StepInputs) -> tuple[torch.Tensor, PromptLogprobs]:
         """The forward without a full graph: (hidden states [T, hidden], the prompt logprobs the
         plan asks for), replayed from the piecewise graphs when T fits them."""
         num_tokens = inputs.input_ids.shape[0]
@@ -269,12 +273,8 @@ class ModelRunner:
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
-        return hidden, self._prompt_logprobs(plan, hidden) if plan.prompt_logprob_rows else []
-
-    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> list[float]:
-        """log p(prompt token q | tokens < q) for each (i, q, row) the plan lists, from the logits
-        of token row q - 1 (one extra host sync, in steps that need it only)."""
-        index = torch.tensor([r for _, _, r in plan.prompt_logprob_rows], device=self.device)
-        targets = torch.tensor(plan.prompt_logprob_targets, device=self.device)
-        logits = self.model.compute_logits(hidden[index]).float()  # [n, V]
-        return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        if not plan.prompt_logprob_rows:
+            return hidden, PromptLogprobs.none()
+        rows = [r for _, _, r in plan.prompt_logprob_rows]
+        return hidden, PromptLogprobs.score(hidden, rows, plan.prompt_logprob_targets, plan.prompt_logprob_top_k,
+                                            self.model.compute_logits)

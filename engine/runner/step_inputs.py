@@ -119,6 +119,8 @@ class StepPlan(msgspec.Struct, array_like=True):
     prompt_logprob_rows: list[tuple[int, int, int]]
     prompt_logprob_targets: list[int]
     sampling: SamplingPlan | None  # None when no row samples
+    # The most top alternatives any of those rows asks for (0: their own logprobs only).
+    prompt_logprob_top_k: int = 0
 
 
 _INT32_FIELDS = 3  # the metadata's last parts: query_start_loc, seq_lens, block tables
@@ -166,6 +168,7 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
     sample_rows: list[int] = []
     sample_indices: list[int] = []
     prompt_rows: list[tuple[int, int, int]] = []
+    top_k = 0
     fill_rows: list[int] = []  # token rows whose id is pending ...
     fill_from: list[int] = []  # ... and the row of `pending.token_ids` that holds it
     for i, req in enumerate(batch.requests):
@@ -175,6 +178,8 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
             first = max(req.sampling_params.logprob_start_len, 1, start + 1)
             last = min(end, req.num_prompt_tokens - 1)
             prompt_rows += [(i, q, len(input_ids) + q - 1 - start) for q in range(first, last + 1)]
+            if first <= last:
+                top_k = max(top_k, req.sampling_params.top_logprobs_num)
         input_ids += req.token_ids[start:end]
         positions += range(start, end)
         starts.append(start)
@@ -197,6 +202,7 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
         prompt_logprob_rows=prompt_rows,
         prompt_logprob_targets=[batch.requests[i].token_ids[q] for i, q, _ in prompt_rows],
         sampling=sampling,
+        prompt_logprob_top_k=top_k,
         **meta,
     )
 

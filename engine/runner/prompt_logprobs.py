@@ -1,0 +1,54 @@
+"""`PromptLogprobs`: the logprobs of prompt tokens a step scores (`logprob_start_len`), and with
+`top_logprobs_num` the top alternatives at those positions (SGLang's `input_top_logprobs`, the
+prompt part of an OpenAI completion's echo with logprobs).
+
+Rules:
+- Prompt token q is scored by the logits of token row q - 1 of the step: log p(token q | < q),
+  the log-softmax in float32.
+- The rows are scored in slices of `ROWS_PER_SLICE`, so a long prefill chunk's [rows, vocab]
+  logits never exist whole (8192 rows of a 152k vocabulary would be 5 GB in float32).
+- Top alternatives are the `top_k` largest logprobs of the row, best first (ties: torch.topk's
+  order); each request keeps the first `top_logprobs_num` of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# Token rows scored at once: [ROWS_PER_SLICE, vocab] float32 logits at most.
+ROWS_PER_SLICE = 512
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Per scored row of a step: the prompt token's logprob, and (when the step asks for any)
+    its top `top_k` (token id, logprob) pairs."""
+
+    logprobs: list[float]
+    tops: list[list[tuple[int, float]]] | None = None
+
+    @staticmethod
+    def none() -> PromptLogprobs:
+        return PromptLogprobs([])
+
+    @staticmethod
+    def score(
+        hidden: torch.Tensor, rows: list[int], targets: list[int], top_k: int,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> PromptLogprobs:
+        """Score `targets[j]` with the logits of `hidden[rows[j]]` (hidden [T, hidden_size]);
+        one host sync per slice."""
+        logprobs: list[float] = []
+        tops: list[list[tuple[int, float]]] | None = [] if top_k > 0 else None
+        for begin in range(0, len(rows), ROWS_PER_SLICE):
+            index = torch.tensor(rows[begin : begin + ROWS_PER_SLICE], device=hidden.device)
+            target = torch.tensor(targets[begin : begin + ROWS_PER_SLICE], device=hidden.device)
+            log_probs = torch.log_softmax(compute_logits(hidden[index]).float(), dim=-1)  # [n, vocab]
+            logprobs += log_probs.gather(1, target[:, None])[:, 0].tolist()
+            if tops is not None:
+                values, ids = torch.topk(log_probs, min(top_k, log_probs.shape[-1]), dim=-1)  # [n, k]
+                tops += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        return PromptLogprobs(logprobs, tops)
