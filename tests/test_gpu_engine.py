@@ -186,3 +186,37 @@ def test_no_kernel_compiles_after_the_first_request(qwen3_dir: str) -> None:
             core.step()
     grown = {k: (before.get(k, 0), v) for k, v in _compiled_variants().items() if v != before.get(k, 0)}
     assert not grown, f"kernels compiled while serving (before, after): {grown}"
+
+
+def test_prompt_logprobs_and_top_alternatives_match_transformers(qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt logprobs (`logprob_start_len`) and their top alternatives, scored after piecewise
+    graph forwards of prefill chunks, in slices of rows (made small here), equal float32
+    transformers on the GPU."""
+    from engine.runner import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_SLICE", 64)
+    core = _core(qwen3_dir, dtype="float32", max_num_batched_tokens=256)
+    assert core.runner.piecewise is not None
+    prompts = _prompts(3, 2, lo=300, hi=480)
+    starts = [0, 37]
+    for i, (p, start) in enumerate(zip(prompts, starts, strict=True)):
+        params = SamplingParams(max_new_tokens=2, temperature=0.0, logprob_start_len=start, top_logprobs_num=3)
+        assert core.add_request(AddRequest(request_id=str(i), prompt_token_ids=p, sampling_params=params)) is None
+    got: dict[str, tuple[list, list]] = {}
+    while core.has_work():
+        for d in core.step():
+            if d.input_logprobs is not None:
+                got[d.request_id] = (d.input_logprobs, d.input_top_logprobs)
+    hf = _hf(qwen3_dir, torch.float32)
+    for i, (p, start) in enumerate(zip(prompts, starts, strict=True)):
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0].float(), -1)
+        lps, tops = got[str(i)]
+        assert len(lps) == len(tops) == len(p) - start
+        for q in range(max(start, 1), len(p)):
+            assert lps[q - start] == pytest.approx(lp[q - 1, p[q]].item(), abs=2e-3)
+            values, ids = lp[q - 1].topk(3)
+            assert [v for _, v in tops[q - start]] == pytest.approx(values.tolist(), abs=2e-3)
+            assert tops[q - start][0][0] == ids[0].item() or values[0] - values[1] < 2e-3
+        if start == 0:
+            assert lps[0] is None and tops[0] is None
