@@ -22,6 +22,7 @@ from server.event_stream import Batch, EventStream
 from server.generation import Job, make_jobs, run_jobs
 from server.schemas import AbortRequestIn, GenerateRequest, PauseGenerationIn
 from server.text_input import encode_text
+from server.token_text import TokenText
 
 router = APIRouter()
 
@@ -53,7 +54,13 @@ def _prompts(client: AsyncEngineClient, body: GenerateRequest) -> tuple[list[lis
     return [list(ids)], False
 
 
-def meta_info(out: GenerationOutput, weight_version: str) -> dict[str, Any]:
+def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None = None) -> dict[str, Any]:
+    """SGLang's meta_info; logprob entries are [logprob, token id, the token's text or None]
+    (`text`: SGLang's return_text_in_logprobs)."""
+
+    def name(tok: int) -> str | None:
+        return text(tok) if text is not None else None
+
     reason: dict[str, Any] = {"type": out.finish_reason, "matched": out.matched_stop}
     if out.finish_reason == "length":
         reason["length"] = len(out.output_ids)
@@ -71,19 +78,19 @@ def meta_info(out: GenerationOutput, weight_version: str) -> dict[str, Any]:
     # Tuples, not lists: msgspec writes both as JSON arrays, and a tuple of atoms costs the
     # allocator and the collector less (a 1024 x 256-token batch's response builds in half the time).
     if out.output_token_logprobs is not None:
-        meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in out.output_token_logprobs]
+        meta["output_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.output_token_logprobs]
     if out.input_token_logprobs is not None:
-        meta["input_token_logprobs"] = [(lp, tok, None) for lp, tok in out.input_token_logprobs]
+        meta["input_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
-        meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in row] for row in out.output_top_logprobs]
+        meta["output_top_logprobs"] = [[[lp, tok, name(tok)] for tok, lp in row] for row in out.output_top_logprobs]
     if out.input_top_logprobs is not None:
-        meta["input_top_logprobs"] = [None if row is None else [[lp, tok, None] for tok, lp in row]
+        meta["input_top_logprobs"] = [None if row is None else [[lp, tok, name(tok)] for tok, lp in row]
                                       for row in out.input_top_logprobs]
     return meta
 
 
-def _result(out: GenerationOutput, weight_version: str) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, weight_version)}
+def _result(out: GenerationOutput, weight_version: str, text: TokenText | None = None) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, weight_version, text)}
 
 
 @router.post("/generate")
@@ -94,11 +101,12 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     jobs = make_jobs(prompts, each.params, each.n, client, body.rids(len(prompts), is_batch))
     version = client.info.get("weight_version", "default")
     metrics = request.app.state.metrics
+    text = TokenText(client.tokenizer) if body.return_text_in_logprobs else None
     if body.stream:
         intervals = [each.stream_intervals[job.index // each.n] for job in jobs]
-        return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, intervals))
+        return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, intervals, text))
     # Each job's JSON as it ends; the body is the parts joined (a list for a batch or n > 1).
-    parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, version)))
+    parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, version, text)))
     body = b"[" + b",".join(parts) + b"]" if is_batch or len(parts) > 1 else parts[0]
     return Response(body, media_type="application/json")
 
@@ -107,8 +115,8 @@ class _NativeEvents:
     """/generate's stream: one `data:` event per `intervals[j]` tokens of job j (and at its end),
     with the text and ids so far (as SGLang streams them), "index" when there are several jobs."""
 
-    def __init__(self, jobs: list[Job], version: str, indexed: bool, intervals: list[int]) -> None:
-        self.writers = [_EventWriter(job, version, indexed) for job in jobs]
+    def __init__(self, jobs: list[Job], version: str, indexed: bool, intervals: list[int], text: TokenText | None) -> None:
+        self.writers = [_EventWriter(job, version, indexed, text) for job in jobs]
         self.intervals = intervals
         self.unsent = [0] * len(jobs)  # job index -> tokens since its last event
 
@@ -140,8 +148,8 @@ class _EventWriter:
     costs about what it adds, not all it holds. Events with logprobs, and the last, are encoded
     whole."""
 
-    def __init__(self, job: Job, version: str, indexed: bool) -> None:
-        self.job, self.version, self.indexed = job, version, indexed
+    def __init__(self, job: Job, version: str, indexed: bool, text: TokenText | None = None) -> None:
+        self.job, self.version, self.indexed, self.token_text = job, version, indexed, text
         self.text, self.ids = bytearray(), bytearray()  # JSON of the text (unquoted), of the ids (no brackets)
         self.num_chars = self.num_ids = 0
         self.meta = b'],"meta_info":{"id":%s,"finish_reason":null,"prompt_tokens":%d,"completion_tokens":' % (
@@ -168,7 +176,7 @@ class _EventWriter:
                          _JSON.encode(out.e2e_latency), self.tail))
 
     def whole(self, out: GenerationOutput) -> bytes:
-        chunk = _result(out, self.version)
+        chunk = _result(out, self.version, self.token_text)
         if self.indexed:
             chunk["index"] = self.job.index
         return b"data: " + _JSON.encode(chunk) + b"\n\n"

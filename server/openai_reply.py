@@ -22,24 +22,11 @@ from typing import Any
 from engine.client.output import GenerationOutput
 from engine.errors import InvalidRequest
 from server.generation import Job
+from server.token_text import TokenText
 
 _MIN_LOGPROB = -9999.0
 
 Choice = dict[str, Any]
-
-
-class TokenText:
-    """Token id -> its text alone, cached for one request."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
 
 
 def _lp(value: float) -> float:

@@ -167,6 +167,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: Int64Field = -1  # with return_logprob: input_token_logprobs from this prompt position
     rid: str | list[str] | None = None
     stream: bool = False
+    return_text_in_logprobs: bool = False  # each logprob entry's third item: the token's text, not null
     # SGLang's, not served here: null (or false) only.
     image_data: Any = None
     lora_path: Any = None

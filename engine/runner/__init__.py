@@ -12,6 +12,8 @@ process.
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
 - `sampler.py`: greedy and random sampling, logprobs; `lse_argmax.py`: its per-row
   log-sum-exp and argmax on CUDA (Triton), one read of the logits.
+- `prompt_logprobs.py`: the logprobs of prompt tokens a prefill chunk scores, and their top
+  alternatives, in slices of rows.
 - `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),
   `piecewise_graph.py` (mixed prefill + decode steps: the layers between attention calls).
 - `graph_io.py`: what a decode graph reads from and writes to pinned host memory itself (the
