@@ -11,6 +11,9 @@ Rules:
 - Logprob token strings are each token decoded alone, special tokens included; a logprob of
   -inf (or, should one ever come, NaN) is sent as -9999.0 (JSON has neither).
 - When streaming, each chunk carries the logprobs of the tokens that arrived since the last one.
+- Completions with `echo` and `logprobs`: each choice's logprobs start with its prompt's tokens
+  (the first with null logprob and alternatives, nothing predicting it), offsets from 0; the
+  generated tokens' offsets start at the echoed prompt text's length.
 """
 
 from __future__ import annotations
