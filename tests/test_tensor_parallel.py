@@ -29,6 +29,9 @@ from engine.weights.loader import checkpoint_targets, iterate_checkpoint
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 20, list(range(30, 70))]
 N = 16
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True, logprobs=True)
+# Also the prompt's logprobs and top alternatives: scored from the vocabulary-parallel logits.
+SCORED = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True, logprobs=True,
+                        logprob_start_len=0, top_logprobs_num=3)
 KNOBS = dict(device="cpu", dtype="float32", max_model_len=512)
 
 
@@ -58,25 +61,32 @@ def odd_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def _run(model_dir: str, tp: int) -> tuple[list[list[int]], list[list[float]]]:
+def _run(model_dir: str, tp: int) -> tuple[list[list[int]], list[list[float]], list[list]]:
+    """Greedy ids, their logprobs, and per prompt position (logprob, top alternatives)."""
     with Engine(model=model_dir, tp_size=tp, **KNOBS) as llm:
-        outs = llm.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        outs = llm.generate(input_ids=PROMPTS, sampling_params=SCORED)
         info = llm.get_server_info()
         assert info["tp_size"] == tp and len(info["tp_worker_pids"]) == tp - 1
         assert info["kv_blocks_free"] == info["kv_blocks_total"]
-    return [o.output_ids for o in outs], [[lp for lp, _ in o.output_token_logprobs] for o in outs]
+    prompt = [[(lp, top) for (lp, _), top in zip(o.input_token_logprobs, o.input_top_logprobs, strict=True)] for o in outs]
+    return [o.output_ids for o in outs], [[lp for lp, _ in o.output_token_logprobs] for o in outs], prompt
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3", "mistral", "odd_vocab"])
 def test_two_ranks_equal_one_rank_and_transformers(which: str, request: pytest.FixtureRequest) -> None:
     model_dir = request.getfixturevalue(f"{which}_dir")
     expected = hf_greedy(model_dir, PROMPTS, N)
-    one_ids, one_lps = _run(model_dir, 1)
-    two_ids, two_lps = _run(model_dir, 2)
+    one_ids, one_lps, one_prompt = _run(model_dir, 1)
+    two_ids, two_lps, two_prompt = _run(model_dir, 2)
     assert one_ids == expected
     assert two_ids == expected
     for a, b in zip(one_lps, two_lps, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+    for a, b in zip(one_prompt, two_prompt, strict=True):
+        assert a[0] == b[0] == (None, None)  # prompt token 0: nothing predicts it
+        for (lp1, top1), (lp2, top2) in zip(a[1:], b[1:], strict=True):
+            assert abs(lp1 - lp2) < 1e-4 and [t for t, _ in top1] == [t for t, _ in top2]
+            assert max(abs(v1 - v2) for (_, v1), (_, v2) in zip(top1, top2, strict=True)) < 1e-4
 
 
 def test_each_rank_reads_only_its_slice(odd_vocab_dir: str) -> None:
