@@ -26,6 +26,8 @@ pytestmark = [
 MIB = 1 << 20
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 20, list(range(30, 90))]
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, logprobs=True)
+# The prompt scored too: its logprobs and top alternatives from the vocabulary-parallel logits.
+SCORED = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True, logprob_start_len=0, top_logprobs_num=3)
 KNOBS: dict[str, Any] = dict(device="cuda", max_model_len=512, max_num_seqs=32, cuda_graph_max_bs=16)
 REPORT: dict[str, Any] = {}
 
@@ -58,15 +60,22 @@ def _used() -> list[int]:
 
 def test_two_ranks_fp32_equal_one_rank_and_transformers_with_graphs(qwen3_dir: str) -> None:
     expected = hf_greedy(qwen3_dir, PROMPTS, GREEDY.max_new_tokens)
-    runs = {}
+    runs, scored = {}, {}
     for tp in (1, 2):
         with Engine(model=qwen3_dir, dtype="float32", tp_size=tp, **KNOBS) as llm:
             assert llm.info["cuda_graph_batch_sizes"], "decode graphs were captured"
             runs[tp] = _generate(llm)
+            scored[tp] = llm.generate(input_ids=PROMPTS, sampling_params=SCORED)
     assert [ids for ids, _ in runs[1]] == expected
     assert [ids for ids, _ in runs[2]] == expected
     for (_, a), (_, b) in zip(runs[1], runs[2], strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
+    for one, two in zip(scored[1], scored[2], strict=True):
+        assert one.input_top_logprobs[0] is None and two.input_top_logprobs[0] is None
+        for (lp1, _), (lp2, _), top1, top2 in zip(one.input_token_logprobs[1:], two.input_token_logprobs[1:],
+                                                  one.input_top_logprobs[1:], two.input_top_logprobs[1:], strict=True):
+            assert abs(lp1 - lp2) < 1e-3 and top1[0][0] == top2[0][0]
+            assert max(abs(v1 - v2) for (_, v1), (_, v2) in zip(top1, top2, strict=True)) < 1e-3
 
 
 def test_two_ranks_bf16_within_rounding_of_one_rank(qwen3_bf16_dir: str) -> None:
