@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -150,8 +150,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
                     new_token_ids=[s.token_id] if kept else [],
                     new_logprobs=([s.logprob] if kept else []) if want_lp else None,
                     new_top_logprobs=([s.top_logprobs or []] if kept else []) if want_top else None,
-                    input_logprobs=_input_logprobs(req) if first else None,
-                    input_top_logprobs=_input_top_logprobs(req) if first else None,
+                    input_logprobs=_from_logprob_start(req, req.prompt_logprobs) if first else None,
+                    input_top_logprobs=_from_logprob_start(req, req.prompt_top_logprobs) if first else None,
                     finished=req.finished,
                     finish_reason=req.finish_reason,
                     stop_matched=req.stop_matched,
@@ -291,14 +291,12 @@ _HANDLERS: dict[type, Callable[[EngineCore, Any], Any]] = {
 }
 
 
-def _input_logprobs(req: Request) -> list[float | None] | None:
-    start = req.sampling_params.logprob_start_len
-    return req.prompt_logprobs[start:] if req.prompt_logprobs else None
+T = TypeVar("T")
 
 
-def _input_top_logprobs(req: Request) -> list[list[tuple[int, float]] | None] | None:
-    start = req.sampling_params.logprob_start_len
-    return req.prompt_top_logprobs[start:] if req.prompt_top_logprobs else None
+def _from_logprob_start(req: Request, per_position: list[T]) -> list[T] | None:
+    """A request's per-prompt-position values from its logprob_start_len on; None if not kept."""
+    return per_position[req.sampling_params.logprob_start_len :] if per_position else None
 
 
 def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:
