@@ -24,6 +24,8 @@ waits for it anyway. Who does what in a decode layer:
   down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
   attention kernels made both TP=1 and TP=2 steps slower. Launched with PDL but no prefetch,
   the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; thirty-first session).
+- PDL launch, wait: the sampler's read of the logits (runner/lse_argmax.py), scheduled while the
+  lm_head streams.
 - The layers' decode attention (models/batch_attention.py `DecodeAttention`: rope, K/V store and
   split-KV attention in one kernel) launches with PDL after the qkv GEMV: it reads the step's
   metadata and the rope table, prefetches its first K/V tile into L2, waits and triggers.
@@ -38,6 +40,9 @@ waits for it anyway. Who does what in a decode layer:
   the new K/V rows itself);
   the next persistent kernel launches with PDL too and waits first, so its programs take the
   SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; twentieth session).
+  The step's first persistent kernel launches plainly: the attention after it reads the
+  metadata that the kernel before it (a graph's gather) writes. So does the one-row decode's
+  layer 0, whose own prologue reads it.
   Where that attention splits the KV it merges the splits itself: a reduce launched between the
   two would hold the persistent kernel until the reduce ended (5..24 rows; twenty-sixth session).
 Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.

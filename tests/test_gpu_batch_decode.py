@@ -34,6 +34,7 @@ import torch
 from test_gpu_fused_decode import (
     _checkpoint,
     _decode_step,
+    barrier_garbage_is_cleared_by_after_resume,
     engine_same_with_and_without,
     graph_replays_equal_eager,
     matches_the_layers,
@@ -87,6 +88,11 @@ def test_batch_decode_equals_the_layers(setup, rows: int) -> None:
 def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
     model, backend, batch, _ = setup
     padding_rows_write_nothing(model, backend, batch, 6)
+
+
+def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
+    model, backend, batch, _ = setup
+    barrier_garbage_is_cleared_by_after_resume(model, backend, batch, 12)
 
 
 def test_graph_replays_equal_the_eager_call(setup) -> None:

@@ -177,6 +177,34 @@ def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
     padding_rows_write_nothing(model, backend, fused, 4)
 
 
+def barrier_garbage_is_cleared_by_after_resume(model, backend, path, rows: int) -> None:
+    """The persistent kernels' grid-barrier counter is not reset between steps: a step after
+    several others (an odd number of barriers between them included) equals the first, and a
+    counter handed back as garbage (a resumed `cuda_graph` region) is zeroed by `after_resume`,
+    after which the step equals the first again. Without that reset the barrier would hang or
+    let programs run ahead: garbage has nonzero low bits."""
+    step = _decode_step(rows, seed=31, vocab=model.config.vocab_size)
+    ctx = ForwardContext(backend, step.meta)
+    cache0 = backend.kv_cache.clone()
+    with torch.inference_mode():
+        first = path.forward(step.input_ids, step.positions, ctx).clone()
+        for _ in range(3):
+            backend.kv_cache.copy_(cache0)
+            assert torch.equal(path.forward(step.input_ids, step.positions, ctx), first)
+        assert path.barrier.item() & 0x7FFFFFFF == 0  # every barrier left its low bits 0
+        path.barrier.fill_(0x1234567)
+        path.after_resume()
+        backend.kv_cache.copy_(cache0)
+        again = path.forward(step.input_ids, step.positions, ctx)
+        torch.cuda.synchronize()
+    assert torch.equal(again, first)
+
+
+def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
+    model, backend, fused = setup
+    barrier_garbage_is_cleared_by_after_resume(model, backend, fused, 1)
+
+
 def graph_replays_equal_eager(model, backend, path, rows: int, max_context: int) -> None:
     """The decode path `path` captured in a CUDA graph for `rows` rows: replays on new inputs
     equal the eager call, outputs and cache, bit for bit."""

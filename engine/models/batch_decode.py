@@ -15,7 +15,11 @@ in min_rows..max_rows, its backend), eager or captured.
 Rules:
 - Scratch (streams, the normed stream, activations, fp32 partial sums, the attention output,
   the barrier counter) is allocated once, for max_rows; kernels index rows up to M, so
-  every graph batch size shares it. The counter is zeroed at the start of every step.
+  every graph batch size shares it. The barrier counter needs no reset between steps (each
+  barrier leaves its low bits 0): it is zeroed when built and after a resume (`after_resume`).
+- The embedding lookup is the first launch's norm (batch_kernel.py HEAD), which launches plainly:
+  the attention after it reads the step's metadata before its PDL wait, and the kernel before
+  it (a decode graph's gather, engine/runner/graph_io.py) writes that metadata.
 - One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
   (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
 
@@ -25,7 +29,6 @@ SIESTA_BATCH_DECODE=0 turns it off (read at construction).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardContext
@@ -92,8 +95,9 @@ class BatchDecode:
         rows = self.max_rows
         # engine/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
-        # The kernel's arguments that are the same at every layer and step.
+        # The kernel's arguments that are the same at every layer and step; the first launch's plain.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre)
+        self.first_consts = {**self.consts, "launch_pdl": False}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
@@ -118,6 +122,10 @@ class BatchDecode:
         )
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
 
+    def after_resume(self) -> None:
+        """The `cuda_graph` region came back with undefined contents: the barrier counter starts at zero."""
+        self.barrier.zero_()
+
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         return (
             ctx.backend is self.backend and ctx.meta.is_decode and self.min_rows <= input_ids.shape[0] <= self.max_rows
@@ -128,15 +136,13 @@ class BatchDecode:
     ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers + 1, P, STAMPS] int64 (bench)
         lm, meta = self.lm, ctx.meta
         m = input_ids.shape[0]
-        x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
-        out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)
-        self.barrier.zero_()
+        out = torch.empty(m, self.shape.hidden, dtype=self.h.dtype, device=self.h.device)
         layers = list(lm.layers)
         plan = self.backend.merged_decode_plan(m)  # the attention's splits and workspace, every layer's
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
-            self._launch(prev, nxt, i, x, out, timing[i] if timing is not None else None, m)
+            self._launch(prev, nxt, i, input_ids, out, timing[i] if timing is not None else None, m)
             if nxt is not None:
                 self.attention(i, nxt, positions, meta, plan)
         return out
@@ -156,7 +162,7 @@ class BatchDecode:
         )  # fmt: skip
 
     def _launch(
-        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, x: torch.Tensor, out: torch.Tensor,
+        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, out: torch.Tensor,
         timing: torch.Tensor | None, m: int,
     ) -> None:  # fmt: skip
         from engine.models.batch_kernel import batch_layer_kernel
@@ -167,10 +173,10 @@ class BatchDecode:
         post = (prev or nxt).post_attention_layernorm.weight
         norm = nxt.input_layernorm.weight if nxt is not None else lm.norm.weight
         self.compiled = batch_layer_kernel[(self.programs,)](
-            x, self.attn, self.h, self.h_mid,
+            lm.embed_tokens.weight, input_ids, self.attn, self.h, self.h_mid,
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             norm, (nxt or prev).self_attn.qkv_proj.weight,
             self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
             self.barrier, timing if timing is not None else self.barrier, m, self.shape.eps,
-            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **self.consts,
+            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **(self.consts if i else self.first_consts),
         )  # fmt: skip

@@ -17,7 +17,8 @@ barrier after each but the last:
 L2 prefetches (grid_phases.prefetch_items; weights only): once a program's item of phase 1, 3
 or 4 is done, the first G_PRE, D_PRE or Q_PRE weights of each row of its items of phase 3, 4 or
 6, so they land over the barriers and norm between.
-HEAD (the step's first launch, no layer l): phase 5 on the embedding alone, then 6. TAIL (the
+HEAD (the step's first launch, no layer l): phase 5 on the embedding alone (each row's token's
+row of the table, looked up by the norm: no launch of its own), then 6. TAIL (the
 last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py): results match them
 up to the order of fp32 sums.
 
@@ -37,7 +38,8 @@ from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, prefetc
 
 @triton.jit(do_not_specialize=["M"])
 def batch_layer_kernel(
-    emb_ptr,  # [M, HID]: the embedding (HEAD only)
+    emb_ptr,  # [V, HID]: the embedding table (HEAD only)
+    ids_ptr,  # [M] int64: the step's token ids (HEAD only)
     attn_ptr,  # [M, NH * D]: layer l's attention output
     h_ptr,  # [MAX_M, HID]: the stream entering layer l, left as the stream entering l + 1
     h_mid_ptr,  # [MAX_M, HID] scratch: the stream after layer l's attention
@@ -68,7 +70,7 @@ def batch_layer_kernel(
     if USE_PDL:  # engine/pdl.py: scheduled as the attention kernel before ends; wait for all of it
         tl.extra.cuda.gdc_wait()
     if HEAD:
-        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE)
+        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, True)
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
         if G_PRE > 0:

@@ -8,9 +8,11 @@ its own attention backend), eager or captured. Everything else runs the layers a
 Rules:
 - The scratch (qkv, attention partials, o_proj's per-program merge rows, o/down_proj partial
   sums, the two stream buffers, the barrier counter) is allocated once, for max_rows, and sliced
-  by nothing: the kernels index rows up to M, so every graph batch size shares it. The counter is
-  zeroed at the start of every step (captured too), so a resume that hands back garbage cannot
-  stall a barrier.
+  by nothing: the kernels index rows up to M, so every graph batch size shares it. The barrier
+  counter needs no reset between steps (each barrier leaves its low bits 0); it is zeroed when
+  built and after a resume of the `cuda_graph` region (`after_resume`), so garbage handed back
+  cannot stall a barrier.
+- The embedding lookup is layer 0's norm phase (layer_kernel.py): no launch of its own.
 - One program per SM, launched cooperatively: the grid barriers need every program resident.
   On Hopper also with PDL (engine/pdl.py, layer_kernel.py's USE_PDL).
 - K splits of o_proj and down_proj: as many (1, 2, 4, 8) as keep the items within one wave
@@ -26,7 +28,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import ForwardContext
@@ -116,6 +117,8 @@ class FusedDecode:
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
         self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages, d_pre)
+        # Layer 0 launches plainly: its prologue reads the metadata the kernel before it writes.
+        self.first_consts = {**self.consts, "launch_pdl": False}
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)
@@ -142,6 +145,10 @@ class FusedDecode:
         )
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
 
+    def after_resume(self) -> None:
+        """The `cuda_graph` region came back with undefined contents: the barrier counter starts at zero."""
+        self.barrier.zero_()
+
     def splits(self, rows: int) -> int:
         """Split-KV parts per (row, KV head) of a step of `rows` rows (kv_splits)."""
         return kv_splits(self.programs, self.shape, rows)
@@ -156,8 +163,6 @@ class FusedDecode:
 
         lm, meta = self.lm, ctx.meta
         m = input_ids.shape[0]
-        x = F.embedding(input_ids, lm.embed_tokens.weight)  # [M, hidden]
-        self.barrier.zero_()
         cos_sin = lm.rotary_emb.cos_sin_cache
         splits = self.splits(m)
         everywhere = m <= self.norm_everywhere
@@ -168,7 +173,7 @@ class FusedDecode:
             k_cache, v_cache = self.backend.layer_caches[i]
             qkv_b = attn.qkv_proj.bias
             self.compiled = decoder_layer_kernel[(self.programs,)](
-                x if i == 0 else self.h_mid, self.down, self.h, self.h_mid,
+                lm.embed_tokens.weight if i == 0 else self.h_mid, input_ids, self.down, self.h, self.h_mid,
                 layer.input_layernorm.weight, attn.qkv_proj.weight, qkv_b if qkv_b is not None else attn.qkv_proj.weight,
                 attn.q_norm.weight if self.shape.qk_norm else cos_sin, attn.k_norm.weight if self.shape.qk_norm else cos_sin,
                 attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
@@ -179,9 +184,9 @@ class FusedDecode:
                 m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn, int(has_next),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
                 HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, NORM_EVERYWHERE=everywhere, TIMING=timing is not None,
-                **self.consts,
+                **(self.consts if i else self.first_consts),
             )  # fmt: skip
-        out = torch.empty(m, self.shape.hidden, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, self.shape.hidden, dtype=self.h.dtype, device=self.h.device)
         finish_kernel[(m,)](
             self.h_mid, self.down, lm.norm.weight, self.h, out, self.stride_part, m, self.shape.eps,
             HID=self.shape.hidden, KS_D=self.ks_d, BLOCK=self.consts["BLOCK_HID"], num_warps=4,

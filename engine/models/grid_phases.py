@@ -124,7 +124,8 @@ def phase_end_prefetching(
 
 @triton.jit
 def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
-    # [BLOCK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add).
+    # [BLOCK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add); base_ptr and
+    # part_ptr point at the row's start (base: the embedding's row of a token, at layer 0).
     h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     if KS > 0:
         s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
@@ -137,16 +138,21 @@ def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE:
 @triton.jit
 def norm_phase(
     row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, store_h,
-    KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+    KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, ids_ptr=None,
+    EMBED: tl.constexpr = False,
 ):  # fmt: skip
     # The program given row < M: the stream h = base + round(sum_c part[c]) (KS 0: base alone)
     # -> h_out (if store_h), and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
-    # Rows at stride HID in every buffer; part [KS, *, HID] at stride_part.
+    # Rows at stride HID in every buffer; part [KS, *, HID] at stride_part. EMBED (KS 0): base is
+    # the embedding table [V, HID], its row ids[row] the stream: the lookup folded into the norm.
     if row < M:
         offs = tl.arange(0, BLOCK)
         ok = offs < HID
         off = row * HID + offs
-        h = _stream(base_ptr, part_ptr, off, ok, stride_part, KS, DTYPE)
+        src = row
+        if EMBED:
+            src = tl.load(ids_ptr + row).to(tl.int64)
+        h = _stream(base_ptr + src * HID, part_ptr + row * HID, offs, ok, stride_part, KS, DTYPE)
         tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok & store_h)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)

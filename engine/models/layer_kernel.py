@@ -9,7 +9,8 @@ i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
   0. (no barrier) the program's attention item's loads that need nothing of this layer
      (layer_attention.attention_prologue): they land while the norm and qkv phases run.
   1. norm (programs P-1..P-M, a row each: the ones qkv leaves idle): h = h_mid[l-1] +
-     round(sum_c down_part[c]) (the embedding at layer 0) -> h; its RMSNorm -> xn.
+     round(sum_c down_part[c]) (at layer 0 the embedding table's row of the row's token: the
+     lookup is no launch of its own) -> h; its RMSNorm -> xn.
      NORM_EVERYWHERE (steps of one row): every program normalizes the row into its own xn rows
      and program 0 keeps h; no barrier after it. One row: 0.796 -> 0.783 ms a forward; two rows
      0.928 -> 0.957, every program then reads twice the partials (bench/RESULTS.md, twentieth
@@ -41,7 +42,8 @@ USE_PDL (engine/pdl.py): each layer's launch is programmatic. A layer triggers i
 after o_proj's barrier, so the next layer's programs get scheduled during phases 5-7, issue their
 phase-0 loads (the layer's KV cache, its q/k norm weights and the step's metadata: nothing a
 layer kernel writes), and wait before phase 1. No gap between layer launches (bench/RESULTS.md,
-eighteenth session).
+eighteenth session). Layer 0 launches plainly: its prologue reads the step's metadata, which the
+kernel before it (a decode graph's gather, engine/runner/graph_io.py) writes.
 
 The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """
@@ -64,27 +66,30 @@ from engine.models.layer_attention import attention_phase, attention_prologue, c
 
 @triton.jit
 def _norm(
-    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
+    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
     POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, FIRST_ADD: tl.constexpr,
-    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr,
+    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr,
 ):  # fmt: skip
     # A norm phase and what ends it, stamped at POINT and POINT + 1. EVERYWHERE: every program
     # normalizes every row into its own xn rows, program 0 keeps the stream, a CTA barrier. Else
-    # program norm_row normalizes its row (if any) into the shared rows, a grid barrier.
+    # program norm_row normalizes its row (if any) into the shared rows, a grid barrier. EMBED:
+    # base is the embedding table, row r's stream its row ids[r] (grid_phases.norm_phase).
     if EVERYWHERE:
         for r in range(M):
-            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE)
+            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
+                       ids_ptr, EMBED)  # fmt: skip
         stamp(t_ptr, POINT, TIMING)
         tl.debug_barrier()
         stamp(t_ptr, POINT + 1, TIMING)
     else:
-        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE)
+        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED)
         phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING, True)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "stride_bt", "has_next"])
 def decoder_layer_kernel(
-    h_prev_ptr,  # [M, HID]: the stream before the previous layer's MLP (h_mid), or the embedding
+    h_prev_ptr,  # [M, HID]: the stream before the previous layer's MLP (h_mid); layer 0: the embedding table [V, HID]
+    ids_ptr,  # [M] int64 token ids (layer 0: the rows of h_prev that are the stream)
     down_prev_ptr,  # [KS_D, MAX_M, HID] fp32: the previous layer's down_proj partials (KS_PREV > 0)
     h_ptr,  # [M, HID]: this layer's input stream (written)
     h_mid_ptr,  # [M, HID]: the stream after attention (written)
@@ -111,6 +116,7 @@ def decoder_layer_kernel(
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
+    EMBED: tl.constexpr = KS_PREV == 0  # layer 0: the stream is the embedding of the step's tokens
     KCO: tl.constexpr = NH * D // KS_O  # o_proj's K per item: whole heads
     pid = tl.program_id(0)
     # The row phases run on the last programs, which the next GEMV phase leaves without an item
@@ -125,8 +131,8 @@ def decoder_layer_kernel(
     if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
     xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
-    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
-          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
+    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
+          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, EMBED)  # fmt: skip
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
     attention_phase(
@@ -149,8 +155,8 @@ def decoder_layer_kernel(
     phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
-    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps,
-          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE)  # fmt: skip
+    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
+          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
     # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item.
     phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < (INTER + BN - 1) // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE, True)

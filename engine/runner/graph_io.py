@@ -147,11 +147,12 @@ class GraphIO:
     def sample(self, logits: torch.Tensor) -> None:
         """The greedy (token, logprob) of logits [bs, V] / temps, published to this replay's
         result slot; the graph's last kernel (it advances the device's replay count)."""
-        from engine.runner.lse_argmax import lse_argmax
+        from engine.runner.lse_argmax import graph_config, lse_argmax
 
         bs = logits.shape[0]
         lse_argmax(
-            logits, self.temps[:bs], self.counters[2:], out=(self.lse[:bs], self.tokens[:bs], self.pairs[:bs]),
+            logits, self.temps[:bs], self.counters[2:], config=graph_config(bs),
+            out=(self.lse[:bs], self.tokens[:bs], self.pairs[:bs]),
             publish=(self.results, self.counters[1:2], self.counters[:1]),
         )  # fmt: skip
 

@@ -13,7 +13,8 @@ Rules: x / t is fp32(x) divided by t with IEEE rounding, torch's `logits / t` bi
 entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The argmax is the
 first index of the row's maximum, as torch.argmax's. The token's logprob is fp32 x[token] / t
 minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is
-the caller's to keep: the kernel leaves it zero again.
+the caller's to keep: the kernel leaves it zero again. On Hopper it launches with PDL
+(engine/pdl.py) and waits before it reads or writes anything.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
 from engine.launcher import Launcher
 
 # Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, twentieth session:
@@ -29,6 +31,12 @@ from engine.launcher import Launcher
 # 4.4 / 6.0 / 18.2 / 53.7; other temperatures 6.2 / 7.7 / 18.6 / 57.5 against 5.0 / 6.7 / 21.3 / 65.0).
 CHUNK = 2048
 WARPS = 4
+# A decode graph's sampler above GRAPH_WIDE_ROWS rows: 4096 columns per program (bench_lse_argmax.py,
+# H200, forty-fifth session, temperature 1: 5.79 / 6.65 / 11.31 us at 16 / 24 / 64 rows against
+# 6.20 / 7.15 / 13.05 for 2048; 5.17 against 5.11 at 8 rows, 4.16 against 3.89 at one). A graph
+# compiles its variant at capture, so the eager sampler's one-variant rule does not bind it.
+GRAPH_WIDE_ROWS = 8
+GRAPH_WIDE = (4096, 4)
 
 
 @triton.jit
@@ -40,30 +48,39 @@ def _over_t(x, t):
     return x
 
 
+def graph_config(rows: int) -> tuple[int, int]:
+    """(columns per program, warps) of a decode graph's sampler of `rows` rows."""
+    return GRAPH_WIDE if rows > GRAPH_WIDE_ROWS else (CHUNK, WARPS)
+
+
 @Launcher
 @triton.jit
 def _lse_argmax_kernel(
     x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, count_ptr, lse_ptr, token_ptr, pair_ptr, V, stride_x,
     host_ptr, current_ptr, step_ptr,  # PUBLISH only
     CHUNKS: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr, HOST_STRIDE: tl.constexpr, PUBLISH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
     # exp(x - max) and first argmax;
     # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
     # argmax of the first chunk holding the row's maximum M, pair [row] = (token, x[token] - lse);
     # PUBLISH: the pair also into host slot (current & 1), and row 0's merge sets step to current + 1.
+    # The token's x / t is M itself (the same division of the same element): no second read of x.
+    if USE_PDL:  # engine/pdl.py: scheduled while lm_head streams; everything below reads its output
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = c * CHUNK_ + tl.arange(0, CHUNK_)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row)
     x = _over_t(tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32), t)
-    mx = tl.max(x, 0)
+    mx, arg = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     shift = tl.where(mx == float("-inf"), 0.0, mx)
     out = row * CHUNKS + c
     tl.store(max_ptr + out, mx)
     tl.store(sum_ptr + out, tl.sum(tl.exp(x - shift), 0))
-    tl.store(arg_ptr + out, c * CHUNK_ + tl.argmax(x, 0, tie_break_left=True))
+    tl.store(arg_ptr + out, c * CHUNK_ + arg)
     tl.debug_barrier()
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
         k = tl.arange(0, BLOCK)
@@ -77,7 +94,7 @@ def _lse_argmax_kernel(
         first = tl.argmax(m, 0, tie_break_left=True)
         token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
         tl.store(token_ptr + row, token)
-        chosen = _over_t(tl.load(x_row + token).to(tl.float32), t)
+        chosen = top
         tl.store(pair_ptr + row * 2, token.to(tl.float64))
         tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
         tl.atomic_xchg(count_ptr + row, 0)
@@ -126,10 +143,12 @@ def lse_argmax(
     host, current, step = publish if publish is not None else (pairs, counts, counts)
     if publish is not None and (host.dim() != 3 or host.shape[0] != 2 or host.shape[1] < rows or host.dtype != torch.float64):
         raise ValueError(f"lse_argmax: publish needs a [2, >= {rows}, 2] float64 host buffer, got {tuple(host.shape)}")
+    use_pdl = pdl.enabled(x.device)
     if rows:
         _lse_argmax_kernel[(rows, chunks)](
             x, temperatures, maxima, sums, args, counts, lse, tokens, pairs, vocab, x.stride(0), host, current, step,
             CHUNKS=chunks, CHUNK_=chunk, BLOCK=triton.next_power_of_2(chunks),
-            HOST_STRIDE=host.stride(0) if publish is not None else 0, PUBLISH=publish is not None, num_warps=num_warps,
+            HOST_STRIDE=host.stride(0) if publish is not None else 0, PUBLISH=publish is not None,
+            USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
         )  # fmt: skip
     return lse, tokens, pairs

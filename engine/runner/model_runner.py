@@ -152,10 +152,15 @@ class ModelRunner:
 
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the counters kept there
-        (the attention's split merges, the graphs' replays) start from zero again."""
+        (the attention's split merges, the graphs' replays, the persistent decode kernels' grid
+        barriers) start from zero again."""
         self.attn_backend.after_resume()
         if self.graphs is not None:
             self.graphs.after_resume()
+        lm = self.model.model
+        for path in (lm.fused_decode, lm.batch_decode):
+            if path is not None:
+                path.after_resume()
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
         mc = self.model_config
