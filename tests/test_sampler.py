@@ -317,12 +317,17 @@ def test_cuda_sampling_seeds_and_no_sync_before_the_read() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("vocab", [5, 1024, 1000, 151936])
-def test_cuda_lse_argmax_equals_torch(vocab: int) -> None:
+@pytest.mark.parametrize("wide", [False, True])
+def test_cuda_lse_argmax_equals_torch(vocab: int, wide: bool) -> None:
     """The sampler's CUDA log-sum-exp and argmax of logits / T (engine/runner/lse_argmax.py)
     against torch's on the same quotient, for float32 and bf16 logits: banned (-inf) tokens, a
     row all -inf, ties broken toward the first index; its (token, logprob) pairs are the torch
-    path's bit for bit (NaN where the row is all -inf)."""
-    from engine.runner.lse_argmax import lse_argmax
+    path's bit for bit (NaN where the row is all -inf). `wide`: the pieces a decode graph of more
+    than GRAPH_WIDE_ROWS rows reads (graph_config)."""
+    from engine.runner import lse_argmax as la
+
+    def lse_argmax(x: torch.Tensor, t: torch.Tensor, counts: torch.Tensor | None = None):
+        return la.lse_argmax(x, t, counts, config=la.graph_config(la.GRAPH_WIDE_ROWS + 1) if wide else None)
 
     g = torch.Generator(device="cuda").manual_seed(vocab)
     x = torch.randn(9, vocab, device="cuda", generator=g) * 4
