@@ -7,7 +7,9 @@ results are the same bits or within one bfloat16 ULP of them (reduction order di
 - `rms_norm`: x / rms(x) with the normalisation in fp32, cast to the model dtype, then times the
   weight in the model dtype (Hugging Face's `weight * x.to(dtype)`). One program per row.
 - `fused_add_rms_norm`: residual += x in the model dtype (in place, one rounding as the unfused
-  `residual + x`), then `rms_norm` of the new residual. One kernel, one read of each input.
+  `residual + x`), then `rms_norm` of the new residual. One kernel, one read of each input. x may
+  also be a row-parallel linear's fp32 partial sums [KS, T, N] (splitk_linear.py): summed and
+  rounded to the model dtype first, where the unfused linear rounds its output.
 - `rotary`: rope on q [T, H, D] and k [T, Hkv, D] in place, from the fp32 cos/sin cache and the
   positions; with per-head weights it first applies Qwen3's q/k RMSNorm over head_dim. One program
   per token handles all its q and k heads. Rounding follows Hugging Face's model-dtype rope: cos
@@ -60,13 +62,13 @@ def _round(x, DTYPE: tl.constexpr):
 @Launcher
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # [T, N]
+    x_ptr,  # [T, N]; [KS, T, N] fp32 partial sums with KS > 1 (splitk_linear.py)
     res_ptr,  # [T, N]: residual, updated in place (read only when HAS_RESIDUAL)
     w_ptr,  # [N]
     out_ptr,  # [T, N]
-    stride_x, stride_r, stride_o,
+    stride_x, stride_r, stride_o, stride_part,
     n_cols, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, KS: tl.constexpr = 1,
 ):  # fmt: skip
     if USE_PDL:  # engine/pdl.py: scheduled while the kernel before ends; the GEMV after it prefetches now
         tl.extra.cuda.gdc_wait()
@@ -74,8 +76,13 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    dtype = x_ptr.dtype.element_ty
+    if KS > 1:  # the linear's output: its parts summed, rounded where the unfused linear rounds
+        x = x.to(tl.float32)
+        for c in tl.static_range(1, KS):
+            x += tl.load(x_ptr + c * stride_part + row * stride_x + offs, mask=mask, other=0.0)
+        x = x.to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -84,7 +91,7 @@ def _rms_norm_kernel(
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
     xn = _round(xf * rstd, dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * xn).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, (w * xn).to(dtype), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -93,17 +100,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_norm(x2, res2, weight, out2, eps, has_residual):
-    rows, n = x2.shape
+def _launch_norm(x2, res2, weight, out2, eps, has_residual, parts: int = 1):
+    # x2 [T, N], or [parts, T, N] fp32 partial sums (parts > 1)
+    rows, n = x2.shape[-2:]
     if rows == 0:
         return
     block = _next_pow2(n)
     use_pdl = pdl.enabled(x2.device)
     _rms_norm_kernel[(rows,)](
         x2, res2, weight, out2,
-        x2.stride(0), res2.stride(0), out2.stride(0),
+        x2.stride(-2), res2.stride(0), out2.stride(0), x2.stride(0) if parts > 1 else 0,
         n, 1.0 / n, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=use_pdl, num_warps=_warps(block), launch_pdl=use_pdl,
+        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=use_pdl, KS=parts, num_warps=_warps(block), launch_pdl=use_pdl,
     )  # fmt: skip
 
 
@@ -118,9 +126,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual += x (in place), then (rms_norm(residual), residual). x, residual [T, N]."""
+    """residual += x (in place), then (rms_norm(residual), residual). x, residual [T, N]; or x
+    [KS, T, N] fp32, a row-parallel linear's partial sums (splitk_linear.py): x = round(sum of
+    the parts) first."""
     if residual.stride(-1) != 1 or residual.dim() != 2:
         raise ValueError("fused_add_rms_norm updates the residual in place: it must be [T, N], last dim contiguous")
+    if x.dim() == 3:
+        if x.dtype != torch.float32 or x.shape[1:] != residual.shape or x.stride(-1) != 1:
+            raise ValueError(f"fused_add_rms_norm: parts {tuple(x.shape)} {x.dtype} for a residual {tuple(residual.shape)}")
+        out = torch.empty(residual.shape, dtype=residual.dtype, device=x.device)
+        _launch_norm(x, residual, weight, out, eps, True, x.shape[0])
+        return out, residual
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _launch_norm(x2, residual, weight, out, eps, True)

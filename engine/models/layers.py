@@ -63,6 +63,16 @@ def skinny_for(x: torch.Tensor) -> ModuleType | None:
     return skinny_linear if skinny_linear.applies(x) else None
 
 
+def splitk_for(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The split-K partial sums' module (splitk_linear.py) when it applies to a row-parallel
+    linear of x [M, K], else None; checked cheaply first, as skinny_for."""
+    if not x.is_cuda or x.dim() != 2:
+        return None
+    from engine.models import splitk_linear
+
+    return splitk_linear if splitk_linear.applies(x, weight) else None
+
+
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); weight [out_features, in_features]; uninitialised until loaded.
     `fused`: a CUDA forward of few rows (decode) runs the skinny Triton matmul. `shards`: parameter
@@ -90,7 +100,9 @@ class Linear(nn.Module):
 class RowParallelLinear(Linear):
     """A linear keeping this rank's columns of the input features: each rank's partial product is
     summed by an all-reduce, then the bias (held whole by every rank) is added. Without a bias the
-    sum is left to the RMSNorm after it (`tp.defers_reduce`): the output is this rank's partial."""
+    sum is left to the RMSNorm after it (`tp.defers_reduce`): the output is this rank's partial.
+    On one rank, fused, without a bias, at 17-64 rows of wide enough weights (splitk_linear.py) the
+    output is [KS, T, N] fp32 partial sums over K, which the fused RMSNorm after it adds up."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool, tp: TensorParallel) -> None:
         shard = tp.even(in_features, f"input features of o/down_proj ({in_features})", dim=1)
@@ -102,6 +114,9 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
+            splitk = splitk_for(x, self.weight) if self.fused and self.bias is None else None
+            if splitk is not None:  # [KS, T, N] fp32: the fused RMSNorm after it sums them
+                return splitk.splitk_parts(x, self.weight)
             return super().forward(x)
         skinny = skinny_for(x) if self.fused else None
         y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else F.linear(x, self.weight)

@@ -1,0 +1,98 @@
+"""The row-parallel linears (o_proj, down_proj) of 17-64 rows as fp32 partial sums over K splits,
+which the RMSNorm after them adds up (fused_ops.fused_add_rms_norm takes [KS, T, N] parts): no
+reduce launch, and no program re-reads all of x from L2 (what makes skinny_linear.py lose past 16
+rows). Only the CUDA path of `engine.models.layers` imports this module (it imports Triton).
+
+    parts [KS, M, N] fp32 = x [M, K] @ weight [N, K].T, K in KS chunks          splitk_parts(x, w)
+
+Rules:
+- For 17..64 rows of a half-precision x and weights wide enough that the KS x N / BLOCK_N programs
+  fill the GPU (at least 15/16 of its SMs): Qwen3-8B's o_proj (4096 x 4096) and down_proj
+  (4096 x 12288) at batch 17-64. Narrower layers would leave SMs idle; qkv and gate_up (not
+  row-parallel, no norm after them) stay on cuBLAS, which reads them as fast (bench/RESULTS.md,
+  forty-sixth session: `bench/probe_splitk_rows.py`, H200, 64 rows: o_proj 11.15 us against
+  cuBLAS's 12.43, down_proj 28.0 against 31.8 with cuBLAS's own split-K reduce; qkv 16.2 and
+  gate_up 50.3 on cuBLAS against 18.6 and 58.4 here).
+- One program per (BLOCK_N columns, K chunk), BLOCK_K = 128, 4 stages in flight, fp32 tl.dot:
+  the sum of the parts is cuBLAS's product up to the order of fp32 sums; the norm rounds it to
+  the model dtype where the unfused layers round the linear's output.
+- No bias (the norm adds none). Launched plainly (the attention or the gate_up GEMM before it is
+  bandwidth-bound: a prefetch would only take its bandwidth, engine/pdl.py); it triggers its
+  dependents at once, so the RMSNorm after it (a PDL launch) is scheduled while it streams.
+- Grid and output fixed by the shapes: CUDA-graph capturable.
+
+SIESTA_SPLITK=0 (read at import) keeps every such linear on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.models import skinny_linear
+
+ENABLED = os.environ.get("SIESTA_SPLITK", "1") != "0"
+MAX_ROWS = 64
+KS, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 2, 64, 128, 4, 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _splitk_kernel(
+    x_ptr,  # [M, K] contiguous
+    w_ptr,  # [N, K] contiguous
+    part_ptr,  # [KS, M, N] fp32
+    M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+):  # fmt: skip
+    # Program (column tile n, K chunk c): part[c, :, tile] = x[:, chunk c] @ w[tile, chunk c].T.
+    tl.extra.cuda.gdc_launch_dependents()  # the norm after it (PDL) gets scheduled now and waits
+    n = tl.program_id(0)
+    c = tl.program_id(1)
+    chunk = K // KS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = c * chunk + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, chunk, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(tl.load(w_ptrs)), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(part_ptr + (c * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
+
+
+@functools.cache
+def _min_programs(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count * 15 // 16
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a row-parallel linear of x [M, K] and weight [N, K] returns parts here (rules above)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    return (
+        ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        and skinny_linear.MAX_ROWS < m <= MAX_ROWS and k % (KS * BLOCK_K) == 0 and n % BLOCK_N == 0
+        and KS * n // BLOCK_N >= _min_programs(x.device.index or 0) and weight.is_contiguous()
+    )  # fmt: skip
+
+
+def splitk_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[KS, M, N] fp32 partial sums of x [M, K] @ weight [N, K].T (`applies` must hold)."""
+    if x.stride(-1) != 1 or x.stride(0) != x.shape[1]:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    parts = torch.empty(KS, m, n, dtype=torch.float32, device=x.device)
+    _splitk_kernel[(n // BLOCK_N, KS)](
+        x, weight, parts, m, n, k, BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return parts
