@@ -101,7 +101,7 @@ def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
 
 def persistent_kernels() -> dict[str, dict[str, object]]:
     """The batch decode's two kernels (persistent, attention), the layers' attention kernel (the
-    same on the qkv output) and the fused decode's persistent kernel, with the constants their launches take by default (batch_decode.kernel_consts,
+    same on the qkv output), the split-K parts and their norm (splitk_kernels) and the fused decode's persistent kernel, with the constants their launches take by default (batch_decode.kernel_consts,
     batch_attention.kernel_consts, fused_decode.layer_consts)."""
     import torch
 
@@ -127,12 +127,29 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True)
     types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
     return {
+        **splitk_kernels(),
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
         "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
         # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
         "rope_decode_kernel (layers)": layers_attention(D, 2),
         "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt", "has_next")),
     }
+
+
+def splitk_kernels() -> dict[str, dict[str, object]]:
+    """The 8B shape's o_proj / down_proj at 64 rows as split-K parts (models/splitk_linear.py) and
+    the fused RMSNorm that sums them (its hidden 4096), at their launch constants."""
+    from engine.models import fused_ops, splitk_linear
+
+    s = splitk_linear
+    consts = dict(BLOCK_M=s.MAX_ROWS, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K, KS=s.KS)
+    types = dict(x_ptr=BF16, w_ptr=BF16, part_ptr="*fp32", res_ptr=BF16, out_ptr=BF16, inv_n="fp32", eps="fp32")
+    norm = dict(HAS_RESIDUAL=True, BLOCK=4096, USE_PDL=True, KS=s.KS)
+    return {
+        "_splitk_kernel (64 rows)": compile_sm90(s._splitk_kernel, types, consts, dict(num_warps=s.NUM_WARPS, num_stages=s.NUM_STAGES), ("M",)),
+        "_rms_norm_kernel (split-K parts)": compile_sm90(fused_ops._rms_norm_kernel, types | dict(x_ptr="*fp32", w_ptr=BF16), norm,
+                                                         dict(num_warps=fused_ops._warps(4096), launch_pdl=True)),
+    }  # fmt: skip
 
 
 def layers_attention(d: int, elem_bytes: int) -> dict[str, object]:
@@ -160,7 +177,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode-configs", default="", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode "
                    "(default: the engine's own, triton_decode.decode_config)")  # fmt: skip
-    p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels")
+    p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels, and the split-K parts with their norm")
     p.add_argument("--layers-head-dims", default="", help="','-separated head dims: the layers' attention kernel "
                    "for each, bf16 and fp32")  # fmt: skip
     p.add_argument("--json", help="write every variant's numbers here")
