@@ -142,7 +142,7 @@ def splitk_kernels() -> dict[str, dict[str, object]]:
     from engine.models import fused_ops, splitk_linear
 
     s = splitk_linear
-    consts = dict(BLOCK_M=s.MAX_ROWS, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K, KS=s.KS)
+    consts = dict(BLOCK_M=s.MAX_ROWS, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K, KS=s.KS, USE_PDL=True)
     types = dict(x_ptr=BF16, w_ptr=BF16, part_ptr="*fp32", res_ptr=BF16, out_ptr=BF16, inv_n="fp32", eps="fp32")
     norm = dict(HAS_RESIDUAL=True, BLOCK=4096, USE_PDL=True, KS=s.KS)
     return {

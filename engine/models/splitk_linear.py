@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import pdl
 from engine.models import skinny_linear
 
 ENABLED = os.environ.get("SIESTA_SPLITK", "1") != "0"
@@ -46,10 +47,11 @@ def _splitk_kernel(
     w_ptr,  # [N, K] contiguous
     part_ptr,  # [KS, M, N] fp32
     M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (column tile n, K chunk c): part[c, :, tile] = x[:, chunk c] @ w[tile, chunk c].T.
-    tl.extra.cuda.gdc_launch_dependents()  # the norm after it (PDL) gets scheduled now and waits
+    if USE_PDL:  # engine/pdl.py: the norm after it gets scheduled now and waits for all of it
+        tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     c = tl.program_id(1)
     chunk = K // KS
@@ -93,6 +95,6 @@ def splitk_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     parts = torch.empty(KS, m, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(n // BLOCK_N, KS)](
         x, weight, parts, m, n, k, BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        USE_PDL=pdl.enabled(x.device), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return parts
