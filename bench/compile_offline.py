@@ -48,7 +48,8 @@ def _jit(fn: object) -> triton.runtime.jit.JITFunction:
 
 def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], options: dict[str, object],
                  not_divisible: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
-    """Compile one variant: every non-constexpr argument typed by `types` (int32 by default)."""
+    """Compile one variant (a Triton or a Gluon kernel): every non-constexpr argument typed by
+    `types` (int32 by default)."""
     jit = _jit(fn)
     sig, attrs, constexprs = {}, {}, {}
     for i, name in enumerate(jit.arg_names):
@@ -58,7 +59,12 @@ def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], o
         sig[name] = types.get(name, "i32")
         if name not in not_divisible and sig[name] != "fp32":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+    if jit.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
+    else:
+        src = ASTSource(fn=jit, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +153,7 @@ def splitk_kernels() -> dict[str, dict[str, object]]:
     norm = dict(HAS_RESIDUAL=True, BLOCK=4096, USE_PDL=True, KS=s.KS)
     return {
         "_splitk_kernel (64 rows)": compile_sm90(s._splitk_kernel, types, consts, dict(num_warps=s.NUM_WARPS, num_stages=s.NUM_STAGES), ("M",)),
-        "_rms_norm_kernel (split-K parts)": compile_sm90(fused_ops._rms_norm_kernel, types | dict(x_ptr="*fp32", w_ptr=BF16), norm,
+        "_rms_norm_kernel (split-K parts)": compile_sm90(fused_ops._rms_norm_kernel, types | dict(x_ptr="*fp32"), norm,
                                                          dict(num_warps=fused_ops._warps(4096), launch_pdl=True)),
     }  # fmt: skip
 

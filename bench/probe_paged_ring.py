@@ -145,57 +145,18 @@ def smem_layout() -> gl.NVMMASharedLayout:
 
 def compile_only(stages: list[int], groups: list[int]) -> None:
     """Compile for sm_90 on this machine (no GPU): registers, shared memory, programs per SM."""
-    from compile_offline import BLOCK_RESERVED, SM_REGS, SM_SHARED
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from compile_offline import compile_sm90
 
     desc = f"tensordesc<bf16[16,128],{smem_layout()!r}>"
     types = dict(q_ptr="*bf16", k_desc=desc, v_desc=desc, bt_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*bf16",
                  scale_log2="fp32", stride_bt="i32")  # fmt: skip
     for group in groups:
         for st, compute in [(st, c) for st in stages for c in (True, False)]:
-            consts = dict(
-                NKV=8,
-                GROUP=group,
-                D=128,
-                STAGES=st,
-                SMEM=smem_layout(),
-                USE_PDL=True,
-                COMPUTE=compute,
-            )
-            jit = ring_decode_kernel
-            sig = {n: ("constexpr" if n in consts else types[n]) for n in jit.arg_names}
-            cx = {(i,): consts[n] for i, n in enumerate(jit.arg_names) if n in consts}
-            src = GluonASTSource(fn=jit, signature=sig, constexprs=cx, attrs={})
-            k = triton_compile(
-                src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, launch_pdl=True)
-            )
-            regs = k.n_regs if hasattr(k, "n_regs") and k.n_regs else _regs(k)
-            shared = k.metadata.shared
-            print(
-                f"GROUP={group} STAGES={st} COMPUTE={compute}: {regs} registers, {shared} B shared; programs per SM "
-                f"{SM_REGS // (128 * -(-regs // 8) * 8)} (registers) / {SM_SHARED // (shared + BLOCK_RESERVED)} (shared)"
-            )
-
-
-def _regs(kernel: object) -> int:
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run(
-            [tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True
-        ).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+            consts = dict(NKV=8, GROUP=group, D=128, STAGES=st, SMEM=smem_layout(), USE_PDL=True, COMPUTE=compute)
+            r = compile_sm90(ring_decode_kernel, types, consts, dict(num_warps=4, launch_pdl=True),
+                             ("k_desc", "v_desc", "stride_bt"))  # fmt: skip
+            print(f"GROUP={group} STAGES={st} COMPUTE={compute}: {r['regs']} registers, {r['shared']} B shared; "
+                  f"programs per SM {r['per_sm_regs']} (registers) / {r['per_sm_shared']} (shared)")
 
 
 def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,

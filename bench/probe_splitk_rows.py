@@ -5,9 +5,9 @@ down_proj (cuBLAS split-K plus its reduce) at 3.2, against ~4.2 for the copy. Th
 loses there because each of its programs re-reads all of x [M, K] from L2; split over K, each
 reads only its K slice.
 
-`_splitk_kernel` writes fp32 partial sums [KS, M, N] (what a consumer that sums them, as the batch
-decode's attention and norm phases do, would read); `+ sum` adds a torch sum of the partials into
-the model dtype, the cost of a separate reduce. Timed as bench_linear.py times (a CUDA graph over
+`engine/models/splitk_linear.py`'s kernel (which this probe's first version became) writes fp32
+partial sums [KS, M, N], what a consumer that sums them reads (the fused RMSNorm does); `+ sum`
+adds a torch sum of the partials into the model dtype, the cost of a separate reduce. Timed as bench_linear.py times (a CUDA graph over
 512 MiB of distinct weight copies, median of replays), us per call and weight-read TB/s.
 
     python3 bench/probe_splitk_rows.py --rows 64 --shapes "8b qkv,8b o,8b down"
@@ -21,32 +21,9 @@ import itertools
 import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from bench_linear import ROTATE_BYTES, SHAPES, time_graph
 
-
-@triton.jit
-def _splitk_kernel(x_ptr, w_ptr, part_ptr, M, N, K, KCHUNK,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    # Program (n tile, K split c): part[c, :M, tile] = x[:, chunk c] @ w[tile, chunk c].T, fp32.
-    pid_n = tl.program_id(0)
-    c = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = c * KCHUNK + tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, KCHUNK, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptrs)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out = part_ptr + (c * M + offs_m)[:, None] * N + offs_n[None, :]
-    tl.store(out, acc, mask=m_ok[:, None])
+from engine.models.splitk_linear import _splitk_kernel
 
 
 def main() -> None:
@@ -85,16 +62,16 @@ def main() -> None:
 
             def run(ks=ks, bn=bn, bk=bk, warps=warps, stages=stages, part=part) -> None:
                 for w in ws:  # noqa: B023
-                    _splitk_kernel[(n // bn, ks)](x, w, part, m, n, k, k // ks, BLOCK_M=max(16, m), BLOCK_N=bn, BLOCK_K=bk,  # noqa: B023
-                                                  num_warps=warps, num_stages=stages)  # fmt: skip
+                    _splitk_kernel[(n // bn, ks)](x, w, part, m, n, k, BLOCK_M=max(16, m), BLOCK_N=bn, BLOCK_K=bk, KS=ks,  # noqa: B023
+                                                  USE_PDL=False, num_warps=warps, num_stages=stages)  # fmt: skip
 
             try:
                 run()
             except Exception as e:  # out of shared memory and the like
                 print(f"  ks={ks} bn={bn} {cfg}: {type(e).__name__}")
                 continue
-            _splitk_kernel[(n // bn, ks)](x, ws[0], part, m, n, k, k // ks, BLOCK_M=max(16, m), BLOCK_N=bn, BLOCK_K=bk,
-                                          num_warps=warps, num_stages=stages)  # fmt: skip
+            _splitk_kernel[(n // bn, ks)](x, ws[0], part, m, n, k, BLOCK_M=max(16, m), BLOCK_N=bn, BLOCK_K=bk, KS=ks,
+                                          USE_PDL=False, num_warps=warps, num_stages=stages)  # fmt: skip
             err = ((part.sum(0) - ref).abs().max() / ref.abs().max()).item()
             tk = time_graph(run, len(ws), args.reps)
             ts = time_graph(lambda run=run, part=part: (run(), [part.sum(0) for _ in ws]), len(ws), args.reps)  # noqa: B023
