@@ -1,9 +1,14 @@
 """Where the one-kernel-per-layer decode (engine/models/fused_decode.py) spends a step: each
 program stamps %globaltimer at the ends of the layer kernel's phases and barriers, and this
 prints, per row count, the timeline of a layer (median over layers of the last program's stamp
-minus the first program's start), the gap between layer launches, and the step replayed from a
-CUDA graph with and without the fused decode (the model forward only: no logits, no sampler);
-then the attention phase's parts, from each program's own stamps.
+minus the previous layer's end: its last program's last stamp; layer 0 from its first program's
+start), how long a layer's programs start before the previous layer ends (PDL), and the step
+replayed from a CUDA graph with and without the fused decode (the model forward only: no
+logits, no sampler); then the attention phase's parts, from each program's own stamps.
+
+The stamped forward is replayed from a CUDA graph too, as the engine runs it: launched eagerly,
+each layer would start after the host's launch gap, with its prologue's loads on the first
+column's clock and no PDL overlap (bench/RESULTS.md, forty-seventh session).
 
     python3 bench/profile_fused_decode.py --shape 0.6b --rows 1,8,16 --context 512
 """
@@ -135,35 +140,38 @@ def main() -> None:
             model.model.fused_decode = fused
             fast = time_graph(lambda: model(ids, pos, ctx), 1, args.reps) / 1e3  # noqa: B023
             stamps = torch.zeros(c.num_layers, fused.programs, STAMPS.value, dtype=torch.int64, device="cuda")
-            for _ in range(3):
-                fused.forward(ids, pos, ctx, timing=stamps)
-            torch.cuda.synchronize()
+            time_graph(lambda: fused.forward(ids, pos, ctx, timing=stamps), 1, 3)  # noqa: B023  (the last replay's stamps)
             if args.stamps:
                 torch.save(stamps.cpu(), f"{args.stamps}/stamps_{name}_{rows}.pt")
             t_all = stamps.double().cpu()
             t = t_all[:, :, : len(POINTS)]
-            start = t[:, :, 0].min(1).values  # [L]
+            first = t[:, :, 0].min(1).values  # [L]: each layer's first program's start
+            ends = t[:, :, len(POINTS) - 1].max(1).values  # [L]: each layer's last program's end
+            start = torch.cat([first[:1], ends[:-1]])  # a layer's clock starts where the one before ends
             line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
             # Inside phases: the attention item's KV loop done (14), o_proj's split merge done (15).
             sub = [statistics.median((t_all[:, :, i].max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
-            gaps = (start[1:] - t[:-1, :, len(POINTS) - 1].max(1).values).tolist()
+            early = (ends[:-1] - first[1:]).tolist()  # a layer's programs started this long before the previous one ended
             items = t_all[:, : rows * c.num_kv_heads * fused.splits(rows)]  # [L, programs with an item, STAMPS]
             parts = [statistics.median((items[:, :, b] - items[:, :, a]).flatten().tolist()) / 1e3 for _, a, b in ATTENTION_PARTS]
             row = {"rows": rows, "variant": name, "regs": fused.compiled.n_regs, "spills": fused.compiled.n_spills,
                    "plain_ms": plain, "fused_ms": fast, "rel_err": err, "timeline_us": line, "attention_us": sub, "attention_parts_us": parts,
-                   "layer_gap_us": statistics.median(gaps) / 1e3 if gaps else None}  # fmt: skip
+                   "started_early_us": statistics.median(early) / 1e3 if early else None}  # fmt: skip
             results.append(row)
             say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused, max error {err:.2e} of max |out|")
             say(f"{name}, rows {rows}: layer kernels' placement: {placement(stamps)}")
     print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
-    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | gap to next | forward plain ms | fused ms |")
+    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | started early | forward plain ms | fused ms |")
     print("| --- " * (len(POINTS) + 6) + "|")
     for r in results:
-        steps = [b - a for a, b in zip(r["timeline_us"], r["timeline_us"][1:], strict=False)]
+        # The clock starts at 0 (the previous layer's end); timeline_us[0] is the latest program's
+        # start on it, before 0 where the layer's programs were scheduled early (PDL).
+        clock = [0.0] + r["timeline_us"][1:]
+        steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
         # from the starts of the attention and o_proj phases (the barriers before them left)
         loop, pub = (max(0.0, x - r["timeline_us"][i]) for x, i in zip(r["attention_us"], (4, 6), strict=True))
         print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
-              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {r['layer_gap_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {r['started_early_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
     print("\n### inside the attention phase (us, each program's own stamps, median over layers and programs)\n")
     print("| variant | rows | " + " | ".join(n for n, _, _ in ATTENTION_PARTS) + " |")
     print("| --- " * (len(ATTENTION_PARTS) + 2) + "|")
