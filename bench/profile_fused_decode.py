@@ -170,8 +170,9 @@ def main() -> None:
         steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
         # from the starts of the attention and o_proj phases (the barriers before them left)
         loop, pub = (max(0.0, x - r["timeline_us"][i]) for x, i in zip(r["attention_us"], (4, 6), strict=True))
+        early = "-" if r["started_early_us"] is None else f"{r['started_early_us']:.2f}"  # one layer: no layer before
         print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
-              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {r['started_early_us']:.2f} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {early} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
     print("\n### inside the attention phase (us, each program's own stamps, median over layers and programs)\n")
     print("| variant | rows | " + " | ".join(n for n, _, _ in ATTENTION_PARTS) + " |")
     print("| --- " * (len(ATTENTION_PARTS) + 2) + "|")
