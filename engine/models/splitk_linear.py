@@ -26,7 +26,6 @@ SIESTA_SPLITK=0 (read at import) keeps every such linear on cuBLAS.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -70,11 +69,6 @@ def _splitk_kernel(
     tl.store(part_ptr + (c * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
 
 
-@functools.cache
-def _min_programs(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count * 15 // 16
-
-
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a row-parallel linear of x [M, K] and weight [N, K] returns parts here (rules above)."""
     m, k = x.shape
@@ -82,7 +76,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and skinny_linear.MAX_ROWS < m <= MAX_ROWS and k % (KS * BLOCK_K) == 0 and n % BLOCK_N == 0
-        and KS * n // BLOCK_N >= _min_programs(x.device.index or 0) and weight.is_contiguous()
+        and KS * n // BLOCK_N >= skinny_linear._num_sms(x.device.index or 0) * 15 // 16 and weight.is_contiguous()
     )  # fmt: skip
 
 
@@ -93,7 +87,7 @@ def splitk_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     parts = torch.empty(KS, m, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(n // BLOCK_N, KS)](
-        x, weight, parts, m, n, k, BLOCK_M=max(16, 1 << (m - 1).bit_length()), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
+        x, weight, parts, m, n, k, BLOCK_M=skinny_linear._block_m(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
         USE_PDL=pdl.enabled(x.device), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return parts
