@@ -8,6 +8,7 @@ occupancy they are built on is checked here."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -37,6 +38,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         "bench_allreduce.py",
         "bench_tp.py",
         "profile_decode.py",
+        "ncu_decode.py",
     ],
 )
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
@@ -302,3 +304,28 @@ def test_probe_step_plan_times_both_slot_lists_on_the_cpu(tmp_path: str) -> None
         assert r["per_token_us"] > 0 and r["slot_mapping_us"] > 0
         assert r["ratio"] == pytest.approx(r["slot_mapping_us"] / r["per_token_us"])
     assert "| one 8192-token chunk | 8192 |" in p.stdout
+
+
+def test_ncu_decode_summarizes_an_exported_source_page(tmp_path: str) -> None:
+    # The layout `ncu --page source --csv --print-source sass` writes: a kernel line, the header,
+    # one row per SASS instruction (addresses 16 bytes apart; a second 4 KB region here).
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_long_sb", "stall_no_inst", "stall_barrier", "stall_long_sb (Not Issued)"]  # fmt: skip
+    rows = [
+        ["0x7f0000000000", "LDGSTS.E.BYPASS.128 [R1], [R2]", "5", "512", "4", "1", "0", "9"],
+        ["0x7f0000000010", "HMMA.16816.F32.BF16 R4, R8, R12, R4", "2", "512", "0", "2", "0", "9"],
+        ["0x7f0000001000", "CCTL.IVALL", "9", "4096", "9", "0", "0", "9"],
+    ]
+    path = os.path.join(tmp_path, "source.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "decoder_layer_kernel", ""])
+        w.writerow(header)
+        w.writerows(rows)
+    p = _run(os.path.join("bench", "ncu_decode.py"), "--summarize", path, "--top", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "### 3 instructions, 4.0 KB of code, 16 samples" in p.stdout
+    assert "| long_sb | 13 | 81.2 % |" in p.stdout and "| no_inst | 3 | 18.8 % |" in p.stdout
+    assert "| 0 | 1024 | 7 | 4 | 3 | 0 |" in p.stdout  # the first 4 KB: two instructions
+    assert "| 4 | 4096 | 9 | 9 | 0 | 0 |" in p.stdout
+    assert "| 4.0 | 9 | `CCTL.IVALL` | long_sb |" in p.stdout
