@@ -39,6 +39,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         "bench_tp.py",
         "profile_decode.py",
         "ncu_decode.py",
+        "probe_step_tail.py",
     ],
 )
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
