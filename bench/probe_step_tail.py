@@ -21,8 +21,9 @@ from bench_runtime import say, write_json
 HIDDEN, VOCAB, KS_D = 1024, 151936, 4  # Qwen3-0.6B; down_proj's K splits in the fused decode
 
 
-def tails(rows: int) -> dict[str, Callable[[], None]]:
-    """Name -> one step's tail (a prefix of finish, logits, sampler) on static buffers."""
+def tails(rows: int, sampler_configs: list[tuple[int, int]]) -> dict[str, Callable[[], None]]:
+    """Name -> one step's tail (a prefix of finish, logits, sampler) on static buffers; the
+    sampler also at each of `sampler_configs` (columns per program, warps) after the logits."""
     from engine.models.layer_kernel import finish_kernel
     from engine.models.skinny_linear import LOGITS_CONFIG, skinny_linear
     from engine.runner.lse_argmax import graph_config, lse_argmax
@@ -46,14 +47,15 @@ def tails(rows: int) -> dict[str, Callable[[], None]]:
     def logits_() -> None:
         skinny_linear(x, w, out=logits, prefetch=True, **LOGITS_CONFIG)
 
-    def sample() -> None:
-        lse_argmax(logits, temps, counters[2:], config=graph_config(rows), out=out, publish=(host, counters[1:2], counters[:1]))
+    def sample(config: tuple[int, int] = graph_config(rows)) -> None:
+        lse_argmax(logits, temps, counters[2:], config=config, out=out, publish=(host, counters[1:2], counters[:1]))
 
     return {
         "logits": logits_,
         "logits + sampler": lambda: (logits_(), sample()),
         "finish + logits": lambda: (finish(), logits_()),
         "finish + logits + sampler": lambda: (finish(), logits_(), sample()),
+        **{f"logits + sampler {c}x{w}": lambda c=c, w=w: (logits_(), sample((c, w))) for c, w in sampler_configs},
     }
 
 
@@ -63,9 +65,11 @@ def main() -> None:
     p.add_argument("--per", type=int, default=20, help="tails per graph")
     p.add_argument("--reps", type=int, default=30, help="graph replays (the median is reported)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sampler-configs", default="", help="','-separated COLUMNSxWARPS of the sampler to time too (e.g. 1024x4,4096x4)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    calls = tails(args.rows)
+    configs = [(int(c), int(w)) for c, w in (spec.split("x") for spec in filter(None, args.sampler_configs.split(",")))]
+    calls = tails(args.rows, configs)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(args.rounds):  # rounds interleaved, so drift reaches every variant alike
         for name, call in calls.items():
