@@ -55,7 +55,7 @@ def tails(rows: int, sampler_configs: list[tuple[int, int]]) -> dict[str, Callab
         "logits + sampler": lambda: (logits_(), sample()),
         "finish + logits": lambda: (finish(), logits_()),
         "finish + logits + sampler": lambda: (finish(), logits_(), sample()),
-        **{f"logits + sampler {c}x{w}": lambda c=c, w=w: (logits_(), sample((c, w))) for c, w in sampler_configs},
+        **{f"logits + sampler {c}x{n}": lambda c=c, n=n: (logits_(), sample((c, n))) for c, n in sampler_configs},
     }
 
 
