@@ -75,6 +75,17 @@ def test_fp32_greedy_matches_transformers_on_gpu(arch_dir: str) -> None:
     assert _greedy(core, prompts, 32)[0] == expected
 
 
+def test_one_sequence_at_a_time_starts_and_decodes_as_transformers(qwen3_dir: str) -> None:
+    """max_num_seqs 1 (`--max-num-seqs 1`): the engine starts (its startup mixed step, two
+    sequences, is skipped: nothing can mix) and serves requests one after another, every decode
+    step from the batch-1 graph, each request's tokens those of transformers in float32."""
+    prompts = _prompts(3, 3)
+    expected = _hf_greedy(_hf(qwen3_dir, torch.float32), prompts, 12)
+    core = _core(qwen3_dir, dtype="float32", max_num_seqs=1)
+    assert core.runner.graphs is not None and core.runner.graphs.batch_sizes == [1]
+    assert _greedy(core, prompts, 12)[0] == expected
+
+
 def test_bf16_greedy_tracks_transformers_on_gpu(arch_dir: str) -> None:
     """In bfloat16 both engines round differently, so on these random-weight checkpoints (flat
     distributions) greedy paths may part at a near-tie. Checked: our logprobs are no further from

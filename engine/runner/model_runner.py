@@ -146,7 +146,9 @@ class ModelRunner:
         self.memory.bytes["cuda_graph"] += pool_bytes
         self.graph_bytes += pool_bytes
         self.sampler = Sampler(seed=config.seed, device=self.device)
-        if self.device.type == "cuda":  # compile what only mixed steps launch (mixed_plan)
+        # Compile what only mixed steps launch (mixed_plan: two sequences). One sequence at a time
+        # never mixes, and its backend's workspace holds one row of split merges.
+        if self.device.type == "cuda" and config.max_num_seqs > 1:
             self.run(mixed_plan(self.block_size, self.num_kv_blocks))
             torch.cuda.synchronize(self.device)
 
