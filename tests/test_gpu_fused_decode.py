@@ -7,6 +7,8 @@ multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
   and the new K/V rows equal the layer-by-layer forward's within bf16 rounding (layer 0's K/V
   rows bit for bit), and no other cache row changes;
 - graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
+- the Lamport buffer act (no barrier between gate_up and down_proj): back to its sentinel after
+  a resume, and a gate_up output of -0.0 stored as +0.0 (else down_proj would wait forever);
 - captured in a CUDA graph, replays equal the eager call for new inputs;
 - through the engine: greedy decoding with it gives the tokens and logprobs of the engine
   without it (SIESTA_FUSED_DECODE=0).
@@ -203,6 +205,55 @@ def barrier_garbage_is_cleared_by_after_resume(model, backend, path, rows: int) 
 def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
     model, backend, fused = setup
     barrier_garbage_is_cleared_by_after_resume(model, backend, fused, 1)
+
+
+def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
+    """Where t holds -0.0, the Lamport sentinel (engine/models/lamport.py)."""
+    bits = torch.int16 if t.element_size() == 2 else torch.int32
+    return t.view(bits) == torch.iinfo(bits).min
+
+
+def test_act_gets_its_sentinel_back_and_after_a_resume(setup) -> None:
+    """act carries no grid barrier between gate_up (its producer) and down_proj (its consumer):
+    each down_proj item waits until its K split holds no -0.0. After a step act holds the last
+    layer's values, never -0.0 (each layer puts the sentinel back before its gate_up); garbage
+    in it (a resumed `cuda_graph` region) is turned back into sentinels by `after_resume`, and
+    the step then gives the same output: had the garbage stayed, down_proj would have read it as
+    data."""
+    model, backend, fused = setup
+    for rows in (1, 3):
+        step = _decode_step(rows, seed=41 + rows, vocab=model.config.vocab_size)
+        ctx = ForwardContext(backend, step.meta)
+        cache0 = backend.kv_cache.clone()
+        with torch.inference_mode():
+            first = fused.forward(step.input_ids, step.positions, ctx).clone()
+            torch.cuda.synchronize()
+            assert not _minus_zeros(fused.act[:rows]).any() and _minus_zeros(fused.act[rows:]).all()
+            fused.act.normal_()
+            fused.after_resume()
+            assert _minus_zeros(fused.act).all()
+            backend.kv_cache.copy_(cache0)
+            again = fused.forward(step.input_ids, step.positions, ctx)
+            torch.cuda.synchronize()
+        assert torch.equal(again, first)
+
+
+def test_a_zero_product_is_stored_as_plus_zero(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A layer whose first gate rows are zero: silu(0) * up is -0.0 wherever up < 0, the Lamport
+    sentinel. The producer stores +0.0 instead, so down_proj's items do not wait for a value that
+    was already written (they would spin forever), and the step equals the layers."""
+    from engine.models.fused_decode import FusedDecode
+
+    model, backend = tiny_model("qwen3", tmp_path_factory)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_up_proj.weight[:64].zero_()  # gate rows: up's start at intermediate_size
+    fused = FusedDecode(model, backend, 4)
+    for rows in (1, 4):
+        step = _decode_step(rows, seed=50 + rows, vocab=model.config.vocab_size)
+        matches_the_layers(model, backend, step, lambda: model_path(model, "fused_decode", fused))
+        assert not _minus_zeros(fused.act[:rows]).any()
+        assert (fused.act[:rows, :64] == 0).all()
 
 
 def graph_replays_equal_eager(model, backend, path, rows: int, max_context: int) -> None:

@@ -11,7 +11,9 @@ Rules:
   by nothing: the kernels index rows up to M, so every graph batch size shares it. The barrier
   counter needs no reset between steps (each barrier leaves its low bits 0); it is zeroed when
   built and after a resume of the `cuda_graph` region (`after_resume`), so garbage handed back
-  cannot stall a barrier.
+  cannot stall a barrier. act (gate_up's output) is a Lamport buffer (engine/models/lamport.py:
+  down_proj waits on its data, not on a barrier); it is filled with the sentinel -0.0 at the
+  same two points, so garbage cannot pass for data either.
 - The embedding lookup is layer 0's norm phase (layer_kernel.py): no launch of its own.
 - One program per SM, launched cooperatively: the grid barriers need every program resident.
   On Hopper also with PDL (engine/pdl.py, layer_kernel.py's USE_PDL).
@@ -78,6 +80,7 @@ def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
     bn: int = _BN, bk: int = _BK, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE,
+    lamport: int = 1,
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
@@ -94,6 +97,7 @@ def layer_consts(
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
         Q_PRE=prefetch_width(shape.hidden, q_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
+        LAMPORT=bool(lamport), MAX_M=rows,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
@@ -102,7 +106,7 @@ class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
         bn: int = _BN, bk: int = _BK, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
-        q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE,
+        q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE, lamport: int = 1,
     ) -> None:  # fmt: skip
         from engine import pdl
 
@@ -116,7 +120,8 @@ class FusedDecode:
         # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
-        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages, d_pre)
+        self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages, d_pre,
+                                   lamport)  # fmt: skip
         # Layer 0 launches plainly: its prologue reads the metadata the kernel before it writes.
         self.first_consts = {**self.consts, "launch_pdl": False}
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
@@ -144,10 +149,18 @@ class FusedDecode:
             for t in (self.h, self.h_mid, self.xn, self.qkv, self.xo, self.act, self.o_part, self.down, self.part_o, self.part_lse, self.barrier)
         )
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
+        self._unwrite()
 
     def after_resume(self) -> None:
-        """The `cuda_graph` region came back with undefined contents: the barrier counter starts at zero."""
+        """The `cuda_graph` region came back with undefined contents: the barrier counter starts
+        at zero, the Lamport buffer all sentinel."""
         self.barrier.zero_()
+        self._unwrite()
+
+    def _unwrite(self) -> None:
+        # act is a Lamport buffer (engine/models/lamport.py): every element -0.0.
+        bits = torch.int16 if self.act.element_size() == 2 else torch.int32
+        self.act.view(bits).fill_(torch.iinfo(bits).min)
 
     def splits(self, rows: int) -> int:
         """Split-KV parts per (row, KV head) of a step of `rows` rows (kv_splits)."""

@@ -21,6 +21,10 @@ program's own loads nor its release (one-row kernel, thirty-ninth session).
 Whole tiles, or every weight phase at once, only take bandwidth from the phase running
 (bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
 
+Lamport (lamport.py): a gemv_phase can store no -0.0 (OUT_LAMPORT) or wait for its x slice to
+hold no sentinel (X_LAMPORT), so no grid barrier is needed between the two; `unwrite_items` puts
+the sentinel back into a producer's columns.
+
 Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).
 Roundings are the unfused layers' (fused_ops.py, skinny_linear.py): a GEMV rounds its fp32 sum
 (plus bias) once; a residual add rounds the sum of its fp32 partials, then the add.
@@ -33,6 +37,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.attention.triton_kernels import stamp_row
+from engine.models.lamport import await_rows, sentinel_like, written
 from engine.pdl import prefetch_l2
 
 STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
@@ -175,11 +180,15 @@ def gemv_phase(
     x_ptr, stride_x, w_ptr, b_ptr, out_ptr, stride_out, M,
     N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
+    X_LAMPORT: tl.constexpr = False, OUT_LAMPORT: tl.constexpr = False,
 ):  # fmt: skip
     # Items (tile of BN cols, K split c) dealt round-robin (item i -> program i % P); x [M, K] at
     # row stride stride_x, M <= BM. PARTIAL: out[c] [M, N] fp32 partial sums of x[:, c-th K/KS] @
     # w[:, c-th K/KS].T, at stride_out. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded once,
     # or silu(gate) * up of w = gate | up with SILU.
+    # Lamport buffers (lamport.py), so no grid barrier between producer and consumer: X_LAMPORT,
+    # an item first waits until its x slice holds no sentinel; OUT_LAMPORT (not PARTIAL), out
+    # gets no -0.0.
     pid = tl.program_id(0)
     rows = tl.arange(0, BM)
     m_ok = rows < M
@@ -191,6 +200,8 @@ def gemv_phase(
         n_ok = offs_n < N
         acc = tl.zeros([BM, BN], tl.float32)
         acc_up = tl.zeros([BM, BN], tl.float32)
+        if X_LAMPORT:
+            await_rows(x_ptr, stride_x, M, k_lo, KC, BM, BK)
         for k0 in range(k_lo, k_lo + KC, BK):
             cols = (k0 + offs_k)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
@@ -206,7 +217,23 @@ def gemv_phase(
             if SILU:
                 g = rnd(acc, DTYPE)
                 acc = rnd(tl.math.div_rn(g, 1.0 + libdevice.exp(-g)), DTYPE) * rnd(acc_up, DTYPE)
-            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)
+            out = acc.to(DTYPE)
+            if OUT_LAMPORT:
+                out = written(out)
+            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], out, mask=mask)
+
+
+@triton.jit
+def unwrite_items(
+    out_ptr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, MAX_M: tl.constexpr, DTYPE: tl.constexpr
+):  # fmt: skip
+    # The sentinel (lamport.py) back into rows < MAX_M of this program's items' columns of an
+    # OUT_LAMPORT gemv_phase's out [*, N] (its dealing, KS 1), once their consumers have read them.
+    rows = tl.arange(0, BM)[:, None]
+    minus_zero = sentinel_like(tl.zeros([BM, BN], DTYPE))
+    for item in range(tl.program_id(0), (N + BN - 1) // BN, P):
+        cols = item * BN + tl.arange(0, BN)[None, :]
+        tl.store(out_ptr + rows * N + cols, minus_zero, mask=(rows < MAX_M) & (cols < N))
 
 
 @triton.jit

@@ -5,7 +5,7 @@ kernels, each GEMV 5-8 us for a 2-12 MB read; bench/RESULTS.md). Only engine/mod
 fused_decode.py imports this module (it imports Triton).
 
 Phases of layer l, M rows (M <= 16), P programs, GEMV items dealt round-robin (item i -> program
-i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
+i % P), a grid barrier after each but the last two (and NORM_EVERYWHERE's norms):
   0. (no barrier) the program's attention item's loads that need nothing of this layer
      (layer_attention.attention_prologue): they land while the norm and qkv phases run.
   1. norm (programs P-1..P-M, a row each: the ones qkv leaves idle): h = h_mid[l-1] +
@@ -26,6 +26,12 @@ i % P), a grid barrier after each but the last (and NORM_EVERYWHERE's norms):
   6. act = silu(gate) * up of xn @ w_gate_up.T.
   7. down_proj, items (tile, K split c): down_part[c] [M, hidden] fp32; the next layer's phase 1
      (or `finish_kernel`) adds them to h_mid.
+LAMPORT: act is a Lamport buffer (lamport.py), so no grid barrier between phases 6 and 7: each
+down_proj item waits until its K split of act holds no -0.0, and gate_up stores no -0.0. Each
+layer puts the sentinel back into its programs' gate_up columns of act (every row up to MAX_M)
+after its PDL wait, when the layer before has ended and so every read of it (0.6B, H100: steps
+of 2 / 4 rows 2.0 / 1.5 % faster, one row the same; the same wait between qkv and the attention
+was slower at one row: bench/RESULTS.md, forty-ninth session).
 L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
 weights of each row of the program's o_proj tile once it has arrived at the barrier after phase
 3, so they land while it waits and under the merge; G_PRE columns of its gate_up rows once it has
@@ -60,6 +66,7 @@ from engine.models.grid_phases import (
     phase_end_prefetching,
     prefetch_items,
     stamp,
+    unwrite_items,
 )
 from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
 
@@ -112,7 +119,7 @@ def decoder_layer_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
     NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr,
-    D_PRE: tl.constexpr, TIMING: tl.constexpr = False,
+    D_PRE: tl.constexpr, LAMPORT: tl.constexpr, MAX_M: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -130,6 +137,8 @@ def decoder_layer_kernel(
     )  # fmt: skip
     if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
+    if LAMPORT:  # the previous layer's down_proj items have read act: the sentinel back
+        unwrite_items(act_ptr, INTER, BM, BN, P, MAX_M, DTYPE)
     xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
     _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
           1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, EMBED)  # fmt: skip
@@ -157,10 +166,20 @@ def decoder_layer_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False)  # fmt: skip
-    gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE)
+    gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE,
+               False, LAMPORT)  # fmt: skip
     # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item.
-    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < (INTER + BN - 1) // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE, True)
-    gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+    had_gate_up = pid < (INTER + BN - 1) // BN
+    if LAMPORT:  # no barrier: each down_proj item waits for its own K split of act
+        stamp(t_ptr, 11, TIMING)
+        if D_PRE > 0:
+            if had_gate_up:
+                prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
+        stamp(t_ptr, 12, TIMING)
+    else:
+        phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, had_gate_up, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE, True)
+    gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P,
+               DTYPE, LAMPORT)  # fmt: skip
     if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm
         if has_next != 0:
             prefetch_items(next_qkv_w_ptr, QKV, HID, 1, False, BN, P, Q_PRE)

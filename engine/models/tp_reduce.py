@@ -39,28 +39,11 @@ import triton.language as tl
 
 from engine import pdl
 from engine.launcher import Launcher
+from engine.models.lamport import pending, sentinel_like, written
 from engine.parallel import TensorParallel
 
 # The most ranks one kernel serves (peers are unrolled at compile time).
 MAX_WORLD = 8
-
-
-@triton.jit
-def _unwritten(v, HALF_WIDTH: tl.constexpr):
-    # True where v holds the -0.0 sentinel: the bit pattern with only the sign bit set.
-    if HALF_WIDTH:
-        return v.to(tl.int16, bitcast=True) == -32768
-    else:
-        return v.to(tl.int32, bitcast=True) == -2147483648
-
-
-@triton.jit
-def _sentinel(BLOCK: tl.constexpr, DTYPE: tl.constexpr, HALF_WIDTH: tl.constexpr):
-    # [BLOCK] of -0.0, built from its bits (a -0.0 literal could be folded to +0.0).
-    if HALF_WIDTH:
-        return tl.full([BLOCK], -32768, tl.int16).to(DTYPE, bitcast=True)
-    else:
-        return tl.full([BLOCK], -2147483648, tl.int32).to(DTYPE, bitcast=True)
 
 
 @Launcher
@@ -74,7 +57,7 @@ def _reduce_add_norm_kernel(
     epoch_ptr,  # int32 [max_rows]: this rank's calls so far per row index
     stride_x, stride_r, stride_o,
     n_cols, inv_n, eps, max_rows,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, HALF_WIDTH: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     if USE_PDL:  # engine/pdl.py: the next GEMV gets scheduled (and prefetches) meanwhile
@@ -87,7 +70,7 @@ def _reduce_add_norm_kernel(
     e = tl.load(epoch_ptr + row) + 1
     slot = e & 1  # not e % 2, which is negative once e wraps
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 -> +0.0: -0.0 means "not yet written" in the buffers
+    x = written(x)  # -0.0 means "not yet written" in the buffers (lamport.py)
     mine = ((slot * WORLD + RANK) * max_rows + row).to(tl.int64) * n_cols
     for peer in tl.static_range(WORLD):
         if peer != RANK:
@@ -101,10 +84,10 @@ def _reduce_add_norm_kernel(
         else:
             theirs = my_data + ((slot * WORLD + src) * max_rows + row).to(tl.int64) * n_cols + offs
             v = tl.load(theirs, mask=mask, other=0.0, volatile=True)
-            while tl.max(_unwritten(v, HALF_WIDTH).to(tl.int32), axis=0) > 0:
+            while pending(v) > 0:
                 v = tl.load(theirs, mask=mask, other=0.0, volatile=True)
             acc += v.to(tl.float32)
-            tl.store(theirs, _sentinel(BLOCK, dtype, HALF_WIDTH), mask=mask)  # for this slot's next call
+            tl.store(theirs, sentinel_like(v), mask=mask)  # for this slot's next call
     total = acc.to(dtype).to(tl.float32)
     r_row = res_ptr + row.to(tl.int64) * stride_r + offs
     h = (total + tl.load(r_row, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -160,7 +143,7 @@ class TpReduce:
             x, residual, weight, out, self.data_ptrs, self.epochs,
             x.stride(0), residual.stride(0), out.stride(0),
             n, 1.0 / n, eps, self.max_rows,
-            RANK=self.tp.rank, WORLD=self.tp.size, BLOCK=block, HALF_WIDTH=x.element_size() == 2,
+            RANK=self.tp.rank, WORLD=self.tp.size, BLOCK=block,
             USE_PDL=self.pdl, num_warps=max(1, min(16, block // 256)), launch_pdl=self.pdl,
         )  # fmt: skip
         return out, residual
