@@ -68,4 +68,3 @@ def await_rows(ptr, stride, M, k_lo, K: tl.constexpr, BM: tl.constexpr, BK: tl.c
             seen += unwritten(v).to(tl.int32)
         left = tl.sum(seen)
     tl.debug_barrier()
-

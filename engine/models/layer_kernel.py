@@ -5,7 +5,7 @@ kernels, each GEMV 5-8 us for a 2-12 MB read; bench/RESULTS.md). Only engine/mod
 fused_decode.py imports this module (it imports Triton).
 
 Phases of layer l, M rows (M <= 16), P programs, GEMV items dealt round-robin (item i -> program
-i % P), a grid barrier after each but the last two (and NORM_EVERYWHERE's norms):
+i % P), a grid barrier after each but the last (and LAMPORT's gate_up, and NORM_EVERYWHERE's norms):
   0. (no barrier) the program's attention item's loads that need nothing of this layer
      (layer_attention.attention_prologue): they land while the norm and qkv phases run.
   1. norm (programs P-1..P-M, a row each: the ones qkv leaves idle): h = h_mid[l-1] +
