@@ -158,9 +158,9 @@ class FusedDecode:
         self._unwrite()
 
     def _unwrite(self) -> None:
-        # act is a Lamport buffer (engine/models/lamport.py): every element -0.0.
-        bits = torch.int16 if self.act.element_size() == 2 else torch.int32
-        self.act.view(bits).fill_(torch.iinfo(bits).min)
+        from engine.models.lamport import fill_unwritten
+
+        fill_unwritten(self.act)  # act is a Lamport buffer: every element the sentinel
 
     def splits(self, rows: int) -> int:
         """Split-KV parts per (row, KV head) of a step of `rows` rows (kv_splits)."""

@@ -114,16 +114,19 @@ def phase_end(
 def phase_end_prefetching(
     bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr, issue,
     w_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
-    KPRE: tl.constexpr, LAST_LEAVES: tl.constexpr = False,
+    KPRE: tl.constexpr, LAST_LEAVES: tl.constexpr = False, SYNC: tl.constexpr = True,
 ):  # fmt: skip
     # phase_end, with this program's prefetch_items(w_ptr, ...) of the next GEMV phase issued (KPRE
-    # > 0 and `issue`) between its arrival and its wait: they land while it waits.
+    # > 0 and `issue`) between its arrival and its wait: they land while it waits. Without SYNC
+    # (the next phase waits on its data: lamport.py) no barrier, only the stamps and prefetches.
     stamp(t_ptr, POINT, TIMING)
-    old = grid_arrive(bar_ptr, FIRST_ADD, LAST_LEAVES)
+    if SYNC:
+        old = grid_arrive(bar_ptr, FIRST_ADD, LAST_LEAVES)
     if KPRE > 0:
         if issue:
             prefetch_items(w_ptr, N, K, KS, SILU, BN, P, KPRE)
-    grid_wait(bar_ptr, old, FIRST_ADD, LAST_LEAVES)
+    if SYNC:
+        grid_wait(bar_ptr, old, FIRST_ADD, LAST_LEAVES)
     stamp(t_ptr, POINT + 1, TIMING)
 
 

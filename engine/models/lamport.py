@@ -1,7 +1,7 @@
 """The Lamport sentinel: -0.0 means "not yet written", so a buffer's data is its own flag, as in
 TensorRT-LLM's one-shot all-reduce. Triton functions inlined into the kernels that use it
-(tp_reduce.py across ranks, layer_kernel.py across the programs of one launch); only modules that
-import Triton import this one.
+(tp_reduce.py across ranks, layer_kernel.py across the programs of one launch), and the owners'
+fill (`fill_unwritten`); only modules that import Triton, or CUDA code paths, import this one.
 
 Rules for a buffer used so:
 - It holds -0.0 in every element before its first use (its owner fills it at construction and
@@ -18,8 +18,15 @@ Rules for a buffer used so:
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def fill_unwritten(t: torch.Tensor) -> None:
+    """Every element of t (16- or 32-bit floats) set to the sentinel: what an owner does first."""
+    bits = torch.int16 if t.element_size() == 2 else torch.int32
+    t.view(bits).fill_(torch.iinfo(bits).min)
 
 
 @triton.jit

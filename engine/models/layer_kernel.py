@@ -168,16 +168,10 @@ def decoder_layer_kernel(
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE,
                False, LAMPORT)  # fmt: skip
-    # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item.
-    had_gate_up = pid < (INTER + BN - 1) // BN
-    if LAMPORT:  # no barrier: each down_proj item waits for its own K split of act
-        stamp(t_ptr, 11, TIMING)
-        if D_PRE > 0:
-            if had_gate_up:
-                prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
-        stamp(t_ptr, 12, TIMING)
-    else:
-        phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, had_gate_up, down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE, True)
+    # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item. No
+    # barrier with LAMPORT: each down_proj item waits for its own K split of act.
+    phase_end_prefetching(bar_ptr, t_ptr, 11, FIRST_ADD, TIMING, pid < (INTER + BN - 1) // BN, down_w_ptr, HID, INTER, KS_D, False, BN, P,
+                          D_PRE, True, not LAMPORT)  # fmt: skip
     gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_ptr, stride_part, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P,
                DTYPE, LAMPORT)  # fmt: skip
     if Q_PRE > 0:  # the next layer's first qkv columns, pulled into L2 over the launch boundary and its norm

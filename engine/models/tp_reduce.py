@@ -39,7 +39,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.launcher import Launcher
-from engine.models.lamport import pending, sentinel_like, written
+from engine.models.lamport import fill_unwritten, pending, sentinel_like, written
 from engine.parallel import TensorParallel
 
 # The most ranks one kernel serves (peers are unrolled at compile time).
@@ -114,8 +114,7 @@ class TpReduce:
         self.pdl = pdl.enabled(device)
         group = dist.group.WORLD.group_name
         self.data = symm_mem.empty(2 * tp.size * max_rows * hidden, dtype=dtype, device=device)
-        bits = torch.int16 if self.data.element_size() == 2 else torch.int32
-        self.data.view(bits).fill_(torch.iinfo(bits).min)  # -0.0: "not yet written" (module docstring)
+        fill_unwritten(self.data)  # -0.0: "not yet written" (module docstring)
         handle = symm_mem.rendezvous(self.data, group)
         assert handle.buffer_ptrs[tp.rank] == self.data.data_ptr()
         self.data_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
