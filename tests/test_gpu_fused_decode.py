@@ -7,8 +7,9 @@ multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
   and the new K/V rows equal the layer-by-layer forward's within bf16 rounding (layer 0's K/V
   rows bit for bit), and no other cache row changes;
 - graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
-- the Lamport buffer act (no barrier between gate_up and down_proj): back to its sentinel after
-  a resume, and a gate_up output of -0.0 stored as +0.0 (else down_proj would wait forever);
+- the Lamport buffers act and o_part (no barrier between gate_up and down_proj, o_proj and the
+  norm after it): back to their sentinel after a resume, and a gate_up output of -0.0 stored as
+  +0.0 (else down_proj would wait forever);
 - captured in a CUDA graph, replays equal the eager call for new inputs;
 - through the engine: greedy decoding with it gives the tokens and logprobs of the engine
   without it (SIESTA_FUSED_DECODE=0).
@@ -213,29 +214,31 @@ def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.view(bits) == torch.iinfo(bits).min
 
 
-def test_act_gets_its_sentinel_back_and_after_a_resume(setup) -> None:
-    """act carries no grid barrier between gate_up (its producer) and down_proj (its consumer):
-    each down_proj item waits until its K split holds no -0.0. After a step act holds the last
-    layer's values, never -0.0 (each layer puts the sentinel back before its gate_up); garbage
-    in it (a resumed `cuda_graph` region) is turned back into sentinels by `after_resume`, and
-    the step then gives the same output: had the garbage stayed, down_proj would have read it as
-    data."""
+@pytest.mark.parametrize("buffer", ["act", "o_part"])
+def test_lamport_buffers_get_their_sentinel_back_and_after_a_resume(setup, buffer: str) -> None:
+    """act and o_part carry no grid barrier between their producer and consumer (gate_up ->
+    down_proj, o_proj -> the norm after it): the consumer waits until its slice holds no -0.0.
+    Garbage in them (a resumed `cuda_graph` region) is turned back into sentinels by
+    `after_resume`; a step then writes exactly its own rows, never -0.0, and gives the same output
+    as before the garbage: had it stayed, the consumer would have read it as data."""
     model, backend, fused = setup
     for rows in (1, 3):
         step = _decode_step(rows, seed=41 + rows, vocab=model.config.vocab_size)
         ctx = ForwardContext(backend, step.meta)
         cache0 = backend.kv_cache.clone()
+        t = getattr(fused, buffer)
+        per_row = t.shape[1] if buffer == "act" else fused.ks_o * t.shape[2]  # elements a row of the step writes
         with torch.inference_mode():
             first = fused.forward(step.input_ids, step.positions, ctx).clone()
             torch.cuda.synchronize()
-            assert not _minus_zeros(fused.act[:rows]).any() and _minus_zeros(fused.act[rows:]).all()
-            fused.act.normal_()
+            t.normal_()
             fused.after_resume()
-            assert _minus_zeros(fused.act).all()
+            assert _minus_zeros(t).all()
             backend.kv_cache.copy_(cache0)
             again = fused.forward(step.input_ids, step.positions, ctx)
             torch.cuda.synchronize()
         assert torch.equal(again, first)
+        assert int((~_minus_zeros(t)).sum()) == rows * per_row
 
 
 def test_a_zero_product_is_stored_as_plus_zero(tmp_path_factory: pytest.TempPathFactory) -> None:

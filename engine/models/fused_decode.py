@@ -11,9 +11,10 @@ Rules:
   by nothing: the kernels index rows up to M, so every graph batch size shares it. The barrier
   counter needs no reset between steps (each barrier leaves its low bits 0); it is zeroed when
   built and after a resume of the `cuda_graph` region (`after_resume`), so garbage handed back
-  cannot stall a barrier. act (gate_up's output) is a Lamport buffer (engine/models/lamport.py:
-  down_proj waits on its data, not on a barrier); it is filled with the sentinel -0.0 at the
-  same two points, so garbage cannot pass for data either.
+  cannot stall a barrier. act (gate_up's output) and o_part (o_proj's partial sums) are Lamport
+  buffers (engine/models/lamport.py: down_proj and the norm after o_proj wait on their data, not
+  on a barrier); they are filled with the sentinel -0.0 at the same two points, so garbage cannot
+  pass for data either.
 - The embedding lookup is layer 0's norm phase (layer_kernel.py): no launch of its own.
 - One program per SM, launched cooperatively: the grid barriers need every program resident.
   On Hopper also with PDL (engine/pdl.py, layer_kernel.py's USE_PDL).
@@ -80,7 +81,7 @@ def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
 def layer_consts(
     shape: LayerShape, programs: int, rows: int, block_size: int, use_pdl: bool, num_warps: int = 4,
     bn: int = _BN, bk: int = _BK, o_pre: int = _O_PRE, g_pre: int = _G_PRE, q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE,
-    lamport: int = 1,
+    lamport: int = 1 | 2,
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
@@ -97,7 +98,7 @@ def layer_consts(
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
         Q_PRE=prefetch_width(shape.hidden, q_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
-        LAMPORT=bool(lamport), MAX_M=rows,
+        LAMPORT=bool(lamport & 1), LAMPORT_O=bool(lamport & 2), MAX_M=rows,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
@@ -106,7 +107,7 @@ class FusedDecode:
     def __init__(
         self, model: nn.Module, backend: object, max_rows: int, programs_per_sm: int = 1, num_warps: int = 4,
         bn: int = _BN, bk: int = _BK, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
-        q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE, lamport: int = 1,
+        q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE, lamport: int = 1 | 2,
     ) -> None:  # fmt: skip
         from engine import pdl
 
@@ -153,14 +154,15 @@ class FusedDecode:
 
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the barrier counter starts
-        at zero, the Lamport buffer all sentinel."""
+        at zero, the Lamport buffers all sentinel."""
         self.barrier.zero_()
         self._unwrite()
 
     def _unwrite(self) -> None:
         from engine.models.lamport import fill_unwritten
 
-        fill_unwritten(self.act)  # act is a Lamport buffer: every element the sentinel
+        fill_unwritten(self.act)  # the Lamport buffers (layer_kernel.py): every element the sentinel
+        fill_unwritten(self.o_part)
 
     def splits(self, rows: int) -> int:
         """Split-KV parts per (row, KV head) of a step of `rows` rows (kv_splits)."""

@@ -22,8 +22,9 @@ Whole tiles, or every weight phase at once, only take bandwidth from the phase r
 (bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
 
 Lamport (lamport.py): a gemv_phase can store no -0.0 (OUT_LAMPORT) or wait for its x slice to
-hold no sentinel (X_LAMPORT), so no grid barrier is needed between the two; `unwrite_items` puts
-the sentinel back into a producer's columns.
+hold no sentinel (X_LAMPORT), and a norm_phase can wait for its partial sums (PART_LAMPORT), so no
+grid barrier is needed between producer and consumer; `unwrite_items` puts the sentinel back into
+a producer's items.
 
 Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).
 Roundings are the unfused layers' (fused_ops.py, skinny_linear.py): a GEMV rounds its fp32 sum
@@ -37,7 +38,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.attention.triton_kernels import stamp_row
-from engine.models.lamport import await_rows, sentinel_like, written
+from engine.models.lamport import await_rows, await_sum, sentinel_like, written
 from engine.pdl import prefetch_l2
 
 STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
@@ -131,14 +132,18 @@ def phase_end_prefetching(
 
 
 @triton.jit
-def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr):
+def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr, PART_LAMPORT: tl.constexpr):
     # [BLOCK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add); base_ptr and
     # part_ptr point at the row's start (base: the embedding's row of a token, at layer 0).
+    # PART_LAMPORT: part is a Lamport buffer, summed once none of it is the sentinel.
     h = tl.load(base_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     if KS > 0:
-        s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-        for c in tl.static_range(1, KS):
-            s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
+        if PART_LAMPORT:
+            s = await_sum(part_ptr, off, mask, stride_part, KS)
+        else:
+            s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+            for c in tl.static_range(1, KS):
+                s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
         h = rnd(h + rnd(s, DTYPE), DTYPE)
     return h
 
@@ -147,12 +152,13 @@ def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE:
 def norm_phase(
     row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, store_h,
     KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, ids_ptr=None,
-    EMBED: tl.constexpr = False,
+    EMBED: tl.constexpr = False, PART_LAMPORT: tl.constexpr = False,
 ):  # fmt: skip
     # The program given row < M: the stream h = base + round(sum_c part[c]) (KS 0: base alone)
     # -> h_out (if store_h), and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
     # Rows at stride HID in every buffer; part [KS, *, HID] at stride_part. EMBED (KS 0): base is
     # the embedding table [V, HID], its row ids[row] the stream: the lookup folded into the norm.
+    # PART_LAMPORT: part is a Lamport buffer (lamport.py), waited for here instead of a barrier.
     if row < M:
         offs = tl.arange(0, BLOCK)
         ok = offs < HID
@@ -160,7 +166,7 @@ def norm_phase(
         src = row
         if EMBED:
             src = tl.load(ids_ptr + row).to(tl.int64)
-        h = _stream(base_ptr + src * HID, part_ptr + row * HID, offs, ok, stride_part, KS, DTYPE)
+        h = _stream(base_ptr + src * HID, part_ptr + row * HID, offs, ok, stride_part, KS, DTYPE, PART_LAMPORT)
         tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok & store_h)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -190,8 +196,7 @@ def gemv_phase(
     # w[:, c-th K/KS].T, at stride_out. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded once,
     # or silu(gate) * up of w = gate | up with SILU.
     # Lamport buffers (lamport.py), so no grid barrier between producer and consumer: X_LAMPORT,
-    # an item first waits until its x slice holds no sentinel; OUT_LAMPORT (not PARTIAL), out
-    # gets no -0.0.
+    # an item first waits until its x slice holds no sentinel; OUT_LAMPORT, out gets no -0.0.
     pid = tl.program_id(0)
     rows = tl.arange(0, BM)
     m_ok = rows < M
@@ -213,6 +218,8 @@ def gemv_phase(
                 acc_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), acc_up)
         mask = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:
+            if OUT_LAMPORT:
+                acc = written(acc)
             tl.store(out_ptr + c * stride_out + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
         else:
             if HAS_BIAS:
@@ -228,15 +235,18 @@ def gemv_phase(
 
 @triton.jit
 def unwrite_items(
-    out_ptr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, MAX_M: tl.constexpr, DTYPE: tl.constexpr
+    out_ptr, stride_out, N: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, P: tl.constexpr,
+    MAX_M: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    # The sentinel (lamport.py) back into rows < MAX_M of this program's items' columns of an
-    # OUT_LAMPORT gemv_phase's out [*, N] (its dealing, KS 1), once their consumers have read them.
+    # The sentinel (lamport.py) back into rows < MAX_M of this program's items of an OUT_LAMPORT
+    # gemv_phase's out ([*, N], or [KS, *, N] at stride_out if PARTIAL; its dealing), once their
+    # consumers have read them.
     rows = tl.arange(0, BM)[:, None]
     minus_zero = sentinel_like(tl.zeros([BM, BN], DTYPE))
-    for item in range(tl.program_id(0), (N + BN - 1) // BN, P):
-        cols = item * BN + tl.arange(0, BN)[None, :]
-        tl.store(out_ptr + rows * N + cols, minus_zero, mask=(rows < MAX_M) & (cols < N))
+    for item in range(tl.program_id(0), (N + BN - 1) // BN * KS, P):
+        c = item % KS
+        cols = (item // KS) * BN + tl.arange(0, BN)[None, :]
+        tl.store(out_ptr + c * stride_out + rows * N + cols, minus_zero, mask=(rows < MAX_M) & (cols < N))
 
 
 @triton.jit

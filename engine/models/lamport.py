@@ -1,7 +1,8 @@
 """The Lamport sentinel: -0.0 means "not yet written", so a buffer's data is its own flag, as in
 TensorRT-LLM's one-shot all-reduce. Triton functions inlined into the kernels that use it
-(tp_reduce.py across ranks, layer_kernel.py across the programs of one launch), and the owners'
-fill (`fill_unwritten`); only modules that import Triton, or CUDA code paths, import this one.
+(tp_reduce.py across ranks; grid_phases.py's GEMV and norm phases across the programs of one
+launch of layer_kernel.py), and the owners' fill (`fill_unwritten`); only modules that import
+Triton, or CUDA code paths, import this one.
 
 Rules for a buffer used so:
 - It holds -0.0 in every element before its first use (its owner fills it at construction and
@@ -9,8 +10,8 @@ Rules for a buffer used so:
 - A producer never stores -0.0: `written` turns it into +0.0, the same value in every later sum,
   product and norm (only a zero's sign can differ).
 - A consumer loads what it needs with volatile loads until no element is -0.0 (`unwritten`), and
-  uses what it loaded, or reads it again once it has seen all of it (the stores are visible at L2,
-  the point every later load reaches). No release fence, no counter, no barrier between the two:
+  uses what it loaded (`await_sum`), or reads it again once it has seen all of it (`await_rows`;
+  the stores are visible at L2, the point every later load reaches). No release fence, no counter, no barrier between the two:
   the data's last store is the signal.
 - -0.0 goes back into every element (`sentinel_like`) before the buffer's next use and after its last
   consumer has read it; where that is safe is the owner's rule.
@@ -75,3 +76,22 @@ def await_rows(ptr, stride, M, k_lo, K: tl.constexpr, BM: tl.constexpr, BK: tl.c
             seen += unwritten(v).to(tl.int32)
         left = tl.sum(seen)
     tl.debug_barrier()
+
+
+@triton.jit
+def await_sum(ptr, offs, mask, stride, KS: tl.constexpr):
+    # sum_c ptr[c * stride + offs] over c < KS (fp32, in c's order), once no element of the KS
+    # slices (where mask) holds the sentinel: the loads that see them all written are the ones
+    # summed, so the wait costs no extra read. One reduction a round, after every load of it.
+    s = tl.zeros(offs.shape, tl.float32)
+    left = 1
+    while left > 0:
+        v = tl.load(ptr + offs, mask=mask, other=0.0, volatile=True)
+        seen = unwritten(v).to(tl.int32)
+        s = v.to(tl.float32)
+        for c in tl.static_range(1, KS):
+            v = tl.load(ptr + c * stride + offs, mask=mask, other=0.0, volatile=True)
+            seen += unwritten(v).to(tl.int32)
+            s += v.to(tl.float32)
+        left = tl.sum(seen)
+    return s

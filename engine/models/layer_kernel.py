@@ -5,7 +5,8 @@ kernels, each GEMV 5-8 us for a 2-12 MB read; bench/RESULTS.md). Only engine/mod
 fused_decode.py imports this module (it imports Triton).
 
 Phases of layer l, M rows (M <= 16), P programs, GEMV items dealt round-robin (item i -> program
-i % P), a grid barrier after each but the last (and LAMPORT's gate_up, and NORM_EVERYWHERE's norms):
+i % P), a grid barrier after each but the last (and LAMPORT's gate_up, LAMPORT_O's o_proj, and
+NORM_EVERYWHERE's norms):
   0. (no barrier) the program's attention item's loads that need nothing of this layer
      (layer_attention.attention_prologue): they land while the norm and qkv phases run.
   1. norm (programs P-1..P-M, a row each: the ones qkv leaves idle): h = h_mid[l-1] +
@@ -32,12 +33,19 @@ layer puts the sentinel back into its programs' gate_up columns of act (every ro
 after its PDL wait, when the layer before has ended and so every read of it (0.6B, H100: steps
 of 2 / 4 rows 2.0 / 1.5 % faster, one row the same; the same wait between qkv and the attention
 was slower at one row: bench/RESULTS.md, forty-ninth session).
+LAMPORT_O: o_part the same, between phases 4 and 5: o_proj stores no -0.0 and the norm sums the
+partials it loaded once none is -0.0 (grid_phases.norm_phase's PART_LAMPORT), so the wait costs no
+second read; the sentinel goes back into each program's o_proj tile (rows up to MAX_M) after the
+next layer's PDL wait. One row, H100: the step 1.2 % faster (2 and 4 rows the same). The merge
+waiting on the attention's partials instead of its barrier was much slower (the merge 2.6 -> 7-8
+us: bench/RESULTS.md, fiftieth session).
 L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
 weights of each row of the program's o_proj tile once it has arrived at the barrier after phase
-3, so they land while it waits and under the merge; G_PRE columns of its gate_up rows once it has
-arrived at o_proj's barrier, over the wait and phase 5 (issued between the arrival and the wait,
-neither delays the program's own loads nor its release: bench/RESULTS.md, thirty-ninth session);
-D_PRE columns of its down_proj item's K split once it has arrived at gate_up's barrier, issued
+3, so they land while it waits and under the merge; G_PRE columns of its gate_up rows once its
+o_proj item is done, over the wait (a barrier's, or LAMPORT_O's) and phase 5 (issued between a
+barrier's arrival and its wait, they delay neither the program's own loads nor its release:
+bench/RESULTS.md, thirty-ninth session); D_PRE columns of its down_proj item's K split once its
+gate_up item is done (the same, with gate_up's barrier or without, LAMPORT), issued
 only by the programs that had a gate_up item (the others arrive at once, and their fills would
 queue ahead of gate_up's loads); Q_PRE columns of the next layer's qkv rows once its down_proj
 item is done (has_next), over the launch boundary and the next layer's phase 1.
@@ -45,7 +53,8 @@ Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results 
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
 USE_PDL (engine/pdl.py): each layer's launch is programmatic. A layer triggers its dependents
-after o_proj's barrier, so the next layer's programs get scheduled during phases 5-7, issue their
+after o_proj (each program once past its barrier, or its own item under LAMPORT_O), so the next
+layer's programs get scheduled during phases 5-7, issue their
 phase-0 loads (the layer's KV cache, its q/k norm weights and the step's metadata: nothing a
 layer kernel writes), and wait before phase 1. No gap between layer launches (bench/RESULTS.md,
 eighteenth session). Layer 0 launches plainly: its prologue reads the step's metadata, which the
@@ -75,7 +84,7 @@ from engine.models.layer_attention import attention_phase, attention_prologue, c
 def _norm(
     norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
     POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, FIRST_ADD: tl.constexpr,
-    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr,
+    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr, PART_LAMPORT: tl.constexpr,
 ):  # fmt: skip
     # A norm phase and what ends it, stamped at POINT and POINT + 1. EVERYWHERE: every program
     # normalizes every row into its own xn rows, program 0 keeps the stream, a CTA barrier. Else
@@ -84,12 +93,13 @@ def _norm(
     if EVERYWHERE:
         for r in range(M):
             norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
-                       ids_ptr, EMBED)  # fmt: skip
+                       ids_ptr, EMBED, PART_LAMPORT)  # fmt: skip
         stamp(t_ptr, POINT, TIMING)
         tl.debug_barrier()
         stamp(t_ptr, POINT + 1, TIMING)
     else:
-        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED)
+        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
+                   PART_LAMPORT)  # fmt: skip
         phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING, True)
 
 
@@ -119,7 +129,7 @@ def decoder_layer_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
     NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr,
-    D_PRE: tl.constexpr, LAMPORT: tl.constexpr, MAX_M: tl.constexpr, TIMING: tl.constexpr = False,
+    D_PRE: tl.constexpr, LAMPORT: tl.constexpr, LAMPORT_O: tl.constexpr, MAX_M: tl.constexpr, TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -137,11 +147,14 @@ def decoder_layer_kernel(
     )  # fmt: skip
     if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
-    if LAMPORT:  # the previous layer's down_proj items have read act: the sentinel back
-        unwrite_items(act_ptr, INTER, BM, BN, P, MAX_M, DTYPE)
+    # The previous layer's down_proj items have read act, and its norms o_part: the sentinel back.
+    if LAMPORT:
+        unwrite_items(act_ptr, 0, INTER, 1, BM, BN, P, MAX_M, DTYPE)
+    if LAMPORT_O:
+        unwrite_items(o_part_ptr, stride_part, HID, KS_O, BM, BN, P, MAX_M, tl.float32)
     xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
     _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
-          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, EMBED)  # fmt: skip
+          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, EMBED, False)  # fmt: skip
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
     attention_phase(
@@ -159,13 +172,15 @@ def decoder_layer_kernel(
         combine_heads(part_o_ptr, part_lse_ptr, xo, M, (pid % KS_O) * (KCO // D), num_splits, NH, D, KCO // D, 4, BLOCK_S, DTYPE)
     tl.debug_barrier()
     stamp(t_ptr, 15, TIMING)
-    gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
-    # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm.
-    phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True)
+    gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
+               False, LAMPORT_O)  # fmt: skip
+    # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm. No
+    # barrier with LAMPORT_O: the norm waits for o_part itself.
+    phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True, not LAMPORT_O)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
-          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False)  # fmt: skip
+          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False, LAMPORT_O)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE,
                False, LAMPORT)  # fmt: skip
     # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item. No
