@@ -214,31 +214,38 @@ def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.view(bits) == torch.iinfo(bits).min
 
 
+def lamport_garbage_is_cleared_by_after_resume(model, backend, path, buffer: str, rows: int, written: int) -> None:
+    """`path.<buffer>` is a Lamport buffer (engine/models/lamport.py): its consumer waits until its
+    slice holds no -0.0, with no grid barrier after its producer. Garbage in it (a resumed
+    `cuda_graph` region) is turned back into sentinels by `after_resume`; a step then leaves
+    exactly `written` elements that are not the sentinel (what it wrote and has not put the sentinel
+    back into yet) and gives the same output as before the garbage: had the garbage stayed, the
+    consumer would have read it as data."""
+    step = _decode_step(rows, seed=41 + rows, vocab=model.config.vocab_size)
+    ctx = ForwardContext(backend, step.meta)
+    cache0 = backend.kv_cache.clone()
+    t = getattr(path, buffer)
+    with torch.inference_mode():
+        first = path.forward(step.input_ids, step.positions, ctx).clone()
+        torch.cuda.synchronize()
+        t.normal_()
+        path.after_resume()
+        assert _minus_zeros(t).all()
+        backend.kv_cache.copy_(cache0)
+        again = path.forward(step.input_ids, step.positions, ctx)
+        torch.cuda.synchronize()
+    assert torch.equal(again, first)
+    assert int((~_minus_zeros(t)).sum()) == written
+
+
 @pytest.mark.parametrize("buffer", ["act", "o_part"])
 def test_lamport_buffers_get_their_sentinel_back_and_after_a_resume(setup, buffer: str) -> None:
-    """act and o_part carry no grid barrier between their producer and consumer (gate_up ->
-    down_proj, o_proj -> the norm after it): the consumer waits until its slice holds no -0.0.
-    Garbage in them (a resumed `cuda_graph` region) is turned back into sentinels by
-    `after_resume`; a step then writes exactly its own rows, never -0.0, and gives the same output
-    as before the garbage: had it stayed, the consumer would have read it as data."""
+    """act (gate_up -> down_proj) and o_part (o_proj -> the norm after it); after a step each holds
+    the last layer's values in the step's rows: each layer puts the sentinel back at its start."""
     model, backend, fused = setup
     for rows in (1, 3):
-        step = _decode_step(rows, seed=41 + rows, vocab=model.config.vocab_size)
-        ctx = ForwardContext(backend, step.meta)
-        cache0 = backend.kv_cache.clone()
-        t = getattr(fused, buffer)
-        per_row = t.shape[1] if buffer == "act" else fused.ks_o * t.shape[2]  # elements a row of the step writes
-        with torch.inference_mode():
-            first = fused.forward(step.input_ids, step.positions, ctx).clone()
-            torch.cuda.synchronize()
-            t.normal_()
-            fused.after_resume()
-            assert _minus_zeros(t).all()
-            backend.kv_cache.copy_(cache0)
-            again = fused.forward(step.input_ids, step.positions, ctx)
-            torch.cuda.synchronize()
-        assert torch.equal(again, first)
-        assert int((~_minus_zeros(t)).sum()) == rows * per_row
+        per_row = fused.act.shape[1] if buffer == "act" else fused.ks_o * fused.o_part.shape[2]
+        lamport_garbage_is_cleared_by_after_resume(model, backend, fused, buffer, rows, rows * per_row)
 
 
 def test_a_zero_product_is_stored_as_plus_zero(tmp_path_factory: pytest.TempPathFactory) -> None:
