@@ -11,8 +11,8 @@ Rules for a buffer used so:
   product and norm (only a zero's sign can differ).
 - A consumer loads what it needs with volatile loads until no element is -0.0 (`unwritten`), and
   uses what it loaded (`await_sum`), or reads it again once it has seen all of it (`await_rows`;
-  the stores are visible at L2, the point every later load reaches). No release fence, no counter, no barrier between the two:
-  the data's last store is the signal.
+  the stores are visible at L2, the point every later load reaches). No release fence, no
+  counter, no barrier between the two: the data's last store is the signal.
 - -0.0 goes back into every element (`sentinel_like`) before the buffer's next use and after its last
   consumer has read it; where that is safe is the owner's rule.
 """
