@@ -7,6 +7,8 @@ multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
   and the new K/V rows equal the layer-by-layer forward's within bf16 rounding (layer 0's K/V
   rows bit for bit), and no other cache row changes;
 - graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
+- the per-(row, KV head) split counters (the last split merges): 0 after every step, and zeroed
+  after a resume;
 - the Lamport buffers act and o_part (no barrier between gate_up and down_proj, o_proj and the
   norm after it): back to their sentinel after a resume, and a gate_up output of -0.0 stored as
   +0.0 (else down_proj would wait forever);
@@ -206,6 +208,30 @@ def barrier_garbage_is_cleared_by_after_resume(model, backend, path, rows: int) 
 def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
     model, backend, fused = setup
     barrier_garbage_is_cleared_by_after_resume(model, backend, fused, 1)
+
+
+def test_split_counters_end_each_step_at_zero_and_are_zeroed_after_a_resume(setup) -> None:
+    """The last split of each (row, KV head) to end merges the splits and zeroes its counter, so
+    after a step every counter is 0; counters handed back as garbage (a resumed `cuda_graph`
+    region) are zeroed by `after_resume`, and the step then equals the first. A counter left at
+    garbage would skip its merge, and o_proj would read a stale attention output."""
+    model, backend, fused = setup
+    for rows in (1, 3):
+        step = _decode_step(rows, seed=61 + rows, vocab=model.config.vocab_size)
+        ctx = ForwardContext(backend, step.meta)
+        cache0 = backend.kv_cache.clone()
+        with torch.inference_mode():
+            first = fused.forward(step.input_ids, step.positions, ctx).clone()
+            torch.cuda.synchronize()
+            assert int(fused.counts.abs().sum()) == 0
+            fused.counts.fill_(5)
+            fused.ao.normal_()
+            fused.after_resume()
+            assert int(fused.counts.abs().sum()) == 0
+            backend.kv_cache.copy_(cache0)
+            again = fused.forward(step.input_ids, step.positions, ctx)
+            torch.cuda.synchronize()
+        assert torch.equal(again, first)
 
 
 def _minus_zeros(t: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,14 @@ against it; the model's forward hands it every step it `applies` to (decode, 1..
 its own attention backend), eager or captured. Everything else runs the layers as before.
 
 Rules:
-- The scratch (qkv, attention partials, o_proj's per-program merge rows, o/down_proj partial
-  sums, the two stream buffers, the barrier counter) is allocated once, for max_rows, and sliced
+- The scratch (qkv, attention partials, the merged attention output and the per-(row, KV head)
+  split counters, o/down_proj partial sums, the two stream buffers, the barrier counter) is
+  allocated once, for max_rows, and sliced
   by nothing: the kernels index rows up to M, so every graph batch size shares it. The barrier
-  counter needs no reset between steps (each barrier leaves its low bits 0); it is zeroed when
-  built and after a resume of the `cuda_graph` region (`after_resume`), so garbage handed back
-  cannot stall a barrier. act (gate_up's output) and o_part (o_proj's partial sums) are Lamport
+  counter and the split counters need no reset between steps (each barrier leaves its low bits 0,
+  each (row, KV head)'s merger zeroes its counter); they are zeroed when built and after a resume
+  of the `cuda_graph` region (`after_resume`), so garbage handed back cannot stall a barrier or
+  skip a merge. act (gate_up's output) and o_part (o_proj's partial sums) are Lamport
   buffers (engine/models/lamport.py: down_proj and the norm after o_proj wait on their data, not
   on a barrier); they are filled with the sentinel -0.0 at the same two points, so garbage cannot
   pass for data either.
@@ -21,7 +23,8 @@ Rules:
 - K splits of o_proj and down_proj: as many (1, 2, 4, 8) as keep the items within one wave
   (o_proj's of whole heads), so each program has at most one o_proj item.
 - Split-KV: one attention item per program (rows * KV heads * splits <= P); splits fill that
-  wave, capped so that a step's (row, split) pairs fit one merge load (_PAIR_ELEMENTS).
+  wave, capped by the pair cap (_PAIR_ELEMENTS), which bounds the merge's one load of a row's
+  splits (layer_attention.merge_last).
 
 SIESTA_FUSED_DECODE=0 turns it off (read at construction).
 """
@@ -49,7 +52,7 @@ _BN = 32  # output columns per GEMV item
 _BK = 128  # K per step of the GEMV loops
 _STAGES = 5  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
 # L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth and thirty-ninth sessions): each
-# o_proj item's whole tile while the attention's barrier waits and under the split merge; the first
+# o_proj item's whole tile while the attention's barrier waits; the first
 # 256 columns of each gate_up row while o_proj's barrier waits and under the norm (the whole row: no
 # better); the first 512 of each down_proj item's K split while gate_up's barrier waits, by the
 # programs that had a gate_up item (issued before it, they slowed gate_up as much as they saved);
@@ -67,8 +70,8 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 
 
 def kv_splits(programs: int, shape: LayerShape, rows: int) -> int:
-    """Split-KV parts per (row, KV head): fill one wave of programs within the pair cap
-    (combine_heads holds a step's (row, split) pairs, [4 heads, pairs, D] fp32)."""
+    """Split-KV parts per (row, KV head): fill one wave of programs within the pair cap (a step's
+    (row, split) pairs; merge_last loads a row's splits as [group heads, BLOCK_S, D] fp32)."""
     max_pairs = max(1, _PAIR_ELEMENTS // shape.d)
     return max(1, min(programs // (rows * shape.nkv), max_pairs // rows))
 
@@ -98,7 +101,7 @@ def layer_consts(
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
         Q_PRE=prefetch_width(shape.hidden, q_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
-        LAMPORT=bool(lamport & 1), LAMPORT_O=bool(lamport & 2), MAX_M=rows,
+        LAMPORT=bool(lamport & 1), LAMPORT_O=bool(lamport & 2), MAX_M=rows, GP=triton.next_power_of_2(shape.nh // shape.nkv),
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False, launch_pdl=use_pdl,
     )  # fmt: skip
 
@@ -136,7 +139,8 @@ class FusedDecode:
         self.norm_everywhere = norm_everywhere
         self.xn = torch.zeros(P if norm_everywhere else 1, rows, self.shape.hidden, **half)
         self.qkv = torch.zeros(rows, (self.shape.nh + 2 * self.shape.nkv) * self.shape.d, **half)
-        self.xo = torch.zeros(P, _BM, self.shape.nh * self.shape.d // self.ks_o, **half)
+        self.ao = torch.zeros(rows, self.shape.nh * self.shape.d, **half)  # the attention output, splits merged
+        self.counts = torch.zeros(rows, self.shape.nkv, dtype=torch.int32, device=device)  # splits done per (row, KV head)
         self.act = torch.zeros(rows, self.shape.inter, **half)
         self.o_part = torch.zeros(self.ks_o, rows, self.shape.hidden, **f32)
         self.down = torch.zeros(self.ks_d, rows, self.shape.hidden, **f32)
@@ -147,7 +151,7 @@ class FusedDecode:
         self.sm_scale_log2 = backend.scale * 1.4426950408889634
         self.nbytes = sum(
             t.numel() * t.element_size()
-            for t in (self.h, self.h_mid, self.xn, self.qkv, self.xo, self.act, self.o_part, self.down, self.part_o, self.part_lse, self.barrier)
+            for t in (self.h, self.h_mid, self.xn, self.qkv, self.ao, self.act, self.o_part, self.down, self.part_o, self.part_lse, self.barrier, self.counts)
         )
         self.compiled: object = None  # the layer kernel as last launched (bench: registers, spills)
         self._unwrite()
@@ -156,6 +160,7 @@ class FusedDecode:
         """The `cuda_graph` region came back with undefined contents: the barrier counter starts
         at zero, the Lamport buffers all sentinel."""
         self.barrier.zero_()
+        self.counts.zero_()
         self._unwrite()
 
     def _unwrite(self) -> None:
@@ -194,8 +199,8 @@ class FusedDecode:
                 attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
                 (lm.layers[i + 1] if has_next else layer).self_attn.qkv_proj.weight,
                 self.xn, self.qkv, positions, cos_sin, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping,
-                self.part_o, self.part_lse, self.xo, self.o_part, self.act, self.down, self.barrier,
-                timing[i] if timing is not None else self.barrier,
+                self.part_o, self.part_lse, self.ao, self.o_part, self.act, self.down, self.barrier,
+                timing[i] if timing is not None else self.barrier, self.counts,
                 m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn, int(has_next),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
                 HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, NORM_EVERYWHERE=everywhere, TIMING=timing is not None,

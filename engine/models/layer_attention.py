@@ -13,9 +13,11 @@ that store. Each split runs the online softmax (base 2) over its chunk of the ro
 tiles of ABN tokens; the chunk is an even share rounded up to whole tiles
 (engine/attention/split_kv.py's `split_chunk`). Every split writes its normalized output and
 log-sum-exp (empty splits and rows of seq_len 0, graph padding, write zeros and -inf; padding
-rows write no cache row).
-`combine_heads` merges the splits of some heads for every row: the o_proj items call it for
-the heads of their K chunk (layer_kernel.py), so no program waits on another's splits.
+rows write no cache row), then counts itself done on its (row, KV head)'s counter; the last of
+the row's splits to arrive merges them (`merge_last`) into the attention output, which o_proj
+reads after the barrier. Merged once per (row, KV head), not by every o_proj item for the heads of
+its K chunk as before (each merged 32 KB of partials that 31 others merged too; 0.6B, H100: one
+row 2.5 %, four rows 7 % faster: bench/RESULTS.md, fiftieth session).
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def attention_phase(
     M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     ABN: tl.constexpr, DTYPE: tl.constexpr, t_ptr, TIMING: tl.constexpr,
+    count_ptr, ao_ptr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
+    # count_ptr [M, NKV] int32 (zero between layers), ao_ptr [M, NH * D] DTYPE: merge_last's. GP:
+    # GROUP rounded up to a power of two; BLOCK_S: at least num_splits.
     GROUP: tl.constexpr = NH // NKV
     BH: tl.constexpr = 16 if GROUP < 16 else GROUP  # tl.dot's smallest M
     HALF: tl.constexpr = D // 2
@@ -178,29 +183,33 @@ def attention_phase(
         part = (m * NH + heads) * num_splits + s  # [BH]
         tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
         tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=h_ok)
+        merge_last(part_o_ptr, part_lse_ptr, count_ptr + m * NKV + g, ao_ptr + m * (NH * D) + g * GROUP * D,
+                   (m * NH + g * GROUP) * num_splits, num_splits, GROUP, GP, D, BLOCK_S, DTYPE)  # fmt: skip
 
 
 @triton.jit
-def combine_heads(
-    part_o_ptr, part_lse_ptr, dst_ptr, M, h0, num_splits,
-    NH: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, HG: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
+def merge_last(
+    part_o_ptr, part_lse_ptr, count_ptr, dst_ptr, base, num_splits,
+    GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    # dst [M, HEADS * D] (DTYPE) = the attention output of heads h0..h0+HEADS-1 of every row, each
-    # row's splits merged by their log-sum-exp, HG heads per load. The (row, split) pairs of a step
-    # are at most BLOCK_S (rows * splits <= fused_decode's pair cap), so one load brings them all.
-    r = tl.arange(0, BLOCK_S)[None, :]  # (row, split) pair
-    row = r // num_splits
-    dd = tl.arange(0, D)[None, :]
-    for j0 in tl.static_range(0, HEADS, HG):
-        j = j0 + tl.arange(0, HG)[:, None]  # [HG, 1]: head within the chunk
-        ok = (j < HEADS) & (row < M)
-        idx = (row * NH + h0 + j) * num_splits + r % num_splits  # [HG, BLOCK_S]
+    # Called by every split of a (row, KV head) once its partials are stored: the last of the
+    # num_splits to arrive merges them by their log-sum-exp into dst [GROUP * D] (DTYPE), the row's
+    # attention output of the group's heads, and zeroes the counter for the next layer. Release on
+    # arrival, acquire by the merger, partials read from L2 in one load. base: index of the group's
+    # head 0, split 0 in the partials.
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == num_splits - 1:
+        tl.store(count_ptr, 0)
+        j = tl.arange(0, GP)[:, None]
+        r = tl.arange(0, BLOCK_S)[None, :]
+        ok = (j < GROUP) & (r < num_splits)
+        idx = base + j * num_splits + r  # [GP, BLOCK_S]
+        dd = tl.arange(0, D)[None, :]
         lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
         po = tl.load(part_o_ptr + idx[:, :, None] * D + dd[None, :, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        for mm in range(M):
-            lm = tl.where(row == mm, lse, float("-inf"))  # [HG, BLOCK_S]: row mm's splits
-            mx = tl.max(lm, 1)
-            w = tl.exp2(lm - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
-            sw = tl.sum(w, 1)
-            out = tl.sum(po * w[:, :, None], 1) / tl.where(sw > 0, sw, 1.0)[:, None]  # [HG, D]
-            tl.store(dst_ptr + mm * (HEADS * D) + j * D + dd, out.to(DTYPE), mask=j < HEADS)
+        mx = tl.max(lse, 1)
+        w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx)[:, None])
+        sw = tl.sum(w, 1)
+        out = tl.sum(po * w[:, :, None], 1) / tl.where(sw > 0, sw, 1.0)[:, None]  # [GP, D]
+        tl.store(dst_ptr + j * D + dd, out.to(DTYPE), mask=j < GROUP)

@@ -18,10 +18,9 @@ NORM_EVERYWHERE's norms):
      session).
   2. qkv = xn @ w_qkv.T (+ bias), tiles of BN columns.
   3. attention (layer_attention.py): q/k norm and rope in registers, the new K/V row into the
-     cache, split-KV over each row's context; every split writes its partial output and lse.
-  4. o_proj, one item per program (tile, K split c of whole heads): the item merges the splits
-     of its heads into its own scratch (combine_heads), then o_part[c] [M, hidden] fp32 partial
-     sums.
+     cache, split-KV over each row's context; every split writes its partial output and lse,
+     and the last split of each (row, KV head) merges them into ao [M, NH * D].
+  4. o_proj, one item per program (tile, K split c): o_part[c] [M, hidden] fp32 partial sums.
   5. norm (programs P-1..P-M; NORM_EVERYWHERE as phase 1): h_mid = h + round(sum_c o_part[c])
      -> h_mid; its RMSNorm -> xn.
   6. act = silu(gate) * up of xn @ w_gate_up.T.
@@ -36,12 +35,13 @@ was slower at one row: bench/RESULTS.md, forty-ninth session).
 LAMPORT_O: o_part the same, between phases 4 and 5: o_proj stores no -0.0 and the norm sums the
 partials it loaded once none is -0.0 (grid_phases.norm_phase's PART_LAMPORT), so the wait costs no
 second read; the sentinel goes back into each program's o_proj tile (rows up to MAX_M) after the
-next layer's PDL wait. One row, H100: the step 1.2 % faster (2 and 4 rows the same). The merge
-waiting on the attention's partials instead of its barrier was much slower (the merge 2.6 -> 7-8
-us: bench/RESULTS.md, fiftieth session).
+next layer's PDL wait. One row, H100: the step 1.2 % faster (2 and 4 rows the same). Every
+o_proj item waiting so on the attention's split partials instead of its barrier (when each
+merged its heads' splits itself) was much slower (2.6 -> 7-8 us: bench/RESULTS.md, fiftieth
+session).
 L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
 weights of each row of the program's o_proj tile once it has arrived at the barrier after phase
-3, so they land while it waits and under the merge; G_PRE columns of its gate_up rows once its
+3, so they land while it waits; G_PRE columns of its gate_up rows once its
 o_proj item is done, over the wait (a barrier's, or LAMPORT_O's) and phase 5 (issued between a
 barrier's arrival and its wait, they delay neither the program's own loads nor its release:
 bench/RESULTS.md, thirty-ninth session); D_PRE columns of its down_proj item's K split once its
@@ -77,7 +77,7 @@ from engine.models.grid_phases import (
     stamp,
     unwrite_items,
 )
-from engine.models.layer_attention import attention_phase, attention_prologue, combine_heads
+from engine.models.layer_attention import attention_phase, attention_prologue
 
 
 @triton.jit
@@ -116,12 +116,13 @@ def decoder_layer_kernel(
     qkv_ptr,  # [M, QKV] scratch
     pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr,
     part_o_ptr, part_lse_ptr,  # split-KV partials: [pairs * NH, D] fp32 and [pairs * NH] fp32
-    xo_ptr,  # [P, BM, HID_O / KS_O] scratch: each o_proj item's merged attention output
+    ao_ptr,  # [MAX_M, NH * D] scratch: the attention output, its splits merged (layer_attention.merge_last)
     o_part_ptr,  # [KS_O, MAX_M, HID] fp32
     act_ptr,  # [M, I] scratch
     down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
+    count_ptr,  # [MAX_M, NKV] int32: splits of each (row, KV head) done; zero between layers
     M, num_splits, eps, sm_scale_log2, stride_part, stride_xn, has_next,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
@@ -129,12 +130,12 @@ def decoder_layer_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_SIZE: tl.constexpr, ABN: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr, FIRST_ADD: tl.constexpr,
     NORM_EVERYWHERE: tl.constexpr, USE_PDL: tl.constexpr, O_PRE: tl.constexpr, G_PRE: tl.constexpr, Q_PRE: tl.constexpr,
-    D_PRE: tl.constexpr, LAMPORT: tl.constexpr, LAMPORT_O: tl.constexpr, MAX_M: tl.constexpr, TIMING: tl.constexpr = False,
+    D_PRE: tl.constexpr, LAMPORT: tl.constexpr, LAMPORT_O: tl.constexpr, MAX_M: tl.constexpr, GP: tl.constexpr,
+    TIMING: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
     EMBED: tl.constexpr = KS_PREV == 0  # layer 0: the stream is the embedding of the step's tokens
-    KCO: tl.constexpr = NH * D // KS_O  # o_proj's K per item: whole heads
     pid = tl.program_id(0)
     # The row phases run on the last programs, which the next GEMV phase leaves without an item
     # (its tiles fill at most P - M programs) or with the least to do.
@@ -161,18 +162,13 @@ def decoder_layer_kernel(
         m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2,
         qkv_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, part_o_ptr, part_lse_ptr,
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
-        NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING,
+        NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING, count_ptr, ao_ptr, GP, BLOCK_S,
     )  # fmt: skip
-    # o_proj's weight tile pulled into L2 while the barrier waits, and under the merge after it.
+    # o_proj's weight tile pulled into L2 while the barrier waits.
     phase_end_prefetching(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING, True, o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE, True)
-    # o_proj: at most one item per program (fused_decode.py), item = pid, K chunk c = pid % KS_O;
-    # it merges the splits of its chunk's heads into its own scratch rows first.
-    xo = xo_ptr + pid * (BM * KCO)
-    if pid < (HID // BN) * KS_O:
-        combine_heads(part_o_ptr, part_lse_ptr, xo, M, (pid % KS_O) * (KCO // D), num_splits, NH, D, KCO // D, 4, BLOCK_S, DTYPE)
-    tl.debug_barrier()
+    # o_proj: at most one item per program (fused_decode.py), on the merged attention output.
     stamp(t_ptr, 15, TIMING)
-    gemv_phase(xo - (pid % KS_O) * KCO, KCO, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
+    gemv_phase(ao_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
                False, LAMPORT_O)  # fmt: skip
     # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm. No
     # barrier with LAMPORT_O: the norm waits for o_part itself.
