@@ -200,6 +200,7 @@ def merge_last(
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
     if done == num_splits - 1:
+        tl.debug_barrier()  # every thread's loads after the acquire
         tl.store(count_ptr, 0)
         j = tl.arange(0, GP)[:, None]
         r = tl.arange(0, BLOCK_S)[None, :]
