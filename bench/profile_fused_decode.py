@@ -149,7 +149,8 @@ def main() -> None:
             ends = t[:, :, len(POINTS) - 1].max(1).values  # [L]: each layer's last program's end
             start = torch.cat([first[:1], ends[:-1]])  # a layer's clock starts where the one before ends
             line = [statistics.median((t[:, :, i].max(1).values - start).tolist()) / 1e3 for i in range(len(POINTS))]
-            # Inside phases: the attention item's KV loop done (14), o_proj's split merge done (15).
+            # Inside the attention phase: its item's KV loop done (14), its split counted, and merged
+            # by the last split (15).
             sub = [statistics.median((t_all[:, :, i].max(1).values - start).tolist()) / 1e3 for i in (14, 15)]
             early = (ends[:-1] - first[1:]).tolist()  # a layer's programs started this long before the previous one ended
             items = t_all[:, : rows * c.num_kv_heads * fused.splits(rows)]  # [L, programs with an item, STAMPS]
@@ -161,15 +162,15 @@ def main() -> None:
             say(f"{name}, rows {rows}: forward graph {plain:.3f} ms layer by layer, {fast:.3f} ms fused, max error {err:.2e} of max |out|")
             say(f"{name}, rows {rows}: layer kernels' placement: {placement(stamps)}")
     print(f"\n### fused decode, {args.shape}, context {args.context}: one layer's timeline (us, median over layers)\n")
-    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, o_proj merge | layer | started early | forward plain ms | fused ms |")
+    print("| variant, regs, spills | rows | " + " | ".join(POINTS[1:]) + " | attention loop, and merge | layer | started early | forward plain ms | fused ms |")
     print("| --- " * (len(POINTS) + 6) + "|")
     for r in results:
         # The clock starts at 0 (the previous layer's end); timeline_us[0] is the latest program's
         # start on it, before 0 where the layer's programs were scheduled early (PDL).
         clock = [0.0] + r["timeline_us"][1:]
         steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
-        # from the starts of the attention and o_proj phases (the barriers before them left)
-        loop, pub = (max(0.0, x - r["timeline_us"][i]) for x, i in zip(r["attention_us"], (4, 6), strict=True))
+        # from the attention phase's start (the barrier before it left)
+        loop, pub = (max(0.0, x - r["timeline_us"][4]) for x in r["attention_us"])
         early = "-" if r["started_early_us"] is None else f"{r['started_early_us']:.2f}"  # one layer: no layer before
         print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
               + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {early} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")

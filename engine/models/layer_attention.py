@@ -178,13 +178,14 @@ def attention_phase(
                 m_i = m_new
         # bench only (TIMING): inside the phase, q and k normed and rotated (17); in the loop's
         # last tile the tile ready (18), after q.k (19), the softmax (20) and p.v (21); after the
-        # loop (14). profile_fused_decode.py prints them per program.
+        # loop (14); after merge_last (15). profile_fused_decode.py prints them per program.
         stamp(t_ptr, 14, TIMING)
         part = (m * NH + heads) * num_splits + s  # [BH]
         tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
         tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=h_ok)
         merge_last(part_o_ptr, part_lse_ptr, count_ptr + m * NKV + g, ao_ptr + m * (NH * D) + g * GROUP * D,
                    (m * NH + g * GROUP) * num_splits, num_splits, GROUP, GP, D, BLOCK_S, DTYPE)  # fmt: skip
+        stamp(t_ptr, 15, TIMING)  # bench only: counted, and merged if last
 
 
 @triton.jit

@@ -167,7 +167,6 @@ def decoder_layer_kernel(
     # o_proj's weight tile pulled into L2 while the barrier waits.
     phase_end_prefetching(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING, True, o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE, True)
     # o_proj: at most one item per program (fused_decode.py), on the merged attention output.
-    stamp(t_ptr, 15, TIMING)
     gemv_phase(ao_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, stride_part, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
                False, LAMPORT_O)  # fmt: skip
     # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm. No
