@@ -10,6 +10,7 @@ import json
 import random
 import re
 import time
+from pathlib import Path
 
 import httpx
 from server_util import ServerProcess, sse_data
@@ -102,14 +103,26 @@ def test_a_stalled_reader_holds_up_no_other_stream(demo_server: ServerProcess) -
     """A client that reads nothing until its request has finished in the engine has the server
     hold megabytes of events (each repeats every logprob so far), more than the socket buffers
     take: the server's sends to it wait (HTTP flow control), other streams go on meanwhile, and
-    once it reads, it gets every event, in order, then [DONE]."""
+    once it reads, it gets every event, in order, then [DONE]. The client's receive buffer is
+    made small, so the bytes past it and the server's largest send buffer (tcp_wmem) had to wait
+    in the server; how many events there are depends on how many engine steps each drain covers
+    (event_stream.py), so the volume is checked against those buffers, not a fixed figure."""
     import socket
 
     import h11
 
+    try:
+        wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        wmem_max = 4 << 20  # Linux's default tcp_wmem maximum
+
     body = json.dumps({"input_ids": list(range(3, 103)), "return_logprob": True, "top_logprobs_num": 5, "stream": True,
                        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}).encode()
-    sock = socket.create_connection(("127.0.0.1", demo_server.port), timeout=60)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # before connect: the window stays small
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", demo_server.port))
+    rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
     conn = h11.Connection(h11.CLIENT)
     headers = [("host", "x"), ("content-type", "application/json"), ("content-length", str(len(body)))]
     sock.sendall(conn.send(h11.Request(method="POST", target="/generate", headers=headers)) + conn.send(h11.Data(data=body)))
@@ -135,7 +148,7 @@ def test_a_stalled_reader_holds_up_no_other_stream(demo_server: ServerProcess) -
     finally:
         sock.close()
     data = b"".join(chunks)
-    assert len(data) > 8 << 20
+    assert len(data) > rcvbuf + wmem_max
     events = [e[len(b"data: "):] for e in data.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]"
     counts = [json.loads(e)["meta_info"]["completion_tokens"] for e in events[:-1]]
