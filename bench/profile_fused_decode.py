@@ -170,10 +170,10 @@ def main() -> None:
         clock = [0.0] + r["timeline_us"][1:]
         steps = [b - a for a, b in zip(clock, clock[1:], strict=False)]
         # from the attention phase's start (the barrier before it left)
-        loop, pub = (max(0.0, x - r["timeline_us"][4]) for x in r["attention_us"])
+        loop, merge = (max(0.0, x - r["timeline_us"][4]) for x in r["attention_us"])
         early = "-" if r["started_early_us"] is None else f"{r['started_early_us']:.2f}"  # one layer: no layer before
         print(f"| {r['variant']}, {r['regs']}, {r['spills']} | {r['rows']} | " + " | ".join(f"{s:.2f}" for s in steps)
-              + f" | {loop:.2f}, {pub:.2f} | {r['timeline_us'][-1]:.2f} | {early} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
+              + f" | {loop:.2f}, {merge:.2f} | {r['timeline_us'][-1]:.2f} | {early} | {r['plain_ms']:.3f} | {r['fused_ms']:.3f} |")
     print("\n### inside the attention phase (us, each program's own stamps, median over layers and programs)\n")
     print("| variant | rows | " + " | ".join(n for n, _, _ in ATTENTION_PARTS) + " |")
     print("| --- " * (len(ATTENTION_PARTS) + 2) + "|")
