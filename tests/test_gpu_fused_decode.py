@@ -182,27 +182,39 @@ def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
     padding_rows_write_nothing(model, backend, fused, 4)
 
 
-def barrier_garbage_is_cleared_by_after_resume(model, backend, path, rows: int) -> None:
-    """The persistent kernels' grid-barrier counter is not reset between steps: a step after
-    several others (an odd number of barriers between them included) equals the first, and a
-    counter handed back as garbage (a resumed `cuda_graph` region) is zeroed by `after_resume`,
-    after which the step equals the first again. Without that reset the barrier would hang or
-    let programs run ahead: garbage has nonzero low bits."""
-    step = _decode_step(rows, seed=31, vocab=model.config.vocab_size)
+def garbage_is_cleared_by_after_resume(
+    model, backend, path, rows: int, seed: int, plant: Callable[[], object], cleared: Callable[[], bool]
+) -> None:
+    """State a decode path keeps from one step to the next, reset by `path.after_resume`: three
+    steps in a row give the same output; garbage put in by `plant` (a resumed `cuda_graph` region
+    comes back with undefined contents) leaves `cleared()` true after `after_resume`, and the
+    step then equals the first again. The caller checks the state the last step left."""
+    step = _decode_step(rows, seed=seed, vocab=model.config.vocab_size)
     ctx = ForwardContext(backend, step.meta)
     cache0 = backend.kv_cache.clone()
     with torch.inference_mode():
         first = path.forward(step.input_ids, step.positions, ctx).clone()
-        for _ in range(3):
+        for _ in range(2):
             backend.kv_cache.copy_(cache0)
             assert torch.equal(path.forward(step.input_ids, step.positions, ctx), first)
-        assert path.barrier.item() & 0x7FFFFFFF == 0  # every barrier left its low bits 0
-        path.barrier.fill_(0x1234567)
+        plant()
         path.after_resume()
+        assert cleared()
         backend.kv_cache.copy_(cache0)
         again = path.forward(step.input_ids, step.positions, ctx)
         torch.cuda.synchronize()
     assert torch.equal(again, first)
+
+
+def barrier_garbage_is_cleared_by_after_resume(model, backend, path, rows: int) -> None:
+    """The persistent kernels' grid-barrier counter is not reset between steps (an odd number of
+    barriers between them included), and every barrier leaves its low bits 0. A counter handed
+    back as garbage would hang the barrier or let programs run ahead (nonzero low bits):
+    `after_resume` zeroes it."""
+    garbage_is_cleared_by_after_resume(
+        model, backend, path, rows, 31, lambda: path.barrier.fill_(0x1234567), lambda: path.barrier.item() == 0
+    )
+    assert path.barrier.item() & 0x7FFFFFFF == 0
 
 
 def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
@@ -212,26 +224,15 @@ def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
 
 def test_split_counters_end_each_step_at_zero_and_are_zeroed_after_a_resume(setup) -> None:
     """The last split of each (row, KV head) to end merges the splits and zeroes its counter, so
-    after a step every counter is 0; counters handed back as garbage (a resumed `cuda_graph`
-    region) are zeroed by `after_resume`, and the step then equals the first. A counter left at
-    garbage would skip its merge, and o_proj would read a stale attention output."""
+    after a step every counter is 0. Counters left at garbage would skip merges, and o_proj would
+    read a stale attention output (ao, garbage too): `after_resume` zeroes them."""
     model, backend, fused = setup
     for rows in (1, 3):
-        step = _decode_step(rows, seed=61 + rows, vocab=model.config.vocab_size)
-        ctx = ForwardContext(backend, step.meta)
-        cache0 = backend.kv_cache.clone()
-        with torch.inference_mode():
-            first = fused.forward(step.input_ids, step.positions, ctx).clone()
-            torch.cuda.synchronize()
-            assert int(fused.counts.abs().sum()) == 0
-            fused.counts.fill_(5)
-            fused.ao.normal_()
-            fused.after_resume()
-            assert int(fused.counts.abs().sum()) == 0
-            backend.kv_cache.copy_(cache0)
-            again = fused.forward(step.input_ids, step.positions, ctx)
-            torch.cuda.synchronize()
-        assert torch.equal(again, first)
+        garbage_is_cleared_by_after_resume(
+            model, backend, fused, rows, 61 + rows, lambda: (fused.counts.fill_(5), fused.ao.normal_()),
+            lambda: int(fused.counts.abs().sum()) == 0,
+        )  # fmt: skip
+        assert int(fused.counts.abs().sum()) == 0
 
 
 def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
@@ -240,38 +241,19 @@ def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.view(bits) == torch.iinfo(bits).min
 
 
-def lamport_garbage_is_cleared_by_after_resume(model, backend, path, buffer: str, rows: int, written: int) -> None:
-    """`path.<buffer>` is a Lamport buffer (engine/models/lamport.py): its consumer waits until its
-    slice holds no -0.0, with no grid barrier after its producer. Garbage in it (a resumed
-    `cuda_graph` region) is turned back into sentinels by `after_resume`; a step then leaves
-    exactly `written` elements that are not the sentinel (what it wrote and has not put the sentinel
-    back into yet) and gives the same output as before the garbage: had the garbage stayed, the
-    consumer would have read it as data."""
-    step = _decode_step(rows, seed=41 + rows, vocab=model.config.vocab_size)
-    ctx = ForwardContext(backend, step.meta)
-    cache0 = backend.kv_cache.clone()
-    t = getattr(path, buffer)
-    with torch.inference_mode():
-        first = path.forward(step.input_ids, step.positions, ctx).clone()
-        torch.cuda.synchronize()
-        t.normal_()
-        path.after_resume()
-        assert _minus_zeros(t).all()
-        backend.kv_cache.copy_(cache0)
-        again = path.forward(step.input_ids, step.positions, ctx)
-        torch.cuda.synchronize()
-    assert torch.equal(again, first)
-    assert int((~_minus_zeros(t)).sum()) == written
-
-
 @pytest.mark.parametrize("buffer", ["act", "o_part"])
 def test_lamport_buffers_get_their_sentinel_back_and_after_a_resume(setup, buffer: str) -> None:
-    """act (gate_up -> down_proj) and o_part (o_proj -> the norm after it); after a step each holds
-    the last layer's values in the step's rows: each layer puts the sentinel back at its start."""
+    """act (gate_up -> down_proj) and o_part (o_proj -> the norm after it) are Lamport buffers
+    (engine/models/lamport.py): their consumer waits until its slice holds no -0.0, with no grid
+    barrier after the producer. Garbage in one would be read as data: `after_resume` turns it
+    back into sentinels. After a step the buffer holds exactly the last layer's values in the
+    step's rows: each layer puts the sentinel back at its start."""
     model, backend, fused = setup
+    t = getattr(fused, buffer)
+    per_row = t.shape[1] if buffer == "act" else fused.ks_o * t.shape[2]
     for rows in (1, 3):
-        per_row = fused.act.shape[1] if buffer == "act" else fused.ks_o * fused.o_part.shape[2]
-        lamport_garbage_is_cleared_by_after_resume(model, backend, fused, buffer, rows, rows * per_row)
+        garbage_is_cleared_by_after_resume(model, backend, fused, rows, 41 + rows, t.normal_, lambda: bool(_minus_zeros(t).all()))
+        assert int((~_minus_zeros(t)).sum()) == rows * per_row
 
 
 def test_a_zero_product_is_stored_as_plus_zero(tmp_path_factory: pytest.TempPathFactory) -> None:

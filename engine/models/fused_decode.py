@@ -23,8 +23,9 @@ Rules:
 - K splits of o_proj and down_proj: as many (1, 2, 4, 8) as keep the items within one wave
   (o_proj's of whole heads), so each program has at most one o_proj item.
 - Split-KV: one attention item per program (rows * KV heads * splits <= P); splits fill that
-  wave, capped by the pair cap (_PAIR_ELEMENTS), which bounds the merge's one load of a row's
-  splits (layer_attention.merge_last).
+  wave, at most _MERGE_ELEMENTS // head_dim per row: merge_last loads a (row, KV head)'s splits
+  in one [group heads, BLOCK_S, D] fp32 load, BLOCK_S the most splits of any row (a one-row
+  step's).
 
 SIESTA_FUSED_DECODE=0 turns it off (read at construction).
 """
@@ -61,7 +62,7 @@ _O_PRE = 1 << 30  # more than any row: the whole tile
 _G_PRE = 256
 _Q_PRE = 256
 _D_PRE = 512
-_PAIR_ELEMENTS = 2048  # (row, split) pairs x head_dim per step: 16 pairs at head_dim 128
+_MERGE_ELEMENTS = 2048  # splits x head_dim of a row: 16 splits at head_dim 128 (merge_last's registers)
 
 
 def unsupported(model: nn.Module, backend: object) -> str | None:
@@ -70,10 +71,10 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 
 
 def kv_splits(programs: int, shape: LayerShape, rows: int) -> int:
-    """Split-KV parts per (row, KV head): fill one wave of programs within the pair cap (a step's
-    (row, split) pairs; merge_last loads a row's splits as [group heads, BLOCK_S, D] fp32)."""
-    max_pairs = max(1, _PAIR_ELEMENTS // shape.d)
-    return max(1, min(programs // (rows * shape.nkv), max_pairs // rows))
+    """Split-KV parts per (row, KV head): fill one wave of programs, at most _MERGE_ELEMENTS //
+    head_dim (merge_last loads a row's splits as [group heads, BLOCK_S, D] fp32). Never more for
+    more rows, so a one-row step's is the most."""
+    return max(1, min(programs // (rows * shape.nkv), _MERGE_ELEMENTS // shape.d))
 
 
 def most_pairs(programs: int, shape: LayerShape, rows: int) -> int:
@@ -97,7 +98,7 @@ def layer_consts(
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter, QK_NORM=shape.qk_norm,
         KS_O=ks_o, KS_D=ks_d,
-        BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(most_pairs(programs, shape, rows)),
+        BM=_BM, BN=bn, BK=bk, BLOCK_SIZE=block_size, ABN=64 if shape.d <= 128 else 32, BLOCK_S=triton.next_power_of_2(kv_splits(programs, shape, 1)),
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1),
         USE_PDL=use_pdl, O_PRE=prefetch_width(shape.nh * shape.d // ks_o, o_pre), G_PRE=prefetch_width(shape.hidden, g_pre),
         Q_PRE=prefetch_width(shape.hidden, q_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),

@@ -55,11 +55,11 @@ def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
 
 
 @functools.cache
-def _num_sms(index: int) -> int:
+def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _block_m(m: int) -> int:
+def block_m(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())  # tl.dot needs at least 16 rows
 
 
@@ -176,7 +176,7 @@ def skinny_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"skinny_linear: out {tuple(out.shape)} {out.dtype} for an [{m}, {n}] {x.dtype} result")
-    block_n = block_n or _block_n(n, _num_sms(x.device.index or 0))
+    block_n = block_n or _block_n(n, num_sms(x.device.index or 0))
     block_k = block_k or (128 if k >= 128 else max(16, 1 << (k - 1).bit_length()))
     use_pdl = pdl.enabled(x.device)
     line = 128 // x.element_size()  # elements per 128-byte line
@@ -184,7 +184,7 @@ def skinny_linear(
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
-        BLOCK_M=_block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
         USE_PDL=use_pdl, LINE=line,
         PREFETCH_LINES=_prefetch_lines(weight.numel() * x.element_size(), k, line) if prefetch else 0,
         num_warps=num_warps or 4, num_stages=num_stages or 5, launch_pdl=use_pdl and prefetch,

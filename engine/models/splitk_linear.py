@@ -76,7 +76,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and skinny_linear.MAX_ROWS < m <= MAX_ROWS and k % (KS * BLOCK_K) == 0 and n % BLOCK_N == 0
-        and KS * n // BLOCK_N >= skinny_linear._num_sms(x.device.index or 0) * 15 // 16 and weight.is_contiguous()
+        and KS * n // BLOCK_N >= skinny_linear.num_sms(x.device.index or 0) * 15 // 16 and weight.is_contiguous()
     )  # fmt: skip
 
 
@@ -87,7 +87,7 @@ def splitk_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     parts = torch.empty(KS, m, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(n // BLOCK_N, KS)](
-        x, weight, parts, m, n, k, BLOCK_M=skinny_linear._block_m(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
+        x, weight, parts, m, n, k, BLOCK_M=skinny_linear.block_m(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
         USE_PDL=pdl.enabled(x.device), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return parts
