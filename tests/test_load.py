@@ -2,9 +2,10 @@
 random aborts, and one memory release + resume in the middle of the load.
 
 Every request either completes with exactly the output computed before the load (greedy, fixed
-prompts), or ends cleanly: finish_reason "abort" with a prefix of that output (aborted ones), a
-503 (arrived while memory was released or being released; for a stream that the server accepted
-just before, the same 503 as an in-band error event), or a client-side disconnect. Afterwards every
+prompts), or ends cleanly: finish_reason "abort" with a prefix of that output (aborted ones), or
+a client-side disconnect. A 503 comes only while memory is released or being released (for a
+stream that the server accepted just before, as an in-band error event); the client then sends
+the request again, as an RL client retries. Afterwards every
 KV block is free, nothing runs, and a fixed greedy probe gives its output from before the load.
 Bounded: fixed request count, 64 in flight, timeouts everywhere, 150 s for the whole load.
 """
@@ -29,6 +30,11 @@ RELEASE_AFTER = 400  # the release starts when this many requests have started
 RELEASED_HOLD_S = 0.1  # how long the memory stays released
 LOAD_TIMEOUT_S = 150.0
 REQUEST_TIMEOUT_S = 60.0
+# A client answered 503 sends the request again after RETRY_S, as RL clients retry, at most
+# MAX_ATTEMPTS times: the release window then holds its 64 clients instead of using up the plan (503s
+# return at once, and a fast machine answered 600 of the 1,000 while the window was open).
+RETRY_S = 0.02
+MAX_ATTEMPTS = 200
 PROBE = {"input_ids": [5, 17, 99, 3, 250, 7], "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
 # kind: weight (of 100)
 KINDS = {"plain": 30, "stream": 30, "stream-leave": 10, "plain-leave": 8, "stream-abort": 12, "plain-abort": 10}
@@ -96,9 +102,9 @@ def test_load_with_disconnects_aborts_and_release(load_server: ServerProcess) ->
             outcome.detail = f"finish {reason}, ids {ids} != {expected[p]}"
         return outcome
 
-    async def one(http: httpx.AsyncClient, admin: httpx.AsyncClient, k: int) -> Outcome:
+    async def one(http: httpx.AsyncClient, admin: httpx.AsyncClient, k: int, attempt: int) -> Outcome:
         kind, p, leave_after, abort_delay = plan[k]
-        rid = f"load-{k}"
+        rid = f"load-{k}-{attempt}"
         outcome = Outcome(kind, "", time.monotonic())
         try:
             if kind.startswith("plain"):
@@ -149,6 +155,18 @@ def test_load_with_disconnects_aborts_and_release(load_server: ServerProcess) ->
         finally:
             outcome.end = time.monotonic()
 
+    unavailable: list[Outcome] = []  # every 503 answer, retried or not
+
+    async def attempts(http: httpx.AsyncClient, admin: httpx.AsyncClient, k: int) -> Outcome:
+        """Request k, sent again after each 503 (RETRY_S later, MAX_ATTEMPTS in all)."""
+        for attempt in range(MAX_ATTEMPTS):
+            outcome = await one(http, admin, k, attempt)
+            if outcome.result != "503":
+                return outcome
+            unavailable.append(outcome)
+            await asyncio.sleep(RETRY_S)
+        return outcome
+
     async def release_and_resume(admin: httpx.AsyncClient) -> None:
         window.start = time.monotonic()
         r = await admin.post("/release_memory_occupation", json={"tags": None, "mode": "wait"})
@@ -178,7 +196,7 @@ def test_load_with_disconnects_aborts_and_release(load_server: ServerProcess) ->
                     started += 1
                     if started == RELEASE_AFTER:
                         release.append(asyncio.create_task(release_and_resume(admin)))
-                    return await one(http, admin, k)
+                    return await attempts(http, admin, k)
 
             outcomes = await asyncio.gather(*(gated(k) for k in range(NUM_REQUESTS)))
             await asyncio.gather(*release)
@@ -189,16 +207,17 @@ def test_load_with_disconnects_aborts_and_release(load_server: ServerProcess) ->
     elapsed = time.monotonic() - t0
 
     bad = []
+    for o in unavailable:
+        if not (o.end >= window.start and o.start <= window.end):
+            bad.append(f"a {o.kind} request: 503 outside the release window ({o.start:.2f}-{o.end:.2f} vs {window.start:.2f}-{window.end:.2f})")
     for k, o in enumerate(outcomes):
-        if o.result == "503" and not (o.end >= window.start and o.start <= window.end):
-            o.detail = f"503 outside the release window ({o.start:.2f}-{o.end:.2f} vs {window.start:.2f}-{window.end:.2f})"
         if o.detail or not o.result:
             bad.append(f"request {k} ({o.kind}): {o.detail or o.result}")
     counts = Counter((o.kind, o.result) for o in outcomes)
-    print(f"{NUM_REQUESTS} requests in {elapsed:.1f} s: {dict(sorted(counts.items()))}")
+    print(f"{NUM_REQUESTS} requests in {elapsed:.1f} s ({len(unavailable)} answers 503): {dict(sorted(counts.items()))}")
     assert not bad, f"{len(bad)} bad requests:\n" + "\n".join(bad[:20])
     results = Counter(o.result for o in outcomes)
-    assert results["ok"] > NUM_REQUESTS // 4 and results["abort"] > 0 and results["503"] > 0 and results["disconnect"] > 0, results
+    assert results["ok"] > NUM_REQUESTS // 4 and results["abort"] > 0 and results["disconnect"] > 0 and unavailable, (results, len(unavailable))
     assert len(window.answers) == 2, window
 
     with load_server.client() as http:

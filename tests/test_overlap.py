@@ -133,7 +133,13 @@ def compare(model_dir: str, tmp_path: Path, atol: float, **knobs: object) -> int
 
 
 def test_overlap_changes_no_output_on_cpu(qwen3_dir: str, tmp_path: Path) -> None:
-    compare(qwen3_dir, tmp_path, atol=0.0, device="cpu", dtype="float32")
+    # A row that finished in step k (EOS, a stop token, an abort) still runs in step k+1 when
+    # overlapped, so that step's matmuls have one row more. Whether float32 rounding depends on
+    # the row count is the CPU's BLAS kernel's choice: identical on AVX2 machines, ~2e-6 apart on
+    # AVX-512 / AMX ones (Sapphire Rapids). Where no row stops early the loops agree bit for bit (the
+    # chunked test below groups rows differently for more reasons): logprobs to 1e-5, tokens
+    # and top-logprob ids exactly.
+    compare(qwen3_dir, tmp_path, atol=1e-5, device="cpu", dtype="float32")
 
 
 def test_overlap_changes_no_output_with_chunks_and_preemption(qwen3_dir: str, tmp_path: Path) -> None:
