@@ -107,6 +107,20 @@ def write_split(
 
 
 @triton.jit
+def last_to_arrive(count_ptr, num):
+    # This split counts itself done on count_ptr, after every thread's stores (CTA barrier, then
+    # release); True for the last of `num` to arrive, which has acquired every split's stores and
+    # zeroes the counter for the next use (every thread's loads after the acquire: CTA barrier).
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    last = done == num - 1
+    if last:
+        tl.debug_barrier()
+        tl.store(count_ptr, 0)
+    return last
+
+
+@triton.jit
 def merge_splits(
     part_out_ptr, part_lse_ptr, count_ptr,
     out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
@@ -114,15 +128,10 @@ def merge_splits(
     h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     # Called by every split after it stored its partial: the last of the num_valid splits to
-    # arrive merges them all into out and zeroes the counter for the next launch. Release on
-    # arrival, acquire by the merger, CTA barriers around the counter, partials read from L2.
+    # arrive (last_to_arrive) merges them all into out, partials read from L2.
     # Not the reduce's [BLOCK_S, D]-per-head loop: inside this kernel that made the batch decode
     # slower than the reduce itself (bench/RESULTS.md, twenty-sixth session, review).
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == num_valid - 1:
-        tl.debug_barrier()
-        tl.store(count_ptr, 0)
+    if last_to_arrive(count_ptr, num_valid):
         offs_d = tl.arange(0, HEAD_DIM)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_H], tl.float32)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.split_kv import split_chunk
+from engine.attention.split_kv import last_to_arrive, split_chunk
 from engine.models.grid_phases import rnd, stamp
 
 
@@ -194,15 +194,11 @@ def merge_last(
     GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     # Called by every split of a (row, KV head) once its partials are stored: the last of the
-    # num_splits to arrive merges them by their log-sum-exp into dst [GROUP * D] (DTYPE), the row's
-    # attention output of the group's heads, and zeroes the counter for the next layer. Release on
-    # arrival, acquire by the merger, partials read from L2 in one load. base: index of the group's
-    # head 0, split 0 in the partials.
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == num_splits - 1:
-        tl.debug_barrier()  # every thread's loads after the acquire
-        tl.store(count_ptr, 0)
+    # num_splits to arrive (split_kv.last_to_arrive, which zeroes the counter for the next layer)
+    # merges them by their log-sum-exp into dst [GROUP * D] (DTYPE), the row's attention output of
+    # the group's heads, partials read from L2 in one load (not split_kv.merge_splits' loop over
+    # splits). base: index of the group's head 0, split 0 in the partials.
+    if last_to_arrive(count_ptr, num_splits):
         j = tl.arange(0, GP)[:, None]
         r = tl.arange(0, BLOCK_S)[None, :]
         ok = (j < GROUP) & (r < num_splits)
