@@ -4,6 +4,9 @@ weight-read bandwidth that implies (the weight, 311 MB at Qwen3-0.6B's vocabular
 A probe for #13's batch-64 step (bench/RESULTS.md, thirty-second session).
 
     python3 bench/probe_lm_head.py --rows 1,64 --out $OUT/lm_head.json
+
+Each skinny tile config also runs with the greedy sampler's pieces in its epilogue (`+lse`, the
+decode graphs' logits: bench/RESULTS.md, fifty-second session).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from bench_linear import time_graph
 from bench_runtime import say, write_json
 
 # skinny_linear's (block_n, block_k, warps, stages) tried at each row count
-CONFIGS = [(32, 128, 4, 5), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 8, 3), (128, 64, 8, 4), (64, 256, 4, 3)]
+CONFIGS = [(32, 128, 4, 5), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 8, 3), (128, 64, 8, 4), (64, 256, 4, 3), (64, 64, 8, 6),
+           (64, 128, 8, 4)]
 
 
 def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
@@ -38,7 +42,18 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.T
             out[f"skinny {bn}x{bk}x{wp}x{st}"] = lambda bn=bn, bk=bk, wp=wp, st=st: skinny_linear(
                 x, w, block_n=bn, block_k=bk, num_warps=wp, num_stages=st
             )
+            # The same writing the greedy sampler's pieces (a decode graph's logits: `lse`).
+            lse = _pieces(m, -(-w.shape[0] // bn), x.device)
+            out[f"skinny {bn}x{bk}x{wp}x{st} +lse"] = lambda bn=bn, bk=bk, wp=wp, st=st, lse=lse: skinny_linear(
+                x, w, block_n=bn, block_k=bk, num_warps=wp, num_stages=st, lse=lse
+            )
     return out
+
+
+def _pieces(m: int, pieces: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """Greedy rows' temperatures [m] and [m, pieces] maxima, sums, argmaxes (skinny_linear's lse)."""
+    f32 = dict(dtype=torch.float32, device=dev)
+    return torch.ones(m, **f32), torch.empty(m, pieces, **f32), torch.empty(m, pieces, **f32), torch.empty(m, pieces, dtype=torch.int64, device=dev)
 
 
 def main() -> None:

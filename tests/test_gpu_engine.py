@@ -112,6 +112,7 @@ def test_bf16_greedy_tracks_transformers_on_gpu(arch_dir: str) -> None:
 def test_graph_decode_equals_eager_for_every_batch_size(qwen3_dir: str) -> None:
     graphs, eager = _core(qwen3_dir), _core(qwen3_dir, disable_cuda_graph=True)
     assert graphs.runner.graphs.batch_sizes == [1, 2, 4, 8, 16] and eager.runner.graphs is None
+    assert all(graphs.runner.graphs.pieces.values())  # bf16: the logits write the sampler's pieces
     for bs in [1, 2, 3, 4, 5, 7, 8, 11, 16]:  # every ladder size, and padded sizes between
         prompts = _prompts(bs, bs)
         g_ids, g_lps = _greedy(graphs, prompts, 12)

@@ -23,7 +23,7 @@ pytestmark = [
 ]
 
 
-def _io(max_bs: int = 8, max_blocks: int = 200, max_rows: int = 12):
+def _io(max_bs: int = 8, max_blocks: int = 200, max_rows: int = 12, max_pieces: int = 0):
     from engine.runner.graph_io import GraphIO
 
     dev = torch.device("cuda")
@@ -31,7 +31,7 @@ def _io(max_bs: int = 8, max_blocks: int = 200, max_rows: int = 12):
     lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
     tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
     slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
-    return GraphIO(inputs, lens, tables, slots, max_rows)
+    return GraphIO(inputs, lens, tables, slots, max_rows, max_pieces)
 
 
 def _parts(rng: random.Random, n: int, pending: dict[int, int], block_size: int = 16) -> list[list[int]]:
@@ -86,6 +86,48 @@ def test_the_sampler_publishes_to_the_replays_slot_and_counts_replays() -> None:
         assert io.results[replay % 2, :6].tolist() == pairs.cpu().tolist()
         assert io.tokens[:6].tolist() == tokens.tolist()
         assert torch.equal(io.lse[:6], lse)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
+def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
+    """A decode graph's logits of up to 64 rows also write the sampler's pieces (skinny_linear's
+    `lse` epilogue, at the model's tile config for that many rows) and the sampler only merges
+    them (lse_argmax.merge_pieces): the same tokens, lse and published pairs as lse_argmax on the
+    logits the same kernel wrote, ties broken toward the first column across tiles, the replay
+    count advanced."""
+    from engine.models.skinny_linear import logits_config, logits_pieces, skinny_linear
+    from engine.runner.lse_argmax import lse_argmax
+
+    vocab, hidden = 5000, 256
+    pieces = logits_pieces(vocab, rows)
+    io = _io(max_bs=64, max_rows=64, max_pieces=pieces)
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    w[7] = torch.where(x[0] > 0, 0.1, -0.1).to(torch.bfloat16)  # row 0's maximum, in three tiles
+    w[vocab // 2] = w[vocab - 1] = w[7]
+    logits = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda")
+    for replay in range(2):
+        io.counters[1] = replay  # what the graph's gather does at its start
+        temps = torch.rand(rows, device="cuda", generator=g) + 0.25  # replay 0: greedy rows, no division
+        temps[0] = 1.0
+        temps = temps if replay else torch.ones_like(temps)
+        io.temps[:rows] = temps
+        skinny_linear(x, w, out=logits, prefetch=True, lse=io.lse_pieces(rows, pieces), **logits_config(rows))
+        io.sample(logits, pieces)
+        torch.cuda.synchronize()
+        lse, tokens, pairs = lse_argmax(logits, temps.clone())
+        assert tokens[0].item() == 7
+        assert io.tokens[:rows].tolist() == tokens.tolist() == (logits.float() / temps[:, None]).argmax(-1).tolist()
+        torch.testing.assert_close(io.lse[:rows], lse, rtol=1e-6, atol=1e-6)
+        assert io.counters[0].item() == replay + 1 and io.counters[1].item() == replay
+        published = io.results[replay % 2, :rows]
+        assert published[:, 0].tolist() == tokens.double().tolist()
+        ulps = 1e-6 * lse.abs().max().item() + 1e-6  # the lse's fp32 sums in another order
+        torch.testing.assert_close(published[:, 1], pairs[:, 1].cpu(), rtol=0, atol=ulps)
+        torch.testing.assert_close(logits.float(), x.float() @ w.float().T, rtol=1e-2, atol=2e-2)  # the logits still written
+    with pytest.raises(ValueError, match="pieces"):
+        skinny_linear(x, w, out=logits, lse=io.lse_pieces(rows, pieces + 1), **logits_config(rows))
 
 
 GRAPH_MAX_BS = 16

@@ -14,11 +14,13 @@ uninitialised until engine/weights/loader.py loads them. Built on the meta devic
 
 `cls(config, fused=None)`: whether CUDA forwards use the fused Triton ops of fused_ops.py (see
 layers.py); None resolves it from the environment (`fused_ops_default`, SIESTA_FUSED_OPS). A CPU
-forward always runs the torch ops.
+forward always runs the torch ops. SIESTA_LOGITS_PIECES=0: a decode graph's sampler reads the
+logits instead of the pieces their epilogue writes (`logits_pieces`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +45,8 @@ from engine.parallel import TensorParallel
 if TYPE_CHECKING:
     from engine.models.batch_decode import BatchDecode
     from engine.models.fused_decode import FusedDecode
+
+LOGITS_PIECES_ENV = "SIESTA_LOGITS_PIECES"
 
 
 @dataclass(frozen=True)
@@ -175,18 +179,46 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+        lse: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """[n, hidden] -> [n, vocab] logits in the model dtype (the sampler computes in fp32),
         written into `out` [n, vocab] when given (a CUDA graph's static buffer: no copy). Up to
-        skinny_linear.MAX_ROWS rows on CUDA with the fused ops: skinny_linear's LOGITS_CONFIG."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        skinny_linear.MAX_ROWS rows on CUDA with the fused ops: skinny_linear's LOGITS_CONFIG.
+        `lse` (temperatures [n], then [n, logits_pieces(n)] maxima, sums, argmaxes): the logits
+        also write the sampler's pieces (skinny_linear's `lse` epilogue), up to 64 rows."""
+        weight = self._logits_weight()
         if not self.tp.enabled:
+            if lse is not None:  # a decode graph's logits: the weight prefetched behind the final norm
+                from engine.models import skinny_linear
+
+                return skinny_linear.skinny_linear(hidden, weight, out=out, prefetch=True, lse=lse,
+                                                   **skinny_linear.logits_config(hidden.shape[0]))  # fmt: skip
             skinny = skinny_for(hidden) if self.model.fused and weight.is_contiguous() else None
             if skinny is not None:  # few rows (decode): the weight prefetched behind the final norm
                 return skinny.skinny_linear(hidden, weight, out=out, prefetch=True, **skinny.LOGITS_CONFIG)
             return torch.matmul(hidden, weight.T, out=out)
         logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, : self.config.vocab_size]
         return logits if out is None else out.copy_(logits)
+
+    def logits_pieces(self, rows: int) -> int:
+        """Pieces per row of the sampler's log-sum-exp that compute_logits(lse=...) writes for
+        `rows` rows (engine/runner/lse_argmax.py merges them), 0 where it cannot: not on CUDA in
+        half precision with the fused ops on one rank, more than skinny_linear.KERNEL_MAX_ROWS
+        rows, or SIESTA_LOGITS_PIECES=0 (the sampler then reads the logits)."""
+        weight = self._logits_weight()
+        half = weight.dtype in (torch.bfloat16, torch.float16)
+        if self.tp.enabled or not self.model.fused or not weight.is_cuda or not half or not weight.is_contiguous():
+            return 0
+        from engine.models import skinny_linear
+
+        if os.environ.get(LOGITS_PIECES_ENV, "1") == "0" or not 0 < rows <= skinny_linear.KERNEL_MAX_ROWS:
+            return 0
+        return skinny_linear.logits_pieces(weight.shape[0], rows)
+
+    def _logits_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def init_buffers(self) -> None:
         """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""

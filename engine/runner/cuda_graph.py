@@ -11,6 +11,8 @@ Rules:
   host memory into the static buffers, its last one samples greedily and writes each row's
   (token, logprob) into pinned host memory (engine/runner/graph_io.py); no copy engine runs
   between steps. A step that samples otherwise runs the sampler on the static logits after it.
+- Up to 64 rows the logits also write the greedy sampler's pieces (max, sum of exp, argmax of
+  each column tile; the model's `logits_pieces`), so that sampler only merges them.
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
 - Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.
@@ -92,8 +94,11 @@ class CudaGraphRunner:
         meta = backend.graph_metadata(max_bs)
         if backend.kv_cache.shape[2] * backend.block_size >= 1 << 31:
             raise ValueError("CUDA graphs stage KV slots as int32: this KV cache has 2**31 slots or more")
+        # Per batch size, the pieces a row of the sampler's log-sum-exp the logits write (0: the
+        # sampler reads the logits; engine/runner/lse_argmax.py).
+        self.pieces = {bs: model.logits_pieces(bs) for bs in self.batch_sizes}
         self.io = GraphIO(
-            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.max_num_seqs
+            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.max_num_seqs, max(self.pieces.values())
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool
@@ -119,8 +124,9 @@ class CudaGraphRunner:
         self.io.gather(bs)
         ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs))
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
-        self.model.compute_logits(hidden, out=self.logits[:bs])
-        self.io.sample(self.logits[:bs])
+        pieces = self.pieces[bs]
+        self.model.compute_logits(hidden, out=self.logits[:bs], lse=self.io.lse_pieces(bs, pieces) if pieces else None)
+        self.io.sample(self.logits[:bs], pieces)
 
     @torch.inference_mode()
     def capture(self, graph_context: Callable[..., AbstractContextManager] = torch.cuda.graph) -> None:

@@ -94,7 +94,7 @@ class GraphIO:
 
     def __init__(
         self, inputs: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
-        max_rows: int,
+        max_rows: int, max_pieces: int = 0,
     ) -> None:  # fmt: skip
         self.max_bs, self.max_blocks = block_tables.shape
         self.device = inputs.device
@@ -104,6 +104,11 @@ class GraphIO:
         self.tokens = torch.zeros(max(max_rows, self.max_bs), dtype=torch.int64, device=dev)
         self.lse = torch.zeros(self.max_bs, dtype=torch.float32, device=dev)
         self.pairs = torch.zeros(self.max_bs, 2, dtype=torch.float64, device=dev)
+        # The sampler's pieces the logits write (lse_argmax.merge_pieces): [bs, pieces] each, at most
+        # max_pieces a row (the model's logits_pieces over the graphs' batch sizes; 0: none).
+        self.maxima = torch.zeros(self.max_bs * max_pieces, dtype=torch.float32, device=dev)
+        self.sums = torch.zeros_like(self.maxima)
+        self.args = torch.zeros(self.max_bs * max_pieces, dtype=torch.int64, device=dev)
         # step (replays before this one), current (this replay's), then lse_argmax's per-row counters
         self.counters = torch.zeros(2 + self.max_bs, dtype=torch.int32, device=dev)
         self.slot_elements = -(-(COLUMNS * self.max_bs + self.max_bs * self.max_blocks) // 4) * 4  # 16-byte slots
@@ -120,7 +125,10 @@ class GraphIO:
         self._events = [torch.cuda.Event(), torch.cuda.Event()]
         self._used = [False, False]
         self.replays = 0  # the host's count; the device's is counters[0]
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.temps, self.tokens, self.lse, self.pairs, self.counters))
+        self.nbytes = sum(
+            t.numel() * t.element_size()
+            for t in (self.temps, self.tokens, self.lse, self.pairs, self.counters, self.maxima, self.sums, self.args)
+        )
         self.pinned_bytes = self.stage.numel() * 4 + self.results.numel() * 8
 
     def _pad(self, p: int, n: int) -> None:
@@ -144,17 +152,27 @@ class GraphIO:
             CHUNK=min(_TABLE_CHUNK, triton.next_power_of_2(self.max_blocks)), num_warps=1,
         )  # fmt: skip
 
-    def sample(self, logits: torch.Tensor) -> None:
+    def lse_pieces(self, bs: int, pieces: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the logits of `bs` rows write the sampler's `pieces` pieces a row with (the model's
+        compute_logits `lse`): the rows' temperatures, then [bs, pieces] maxima, sums, argmaxes."""
+        n = bs * pieces
+        if n > self.maxima.numel():
+            raise ValueError(f"GraphIO holds {self.maxima.numel()} sampler pieces, not {bs} x {pieces}")
+        return self.temps[:bs], *(t[:n].view(bs, pieces) for t in (self.maxima, self.sums, self.args))
+
+    def sample(self, logits: torch.Tensor, pieces: int = 0) -> None:
         """The greedy (token, logprob) of logits [bs, V] / temps, published to this replay's
-        result slot; the graph's last kernel (it advances the device's replay count)."""
-        from engine.runner.lse_argmax import graph_config, lse_argmax
+        result slot; the graph's last kernel (it advances the device's replay count). pieces > 0:
+        the logits wrote that many pieces a row (lse_pieces), so only their merge is left."""
+        from engine.runner.lse_argmax import graph_config, lse_argmax, merge_pieces
 
         bs = logits.shape[0]
-        lse_argmax(
-            logits, self.temps[:bs], self.counters[2:], config=graph_config(bs),
-            out=(self.lse[:bs], self.tokens[:bs], self.pairs[:bs]),
-            publish=(self.results, self.counters[1:2], self.counters[:1]),
-        )  # fmt: skip
+        out = (self.lse[:bs], self.tokens[:bs], self.pairs[:bs])
+        publish = (self.results, self.counters[1:2], self.counters[:1])
+        if pieces:
+            merge_pieces(self.lse_pieces(bs, pieces)[1:], out, publish)
+        else:
+            lse_argmax(logits, self.temps[:bs], self.counters[2:], config=graph_config(bs), out=out, publish=publish)
 
     # ---- the host's side --------------------------------------------------------------------------
 

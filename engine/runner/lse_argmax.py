@@ -15,6 +15,11 @@ first index of the row's maximum, as torch.argmax's. The token's logprob is fp32
 minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is
 the caller's to keep: the kernel leaves it zero again. On Hopper it launches with PDL
 (engine/pdl.py) and waits before it reads or writes anything.
+
+`merge_pieces`: the same answer when a kernel before already cut the rows into pieces (the
+logits' epilogue, engine/models/skinny_linear.py: a decode graph's logits of up to 64 rows), so
+only the merge is left, one program per row: after the logits end, one load of a row's pieces
+instead of a second read of its logits (bench/RESULTS.md, fifty-second session).
 """
 
 from __future__ import annotations
@@ -62,11 +67,7 @@ def _lse_argmax_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
-    # exp(x - max) and first argmax;
-    # the row's last program to finish: lse = M + log(sum_c s_c * exp(m_c - M)), token = the
-    # argmax of the first chunk holding the row's maximum M, pair [row] = (token, x[token] - lse);
-    # PUBLISH: the pair also into host slot (current & 1), and row 0's merge sets step to current + 1.
-    # The token's x / t is M itself (the same division of the same element): no second read of x.
+    # exp(x - max) and first argmax; the row's last program to finish merges them (_merge_row).
     if USE_PDL:  # engine/pdl.py: scheduled while lm_head streams; everything below reads its output
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
@@ -83,28 +84,57 @@ def _lse_argmax_kernel(
     tl.store(arg_ptr + out, c * CHUNK_ + arg)
     tl.debug_barrier()
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
-        k = tl.arange(0, BLOCK)
-        ok = k < CHUNKS
-        m = tl.load(max_ptr + row * CHUNKS + k, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        s = tl.load(sum_ptr + row * CHUNKS + k, mask=ok, other=0.0, cache_modifier=".cg")
-        top = tl.max(m, 0)
-        top_shift = tl.where(top == float("-inf"), 0.0, top)
-        lse = top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0))
-        tl.store(lse_ptr + row, lse)
-        first = tl.argmax(m, 0, tie_break_left=True)
-        token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
-        tl.store(token_ptr + row, token)
-        chosen = top
-        tl.store(pair_ptr + row * 2, token.to(tl.float64))
-        tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
+        _merge_row(row, max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, pair_ptr, host_ptr, current_ptr, step_ptr, CHUNKS, BLOCK,
+                   HOST_STRIDE, PUBLISH)  # fmt: skip
         tl.atomic_xchg(count_ptr + row, 0)
-        if PUBLISH:
-            replay = tl.load(current_ptr, cache_modifier=".cg")
-            host = host_ptr + (replay & 1) * HOST_STRIDE + row * 2
-            tl.store(host, token.to(tl.float64))
-            tl.store(host + 1, (chosen - lse).to(tl.float64))
-            if row == 0:  # nothing reads step again in this replay: the next one's gather will
-                tl.store(step_ptr, replay + 1)
+
+
+@triton.jit
+def _merge_row(
+    row, max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, pair_ptr, host_ptr, current_ptr, step_ptr,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, HOST_STRIDE: tl.constexpr, PUBLISH: tl.constexpr,
+):  # fmt: skip
+    # Row `row`'s CHUNKS pieces (max m_c, sum s_c of exp(x - m_c), first argmax; [rows, CHUNKS]
+    # each, written by other programs, so read from L2): lse = M + log(sum_c s_c * exp(m_c - M)),
+    # token = the argmax of the first piece holding the row's maximum M, pair [row] = (token,
+    # x[token] - lse), where x[token] / t is M itself (the same division of the same element): no
+    # second read of x. PUBLISH: the pair also into host slot (current & 1), and row 0 sets step
+    # to current + 1.
+    k = tl.arange(0, BLOCK)
+    ok = k < CHUNKS
+    m = tl.load(max_ptr + row * CHUNKS + k, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    s = tl.load(sum_ptr + row * CHUNKS + k, mask=ok, other=0.0, cache_modifier=".cg")
+    top = tl.max(m, 0)
+    top_shift = tl.where(top == float("-inf"), 0.0, top)
+    lse = top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0))
+    tl.store(lse_ptr + row, lse)
+    first = tl.argmax(m, 0, tie_break_left=True)
+    token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
+    tl.store(token_ptr + row, token)
+    chosen = top
+    tl.store(pair_ptr + row * 2, token.to(tl.float64))
+    tl.store(pair_ptr + row * 2 + 1, (chosen - lse).to(tl.float64))
+    if PUBLISH:
+        replay = tl.load(current_ptr, cache_modifier=".cg")
+        host = host_ptr + (replay & 1) * HOST_STRIDE + row * 2
+        tl.store(host, token.to(tl.float64))
+        tl.store(host + 1, (chosen - lse).to(tl.float64))
+        if row == 0:  # nothing reads step again in this replay: the next one's gather will
+            tl.store(step_ptr, replay + 1)
+
+
+@Launcher
+@triton.jit
+def _merge_kernel(
+    max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, pair_ptr, host_ptr, current_ptr, step_ptr,
+    CHUNKS: tl.constexpr, BLOCK: tl.constexpr, HOST_STRIDE: tl.constexpr, PUBLISH: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    # Program row: _merge_row over pieces another kernel wrote (the logits' epilogue,
+    # engine/models/skinny_linear.py), once that kernel has ended.
+    if USE_PDL:  # engine/pdl.py: scheduled while the logits stream; everything below reads their pieces
+        tl.extra.cuda.gdc_wait()
+    _merge_row(tl.program_id(0), max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, pair_ptr, host_ptr, current_ptr, step_ptr, CHUNKS,
+               BLOCK, HOST_STRIDE, PUBLISH)  # fmt: skip
 
 
 def lse_argmax(
@@ -152,3 +182,26 @@ def lse_argmax(
             USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
         )  # fmt: skip
     return lse, tokens, pairs
+
+
+def merge_pieces(
+    pieces: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    publish: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:  # fmt: skip
+    """`lse_argmax`'s answer, published, from pieces of x / t another kernel wrote: (maxima [B, C]
+    float32, sums of exp(x - max) [B, C] float32, first argmaxes [B, C] int64) of C consecutive
+    column ranges per row (skinny_linear's `lse` epilogue). out and publish as lse_argmax's; one
+    program per row, launched with PDL on Hopper (it waits for the pieces' kernel to end)."""
+    maxima, sums, args = pieces
+    rows, chunks = maxima.shape
+    lse, tokens, pairs = out
+    host, current, step = publish
+    if not (maxima.is_contiguous() and sums.is_contiguous() and args.is_contiguous() and sums.shape == args.shape == maxima.shape):
+        raise ValueError(f"merge_pieces: contiguous [B, C] pieces of one shape, got {[tuple(t.shape) for t in pieces]}")
+    use_pdl = pdl.enabled(maxima.device)
+    if rows:
+        _merge_kernel[(rows,)](
+            maxima, sums, args, lse, tokens, pairs, host, current, step,
+            CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks), HOST_STRIDE=host.stride(0), PUBLISH=True,
+            USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        )  # fmt: skip
