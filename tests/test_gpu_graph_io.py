@@ -100,7 +100,7 @@ def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
 
     vocab, hidden = 5000, 256
     pieces = logits_pieces(vocab, rows)
-    io = _io(max_bs=64, max_rows=64, max_pieces=pieces)
+    io = _io(max_bs=64, max_rows=64, max_pieces=rows * pieces)
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
@@ -126,8 +126,11 @@ def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
         ulps = 1e-6 * lse.abs().max().item() + 1e-6  # the lse's fp32 sums in another order
         torch.testing.assert_close(published[:, 1], pairs[:, 1].cpu(), rtol=0, atol=ulps)
         torch.testing.assert_close(logits.float(), x.float() @ w.float().T, rtol=1e-2, atol=2e-2)  # the logits still written
-    with pytest.raises(ValueError, match="pieces"):
-        skinny_linear(x, w, out=logits, lse=io.lse_pieces(rows, pieces + 1), **logits_config(rows))
+    with pytest.raises(ValueError, match="sampler pieces"):
+        io.lse_pieces(rows, pieces + 1)
+    temps, *parts = io.lse_pieces(rows, pieces)
+    with pytest.raises(ValueError, match="pieces"):  # a tile's pieces short
+        skinny_linear(x, w, out=logits, lse=(temps, *(t[:, 1:].contiguous() for t in parts)), **logits_config(rows))
 
 
 GRAPH_MAX_BS = 16

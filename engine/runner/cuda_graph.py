@@ -98,7 +98,8 @@ class CudaGraphRunner:
         # sampler reads the logits; engine/runner/lse_argmax.py).
         self.pieces = {bs: model.logits_pieces(bs) for bs in self.batch_sizes}
         self.io = GraphIO(
-            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.max_num_seqs, max(self.pieces.values())
+            self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.max_num_seqs,
+            max(bs * pieces for bs, pieces in self.pieces.items()),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool

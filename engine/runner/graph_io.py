@@ -94,7 +94,7 @@ class GraphIO:
 
     def __init__(
         self, inputs: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, slot_mapping: torch.Tensor,
-        max_rows: int, max_pieces: int = 0,
+        max_rows: int, max_pieces: int = 0,  # the most (row, piece) pairs of any graph's logits
     ) -> None:  # fmt: skip
         self.max_bs, self.max_blocks = block_tables.shape
         self.device = inputs.device
@@ -105,10 +105,10 @@ class GraphIO:
         self.lse = torch.zeros(self.max_bs, dtype=torch.float32, device=dev)
         self.pairs = torch.zeros(self.max_bs, 2, dtype=torch.float64, device=dev)
         # The sampler's pieces the logits write (lse_argmax.merge_pieces): [bs, pieces] each, at most
-        # max_pieces a row (the model's logits_pieces over the graphs' batch sizes; 0: none).
-        self.maxima = torch.zeros(self.max_bs * max_pieces, dtype=torch.float32, device=dev)
+        # max_pieces in all (the model's logits_pieces times the rows, over the graphs; 0: none).
+        self.maxima = torch.zeros(max_pieces, dtype=torch.float32, device=dev)
         self.sums = torch.zeros_like(self.maxima)
-        self.args = torch.zeros(self.max_bs * max_pieces, dtype=torch.int64, device=dev)
+        self.args = torch.zeros(max_pieces, dtype=torch.int64, device=dev)
         # step (replays before this one), current (this replay's), then lse_argmax's per-row counters
         self.counters = torch.zeros(2 + self.max_bs, dtype=torch.int32, device=dev)
         self.slot_elements = -(-(COLUMNS * self.max_bs + self.max_bs * self.max_blocks) // 4) * 4  # 16-byte slots
