@@ -25,7 +25,7 @@ CONFIGS = [(32, 128, 4, 5), (64, 128, 4, 4), (64, 64, 4, 6), (128, 128, 8, 3), (
            (64, 128, 8, 4)]
 
 
-def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+def variants(x: torch.Tensor, w: torch.Tensor, configs: list[tuple[int, int, int, int]]) -> dict[str, Callable[[], torch.Tensor]]:
     """Name -> a call that leaves the logits [M, V] (as a view where the layout differs)."""
     m = x.shape[0]
     out = {
@@ -38,7 +38,7 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.T
     if m <= 64:
         from engine.models.skinny_linear import skinny_linear
 
-        for bn, bk, wp, st in CONFIGS:
+        for bn, bk, wp, st in configs:
             out[f"skinny {bn}x{bk}x{wp}x{st}"] = lambda bn=bn, bk=bk, wp=wp, st=st: skinny_linear(
                 x, w, block_n=bn, block_k=bk, num_warps=wp, num_stages=st
             )
@@ -62,8 +62,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--hidden", default="1024", help="','-separated: 1024 (Qwen3-0.6B), 4096 (Qwen3-8B)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--configs", help="','-separated skinny tiles BNxBKxWARPSxSTAGES (default: CONFIGS)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
     dev = torch.device("cuda")
     rows_out = []
     for m, hidden in ((int(r), int(h)) for h in args.hidden.split(",") for r in args.rows.split(",")):
@@ -71,7 +73,7 @@ def main() -> None:
         nbytes = w.numel() * w.element_size()
         x = torch.randn(m, hidden, device=dev).to(torch.bfloat16)
         ref = F.linear(x, w).float()
-        for name, call in variants(x, w).items():
+        for name, call in variants(x, w, configs).items():
             try:
                 call()
             except Exception as e:  # noqa: BLE001  (a probe: a config that does not fit is a row)
