@@ -11,7 +11,8 @@ process.
 - `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
 - `sampler.py`: greedy and random sampling, logprobs; `lse_argmax.py`: its per-row
-  log-sum-exp and argmax on CUDA (Triton), one read of the logits.
+  log-sum-exp and argmax on CUDA (Triton), one read of the logits, or in a decode graph of up to
+  64 rows only the merge of the pieces the logits' epilogue wrote.
 - `prompt_logprobs.py`: the logprobs of prompt tokens a prefill chunk scores, and their top
   alternatives, in slices of rows.
 - `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),
