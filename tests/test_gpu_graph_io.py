@@ -50,7 +50,8 @@ def test_gather_stages_a_step_into_the_static_inputs() -> None:
     io = _io()
     rng = random.Random(0)
     io.tokens[:12] = torch.arange(100, 112, device="cuda")
-    for n, bs, pending in [(5, 8, {1: 7, 4: 0}), (8, 8, {0: 11}), (3, 4, {})]:
+    # pending rows from other rows, from their own row (the gather's guess), none; both slots twice
+    for n, bs, pending in [(5, 8, {1: 7, 4: 0}), (8, 8, {0: 11}), (3, 4, {}), (6, 8, {2: 2, 3: 5, 5: 5})]:
         parts = _parts(rng, n, pending)
         temps = [rng.choice([1.0, 0.7, 1.3]) for _ in range(n)]
         slot = io.stage_step(parts, temps, n, bs)

@@ -135,6 +135,8 @@ def _skinny_kernel(
                 pdl.prefetch_l2(w_ptr + N.to(tl.int64) * K + rows + lines)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if LSE:  # the rows' temperatures, loaded before the K loop: the epilogue does not wait for them
+        t = tl.load(t_ptr + offs_m, mask=m_ok, other=1.0)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptrs = w_ptrs + N.to(tl.int64) * K  # the up half of a gate | up weight
@@ -170,7 +172,6 @@ def _skinny_kernel(
     if LSE:
         # The sampler's piece of each row (lse_argmax.merge_pieces): of x = the stored logits / t
         # (IEEE division; x / 1 is x), the max, the sum of exp(x - max) and the first argmax.
-        t = tl.load(t_ptr + offs_m, mask=m_ok, other=1.0)
         x = acc.to(dtype).to(tl.float32)
         if tl.max(tl.abs(t - 1.0), 0) != 0.0:  # x / 1 is x: a tile of greedy rows skips the division
             x = tl.math.div_rn(x, t[:, None])

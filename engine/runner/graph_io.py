@@ -54,34 +54,45 @@ def _gather_kernel(
     MAX_BS: tl.constexpr, MAXB: tl.constexpr, SLOT: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Program r: row r of the staged step into the graph's static inputs; program 0 also copies
-    # step to current, which the sampler reads (it sets step for the next replay).
+    # step to current, which the sampler reads (it sets step for the next replay). Row r of both
+    # slots, the replay count and the row's usual pending token (row r of the last step's) are
+    # read at once: no host read waits for a device read.
     r = tl.program_id(0)
     replay = tl.load(step_ptr, cache_modifier=".cg")
+    two = tl.arange(0, 2)
+    cols = tl.arange(0, 8)
+    both = tl.load(stage_ptr + two[None, :] * SLOT + cols[:, None] * MAX_BS + r, mask=cols[:, None] < _COLUMNS, other=0)
+    tcols = tl.arange(0, CHUNK)
+    row_in = stage_ptr + _COLUMNS * MAX_BS + r * MAXB
+    firsts = tl.load(row_in + two[:, None] * SLOT + tcols[None, :], mask=tcols[None, :] < MAXB)  # [2, CHUNK]
+    usual = tl.load(tokens_ptr + r)
     if r == 0:
         tl.store(step_ptr + 1, replay)
-    base = stage_ptr + (replay & 1) * SLOT
-    token = tl.load(base + r).to(tl.int64)
-    source = tl.load(base + MAX_BS + r)
-    position = tl.load(base + 2 * MAX_BS + r)
-    slot = tl.load(base + 3 * MAX_BS + r)
-    length = tl.load(base + 4 * MAX_BS + r)
-    width = tl.load(base + 5 * MAX_BS + r)
-    temp = tl.load(base.to(tl.pointer_type(tl.float32)) + 6 * MAX_BS + r)
-    cols = tl.arange(0, CHUNK)
-    row_in = base + _COLUMNS * MAX_BS + r * MAXB
-    row_out = tables_ptr + r * MAXB
-    first = tl.load(row_in + cols, mask=cols < MAXB)  # issued with the columns, not after them
-    if source >= 0:
+    parity = replay & 1
+    row = tl.sum(tl.where(two[None, :] == parity, both, 0), axis=1)  # [8]: this replay's slot
+    token = tl.sum(tl.where(cols == 0, row, 0)).to(tl.int64)
+    source = tl.sum(tl.where(cols == 1, row, 0))
+    position = tl.sum(tl.where(cols == 2, row, 0))
+    slot = tl.sum(tl.where(cols == 3, row, 0))
+    length = tl.sum(tl.where(cols == 4, row, 0))
+    width = tl.sum(tl.where(cols == 5, row, 0))
+    temp = tl.sum(tl.where(cols == 6, row, 0)).to(tl.float32, bitcast=True)
+    first = tl.sum(tl.where(two[:, None] == parity, firsts, 0), axis=0)  # [CHUNK]
+    if source == r:
+        token = usual
+    elif source >= 0:
         token = tl.load(tokens_ptr + source)
+    row_out = tables_ptr + r * MAXB
     tl.store(inputs_ptr + r, token)
     tl.store(inputs_ptr + MAX_BS + r, position.to(tl.int64))
     tl.store(slots_ptr + r, slot.to(tl.int64))
     tl.store(lens_ptr + r, length)
     tl.store(temps_ptr + r, temp)
-    tl.store(row_out + cols, first, mask=cols < width)
+    tl.store(row_out + tcols, first, mask=tcols < width)
+    base = row_in + parity * SLOT
     for c0 in range(CHUNK, width, CHUNK):
-        ok = c0 + cols < width
-        tl.store(row_out + c0 + cols, tl.load(row_in + c0 + cols, mask=ok), mask=ok)
+        ok = c0 + tcols < width
+        tl.store(row_out + c0 + tcols, tl.load(base + c0 + tcols, mask=ok), mask=ok)
 
 
 class GraphIO:
