@@ -127,8 +127,6 @@ class FusedDecode:
         # The layer kernel's arguments that are the same at every layer and step.
         self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages, d_pre,
                                    lamport)  # fmt: skip
-        # Layer 0 launches plainly: its prologue reads the metadata the kernel before it writes.
-        self.first_consts = {**self.consts, "launch_pdl": False}
         self.ks_o, self.ks_d = self.consts["KS_O"], self.consts["KS_D"]
         pairs = most_pairs(P, self.shape, rows)
         f32 = dict(dtype=torch.float32, device=device)
@@ -205,7 +203,7 @@ class FusedDecode:
                 m, splits, self.shape.eps, self.sm_scale_log2, self.stride_part, stride_xn, int(has_next),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
                 HAS_QKV_BIAS=qkv_b is not None, KS_PREV=0 if i == 0 else self.ks_d, NORM_EVERYWHERE=everywhere, TIMING=timing is not None,
-                **(self.consts if i else self.first_consts),
+                **self.consts,
             )  # fmt: skip
         out = torch.empty(m, self.shape.hidden, dtype=self.h.dtype, device=self.h.device)
         finish_kernel[(m,)](

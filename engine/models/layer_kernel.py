@@ -57,8 +57,12 @@ after o_proj (each program once past its barrier, or its own item under LAMPORT_
 layer's programs get scheduled during phases 5-7, issue their
 phase-0 loads (the layer's KV cache, its q/k norm weights and the step's metadata: nothing a
 layer kernel writes), and wait before phase 1. No gap between layer launches (bench/RESULTS.md,
-eighteenth session). Layer 0 launches plainly: its prologue reads the step's metadata, which the
-kernel before it (a decode graph's gather, engine/runner/graph_io.py) writes.
+eighteenth session). Layer 0 launches with PDL too, but its prologue reads the step's metadata,
+which the kernel before it (a decode graph's gather, engine/runner/graph_io.py) writes: it pulls
+its first Q_PRE qkv weights into L2, then waits, then runs its prologue. The gather triggers no
+early launch (it ends in ~2 us): with it, layer 0's programs were placed beside the gather's and
+the one-row step ran 70 us slower; without, the launch is prepared while the gather runs (one-row
+step 1-4 us faster: bench/RESULTS.md, fifty-third session).
 
 The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """
@@ -141,12 +145,16 @@ def decoder_layer_kernel(
     # (its tiles fill at most P - M programs) or with the least to do.
     norm_row = P - 1 - pid
     stamp(t_ptr, 0, TIMING)
+    if EMBED and USE_PDL:  # layer 0: its prologue reads the step's metadata, so it waits first
+        if Q_PRE > 0:  # over the launch: its first qkv weights into L2
+            prefetch_items(qkv_w_ptr, QKV, HID, 1, False, BN, P, Q_PRE)
+        tl.extra.cuda.gdc_wait()
     # The attention item's loads that need nothing of this layer: they land during norm and qkv.
     m, g, s, seq_len, start, end, k1, k2, v, cos, sin, slot, qw1, qw2, kw1, kw2 = attention_prologue(
         pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr, qn_ptr, kn_ptr,
         M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE, QK_NORM,
     )  # fmt: skip
-    if USE_PDL:  # engine/pdl.py: everything above reads what no kernel of the step writes
+    if USE_PDL and not EMBED:  # engine/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
     # The previous layer's down_proj items have read act, and its norms o_part: the sentinel back.
     if LAMPORT:

@@ -56,7 +56,8 @@ def _gather_kernel(
     # Program r: row r of the staged step into the graph's static inputs; program 0 also copies
     # step to current, which the sampler reads (it sets step for the next replay). Row r of both
     # slots, the replay count and the row's usual pending token (row r of the last step's) are
-    # read at once: no host read waits for a device read.
+    # read at once: no host read waits for a device read. No early trigger (engine/pdl.py): the
+    # model's first kernel, launched with PDL, starts as this one ends.
     r = tl.program_id(0)
     replay = tl.load(step_ptr, cache_modifier=".cg")
     two = tl.arange(0, 2)
