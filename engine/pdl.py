@@ -40,11 +40,12 @@ waits for it anyway. Who does what in a decode layer:
   the new K/V rows itself);
   the next persistent kernel launches with PDL too and waits first, so its programs take the
   SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; twentieth session).
-  The step's first persistent kernel launches with PDL and waits first (after its qkv weights'
-  prefetch), and triggers only after its wait: the attention after it reads the metadata that
-  the kernel before it (a graph's gather) writes. So does the one-row decode's layer 0, whose own
-  prologue reads it. The gather triggers no early launch: with it, layer 0's programs were placed
-  beside the gather's and the one-row step ran 70 us slower (fifty-third session).
+  The step's first persistent kernel launches plainly: the attention after it reads the
+  metadata that the kernel before it (a graph's gather) writes (launched with PDL, waiting first:
+  0.6B at 64 rows the same, 8B at 64 rows 14-69 us slower in four pairs; fifty-third session).
+  The one-row decode's layer 0, whose own prologue reads that metadata, launches with PDL and
+  waits before its prologue (0-3 us faster a step). The gather triggers no early launch: with
+  it, layer 0's programs were placed beside the gather's and the one-row step ran 70 us slower.
   Where that attention splits the KV it merges the splits itself: a reduce launched between the
   two would hold the persistent kernel until the reduce ended (5..24 rows; twenty-sixth session).
 Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.

@@ -17,10 +17,9 @@ Rules:
   the barrier counter) is allocated once, for max_rows; kernels index rows up to M, so
   every graph batch size shares it. The barrier counter needs no reset between steps (each
   barrier leaves its low bits 0): it is zeroed when built and after a resume (`after_resume`).
-- The embedding lookup is the first launch's norm (batch_kernel.py HEAD). It launches with PDL
-  too and waits first: the kernel before it (a decode graph's gather, engine/runner/graph_io.py)
-  writes the step's metadata, which the attention after HEAD reads before its own PDL wait; HEAD
-  triggers only after its wait, so that attention launches once the gather has ended.
+- The embedding lookup is the first launch's norm (batch_kernel.py HEAD), which launches plainly:
+  the attention after it reads the step's metadata before its PDL wait, and the kernel before
+  it (a decode graph's gather, engine/runner/graph_io.py) writes that metadata.
 - One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
   (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
 
@@ -96,8 +95,9 @@ class BatchDecode:
         rows = self.max_rows
         # engine/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
-        # The kernel's arguments that are the same at every layer and step.
+        # The kernel's arguments that are the same at every layer and step; the first launch's plain.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre)
+        self.first_consts = {**self.consts, "launch_pdl": False}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
@@ -178,5 +178,5 @@ class BatchDecode:
             norm, (nxt or prev).self_attn.qkv_proj.weight,
             self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
             self.barrier, timing if timing is not None else self.barrier, m, self.shape.eps,
-            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **self.consts,
+            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **(self.consts if i else self.first_consts),
         )  # fmt: skip

@@ -25,9 +25,7 @@ up to the order of fp32 sums.
 USE_PDL (engine/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
 issues its first K/V tile's prefetch then (forward at 32 rows 1.490 -> 1.412-1.417 ms,
-bench/RESULTS.md, thirtieth session). HEAD launches with PDL too and waits as its first act (the
-kernel before it is a decode graph's gather, which triggers no early launch), after pulling its
-first Q_PRE qkv weights into L2.
+bench/RESULTS.md, thirtieth session).
 """
 
 from __future__ import annotations
@@ -69,8 +67,6 @@ def batch_layer_kernel(
     # The row phases run on the last programs, which the GEMV phases fill last.
     row = P - 1 - pid
     stamp(t_ptr, 0, TIMING)
-    if HEAD and Q_PRE > 0 and USE_PDL:  # over the launch: its first qkv weights into L2
-        prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN, P, Q_PRE)
     if USE_PDL:  # engine/pdl.py: scheduled as the attention kernel before ends; wait for all of it
         tl.extra.cuda.gdc_wait()
     stamp(t_ptr, 12, TIMING)  # the attention kernel before has ended (bench: the launch's clock)

@@ -62,7 +62,7 @@ which the kernel before it (a decode graph's gather, engine/runner/graph_io.py) 
 its first Q_PRE qkv weights into L2, then waits, then runs its prologue. The gather triggers no
 early launch (it ends in ~2 us): with it, layer 0's programs were placed beside the gather's and
 the one-row step ran 70 us slower; without, the launch is prepared while the gather runs (one-row
-step 1-4 us faster: bench/RESULTS.md, fifty-third session).
+step 0-3 us faster in five pairs: bench/RESULTS.md, fifty-third session).
 
 The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """
