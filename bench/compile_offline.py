@@ -134,6 +134,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
     return {
         **splitk_kernels(),
+        **logits_kernels(),
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
         "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
         # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
@@ -155,6 +156,22 @@ def splitk_kernels() -> dict[str, dict[str, object]]:
         "_splitk_kernel (64 rows)": compile_sm90(s._splitk_kernel, types, consts, dict(num_warps=s.NUM_WARPS, num_stages=s.NUM_STAGES), ("M",)),
         "_rms_norm_kernel (split-K parts)": compile_sm90(fused_ops._rms_norm_kernel, types | dict(x_ptr="*fp32"), norm,
                                                          dict(num_warps=fused_ops._warps(4096), launch_pdl=True)),
+    }  # fmt: skip
+
+
+def logits_kernels() -> dict[str, dict[str, object]]:
+    """A decode graph's logits with the sampler's pieces (models/logits_linear.py) at 16 and 64
+    rows of the 0.6B lm_head (the vocabulary a multiple of 16, as Qwen's), at its launch constants."""
+    from engine.models import logits_linear as ll
+
+    types = dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, t_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", arg_ptr="*i64")
+    cfg = ll.CONFIG
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=True)
+    return {
+        f"_logits_kernel ({rows} rows)": compile_sm90(ll._logits_kernel, types, dict(
+            K=HID, BLOCK_M=rows, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], USE_PDL=True, PREFETCH_LINES=ll._PREFETCH_LINES, LINE=64,
+        ), options, ("M",))
+        for rows in (16, 64)
     }  # fmt: skip
 
 
@@ -183,7 +200,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode-configs", default="", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode "
                    "(default: the engine's own, triton_decode.decode_config)")  # fmt: skip
-    p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels, and the split-K parts with their norm")
+    p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels, the split-K "
+                   "parts with their norm, and the decode graphs' logits")  # fmt: skip
     p.add_argument("--layers-head-dims", default="", help="','-separated head dims: the layers' attention kernel "
                    "for each, bf16 and fp32")  # fmt: skip
     p.add_argument("--json", help="write every variant's numbers here")

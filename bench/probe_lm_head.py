@@ -5,8 +5,11 @@ A probe for #13's batch-64 step (bench/RESULTS.md, thirty-second session).
 
     python3 bench/probe_lm_head.py --rows 1,64 --out $OUT/lm_head.json
 
-Each skinny tile config also runs with the greedy sampler's pieces in its epilogue (`+lse`, the
-decode graphs' logits: bench/RESULTS.md, fifty-second session).
+`--persistent` adds a decode graph's logits with the greedy sampler's pieces
+(engine/models/logits_linear.py, configs BNxBKxWARPSxSTAGESxPROGRAMS_PER_SM) and, as `+merge`,
+each of those followed by the sampler's merge (lse_argmax.merge_pieces) against skinny_linear's
+LOGITS_CONFIG followed by the sampler reading its logits (lse_argmax), the merged tokens and lse
+checked against torch (bench/RESULTS.md, fifty-second and fifty-fourth sessions).
 """
 
 from __future__ import annotations
@@ -42,18 +45,41 @@ def variants(x: torch.Tensor, w: torch.Tensor, configs: list[tuple[int, int, int
             out[f"skinny {bn}x{bk}x{wp}x{st}"] = lambda bn=bn, bk=bk, wp=wp, st=st: skinny_linear(
                 x, w, block_n=bn, block_k=bk, num_warps=wp, num_stages=st
             )
-            # The same writing the greedy sampler's pieces (a decode graph's logits: `lse`).
-            lse = _pieces(m, -(-w.shape[0] // bn), x.device)
-            out[f"skinny {bn}x{bk}x{wp}x{st} +lse"] = lambda bn=bn, bk=bk, wp=wp, st=st, lse=lse: skinny_linear(
-                x, w, block_n=bn, block_k=bk, num_warps=wp, num_stages=st, lse=lse
-            )
     return out
 
 
-def _pieces(m: int, pieces: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    """Greedy rows' temperatures [m] and [m, pieces] maxima, sums, argmaxes (skinny_linear's lse)."""
-    f32 = dict(dtype=torch.float32, device=dev)
-    return torch.ones(m, **f32), torch.empty(m, pieces, **f32), torch.empty(m, pieces, **f32), torch.empty(m, pieces, dtype=torch.int64, device=dev)
+def sampled_variants(
+    x: torch.Tensor, w: torch.Tensor, configs: list[tuple[int, ...]]
+) -> dict[str, tuple[Callable[[], object], Callable[[], object], tuple[torch.Tensor, torch.Tensor]]]:
+    """Name -> (the logits' call, the logits and the greedy sampler's call, its (lse, tokens)):
+    skinny_linear then lse_argmax on its logits, and logits_linear's configs then merge_pieces."""
+    from engine.models import logits_linear as ll
+    from engine.models.skinny_linear import LOGITS_CONFIG, skinny_linear
+    from engine.runner.lse_argmax import lse_argmax, merge_pieces
+
+    m, v, dev = x.shape[0], w.shape[0], x.device
+    logits = torch.empty(m, v, dtype=x.dtype, device=dev)
+    temps = torch.ones(m, dtype=torch.float32, device=dev)
+    outs = (torch.empty(m, dtype=torch.float32, device=dev), torch.empty(m, dtype=torch.int64, device=dev),
+            torch.empty(m, 2, dtype=torch.float64, device=dev))  # fmt: skip
+    publish = (torch.zeros(2, m, 2, dtype=torch.float64, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
+               torch.zeros(1, dtype=torch.int32, device=dev))  # fmt: skip
+    counts = torch.zeros(m, dtype=torch.int32, device=dev)
+
+    def skinny() -> object:
+        return skinny_linear(x, w, out=logits, prefetch=True, **LOGITS_CONFIG)
+
+    out = {"skinny + lse_argmax": (skinny, lambda: (skinny(), lse_argmax(logits, temps, counts, out=outs, publish=publish)), outs[:2])}
+    for bn, bk, wp, st, per_sm in configs:
+        cfg = dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st)
+        count = ll.pieces(v, dev, per_sm, bn)
+        lse = (temps, *(torch.empty(m, count, dtype=dt, device=dev) for dt in (torch.float32, torch.float32, torch.int64)))
+
+        def call(cfg=cfg, per_sm=per_sm, lse=lse) -> object:
+            return ll.logits_linear(x, w, logits, lse, cfg, per_sm)
+
+        out[f"logits_linear {bn}x{bk}x{wp}x{st}x{per_sm}"] = (call, lambda call=call, lse=lse: (call(), merge_pieces(lse[1:], outs, publish)), outs[:2])
+    return out
 
 
 def main() -> None:
@@ -63,6 +89,7 @@ def main() -> None:
     ap.add_argument("--hidden", default="1024", help="','-separated: 1024 (Qwen3-0.6B), 4096 (Qwen3-8B)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--configs", help="','-separated skinny tiles BNxBKxWARPSxSTAGES (default: CONFIGS)")
+    ap.add_argument("--persistent", default="", help="','-separated logits_linear configs BNxBKxWARPSxSTAGESxPER_SM")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")] if args.configs else CONFIGS
@@ -83,6 +110,21 @@ def main() -> None:
             us = time_graph(lambda call=call: [call() for _ in range(8)], 8, args.reps)
             rows_out.append({"rows": m, "hidden": hidden, "variant": name, "us": us, "tb_s": nbytes / us / 1e6, "max_abs_diff": err})
             say(f"hidden {hidden} rows {m:4d} {name:16s} {us:8.2f} us  {nbytes / us / 1e6:5.2f} TB/s  max|diff| {err:.2e}")
+        if not args.persistent or m > 64:
+            continue
+        rounded = ref.to(torch.bfloat16).float()
+        lse_ref, tok_ref = torch.logsumexp(rounded, -1), rounded.argmax(-1)
+        pconfigs = [tuple(int(v) for v in c.split("x")) for c in args.persistent.split(",")]
+        for name, (logits_call, sampled, (lse, tokens)) in sampled_variants(x, w, pconfigs).items():
+            err = (logits_call().float() - ref).abs().max().item()
+            sampled()
+            lse_err, wrong = (lse - lse_ref).abs().max().item(), int((tokens != tok_ref).sum().item())
+            us = time_graph(lambda c=logits_call: [c() for _ in range(8)], 8, args.reps)
+            both = time_graph(lambda c=sampled: [c() for _ in range(8)], 8, args.reps)
+            rows_out.append({"rows": m, "hidden": hidden, "variant": name, "us": us, "us_sampled": both, "max_abs_diff": err,
+                             "lse_max_diff": lse_err, "wrong_tokens": wrong})  # fmt: skip
+            say(f"hidden {hidden} rows {m:4d} {name:30s} {us:8.2f} us  with the sampler {both:8.2f} us  max|diff| {err:.2e}  "
+                f"lse {lse_err:.2e}  wrong tokens {wrong}")  # fmt: skip
     write_json(args.out, {"rows": rows_out})
 
 

@@ -291,6 +291,12 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     layer = kernels["decoder_layer_kernel"]
     assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer
     assert kernels["batch_layer_kernel"]["per_sm_shared"] >= 1
+    # The decode graphs' logits run PROGRAMS_PER_SM programs an SM in one wave.
+    from engine.models.logits_linear import PROGRAMS_PER_SM
+
+    for rows in (16, 64):
+        logits = kernels[f"_logits_kernel ({rows} rows)"]
+        assert min(logits["per_sm_regs"], logits["per_sm_shared"]) >= PROGRAMS_PER_SM, (rows, logits)
     assert {name: r["stack"] for name, r in kernels.items()} == dict.fromkeys(kernels, 0)  # nothing spills
 
 

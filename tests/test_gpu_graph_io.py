@@ -91,22 +91,23 @@ def test_the_sampler_publishes_to_the_replays_slot_and_counts_replays() -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64])
 def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
-    """A decode graph's logits of up to 64 rows also write the sampler's pieces (skinny_linear's
-    `lse` epilogue, at the model's tile config for that many rows) and the sampler only merges
-    them (lse_argmax.merge_pieces): the same tokens, lse and published pairs as lse_argmax on the
-    logits the same kernel wrote, ties broken toward the first column across tiles, the replay
-    count advanced."""
-    from engine.models.skinny_linear import logits_config, logits_pieces, skinny_linear
+    """A decode graph's logits of up to 64 rows also write the sampler's pieces (logits_linear:
+    one running piece a row and program, its tiles interleaved across programs) and the sampler
+    only merges them (lse_argmax.merge_pieces): the same tokens, lse and published pairs as
+    lse_argmax on the logits the same kernel wrote, ties broken toward the first column across
+    tiles and programs, the replay count advanced."""
+    from engine.models.logits_linear import logits_linear, pieces
     from engine.runner.lse_argmax import lse_argmax
 
-    vocab, hidden = 5000, 256
-    pieces = logits_pieces(vocab, rows)
-    io = _io(max_bs=64, max_rows=64, max_pieces=rows * pieces)
+    vocab, hidden = 50000, 256  # 782 tiles of 64 columns: every program of an H100/H200 takes several
+    count = pieces(vocab, torch.device("cuda"))
+    io = _io(max_bs=64, max_rows=64, max_pieces=rows * count)
     g = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     w[7] = torch.where(x[0] > 0, 0.1, -0.1).to(torch.bfloat16)  # row 0's maximum, in three tiles
     w[vocab // 2] = w[vocab - 1] = w[7]
+    w[64 * count + 5] = w[7]  # and in this tile, the next one of program 0 (tile 0's)
     logits = torch.empty(rows, vocab, dtype=torch.bfloat16, device="cuda")
     for replay in range(2):
         io.counters[1] = replay  # what the graph's gather does at its start
@@ -114,8 +115,8 @@ def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
         temps[0] = 1.0
         temps = temps if replay else torch.ones_like(temps)
         io.temps[:rows] = temps
-        skinny_linear(x, w, out=logits, prefetch=True, lse=io.lse_pieces(rows, pieces), **logits_config(rows))
-        io.sample(logits, pieces)
+        logits_linear(x, w, logits, io.lse_pieces(rows, count))
+        io.sample(logits, count)
         torch.cuda.synchronize()
         lse, tokens, pairs = lse_argmax(logits, temps.clone())
         assert tokens[0].item() == 7
@@ -128,10 +129,10 @@ def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
         torch.testing.assert_close(published[:, 1], pairs[:, 1].cpu(), rtol=0, atol=ulps)
         torch.testing.assert_close(logits.float(), x.float() @ w.float().T, rtol=1e-2, atol=2e-2)  # the logits still written
     with pytest.raises(ValueError, match="sampler pieces"):
-        io.lse_pieces(rows, pieces + 1)
-    temps, *parts = io.lse_pieces(rows, pieces)
-    with pytest.raises(ValueError, match="pieces"):  # a tile's pieces short
-        skinny_linear(x, w, out=logits, lse=(temps, *(t[:, 1:].contiguous() for t in parts)), **logits_config(rows))
+        io.lse_pieces(rows, count + 1)
+    temps, *parts = io.lse_pieces(rows, count)
+    with pytest.raises(ValueError, match="pieces"):  # a program's pieces short
+        logits_linear(x, w, logits, (temps, *(t[:, 1:].contiguous() for t in parts)))
 
 
 GRAPH_MAX_BS = 16

@@ -186,15 +186,16 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] logits in the model dtype (the sampler computes in fp32),
         written into `out` [n, vocab] when given (a CUDA graph's static buffer: no copy). Up to
         skinny_linear.MAX_ROWS rows on CUDA with the fused ops: skinny_linear's LOGITS_CONFIG.
-        `lse` (temperatures [n], then [n, logits_pieces(n)] maxima, sums, argmaxes): the logits
-        also write the sampler's pieces (skinny_linear's `lse` epilogue), up to 64 rows."""
+        `lse` (temperatures [n], then [n, logits_pieces(n)] maxima, sums, argmaxes; a decode
+        graph's logits, up to 64 rows, into `out`): the logits also write the sampler's pieces
+        (engine/models/logits_linear.py)."""
         weight = self._logits_weight()
         if not self.tp.enabled:
-            if lse is not None:  # a decode graph's logits: the weight prefetched behind the final norm
-                from engine.models import skinny_linear
+            if lse is not None:
+                from engine.models import logits_linear
 
-                return skinny_linear.skinny_linear(hidden, weight, out=out, prefetch=True, lse=lse,
-                                                   **skinny_linear.logits_config(hidden.shape[0]))  # fmt: skip
+                assert out is not None
+                return logits_linear.logits_linear(hidden, weight, out, lse)
             skinny = skinny_for(hidden) if self.model.fused and weight.is_contiguous() else None
             if skinny is not None:  # few rows (decode): the weight prefetched behind the final norm
                 return skinny.skinny_linear(hidden, weight, out=out, prefetch=True, **skinny.LOGITS_CONFIG)
@@ -205,17 +206,19 @@ class LlamaForCausalLM(nn.Module):
     def logits_pieces(self, rows: int) -> int:
         """Pieces per row of the sampler's log-sum-exp that compute_logits(lse=...) writes for
         `rows` rows (engine/runner/lse_argmax.py merges them), 0 where it cannot: not on CUDA in
-        half precision with the fused ops on one rank, more than skinny_linear.KERNEL_MAX_ROWS
-        rows, or SIESTA_LOGITS_PIECES=0 (the sampler then reads the logits)."""
+        half precision with the fused ops on one rank, more than logits_linear.MAX_ROWS rows, a
+        hidden size no K step divides, or SIESTA_LOGITS_PIECES=0 (the sampler then reads the logits)."""
         weight = self._logits_weight()
         half = weight.dtype in (torch.bfloat16, torch.float16)
         if self.tp.enabled or not self.model.fused or not weight.is_cuda or not half or not weight.is_contiguous():
             return 0
-        from engine.models import skinny_linear
+        from engine.models import logits_linear
 
-        if os.environ.get(LOGITS_PIECES_ENV, "1") == "0" or not 0 < rows <= skinny_linear.KERNEL_MAX_ROWS:
+        if os.environ.get(LOGITS_PIECES_ENV, "1") == "0" or not 0 < rows <= logits_linear.MAX_ROWS:
             return 0
-        return skinny_linear.logits_pieces(weight.shape[0], rows)
+        if not logits_linear.block_k(weight.shape[1]):
+            return 0
+        return logits_linear.pieces(weight.shape[0], weight.device)
 
     def _logits_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -18,9 +18,6 @@ Rules:
   (gate and up rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE
   division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
 - Grid and output are fixed by the shapes: CUDA-graph capturable.
-- `lse` (the logits of a decode graph, engine/runner/graph_io.py): each program also writes, per
-  row, the max, sum of exp(x - max) and first argmax of its columns of x = result / t, the pieces
-  the sampler merges (engine/runner/lse_argmax.py's merge_pieces), so the sampler reads no logits.
 - `prefetch` (on Hopper; engine/pdl.py): launched with PDL, the kernel prefetches the
   first columns of its weight rows (up to PREFETCH_BYTES in all) into L2 before it waits for x.
   For the GEMVs after a norm (qkv, gate_up): the norm, or at TP > 1 the cross-rank reduce, is
@@ -50,19 +47,6 @@ KERNEL_MAX_ROWS = 64
 # Qwen3-0.6B's and 8B's lm_head (152k x 1024 / 4096) 4-6 % faster than cuBLAS, which the default
 # rule's 32-column tiles are not at 8B (bench/probe_lm_head.py, H200, thirty-second session).
 LOGITS_CONFIG = dict(block_n=128, block_k=128, num_warps=8, num_stages=3)
-# Above MAX_ROWS (a decode graph's logits with the sampler's pieces, `lse`): 64 x 64 tiles, the
-# probe's best at 64 rows, level with cuBLAS (85.9 against 84.9-87.0 us, thirty-second session).
-LOGITS_WIDE_CONFIG = dict(block_n=64, block_k=64, num_warps=4, num_stages=6)
-
-
-def logits_config(rows: int) -> dict[str, int]:
-    """The logits' tiles for `rows` rows (LOGITS_CONFIG up to MAX_ROWS, else LOGITS_WIDE_CONFIG)."""
-    return LOGITS_CONFIG if rows <= MAX_ROWS else LOGITS_WIDE_CONFIG
-
-
-def logits_pieces(vocab: int, rows: int) -> int:
-    """Column tiles of the logits of `rows` rows: the pieces per row their `lse` epilogue writes."""
-    return triton.cdiv(vocab, logits_config(rows)["block_n"])
 
 
 def applies(x: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
@@ -111,11 +95,10 @@ def _skinny_kernel(
     w_ptr,  # [N_W, K], contiguous: N_W = N, or 2N (gate | up) with SILU_MUL
     b_ptr,  # [N_W] (read only when HAS_BIAS)
     out_ptr,  # [M, N]
-    t_ptr, max_ptr, sum_ptr, arg_ptr,  # LSE only: [M] float32 temperatures; [M, programs] pieces
     M, N, K, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, LSE: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -135,8 +118,6 @@ def _skinny_kernel(
                 pdl.prefetch_l2(w_ptr + N.to(tl.int64) * K + rows + lines)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if LSE:  # the rows' temperatures, loaded before the K loop: the epilogue does not wait for them
-        t = tl.load(t_ptr + offs_m, mask=m_ok, other=1.0)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     up_ptrs = w_ptrs + N.to(tl.int64) * K  # the up half of a gate | up weight
@@ -169,19 +150,6 @@ def _skinny_kernel(
         acc = _silu_mul(acc, acc_up, dtype)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
-    if LSE:
-        # The sampler's piece of each row (lse_argmax.merge_pieces): of x = the stored logits / t
-        # (IEEE division; x / 1 is x), the max, the sum of exp(x - max) and the first argmax.
-        x = acc.to(dtype).to(tl.float32)
-        if tl.max(tl.abs(t - 1.0), 0) != 0.0:  # x / 1 is x: a tile of greedy rows skips the division
-            x = tl.math.div_rn(x, t[:, None])
-        x = tl.where(n_ok[None, :], x, float("-inf"))
-        mx, arg = tl.max(x, 1, return_indices=True, return_indices_tie_break_left=True)  # [BLOCK_M]
-        shift = tl.where(mx == float("-inf"), 0.0, mx)
-        piece = offs_m * tl.num_programs(0) + pid
-        tl.store(max_ptr + piece, mx, mask=m_ok)
-        tl.store(sum_ptr + piece, tl.sum(tl.exp(x - shift[:, None]), 1), mask=m_ok)
-        tl.store(arg_ptr + piece, pid.to(tl.int64) * BLOCK_N + arg, mask=m_ok)
 
 
 def skinny_linear(
@@ -195,9 +163,6 @@ def skinny_linear(
     num_stages: int | None = None,
     prefetch: bool = False,  # launch with PDL and prefetch weights: for a GEMV right after a norm
     out: torch.Tensor | None = None,  # [M, N] contiguous rows: written in place (a graph's static buffer)
-    # The sampler's pieces of the result (lse_argmax.merge_pieces): temperatures [M] float32, then
-    # [M, programs] maxima and sums float32, first argmaxes int64 of result / t per program's columns.
-    lse: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [M, N] ([M, I] with silu_mul)
     if x.dim() != 2 or not applies(x, KERNEL_MAX_ROWS):
         raise ValueError(f"skinny_linear: x must be a CUDA bf16/fp16 [M, K] with 1 <= M <= {KERNEL_MAX_ROWS}, got {tuple(x.shape)} {x.dtype}")
@@ -214,21 +179,14 @@ def skinny_linear(
     block_n = block_n or _block_n(n, num_sms(x.device.index or 0))
     block_k = block_k or (128 if k >= 128 else max(16, 1 << (k - 1).bit_length()))
     programs = triton.cdiv(n, block_n)
-    if lse is not None:
-        temps, maxima, sums, args = lse
-        ok = temps.shape == (m,) and temps.dtype == torch.float32 and all(t.is_contiguous() for t in lse[1:])
-        ok = ok and maxima.shape == sums.shape == args.shape == (m, programs) and maxima.dtype == sums.dtype == torch.float32
-        if silu_mul or not ok or args.dtype != torch.int64:
-            raise ValueError(f"skinny_linear: lse needs float32 temperatures [{m}] and contiguous [{m}, {programs}] pieces "
-                             f"(float32, float32, int64) and no silu_mul, got {[(tuple(t.shape), t.dtype) for t in lse]}")  # fmt: skip
     use_pdl = pdl.enabled(x.device)
     line = 128 // x.element_size()  # elements per 128-byte line
     _skinny_kernel[(programs,)](
-        x, weight, bias if bias is not None else weight, out, *(lse if lse is not None else (out,) * 4),
+        x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=use_pdl, LINE=line, LSE=lse is not None,
+        USE_PDL=use_pdl, LINE=line,
         PREFETCH_LINES=_prefetch_lines(weight.numel() * x.element_size(), k, line) if prefetch else 0,
         num_warps=num_warps or 4, num_stages=num_stages or 5, launch_pdl=use_pdl and prefetch,
     )  # fmt: skip

@@ -12,7 +12,8 @@ Rules:
   (token, logprob) into pinned host memory (engine/runner/graph_io.py); no copy engine runs
   between steps. A step that samples otherwise runs the sampler on the static logits after it.
 - Up to 64 rows the logits also write the greedy sampler's pieces (max, sum of exp, argmax of
-  each column tile; the model's `logits_pieces`), so that sampler only merges them.
+  each logits program's columns: engine/models/logits_linear.py; the model's `logits_pieces`),
+  so that sampler only merges them.
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
 - Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.

@@ -17,9 +17,9 @@ the caller's to keep: the kernel leaves it zero again. On Hopper it launches wit
 (engine/pdl.py) and waits before it reads or writes anything.
 
 `merge_pieces`: the same answer when a kernel before already cut the rows into pieces (the
-logits' epilogue, engine/models/skinny_linear.py: a decode graph's logits of up to 64 rows), so
+logits' epilogue, engine/models/logits_linear.py: a decode graph's logits of up to 64 rows), so
 only the merge is left, one program per row: after the logits end, one load of a row's pieces
-instead of a second read of its logits (bench/RESULTS.md, fifty-second session).
+instead of a second read of its logits (bench/RESULTS.md, fifty-second and fifty-fourth sessions).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ WARPS = 4
 # compiles its variant at capture, so the eager sampler's one-variant rule does not bind it.
 GRAPH_WIDE_ROWS = 8
 GRAPH_WIDE = (4096, 4)
+_NO_ARG: tl.constexpr = tl.constexpr(2**62)  # above any column index
 
 
 @triton.jit
@@ -51,6 +52,16 @@ def _over_t(x, t):
     if t != 1.0:
         x = tl.math.div_rn(x, t)
     return x
+
+
+@triton.jit
+def piece(x, AXIS: tl.constexpr):
+    # The sampler's piece of x / t values (-inf: masked or banned) along AXIS: (max, sum of
+    # exp(x - max), first index of the max); a piece of all -inf is (-inf, 0, 0). Shared with the
+    # logits' epilogue (engine/models/logits_linear.py), whose pieces _merge_row merges the same way.
+    mx, arg = tl.max(x, AXIS, return_indices=True, return_indices_tie_break_left=True)
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    return mx, tl.sum(tl.exp(x - tl.expand_dims(shift, AXIS)), AXIS), arg
 
 
 def graph_config(rows: int) -> tuple[int, int]:
@@ -76,11 +87,10 @@ def _lse_argmax_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row)
     x = _over_t(tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32), t)
-    mx, arg = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
-    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    mx, total, arg = piece(x, 0)
     out = row * CHUNKS + c
     tl.store(max_ptr + out, mx)
-    tl.store(sum_ptr + out, tl.sum(tl.exp(x - shift), 0))
+    tl.store(sum_ptr + out, total)
     tl.store(arg_ptr + out, c * CHUNK_ + arg)
     tl.debug_barrier()
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
@@ -96,7 +106,7 @@ def _merge_row(
 ):  # fmt: skip
     # Row `row`'s CHUNKS pieces (max m_c, sum s_c of exp(x - m_c), first argmax; [rows, CHUNKS]
     # each, written by other programs, so read from L2): lse = M + log(sum_c s_c * exp(m_c - M)),
-    # token = the argmax of the first piece holding the row's maximum M, pair [row] = (token,
+    # token = the least argmax of the pieces holding the row's maximum M, pair [row] = (token,
     # x[token] - lse), where x[token] / t is M itself (the same division of the same element): no
     # second read of x. PUBLISH: the pair also into host slot (current & 1), and row 0 sets step
     # to current + 1.
@@ -108,8 +118,12 @@ def _merge_row(
     top_shift = tl.where(top == float("-inf"), 0.0, top)
     lse = top_shift + tl.log(tl.sum(s * tl.exp(m - top_shift), 0))
     tl.store(lse_ptr + row, lse)
+    # The first column holding M: the least argmax of the pieces holding it (pieces need not be
+    # in column order: logits_linear's running pieces interleave); the first piece's if none does (NaN).
     first = tl.argmax(m, 0, tie_break_left=True)
-    token = tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg")
+    ties = tl.load(arg_ptr + row * CHUNKS + k, mask=ok & (m == top), other=_NO_ARG, cache_modifier=".cg")
+    token = tl.min(ties, 0)
+    token = tl.where(token == _NO_ARG, tl.load(arg_ptr + row * CHUNKS + first, cache_modifier=".cg"), token)
     tl.store(token_ptr + row, token)
     chosen = top
     tl.store(pair_ptr + row * 2, token.to(tl.float64))
@@ -130,7 +144,7 @@ def _merge_kernel(
     CHUNKS: tl.constexpr, BLOCK: tl.constexpr, HOST_STRIDE: tl.constexpr, PUBLISH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program row: _merge_row over pieces another kernel wrote (the logits' epilogue,
-    # engine/models/skinny_linear.py), once that kernel has ended.
+    # engine/models/logits_linear.py), once that kernel has ended.
     if USE_PDL:  # engine/pdl.py: scheduled while the logits stream; everything below reads their pieces
         tl.extra.cuda.gdc_wait()
     _merge_row(tl.program_id(0), max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, pair_ptr, host_ptr, current_ptr, step_ptr, CHUNKS,
@@ -189,8 +203,8 @@ def merge_pieces(
     publish: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:  # fmt: skip
     """`lse_argmax`'s answer, published, from pieces of x / t another kernel wrote: (maxima [B, C]
-    float32, sums of exp(x - max) [B, C] float32, first argmaxes [B, C] int64) of C consecutive
-    column ranges per row (skinny_linear's `lse` epilogue). out and publish as lse_argmax's; one
+    float32, sums of exp(x - max) [B, C] float32, first argmaxes [B, C] int64) of C column sets per
+    row, in any order (logits_linear's epilogue). out and publish as lse_argmax's; one
     program per row, launched with PDL on Hopper (it waits for the pieces' kernel to end)."""
     maxima, sums, args = pieces
     rows, chunks = maxima.shape
