@@ -18,8 +18,9 @@ Rules:
   after a resume of the `cuda_graph` region (`reset`).
 - A slot is written again only once the replay that used it last has finished (its event), and
   the engine reads step k's results before it launches step k + 2 (engine/core/engine_core.py).
-- A staging slot, int32: columns [COLUMNS, max_bs] (token, source row of a pending token or -1,
-  position, KV slot, sequence length, the step's table width, temperature as float32 bits), then
+- A staging slot, int32: rows [max_bs, ROW] (token, source row of a pending token or -1,
+  position, KV slot, sequence length, the step's table width, temperature as float32 bits, one
+  unused: a row is 32 contiguous bytes, so the gather reads it from pinned memory at once), then
   block tables [max_bs, max_blocks], each row padded with block 0 to the step's widest (no static
   table row keeps a stale entry within that width). Rows past the step's are padding: token 0 at
   position 0, slot -1, length 0, width 0 (their table rows untouched), temperature 1.
@@ -39,7 +40,8 @@ import triton.language as tl
 from engine.runner.sampler import SampledOnDevice
 
 COLUMNS = 7  # token, source, position, slot, sequence length, table width, temperature bits
-_COLUMNS: tl.constexpr = tl.constexpr(COLUMNS)
+ROW = 8  # int32 per staged row: the columns, then one unused
+_ROW: tl.constexpr = tl.constexpr(ROW)
 _TABLE_CHUNK = 64  # table entries a gather program reads at once (1024 tokens at block 16)
 
 
@@ -61,16 +63,16 @@ def _gather_kernel(
     r = tl.program_id(0)
     replay = tl.load(step_ptr, cache_modifier=".cg")
     two = tl.arange(0, 2)
-    cols = tl.arange(0, 8)
-    both = tl.load(stage_ptr + two[None, :] * SLOT + cols[:, None] * MAX_BS + r, mask=cols[:, None] < _COLUMNS, other=0)
+    cols = tl.arange(0, _ROW)
+    both = tl.load(stage_ptr + two[None, :] * SLOT + r * _ROW + cols[:, None])  # [ROW, 2]
     tcols = tl.arange(0, CHUNK)
-    row_in = stage_ptr + _COLUMNS * MAX_BS + r * MAXB
+    row_in = stage_ptr + _ROW * MAX_BS + r * MAXB
     firsts = tl.load(row_in + two[:, None] * SLOT + tcols[None, :], mask=tcols[None, :] < MAXB)  # [2, CHUNK]
     usual = tl.load(tokens_ptr + r)
     if r == 0:
         tl.store(step_ptr + 1, replay)
     parity = replay & 1
-    row = tl.sum(tl.where(two[None, :] == parity, both, 0), axis=1)  # [8]: this replay's slot
+    row = tl.sum(tl.where(two[None, :] == parity, both, 0), axis=1)  # [ROW]: this replay's slot
     token = tl.sum(tl.where(cols == 0, row, 0)).to(tl.int64)
     source = tl.sum(tl.where(cols == 1, row, 0))
     position = tl.sum(tl.where(cols == 2, row, 0))
@@ -123,12 +125,13 @@ class GraphIO:
         self.args = torch.zeros(max_pieces, dtype=torch.int64, device=dev)
         # step (replays before this one), current (this replay's), then lse_argmax's per-row counters
         self.counters = torch.zeros(2 + self.max_bs, dtype=torch.int32, device=dev)
-        self.slot_elements = -(-(COLUMNS * self.max_bs + self.max_bs * self.max_blocks) // 4) * 4  # 16-byte slots
+        self.slot_elements = ROW * self.max_bs + -(-self.max_bs * self.max_blocks // 4) * 4  # 16-byte slots
         self.stage = torch.zeros(2, self.slot_elements, dtype=torch.int32, pin_memory=True)
         self.results = torch.zeros(2, self.max_bs, 2, dtype=torch.float64, pin_memory=True)
-        self._columns = self.stage[:, : COLUMNS * self.max_bs].view(2, COLUMNS, self.max_bs)
+        # [2, COLUMNS, max_bs]: each column a strided view of the rows
+        self._columns = self.stage[:, : ROW * self.max_bs].view(2, self.max_bs, ROW)[:, :, :COLUMNS].transpose(1, 2)
         self._temps = self._columns[:, 6].view(torch.float32)  # [2, max_bs]
-        self._tables = self.stage[:, COLUMNS * self.max_bs : COLUMNS * self.max_bs + self.max_bs * self.max_blocks]
+        self._tables = self.stage[:, ROW * self.max_bs : ROW * self.max_bs + self.max_bs * self.max_blocks]
         self._tables = self._tables.view(2, self.max_bs, self.max_blocks)
         self._padding = torch.tensor([0, -1, 0, -1, 0, 0, 0], dtype=torch.int32)[:, None].repeat(1, self.max_bs)
         self._padding[6] = torch.ones(self.max_bs, dtype=torch.float32).view(torch.int32)
