@@ -2,7 +2,8 @@
 pieces: a persistent Triton matmul over the vocabulary whose epilogue folds each column tile into
 one running (max, sum of exp, first argmax) per row and program, so the sampler reads no logits
 and merges few pieces (engine/runner/lse_argmax.py `merge_pieces`). Only the CUDA path of
-`LlamaForCausalLM.compute_logits` imports this module (it imports Triton).
+`LlamaForCausalLM.compute_logits` and lse_argmax.py (for `piece`) import this module (it imports
+Triton).
 
     y [M, V] = x [M, K] @ weight [V, K].T;   per row and program: max, sum of exp(x - max), first argmax
 
@@ -36,7 +37,6 @@ import triton.language as tl
 
 from engine import pdl
 from engine.launcher import Launcher
-from engine.runner.lse_argmax import piece
 
 # Tiles (block_n, block_k), warps, pipeline stages and programs per SM: the probe's best at 1, 16,
 # 32 and 64 rows of the 0.6B lm_head (64 x 64 x 4 x 4, 3 an SM: 40-104 KB of shared memory each).
@@ -60,6 +60,16 @@ def block_k(k: int, want: int = CONFIG["block_k"]) -> int:
 def pieces(vocab: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM, block_n: int = CONFIG["block_n"]) -> int:
     """Pieces a row the logits of a [V = vocab, K] weight on `device` write: one a program."""
     return min(per_sm * _sms(device.index or 0), triton.cdiv(vocab, block_n))
+
+
+@triton.jit
+def piece(x, AXIS: tl.constexpr):
+    # The sampler's piece of x / t values (-inf: masked or banned) along AXIS: (max, sum of
+    # exp(x - max), first index of the max); a piece of all -inf is (-inf, 0, 0). The logits'
+    # epilogue below and engine/runner/lse_argmax.py's per-chunk pieces, which its _merge_row merges.
+    mx, arg = tl.max(x, AXIS, return_indices=True, return_indices_tie_break_left=True)
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    return mx, tl.sum(tl.exp(x - tl.expand_dims(shift, AXIS)), AXIS), arg
 
 
 @Launcher

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.launcher import Launcher
+from engine.models.logits_linear import piece
 
 # Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, twentieth session:
 # 2048 against 1024, temperature 1: 4.4 / 5.5 / 13.7 / 43.7 us at 1 / 8 / 64 / 256 rows against
@@ -52,16 +53,6 @@ def _over_t(x, t):
     if t != 1.0:
         x = tl.math.div_rn(x, t)
     return x
-
-
-@triton.jit
-def piece(x, AXIS: tl.constexpr):
-    # The sampler's piece of x / t values (-inf: masked or banned) along AXIS: (max, sum of
-    # exp(x - max), first index of the max); a piece of all -inf is (-inf, 0, 0). Shared with the
-    # logits' epilogue (engine/models/logits_linear.py), whose pieces _merge_row merges the same way.
-    mx, arg = tl.max(x, AXIS, return_indices=True, return_indices_tie_break_left=True)
-    shift = tl.where(mx == float("-inf"), 0.0, mx)
-    return mx, tl.sum(tl.exp(x - tl.expand_dims(shift, AXIS)), AXIS), arg
 
 
 def graph_config(rows: int) -> tuple[int, int]:
