@@ -15,8 +15,9 @@ are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
 
 CI runs it (tests/test_bench_scripts.py) and checks the occupancy the decode path is built on: the
 split-KV decode at the engine's own config four programs per SM (bench/RESULTS.md, seventeenth
-session: fewer lose), and so the batch decode's attention kernel (rope folded in), the layer kernel two (a layer's programs get scheduled, with PDL, beside
-the layer before), no kernel spilling.
+session: fewer lose), and so the batch decode's attention kernel (rope folded in; its half-size
+tiles two buffered, fifty-fifth session), the layer kernel two (a layer's programs get scheduled,
+with PDL, beside the layer before), no kernel spilling.
 """
 
 from __future__ import annotations
@@ -95,8 +96,13 @@ def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
                   USE_PDL=True, LINE=64, MERGE=False, stamp_ptr=None, TIMING=False)  # fmt: skip
     out = compile_sm90(td._decode_kernel, types, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": True},
                        ("num_splits", "stride_bt", "mixed"))  # fmt: skip
-    # The K/V ring: [buffers, BLOCK_N, D] shared tiles; the loop's wait leaves N copy groups in
-    # flight (three per tile: K, V and the next page-table load).
+    return _pipeline(out, block_n)
+
+
+def _pipeline(out: dict[str, object], block_n: int) -> dict[str, object]:
+    """A split-KV kernel's report with its K/V ring: `buffers` [buffers, BLOCK_N, D] shared tiles,
+    and `in_flight`, the tiles the loop's wait leaves in flight (three copy groups per tile: K, V
+    and the next page-table load)."""
     ring = re.findall(rf"memdesc<(\d+)x{block_n}x{D}xbf16", out["ttgir"])
     loop = out["ttgir"].split("scf.for", 1)[-1]
     wait = re.search(r"async_wait .*?\{num = (\d+)", loop)
@@ -130,13 +136,16 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
     qkv = (H + 2 * HKV) * D
-    attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True)
+    tiles = batch_attention.batch_tile_config(D, 2)
+    attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True, tiles)
     types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
     return {
         **splitk_kernels(),
         **logits_kernels(),
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
-        "rope_decode_kernel": compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")),
+        "rope_decode_kernel": _pipeline(
+            compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")), tiles[0]
+        ),
         # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
         "rope_decode_kernel (layers)": layers_attention(D, 2),
         "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt", "has_next")),

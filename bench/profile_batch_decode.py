@@ -32,6 +32,7 @@ from profile_fused_decode import decode_inputs, parse, placement, setup
 
 from engine.attention import ForwardContext
 from engine.attention import triton_decode as td
+from engine.models import batch_attention
 from engine.models.batch_attention import rope_decode_kernel
 from engine.models.batch_decode import BatchDecode, unsupported
 from engine.models.grid_phases import STAMPS
@@ -54,12 +55,12 @@ def _attention_flag(p: argparse.ArgumentParser) -> None:
 def decode_config(config: tuple[int, int, int]) -> Iterator[None]:
     """Every decode-kernel config chosen inside is `config` (BLOCK_N, warps, stages): the backend's
     launches, and a `BatchDecode` built inside (its attention kernel's constants)."""
-    default = td.decode_config
-    td.decode_config = lambda head_dim, elem_bytes: config
+    defaults = td.decode_config, batch_attention.batch_tile_config
+    td.decode_config = batch_attention.batch_tile_config = lambda head_dim, elem_bytes: config
     try:
         yield
     finally:
-        td.decode_config = default
+        td.decode_config, batch_attention.batch_tile_config = defaults
 
 
 def main() -> None:

@@ -287,6 +287,8 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     for name in ("rope_decode_kernel", "rope_decode_kernel (layers)"):
         attention = kernels[name]
         assert min(attention["per_sm_regs"], attention["per_sm_shared"]) >= 4, (name, attention)
+    # The batch decode's attention buffers two K/V tiles: one streams while the other computes.
+    assert kernels["rope_decode_kernel"]["buffers"] >= 2, kernels["rope_decode_kernel"]
     # Two layer kernels per SM: a layer's programs, launched with PDL, start beside the layer before.
     layer = kernels["decoder_layer_kernel"]
     assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer

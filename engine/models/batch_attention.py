@@ -2,7 +2,8 @@
 (engine/attention/triton_decode.py) with q/k norm, rope and the new K/V rows' store folded in.
 Two callers, one kernel (`rope_decode_kernel`):
 - the batch decode (engine/models/batch_decode.py) on the fp32 split-K partials of its persistent
-  kernel, which then ends at its qkv projection, one phase and one grid barrier sooner;
+  kernel, which then ends at its qkv projection, one phase and one grid barrier sooner; its tiles
+  are half the backend's, two buffered (`batch_tile_config`);
 - `DecodeAttention`, the layers' own forward (models/layers.py `Attention`) on the decode steps no
   persistent path takes (the 8B shape, more than 64 rows): on the qkv linear's output (one
   "partial", its bias already added), one launch where rotary, store_kv, decode and its reduce
@@ -159,14 +160,31 @@ def rope_decode_kernel(
     )  # fmt: skip
 
 
+def batch_tile_config(d: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the batch decode's attention: the backend's decode tile
+    (triton_decode.decode_config) at half the tokens and twice the stages, so a program buffers
+    two K/V tiles and streams one while it computes the other, at the same four programs an SM
+    (0.6B shape: 32x4x6 against 64x4x3). H200, context 512, forward from a graph, three rounds:
+    64 / 32 / 16 rows 1.693-1.700 -> 1.678-1.685, 1.339-1.343 -> 1.307-1.313, 1.132-1.135 ->
+    1.114-1.116 ms, 8 rows level (bench/RESULTS.md, fifty-fifth session; the twenty-seventh
+    session's kernel, before rope and the K/V store were folded in, lost with it).
+    Only the 64-token tile of half-precision rows is halved (what was measured; fp32 caches, the
+    tests', keep the backend's: 16-token tiles spill there)."""
+    block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)
+    if elem_bytes == 2 and block_n == 64:
+        return 32, num_warps, 2 * num_stages
+    return block_n, num_warps, num_stages
+
+
 def kernel_consts(
     nh: int, nkv: int, d: int, ks: int, stride: int, has_bias: bool, qk_norm: bool, block_size: int, elem_bytes: int,
-    use_pdl: bool,
+    use_pdl: bool, config: tuple[int, int, int] | None = None,
 ) -> dict[str, object]:  # fmt: skip
     """The kernel's constexprs and launch options for a layer of nh / nkv heads of d, qkv partials
     [ks, *, *] at `stride`, KV blocks of block_size (no device needed: bench/compile_offline.py
-    compiles them). The tile config is the backend's decode kernel's."""
-    block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)
+    compiles them). The tile config (BLOCK_N, warps, stages) is `config`, else the backend's
+    decode kernel's."""
+    block_n, num_warps, num_stages = config or triton_decode.decode_config(d, elem_bytes)
     return dict(
         NH=nh, NKV=nkv, D=d, KS=ks, STRIDE=stride, HAS_BIAS=has_bias, QK_NORM=qk_norm,
         BLOCK_H=triton_decode.query_rows(nh // nkv), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=triton_decode.prefetch_line(d, elem_bytes),

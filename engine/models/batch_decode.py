@@ -101,9 +101,11 @@ class BatchDecode:
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
+        elem_bytes = backend.kv_cache.element_size()
         self.attention_consts = batch_attention.kernel_consts(
             self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
-            self.shape.qk_norm, backend.kv_cache.shape[3], backend.kv_cache.element_size(), self.pdl,
+            self.shape.qk_norm, backend.kv_cache.shape[3], elem_bytes, self.pdl,
+            batch_attention.batch_tile_config(self.shape.d, elem_bytes),
         )  # fmt: skip
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
