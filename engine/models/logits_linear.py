@@ -29,14 +29,13 @@ Rules:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from engine import pdl
 from engine.launcher import Launcher
+from engine.models.skinny_linear import num_sms
 
 # Tiles (block_n, block_k), warps, pipeline stages and programs per SM: the probe's best at 1, 16,
 # 32 and 64 rows of the 0.6B lm_head (64 x 64 x 4 x 4, 3 an SM: 40-104 KB of shared memory each).
@@ -47,11 +46,6 @@ MAX_ROWS = 64
 _PREFETCH_LINES = 2  # 128-byte lines of each first-tile weight row pulled into L2 before the PDL wait
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def block_k(k: int, want: int = CONFIG["block_k"]) -> int:
     """The K step for a weight of K columns: `want`, else the largest of 32, 16 dividing k (0: none)."""
     return next((b for b in (want, 32, 16) if k % b == 0), 0)
@@ -59,7 +53,7 @@ def block_k(k: int, want: int = CONFIG["block_k"]) -> int:
 
 def pieces(vocab: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM, block_n: int = CONFIG["block_n"]) -> int:
     """Pieces a row the logits of a [V = vocab, K] weight on `device` write: one a program."""
-    return min(per_sm * _sms(device.index or 0), triton.cdiv(vocab, block_n))
+    return min(per_sm * num_sms(device.index or 0), triton.cdiv(vocab, block_n))
 
 
 @triton.jit
