@@ -70,12 +70,13 @@ def _rms_norm_kernel(
     n_cols, inv_n, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, KS: tl.constexpr = 1,
 ):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel's output, loaded before the wait
     if USE_PDL:  # engine/pdl.py: scheduled while the kernel before ends; the GEMV after it prefetches now
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if KS > 1:  # the linear's output: its parts summed, rounded where the unfused linear rounds
@@ -90,7 +91,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_n + eps)
     xn = _round(xf * rstd, dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (w * xn).to(dtype), mask=mask)
 
 

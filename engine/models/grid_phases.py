@@ -149,27 +149,40 @@ def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE:
 
 
 @triton.jit
+def norm_weight(w_ptr, HID: tl.constexpr, BLOCK: tl.constexpr):
+    # A norm's weight [BLOCK] (its dtype; zeros past HID), for norm_phase's W_LOADED: loaded
+    # where nothing waits on it yet (it is no kernel's output), not after the row's sum of squares.
+    offs = tl.arange(0, BLOCK)
+    return tl.load(w_ptr + offs, mask=offs < HID, other=0.0)
+
+
+@triton.jit
 def norm_phase(
     row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, store_h,
     KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, ids_ptr=None,
-    EMBED: tl.constexpr = False, PART_LAMPORT: tl.constexpr = False,
+    EMBED: tl.constexpr = False, PART_LAMPORT: tl.constexpr = False, W_LOADED: tl.constexpr = False,
 ):  # fmt: skip
     # The program given row < M: the stream h = base + round(sum_c part[c]) (KS 0: base alone)
     # -> h_out (if store_h), and xn = norm(h) * w -> xn (fused_ops._rms_norm_kernel's roundings).
     # Rows at stride HID in every buffer; part [KS, *, HID] at stride_part. EMBED (KS 0): base is
     # the embedding table [V, HID], its row ids[row] the stream: the lookup folded into the norm.
     # PART_LAMPORT: part is a Lamport buffer (lamport.py), waited for here instead of a barrier.
+    # W_LOADED: w_ptr is the weight itself (norm_weight's); else it is loaded before the stream,
+    # so its latency overlaps the partial sums' instead of following the sum of squares.
     if row < M:
         offs = tl.arange(0, BLOCK)
         ok = offs < HID
         off = row * HID + offs
+        if W_LOADED:
+            w = w_ptr.to(tl.float32)
+        else:
+            w = norm_weight(w_ptr, HID, BLOCK).to(tl.float32)
         src = row
         if EMBED:
             src = tl.load(ids_ptr + row).to(tl.int64)
         h = _stream(base_ptr + src * HID, part_ptr + row * HID, offs, ok, stride_part, KS, DTYPE, PART_LAMPORT)
         tl.store(h_out_ptr + off, h.to(DTYPE), mask=ok & store_h)
         rstd = tl.math.rsqrt(tl.sum(h * h, 0) * (1.0 / HID) + eps)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(xn_ptr + off, (w * rnd(h * rstd, DTYPE)).to(DTYPE), mask=ok)
 
 

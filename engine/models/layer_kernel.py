@@ -49,6 +49,10 @@ gate_up item is done (the same, with gate_up's barrier or without, LAMPORT), iss
 only by the programs that had a gate_up item (the others arrive at once, and their fills would
 queue ahead of gate_up's loads); Q_PRE columns of the next layer's qkv rows once its down_proj
 item is done (has_next), over the launch boundary and the next layer's phase 1.
+The norms' weights (layer weights: no kernel of the step writes them) are loaded ahead, phase
+1's before the PDL wait and phase 5's before the attention's barrier, so neither norm waits on a
+load after its sum of squares (one row, H200: the step 0.727-0.745 -> 0.710-0.731 ms;
+bench/RESULTS.md, fifty-sixth session).
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
@@ -75,6 +79,7 @@ import triton.language as tl
 from engine.models.grid_phases import (
     gemv_phase,
     norm_phase,
+    norm_weight,
     phase_end,
     phase_end_prefetching,
     prefetch_items,
@@ -86,24 +91,25 @@ from engine.models.layer_attention import attention_phase, attention_prologue
 
 @triton.jit
 def _norm(
-    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
+    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
     POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, FIRST_ADD: tl.constexpr,
     EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr, PART_LAMPORT: tl.constexpr,
 ):  # fmt: skip
-    # A norm phase and what ends it, stamped at POINT and POINT + 1. EVERYWHERE: every program
+    # A norm phase (w: its weight, grid_phases.norm_weight's) and what ends it, stamped at POINT
+    # and POINT + 1. EVERYWHERE: every program
     # normalizes every row into its own xn rows, program 0 keeps the stream, a CTA barrier. Else
     # program norm_row normalizes its row (if any) into the shared rows, a grid barrier. EMBED:
     # base is the embedding table, row r's stream its row ids[r] (grid_phases.norm_phase).
     if EVERYWHERE:
         for r in range(M):
-            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
-                       ids_ptr, EMBED, PART_LAMPORT)  # fmt: skip
+            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
+                       ids_ptr, EMBED, PART_LAMPORT, True)  # fmt: skip
         stamp(t_ptr, POINT, TIMING)
         tl.debug_barrier()
         stamp(t_ptr, POINT + 1, TIMING)
     else:
-        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w_ptr, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
-                   PART_LAMPORT)  # fmt: skip
+        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
+                   PART_LAMPORT, True)  # fmt: skip
         phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING, True)
 
 
@@ -145,6 +151,7 @@ def decoder_layer_kernel(
     # (its tiles fill at most P - M programs) or with the least to do.
     norm_row = P - 1 - pid
     stamp(t_ptr, 0, TIMING)
+    in_w = norm_weight(in_norm_ptr, HID, BLOCK_HID)  # a weight: loaded before any wait
     if EMBED and USE_PDL:  # layer 0: its prologue reads the step's metadata, so it waits first
         if Q_PRE > 0:  # over the launch: its first qkv weights into L2
             prefetch_items(qkv_w_ptr, QKV, HID, 1, False, BN, P, Q_PRE)
@@ -162,7 +169,7 @@ def decoder_layer_kernel(
     if LAMPORT_O:
         unwrite_items(o_part_ptr, stride_part, HID, KS_O, BM, BN, P, MAX_M, tl.float32)
     xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
-    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
+    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
           1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, EMBED, False)  # fmt: skip
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
@@ -172,6 +179,7 @@ def decoder_layer_kernel(
         M, num_splits, eps, sm_scale_log2, stride_cblk, stride_ctok, stride_chead, stride_bt,
         NH, NKV, D, QK_NORM, BLOCK_SIZE, ABN, DTYPE, t_ptr, TIMING, count_ptr, ao_ptr, GP, BLOCK_S,
     )  # fmt: skip
+    post_w = norm_weight(post_norm_ptr, HID, BLOCK_HID)  # phase 5's weight, landing under the barrier and o_proj
     # o_proj's weight tile pulled into L2 while the barrier waits.
     phase_end_prefetching(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING, True, o_w_ptr, HID, NH * D, KS_O, False, BN, P, O_PRE, True)
     # o_proj: at most one item per program (fused_decode.py), on the merged attention output.
@@ -182,7 +190,7 @@ def decoder_layer_kernel(
     phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True, not LAMPORT_O)
     if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
-    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_norm_ptr, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
+    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False, LAMPORT_O)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE,
                False, LAMPORT)  # fmt: skip
