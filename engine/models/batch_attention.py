@@ -11,7 +11,8 @@ Two callers, one kernel (`rope_decode_kernel`):
 Only those two modules import this one (it imports Triton).
 
 Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, split):
-  1. (PDL) the first tile's K/V lines into L2, wait for the kernel before, trigger the next.
+  1. (PDL) the first tile's K/V lines into L2 and the q/k norm's weights loaded, wait for the
+     kernel before, trigger the next.
   2. q of g's GROUP query heads and the new token's k and v: round(sum_c qkv_part[c] + bias)
      (KS parts of the qkv output), Qwen3's q/k norm, rope; the roundings of
      fused_ops._norm_rope_heads (compiled without FMA contraction, as the persistent kernels).
@@ -51,7 +52,7 @@ from engine.attention.split_kv import (
 from engine.attention.triton_kernels import LOG2E
 from engine.launcher import Launcher
 from engine.models.grid_phases import rnd
-from engine.models.layer_attention import norm_rope
+from engine.models.layer_attention import norm_rope_w, norm_weights
 from engine.models.rotary import RopeInputs
 
 ROPE_DECODE_ENV = "SIESTA_ROPE_DECODE"
@@ -110,6 +111,8 @@ def rope_decode_kernel(
     cos = rnd(tl.load(cos_sin_ptr + pos * D + d), DTYPE)  # [1, HALF]
     sin = rnd(tl.load(cos_sin_ptr + pos * D + HALF + d), DTYPE)
     slot = tl.load(slot_ptr + seq)
+    qw1, qw2 = norm_weights(qn_ptr, QK_NORM, HALF)  # the layer's: no load of them after the wait
+    kw1, kw2 = norm_weights(kn_ptr, QK_NORM, HALF)
     if USE_PDL:  # engine/pdl.py: and the first tile's old cache rows into L2, then wait
         prefetch_first_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, g, stride_cblk, stride_ctok, stride_chead,
                             D, BLOCK_SIZE, BLOCK_N, LINE)  # fmt: skip
@@ -119,16 +122,16 @@ def rope_decode_kernel(
     row = part_ptr + seq * ((NH + 2 * NKV) * D)
     cq = heads[:, None] * D + d  # [BLOCK_H, HALF]
     q_ok = h_mask[:, None]
-    q1, q2 = norm_rope(
+    q1, q2 = norm_rope_w(
         qkv_values(row, b_ptr, cq, q_ok, KS, STRIDE, HAS_BIAS, DTYPE),
         qkv_values(row, b_ptr, cq + HALF, q_ok, KS, STRIDE, HAS_BIAS, DTYPE),
-        qn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+        qw1, qw2, cos, sin, eps, QK_NORM, HALF, DTYPE,
     )  # fmt: skip
     ck = NH * D + g * D + d  # [1, HALF]
-    k1, k2 = norm_rope(
+    k1, k2 = norm_rope_w(
         qkv_values(row, b_ptr, ck, ck >= 0, KS, STRIDE, HAS_BIAS, DTYPE),
         qkv_values(row, b_ptr, ck + HALF, ck >= 0, KS, STRIDE, HAS_BIAS, DTYPE),
-        kn_ptr, cos, sin, eps, QK_NORM, HALF, DTYPE,
+        kw1, kw2, cos, sin, eps, QK_NORM, HALF, DTYPE,
     )  # fmt: skip
     cv = (NH + NKV) * D + g * D + dd  # [1, D]
     v = qkv_values(row, b_ptr, cv, cv >= 0, KS, STRIDE, HAS_BIAS, DTYPE).to(DTYPE)

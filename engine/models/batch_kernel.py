@@ -33,7 +33,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import gemv_phase, norm_phase, phase_end, prefetch_items, stamp
+from engine.models.grid_phases import (
+    gemv_phase,
+    norm_phase,
+    norm_weight,
+    phase_end,
+    prefetch_items,
+    stamp,
+)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -67,17 +74,20 @@ def batch_layer_kernel(
     # The row phases run on the last programs, which the GEMV phases fill last.
     row = P - 1 - pid
     stamp(t_ptr, 0, TIMING)
+    # The norms' weights (the layers': no kernel writes them), so no norm waits on them.
+    post_w = norm_weight(post_norm_ptr, HID, BLOCK_HID)
+    in_w = norm_weight(norm_ptr, HID, BLOCK_HID)
     if USE_PDL:  # engine/pdl.py: scheduled as the attention kernel before ends; wait for all of it
         tl.extra.cuda.gdc_wait()
     stamp(t_ptr, 12, TIMING)  # the attention kernel before has ended (bench: the launch's clock)
     if HEAD:
-        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, norm_ptr, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, True)
+        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, True, False, True)
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
         if G_PRE > 0:
             prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN_G, P, G_PRE)
         phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
-        norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_norm_ptr, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE)
+        norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE, W_LOADED=True)
         phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE)
         if D_PRE > 0:
@@ -88,7 +98,7 @@ def batch_layer_kernel(
             if not TAIL:
                 prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN, P, Q_PRE)
         phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
-        norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, norm_ptr, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE)
+        norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE, W_LOADED=True)
     if not TAIL:
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
         if USE_PDL:  # engine/pdl.py: the attention kernel after this one gets scheduled now

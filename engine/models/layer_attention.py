@@ -40,16 +40,10 @@ def norm_weights(w_ptr, QK_NORM: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def norm_rope(x1, x2, w_ptr, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) and rotated, in DTYPE;
-    # the roundings of fused_ops._norm_rope_heads.
-    w1, w2 = norm_weights(w_ptr, QK_NORM, HALF)
-    return norm_rope_w(x1, x2, w1, w2, cos, sin, eps, QK_NORM, HALF, DTYPE)
-
-
-@triton.jit
 def norm_rope_w(x1, x2, w1, w2, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    # norm_rope with the norm's weight halves w1, w2 [1, HALF] already loaded (norm_weights).
+    # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) by the weight halves w1, w2
+    # [1, HALF] (norm_weights, loaded before any wait: they are the layer's) and rotated, in
+    # DTYPE; the roundings of fused_ops._norm_rope_heads.
     if QK_NORM:
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) * (1.0 / (2 * HALF)) + eps)[:, None]
         x1 = rnd(w1.to(tl.float32) * rnd(x1 * rstd, DTYPE), DTYPE)
