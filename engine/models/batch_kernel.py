@@ -81,7 +81,7 @@ def batch_layer_kernel(
         tl.extra.cuda.gdc_wait()
     stamp(t_ptr, 12, TIMING)  # the attention kernel before has ended (bench: the launch's clock)
     if HEAD:
-        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, True, False, True)
+        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, EMBED=True, W_LOADED=True)
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
         if G_PRE > 0:

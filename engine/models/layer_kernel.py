@@ -96,10 +96,10 @@ def _norm(
     EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr, PART_LAMPORT: tl.constexpr,
 ):  # fmt: skip
     # A norm phase (w: its weight, grid_phases.norm_weight's) and what ends it, stamped at POINT
-    # and POINT + 1. EVERYWHERE: every program
-    # normalizes every row into its own xn rows, program 0 keeps the stream, a CTA barrier. Else
-    # program norm_row normalizes its row (if any) into the shared rows, a grid barrier. EMBED:
-    # base is the embedding table, row r's stream its row ids[r] (grid_phases.norm_phase).
+    # and POINT + 1. EVERYWHERE: every program normalizes every row into its own xn rows, program
+    # 0 keeps the stream, a CTA barrier. Else program norm_row normalizes its row (if any) into
+    # the shared rows, a grid barrier. EMBED: base is the embedding table, row r's stream its row
+    # ids[r] (grid_phases.norm_phase).
     if EVERYWHERE:
         for r in range(M):
             norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
