@@ -186,6 +186,10 @@ class EngineConfig:
     memory_saver: bool = field(
         default=True, metadata={"help": "GPU memory in releasable regions (torch_memory_saver), on CUDA"}
     )
+    debug_poison_on_resume: bool = field(
+        default=False,
+        metadata={"help": "fill what a GPU resume maps again with NaN / 0xFF bytes, so any read of memory lost in the release shows (a CPU release always does)"},
+    )
     weights_backup: str = field(
         default="host", metadata={"help": "host (pinned copy: resume restores weights) | none (resume needs a weight update)"}
     )

@@ -240,3 +240,23 @@ def test_prefix_caching_off() -> None:
     compute(bm, a)
     bm.free(a)
     assert bm.num_cached_blocks == 0 and bm.match_prefix(req("b", list(range(9)))) == 0
+
+
+def test_forget_prefixes_drops_blocks_in_use_too() -> None:
+    """After the KV is lost, no block (in use or not) answers a prefix lookup, and a request that
+    keeps its blocks registers nothing more (its later blocks hang off lost KV)."""
+    bm = BlockManager(16, BS)
+    held, done = req("held", list(range(12))), req("done", list(range(100, 110)))
+    compute(bm, held, 8)
+    compute(bm, done)
+    bm.free(done)
+    assert bm.num_cached_blocks == 4 and not bm.reset_prefix_cache() and bm.num_cached_blocks == 2  # in use: kept
+    bm.forget_prefixes()
+    assert bm.num_cached_blocks == 0 and bm.num_used_blocks == 2  # `held` keeps its blocks
+    assert bm.match_prefix(req("again", list(range(12)))) == 0
+    assert bm.allocate(held, 12)
+    held.num_computed_tokens = 12
+    bm.cache_full_blocks(held)  # its third block fills, off KV that is lost: not registered
+    assert bm.num_cached_blocks == 0
+    bm.free(held)
+    assert bm.num_free_blocks == 16 and bm.num_cached_blocks == 0

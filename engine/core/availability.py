@@ -6,8 +6,9 @@ Rules:
 - New requests are refused (HTTP 503, `EngineState.unavailable` says why) while a memory tag is
   released, while a release drains the running requests, or while the weights were released
   without a host copy and not updated since.
-- Waiting requests are admitted into the running batch (`admitting`) unless a release drains or a
-  weight update waits for the running requests to finish; they queue meanwhile.
+- Waiting requests are admitted into the running batch (`admitting`) unless a weight update
+  waits for the running requests to finish; they queue meanwhile. A release that drains admits
+  them: it waits for every request it accepted before it, queued ones too.
 - No step runs (`can_step`) while paused or while any tag is released: one forward touches all
   of them.
 - What the memory regions and the weight store know (tags mapped, pieces missing) is read from
@@ -55,7 +56,7 @@ class Availability:
 
     @property
     def admitting(self) -> bool:
-        return not (self.draining or self.updating)
+        return not self.updating
 
     def can_step(self) -> bool:
         return not self.paused and not self.memory.released

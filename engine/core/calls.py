@@ -4,6 +4,10 @@
 Rules:
 - A call runs between steps, in the order calls arrive, with no step in flight; a `read_only`
   call only reports, so it runs with a step in flight.
+- A call that answers later (a release draining the requests, an update waiting for them) holds
+  the calls after it until it has run, so that calls take effect in the order they arrive: a
+  resume sent after a release finds the memory released. A call that is not `in_order` goes
+  ahead: the read-only ones, and `Abort` (how a caller frees a release that waits).
 - Field names and defaults are SGLang's, so a route builds a call from its JSON body as it is.
 - A reply's result is `Call.reply`: a struct where the answer has a fixed shape, a dict where it
   is a report (server info, loads, occupation, checksums, profiles), as SGLang answers them.
@@ -29,6 +33,7 @@ class Call(msgspec.Struct, tag=True, kw_only=True, frozen=True):
 
     call_id: int = 0
     read_only: ClassVar[bool] = False
+    in_order: ClassVar[bool] = True  # waits behind a call that answers later
     reply: ClassVar[Any] = dict[str, Any]
 
 
@@ -100,19 +105,23 @@ class Ping(Call):
     """Says "resident" or "released"."""
 
     read_only = True
+    in_order = False
     reply = str
 
 
 class GetInfo(Call):
     read_only = True
+    in_order = False
 
 
 class GetLoad(Call):
     read_only = True
+    in_order = False
 
 
 class GetMemoryOccupation(Call):
     read_only = True
+    in_order = False
 
 
 class FlushCache(Call):
@@ -136,6 +145,7 @@ class Abort(Call):
 
     request_ids: list[str] | None = None
     samples: bool = False
+    in_order = False
     reply = int
 
 

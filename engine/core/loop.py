@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -108,29 +109,36 @@ def _handle(
     elif isinstance(msg, AbortRequests):
         clients.route(core.abort(msg.request_ids))
     elif isinstance(msg, Call):
-        try:
-            result = core.call(msg)
-        except Exception as e:  # a failed control call is the caller's, not the engine's death
-            _reply(core, clients, client, msg.call_id, error=e)
+        if waiting_calls and msg.in_order:  # it runs once the calls before it have
+            waiting_calls.append((client, msg.call_id, Deferred(ready=lambda: True, run=lambda: core.call(msg))))
             return
-        if isinstance(result, Deferred):
-            clients.route(core.take_pending())
-            waiting_calls.append((client, msg.call_id, result))
-        else:
-            _reply(core, clients, client, msg.call_id, result)
+        _run_call(core, clients, client, msg.call_id, lambda: core.call(msg), waiting_calls)
+
+
+def _run_call(
+    core: EngineCore, clients: ClientPipes, client: int, call_id: int, run: Callable[[], Any],
+    waiting_calls: list[tuple[int, int, Deferred]],
+) -> None:
+    """Run a call and answer it, or, when it answers later, put it at the head of `waiting_calls`
+    (every call there arrived after it)."""
+    try:
+        result = run()
+    except Exception as e:  # a failed control call is the caller's, not the engine's death
+        _reply(core, clients, client, call_id, error=e)
+        return
+    if isinstance(result, Deferred):
+        clients.route(core.take_pending())
+        waiting_calls.insert(0, (client, call_id, result))
+    else:
+        _reply(core, clients, client, call_id, result)
 
 
 def _answer_ready(core: EngineCore, clients: ClientPipes, waiting_calls: list[tuple[int, int, Deferred]]) -> None:
-    """Answer, in order of arrival, the waiting calls that are ready now."""
+    """Run, in order of arrival, the waiting calls that are ready now."""
     while waiting_calls and waiting_calls[0][2].ready():
         client, call_id, deferred = waiting_calls.pop(0)
         core.pending += core.drain()  # as every control call: it runs with no step in flight
-        try:
-            result = deferred.run()
-        except Exception as e:
-            _reply(core, clients, client, call_id, error=e)
-        else:
-            _reply(core, clients, client, call_id, result)
+        _run_call(core, clients, client, call_id, deferred.run, waiting_calls)
 
 
 _RESULTS = msgspec.msgpack.Encoder()

@@ -23,18 +23,24 @@ class MemoryCalls:
     pending."""
 
     def release_memory_occupation(self, call: calls.ReleaseMemory) -> Deferred:
-        """Release `tags` (None or []: all) once no request runs. `wait` lets in-flight requests
-        finish; `abort` ends them with finish_reason abort. New requests are refused meanwhile.
-        Requests held by a paused engine are retracted (they recompute after resume)."""
+        """Release `tags` (None or []: all) once no request is left. `wait` lets every accepted
+        request (running or queued) finish; `abort` ends them with finish_reason abort. New
+        requests are refused meanwhile. Requests held by a paused engine are retracted and stay
+        queued across the release (they recompute after resume and continue_generation)."""
         names, mode = check_tags(call.tags), call.mode
         if mode not in ("wait", "abort"):
             raise ValueError(f"unknown release mode {mode!r}; use wait or abort")
-        self.availability.draining = True
+        availability, scheduler = self.availability, self.scheduler
+        availability.draining = True
         if mode == "abort":
             self.pending += self.abort(None)
-        elif self.availability.paused:
-            self.scheduler.retract_all()
-        return Deferred(ready=lambda: self.scheduler.num_running == 0, run=lambda: self._release(names))
+        elif availability.paused:
+            scheduler.retract_all()
+
+        def ready() -> bool:
+            return scheduler.num_running == 0 if availability.paused else not scheduler.has_unfinished()
+
+        return Deferred(ready=ready, run=lambda: self._release(names))
 
     def _release(self, tags: list[str]) -> calls.ReleaseReply:
         """Every rank pauses the tags (`Rank.release`: the weights' host copy completed first);
@@ -42,7 +48,7 @@ class MemoryCalls:
         t0 = time.perf_counter()
         self.availability.draining = False
         if "kv_cache" in tags:
-            self.block_manager.reset_prefix_cache()  # the KV it indexes is about to be lost
+            self.scheduler.drop_kv()  # the KV is about to be lost: nothing may read it again
         done = self.ranks.run(ReleaseTags(tags))
         changed, freed = done[0]["changed"], sum(r["bytes"] for r in done)
         seconds = time.perf_counter() - t0

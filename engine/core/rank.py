@@ -48,7 +48,7 @@ class Rank:
         """Pause the tags; with `weights`, the host copy is completed first and every piece goes
         stale (the first forward after a resume restores what no update wrote)."""
         host_wait = 0.0
-        if "weights" in msg.tags and self.memory.enabled and self.memory.state["weights"] == RESIDENT:
+        if "weights" in msg.tags and self.memory.state["weights"] == RESIDENT:  # lost everywhere (a CPU poisons)
             host_wait = self.weights.released()
         change = self.memory.release(msg.tags)
         return {"changed": change.changed, "bytes": change.bytes, "seconds_by_tag": change.seconds_by_tag,

@@ -113,11 +113,23 @@ class Scheduler:
             self._preempt(req)
         return len(retracted)
 
+    def drop_kv(self, keep_running: bool = False) -> int:
+        """No KV written before now is read again: the `kv_cache` region was released, or the
+        weights changed under it. Every prefix hash goes, blocks in use too, and every request
+        holding blocks is set back to recompute from its tokens (prompt plus output so far: its
+        seed position, penalty counts and stop state follow from those, so a greedy request ends
+        as it would have). `keep_running`: running requests keep their KV on purpose (a weight
+        update under an in_place pause, as SGLang) and register no more blocks. Returns how
+        many requests were set back."""
+        n = 0 if keep_running else self.retract_all()
+        self.block_manager.forget_prefixes()
+        return n
+
     # ---- one step -----------------------------------------------------------------------------
 
     def schedule(self, admit: bool = True) -> Batch:
         """The next step's batch. Waiting requests join it only when `admit` (the engine's
-        `Availability.admitting`: no release or weight update waiting for the running ones)."""
+        `Availability.admitting`: no weight update waiting for the running ones)."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         batch = Batch(requests=[], num_new_tokens=[])

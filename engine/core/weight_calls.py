@@ -98,7 +98,9 @@ class WeightUpdateCalls:
                 route = load()
                 t1 = time.perf_counter()
                 if call.flush_cache:
-                    self.block_manager.reset_prefix_cache()
+                    # KV of the old weights is never read again, but requests held by an
+                    # in_place pause keep theirs on purpose (SGLang's semantics).
+                    self.scheduler.drop_kv(keep_running=availability.paused)
                 self.updater.phases["flush"] = time.perf_counter() - t1
                 version = call.weight_version
                 availability.weight_version = str(version) if version is not None else _next_version(availability.weight_version)

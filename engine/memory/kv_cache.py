@@ -243,6 +243,15 @@ class BlockManager:
         self._cache[h] = block
         return serial
 
+    def forget_prefixes(self) -> None:
+        """Drop every prefix hash, of blocks in use too, and register no more blocks of the requests
+        that hold blocks now: the KV behind them is lost (a kv_cache release) or was computed from
+        other weights (an update). Blocks in use stay with their requests; unused ones become free."""
+        self.reset_prefix_cache()
+        self._cache.clear()
+        self._entries.clear()
+        self._chains.clear()  # a request without a chain registers nothing (cache_full_blocks)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every unreferenced cached block (they become free). True iff no block is in use,
         so that the whole cache is now empty; blocks in use keep their entries either way."""

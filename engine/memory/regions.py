@@ -27,7 +27,9 @@ Rules:
   others resume. Left open: a trainer that allocates in the microseconds between the probe's
   release and torch_memory_saver's own create.
 - On a CPU, or without torch_memory_saver, regions are no-ops and the answers say
-  `memory_saver: false` with 0 bytes freed.
+  `memory_saver: false` with 0 bytes freed; a release still loses what a GPU release loses: it
+  poisons (engine/memory/poison.py) what its tags hold, so a stale read shows in CPU tests. With
+  `poison_on_resume` (`--debug-poison-on-resume`) a GPU resume poisons the pages it maps again.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from engine.memory.poison import poison_all
 
 log = logging.getLogger("siesta.engine")
 
@@ -115,7 +119,7 @@ def resume_plan(needed: dict[str, int], free: int, headroom: int = RESUME_HEADRO
 
 
 class MemoryRegions:
-    def __init__(self, device: torch.device, enabled: bool) -> None:
+    def __init__(self, device: torch.device, enabled: bool, poison_on_resume: bool = False) -> None:
         self.device = device
         why_not = memory_saver_usable(device) if enabled else "disabled by --no-memory-saver"
         self.saver: Any = None
@@ -127,6 +131,20 @@ class MemoryRegions:
             log.info("memory regions are no-ops: %s", why_not)
         self.state = dict.fromkeys(TAGS, RESIDENT)
         self.bytes = dict.fromkeys(TAGS, 0)  # device memory each region took at startup
+        # What each tag holds, for poisoning: callables giving tensors (owners register them).
+        self._holdings: dict[str, list[Callable[[], list[torch.Tensor]]]] = {t: [] for t in TAGS}
+        # When a tag's contents are poisoned: at release where regions are no-ops (nothing is
+        # really lost, so the loss is made), at resume on request (what the driver maps is undefined).
+        self.poison_at = "release" if self.saver is None else ("resume" if poison_on_resume else None)
+
+    def holds(self, tag: str, tensors: Callable[[], list[torch.Tensor]]) -> None:
+        """`tensors()` lists device tensors that live in `tag`'s region: poisoned when it is lost."""
+        self._holdings[tag].append(tensors)
+
+    def _poison(self, tags: list[str]) -> None:
+        for tag in tags:
+            nbytes = poison_all(t for held in self._holdings[tag] for t in held())
+            log.debug("poisoned %s: %d bytes", tag, nbytes)
 
     @property
     def enabled(self) -> bool:
@@ -162,6 +180,8 @@ class MemoryRegions:
             # Cached blocks go back first, so that no cudaFree ever meets paused memory.
             torch.cuda.empty_cache()
         seconds = self._switch(changed, "pause", RELEASED)
+        if self.poison_at == "release":
+            self._poison(changed)
         self._synchronize()
         return RegionChange(changed, max(self._free() - before, 0), seconds)
 
@@ -176,6 +196,9 @@ class MemoryRegions:
             if self._probe(tag, refused):
                 seconds |= self._switch([tag], "resume", RESIDENT)
                 changed.append(tag)
+        if self.poison_at == "resume":
+            self._poison(changed)
+            self._synchronize()
         # Mapping is synchronous: nothing to wait for (a host-copy refresh may be running).
         return RegionChange(changed, max(before - self._free(), 0), seconds, refused)
 

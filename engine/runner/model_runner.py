@@ -21,6 +21,7 @@ from engine.attention import (
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.memory.kv_budget import make_kv_cache
+from engine.memory.poison import tensors_of
 from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
@@ -91,7 +92,7 @@ class ModelRunner:
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
         self.graph_max_bs = self._graph_max_bs()
         self.upload = Uploader(self.device)
-        self.memory = MemoryRegions(self.device, enabled=config.memory_saver)
+        self.memory = MemoryRegions(self.device, enabled=config.memory_saver, poison_on_resume=config.debug_poison_on_resume)
         torch.manual_seed(config.seed)
         mc = model_config
         if tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
@@ -103,7 +104,8 @@ class ModelRunner:
             self.weights = WeightStore(self.model, self.device)
         load_checkpoint(self.model, self.model_config.path, self.weights.targets)
         self.weights_bytes = self.weights.nbytes
-        if self.device.type == "cuda" and config.weights_backup == "host":
+        self.memory.holds("weights", lambda: [self.weights.flat])
+        if config.weights_backup == "host":  # on a CPU too: a release there loses the weights as well
             self.weights.keep_host_copy()
         log.info(
             "weights loaded in %.2f s: %.1f MiB in one allocation (%s, %s), host copy %s",
@@ -117,6 +119,7 @@ class ModelRunner:
                 mc, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
             )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.memory.holds("kv_cache", lambda: [self.kv_cache])
         log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
 
         # Decode graphs and piecewise graphs share one pool: they never run at once.
@@ -145,6 +148,7 @@ class ModelRunner:
         pool_bytes = max((r.pool_bytes for r in (self.graphs, self.piecewise) if r is not None), default=0)
         self.memory.bytes["cuda_graph"] += pool_bytes
         self.graph_bytes += pool_bytes
+        self.memory.holds("cuda_graph", self._graph_region_tensors)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         # Compile what only mixed steps launch (mixed_plan: two sequences). One sequence at a time
         # never mixes, and its backend's workspace holds one row of split merges.
@@ -163,6 +167,16 @@ class ModelRunner:
         for path in (lm.fused_decode, lm.batch_decode):
             if path is not None:
                 path.after_resume()
+
+    def _graph_region_tensors(self) -> list[torch.Tensor]:
+        """The tensors the `cuda_graph` region holds: the attention backend's workspaces and graph
+        buffers, the graphs' static inputs and outputs, the persistent decode paths' buffers
+        (views of the KV cache or the weights that their owners keep are not the region's)."""
+        lm = self.model.model
+        owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise,
+                  lm.fused_decode, lm.batch_decode]
+        others = {self.kv_cache.untyped_storage().data_ptr(), self.weights.flat.untyped_storage().data_ptr()}
+        return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
         mc = self.model_config
