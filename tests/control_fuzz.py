@@ -237,7 +237,10 @@ class ControlWalk:
                     gap.end = time.monotonic()
 
     async def _check_occupation(self) -> None:
-        got = {t: v["state"] for t, v in (await self.http.get("/memory_occupation")).json()["tags"].items()}
+        r = await self.http.get("/memory_occupation")
+        if r.status_code != 200:
+            return self._fail(f"/memory_occupation: {r.status_code} {r.text[:300]}")
+        got = {t: v["state"] for t, v in r.json()["tags"].items()}
         if got != self.tags:
             self._fail(f"/memory_occupation says {got}, the calls applied say {self.tags}")
 

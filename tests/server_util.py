@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 STARTUP_TIMEOUT_S = 120.0
+STREAM_CAP_S = 900.0  # the longest a BackgroundStream may take in all, however it progresses
 
 
 def free_port() -> int:
@@ -122,13 +123,24 @@ class BackgroundStream:
         except Exception as e:  # the test reads it; a thread's exception would be lost
             self.error = e
 
-    def started(self, timeout: float = 30) -> bool:
+    def started(self, timeout: float = 60) -> bool:
         return self._first.wait(timeout)
 
     def wait(self, timeout: float = 120) -> list[dict]:
-        """Every event, once the stream has ended."""
-        self._thread.join(timeout)
-        assert not self._thread.is_alive() and self.error is None, self.error
+        """Every event, once the stream has ended. Bounded by progress, not by the clock: it fails
+        once no event has come for `timeout` seconds (a loaded machine streams slowly, a stuck
+        stream not at all), or after STREAM_CAP_S in all."""
+        cap = time.monotonic() + STREAM_CAP_S
+        seen, moved = -1, time.monotonic()
+        while self._thread.is_alive() and time.monotonic() - moved < timeout and time.monotonic() < cap:
+            self._thread.join(0.25)
+            if len(self.events) != seen:
+                seen, moved = len(self.events), time.monotonic()
+        assert not self._thread.is_alive(), (
+            f"the stream is still open after {len(self.events)} events, none for {time.monotonic() - moved:.0f} s; "
+            f"last: {self.events[-1] if self.events else None}"
+        )
+        assert self.error is None, f"the stream's read failed after {len(self.events)} events: {self.error!r}"
         return self.events
 
     def join(self, timeout: float = 120) -> dict:

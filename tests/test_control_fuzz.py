@@ -22,7 +22,7 @@ from oracle import hf_greedy, hf_named_parameters
 from server_util import ServerProcess
 
 FIXED_SEED = 72
-STEPS = int(os.environ.get("SIESTA_FUZZ_STEPS", "40"))
+STEPS = int(os.environ.get("SIESTA_FUZZ_STEPS", "150"))
 
 
 def _prompts() -> list[list[int]]:

@@ -112,8 +112,15 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"decode batch of {batch} exceeds max_num_seqs {self.max_num_seqs}")
 
     def after_resume(self) -> None:
-        """The `cuda_graph` region came back with undefined contents: the merge counters start at zero."""
+        """The `cuda_graph` region came back with undefined contents: the merge counters start at
+        zero, and the graphs' metadata is as `init_graph_buffers` made it (query_start_loc is a
+        constant; a padding row's table row is never rewritten)."""
         self._counts.zero_()
+        if self._graph_max_bs:
+            self._g_block_tables.zero_()
+            self._g_seq_lens.zero_()
+            self._g_slot_mapping.fill_(-1)
+            torch.arange(self._graph_max_bs + 1, dtype=torch.int32, out=self._g_query_start_loc)
 
     def forward(
         self,

@@ -156,8 +156,12 @@ class CudaGraphRunner:
         )
 
     def after_resume(self) -> None:
-        """The `cuda_graph` region came back with undefined contents: replays count from zero."""
+        """The `cuda_graph` region came back with undefined contents: replays count from zero, and
+        the static inputs and the last step's tokens hold what they held after capture."""
         self.io.reset()
+        self.inputs.zero_()
+        self.io.tokens.zero_()
+        self.io.temps.fill_(1.0)
 
     def padded_size(self, n: int) -> int:
         return next(bs for bs in self.batch_sizes if bs >= n)
