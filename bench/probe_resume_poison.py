@@ -56,10 +56,11 @@ def lose(core: EngineCore, region: str, how: str) -> None:
     tensors = {"kv_cache": lambda: [runner.kv_cache], "cuda_graph": runner._graph_region_tensors,
                "weights": lambda: [runner.weights.flat]}[region]()
     if how == "poison":
-        poison_all(tensors)
+        poison_all(t for t in tensors if t.device.type == runner.device.type)
     else:
         for t in tensors:
-            t.zero_()
+            if t.device.type == runner.device.type:
+                t.zero_()
     if region == "kv_cache":
         core.scheduler.drop_kv()
     elif region == "cuda_graph":

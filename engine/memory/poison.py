@@ -42,7 +42,7 @@ def tensors_of(owner: object) -> list[torch.Tensor]:
 
 
 def poison_all(tensors: Iterable[torch.Tensor]) -> int:
-    """Poison every tensor; returns the bytes poisoned."""
+    """Poison every tensor but pinned host memory (never a region's); returns the bytes poisoned."""
     nbytes = 0
     for t in tensors:
         if t.numel() and not t.is_pinned():

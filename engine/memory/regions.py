@@ -142,8 +142,9 @@ class MemoryRegions:
         self._holdings[tag].append(tensors)
 
     def _poison(self, tags: list[str]) -> None:
+        """Poison what `tags` hold on this device (an owner's host tensors are no region's)."""
         for tag in tags:
-            nbytes = poison_all(t for held in self._holdings[tag] for t in held())
+            nbytes = poison_all(t for held in self._holdings[tag] for t in held() if t.device.type == self.device.type)
             log.debug("poisoned %s: %d bytes", tag, nbytes)
 
     @property
