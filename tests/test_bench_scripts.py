@@ -40,6 +40,8 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         "profile_decode.py",
         "ncu_decode.py",
         "probe_step_tail.py",
+        "control_storm.py",
+        "probe_resume_poison.py",
     ],
 )
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
@@ -338,3 +340,15 @@ def test_ncu_decode_summarizes_an_exported_source_page(tmp_path: str) -> None:
     assert "| 0 | 1024 | 7 | 4 | 3 | 0 |" in p.stdout  # the first 4 KB: two instructions
     assert "| 4 | 4096 | 9 | 9 | 0 | 0 |" in p.stdout
     assert "| 4.0 | 9 | `CCTL.IVALL` | long_sb |" in p.stdout
+
+
+def test_control_storm_tiny_runs_its_trials(tmp_path: str) -> None:
+    """bench/control_storm.py on the CPU: a real server, two storms, every output the reference."""
+    out = os.path.join(tmp_path, "storm.json")
+    p = _run(os.path.join("bench", "control_storm.py"), "--tiny", "--trials", "2", "--model-dir",
+             os.path.join(tmp_path, "ckpt"), "--out", out, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["trials_passed"] == 2 and res["memory_saver"] is False
+    assert all(sum(n for k, n in t["statuses"].items() if k.startswith("release")) == 10 for t in res["trials"])
