@@ -19,7 +19,7 @@ import pytest
 import torch
 from control_fuzz import MAX_NEW, ControlWalk, FuzzSetup
 from oracle import hf_greedy, hf_named_parameters
-from server_util import ServerProcess
+from server_util import ServerProcess, logged_server
 
 FIXED_SEED = 72
 STEPS = int(os.environ.get("SIESTA_FUZZ_STEPS", "150"))
@@ -65,8 +65,7 @@ def _walk(server: ServerProcess, setup: FuzzSetup, seed: int, steps: int) -> Con
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    log = str(tmp_path_factory.mktemp("logs") / "control_fuzz.log")
-    proc = ServerProcess(qwen3_dir, "--max-model-len", "512", "--num-kv-blocks", "64", log_path=log)
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "control_fuzz", "--num-kv-blocks", "64")
     yield proc
     proc.stop()
 

@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 import torch
-from server_util import BackgroundStream, ServerProcess
+from server_util import BackgroundStream, ServerProcess, logged_server
 
 from engine.memory.regions import MemoryRegions
 
@@ -38,8 +38,7 @@ def test_a_cpu_release_poisons_what_its_tags_hold() -> None:
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    log = str(tmp_path_factory.mktemp("logs") / "kv_loss_server.log")
-    proc = ServerProcess(qwen3_dir, "--max-model-len", "512", log_path=log)
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "kv_loss_server")
     yield proc
     proc.stop()
 
@@ -139,3 +138,20 @@ def test_a_storm_of_control_calls_leaves_every_output_right(server: ServerProces
             assert all(r.status_code in (200, 400) for r in answers[30:])
             http.post("/resume_memory_occupation", json={})
             assert _generate(http) == expected["old"]
+
+
+def test_a_release_while_a_tag_is_out_does_not_wait_for_requests_that_cannot_run(server: ServerProcess, expected) -> None:
+    """A request queued while `weights` is released cannot run; a later release of `kv_cache`
+    (mode wait) must not wait for it, or every call behind it would wait too. The request stays
+    queued and, once everything is back, ends as the reference."""
+    stream = BackgroundStream(server.url, {"input_ids": PROMPTS[0], "sampling_params": GREEDY | {"max_new_tokens": 400}})
+    assert stream.started()
+    with server.client() as http:
+        assert http.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+        assert http.post("/release_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+        assert http.post("/continue_generation").status_code == 200
+        r = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30)
+        assert r.status_code == 200 and r.json()["changed"] == ["kv_cache"], r.text
+        assert http.post("/resume_memory_occupation", json={}).status_code == 200
+    out = stream.wait()[-1]["output_ids"]
+    assert len(out) == 400 and out[:N] == expected["old"][0]

@@ -25,8 +25,9 @@ class MemoryCalls:
     def release_memory_occupation(self, call: calls.ReleaseMemory) -> Deferred:
         """Release `tags` (None or []: all) once no request is left. `wait` lets every accepted
         request (running or queued) finish; `abort` ends them with finish_reason abort. New
-        requests are refused meanwhile. Requests held by a paused engine are retracted and stay
-        queued across the release (they recompute after resume and continue_generation)."""
+        requests are refused meanwhile. Where nothing can run to its end (paused, or a tag
+        released already) the requests are retracted and stay queued across the release: they
+        recompute once every tag is back and generation continues."""
         names, mode = check_tags(call.tags), call.mode
         if mode not in ("wait", "abort"):
             raise ValueError(f"unknown release mode {mode!r}; use wait or abort")
@@ -34,11 +35,11 @@ class MemoryCalls:
         availability.draining = True
         if mode == "abort":
             self.pending += self.abort(None)
-        elif availability.paused:
+        elif not availability.can_step():
             scheduler.retract_all()
 
         def ready() -> bool:
-            return scheduler.num_running == 0 if availability.paused else not scheduler.has_unfinished()
+            return not scheduler.has_unfinished() if availability.can_step() else scheduler.num_running == 0
 
         return Deferred(ready=ready, run=lambda: self._release(names))
 
