@@ -165,7 +165,7 @@ def _eos_ids(path: str, hf: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
 class EngineConfig:
     """User knobs. Every field becomes a `siesta serve` flag (underscores become dashes)."""
 
-    model: str = field(default="", metadata={"help": "Hugging Face checkpoint directory (none: the demo model)"})
+    model: str = field(default="", metadata={"help": "checkpoint directory or Hugging Face repo id (default: the embedded demo model)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer directory (default: --model)"})
     device: str = field(default="auto", metadata={"help": "auto | cuda | cpu"})
     dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's) | float32 | bfloat16 | float16"})
@@ -208,8 +208,21 @@ class EngineConfig:
     )
     disable_custom_all_reduce: bool = field(
         default=False,
-        metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/models/tp_reduce.py)"},
+        metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/kernels/tp_reduce.py)"},
     )
+    # Kernel choices on CUDA (docs/KERNELS.md): each on by default; off runs the path it replaces.
+    fused_ops: bool = field(default=True, metadata={"help": "Triton norms, rope, SiLU-mul and few-rows GEMVs (off: torch ops)"})
+    fused_decode: bool = field(default=True, metadata={"help": "decode steps of 1-4 rows as one kernel per layer"})
+    batch_decode: bool = field(default=True, metadata={"help": "decode steps of up to 64 rows as two kernels per layer"})
+    rope_decode: bool = field(
+        default=True, metadata={"help": "the layers' decode attention with q/k norm, rope and the K/V store in one kernel"}
+    )
+    logits_pieces: bool = field(
+        default=True, metadata={"help": "a decode graph's lm_head writes the sampler's log-sum-exp pieces (off: it reads the logits)"}
+    )
+    splitk_linear: bool = field(default=True, metadata={"help": "split-K GEMMs for o_proj / down_proj at few rows (off: cuBLAS)"})
+    pdl: bool = field(default=True, metadata={"help": "programmatic dependent launch between kernels on Hopper and later"})
+    fast_launch: bool = field(default=True, metadata={"help": "launch Triton kernels from their cached binaries (off: Triton's JIT path)"})
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs", "tp_size")

@@ -43,7 +43,7 @@ class Shard:
 
 
 class FusedReduce(Protocol):
-    """An all-reduce fused with the residual add and RMSNorm after it (engine/models/tp_reduce.py)."""
+    """An all-reduce fused with the residual add and RMSNorm after it (engine/kernels/tp_reduce.py)."""
 
     def fits(self, x: torch.Tensor) -> bool: ...
 

@@ -1,4 +1,4 @@
-"""The fused Triton ops of engine/models/fused_ops.py against the torch code of layers.py and rotary.py run on the
+"""The fused Triton ops of engine/kernels/fused_ops.py against the torch code of layers.py and rotary.py run on the
 same CUDA tensors (the reference), on fresh random inputs; a CUDA-graph capture and replay of all of
 them; whole models with the fused ops against the same models without them. GPU only, except the
 two tests at the end (the switch, and that a CPU forward never imports the kernels).
@@ -16,6 +16,7 @@ element within 2^-5 of its head's largest value (seen on an H200: 0.0089 at most
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models import get_model_class
-from engine.models.layers import FUSED_OPS_ENV, RMSNorm, SiluAndMul
+from engine.models.layers import RMSNorm, SiluAndMul
 from engine.models.rotary import RotaryEmbedding, apply_rotary
 from engine.weights.loader import load_checkpoint
 
@@ -102,7 +103,7 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, tokens: int, add: bool) -> No
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm_rope"])
 def test_rotary(dtype: torch.dtype, heads: tuple[int, int, int], tokens: int, qk_norm: bool) -> None:
-    from engine.models import fused_ops
+    from engine.kernels import fused_ops
 
     H, Hkv, D = heads
     max_pos = 8192
@@ -139,7 +140,7 @@ def test_silu_and_mul(dtype: torch.dtype, intermediate: int, tokens: int) -> Non
 @needs_cuda
 def test_ops_capture_and_replay_in_a_cuda_graph() -> None:
     """All four ops captured into one graph; replays on new inputs equal eager runs."""
-    from engine.models import fused_ops
+    from engine.kernels import fused_ops
 
     T, N, H, Hkv, D, dtype = 64, 1024, 16, 8, 128, torch.bfloat16
     norm = _norm(N, dtype, fused=True)
@@ -219,7 +220,7 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def test_model_logits_with_fused_ops(arch_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 logits with the fused ops are as close to float32 as without them, and within bf16
     noise of them; in float32 both agree to 1e-5. The fused path is really taken."""
-    from engine.models import fused_ops
+    from engine.kernels import fused_ops
 
     calls: set[str] = set()
 
@@ -252,15 +253,25 @@ def test_model_logits_with_fused_ops(arch_dir: str, monkeypatch: pytest.MonkeyPa
 # ---- CPU -----------------------------------------------------------------------------------------
 
 
-def test_switch_is_read_at_construction(qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch_is_read_at_construction(qwen3_dir: str) -> None:
     config = ModelConfig.from_hf(qwen3_dir)
     cls = get_model_class(config.architecture)
-    monkeypatch.setenv(FUSED_OPS_ENV, "0")
     with torch.device("meta"):
-        off = cls(config)
+        off = cls(config, fused=False)
         on = cls(config, fused=True)
     assert not off.fused and not off.model.layers[0].mlp.act.fused
     assert on.fused and on.model.layers[0].input_layernorm.fused and on.model.layers[0].self_attn.fused
+
+
+def test_no_fused_ops_reaches_the_model_the_engine_builds(qwen3_dir: str) -> None:
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+
+    for fused_ops in (False, True):
+        core = EngineCore(EngineConfig(model=qwen3_dir, device="cpu", num_kv_blocks=16, fused_ops=fused_ops))
+        want = fused_ops and importlib.util.find_spec("triton") is not None
+        assert core.runner.model.fused == want and core.runner.model.model.layers[0].mlp.act.fused == want
+        del core
 
 
 def test_cpu_forward_never_imports_triton(qwen3_dir: str) -> None:
@@ -273,8 +284,8 @@ for m in model.modules():
     if hasattr(m, "fused"):
         m.fused = True
 PagedRunner(model, 16).step({{0: [5, 6, 7]}})
-assert "engine.models.fused_ops" not in sys.modules, "fused_ops imported on a CPU forward"
-assert "engine.models.skinny_linear" not in sys.modules, "skinny_linear imported on a CPU forward"
+assert "engine.kernels.fused_ops" not in sys.modules, "fused_ops imported on a CPU forward"
+assert "engine.kernels.skinny_linear" not in sys.modules, "skinny_linear imported on a CPU forward"
 assert "triton" not in sys.modules, "Triton imported on a CPU forward"
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,15 +1,15 @@
-"""The two decode paths built on engine/models/batch_attention.py's kernel, on a GPU (`pytest -m
+"""The two decode paths built on engine/kernels/rope_decode.py's kernel, on a GPU (`pytest -m
 gpu` on the device machine), on the tiny checkpoints of test_gpu_fused_decode.py (Qwen3: q/k
 norm, tied embeddings; Llama: llama3 rope scaling; Qwen2: q/k/v bias), bf16, Triton attention, a
 random KV cache.
 
-The two-launches-per-layer decode (engine/models/batch_decode.py, batch_kernel.py):
+The two-launches-per-layer decode (engine/decode/batch_decode.py, batch_kernel.py):
 - decode steps of 5, 16, 33 and 64 rows: the hidden states and the new K/V rows equal the
   layer-by-layer forward's within bf16 rounding, and no other cache row changes;
 - graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
 - captured in a CUDA graph, replays equal the eager call for new inputs;
 - through the engine: greedy decoding of a batch with it gives the tokens and logprobs of the
-  engine without it (SIESTA_BATCH_DECODE=0).
+  engine without it (`--no-batch-decode`).
 
 The layers' decode attention (`DecodeAttention`: norm, rope, K/V store and split-KV attention in
 one launch), against the same layers with the separate kernels (fused rotary, store_kv, split-KV
@@ -19,7 +19,7 @@ decode and its reduce):
   bit for bit, no other cache row changed; only steps of one wave of programs take it;
 - graph padding and graph replays as above;
 - through the engine, the persistent decode paths off: greedy decoding gives the tokens and
-  logprobs of the engine with SIESTA_ROPE_DECODE=0.
+  logprobs of the engine with `--no-rope-decode`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from test_gpu_fused_decode import (
     barrier_garbage_is_cleared_by_after_resume,
     engine_same_with_and_without,
     graph_replays_equal_eager,
+    has_path,
     matches_the_layers,
     model_path,
     padding_rows_write_nothing,
@@ -54,22 +55,21 @@ pytestmark = [
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(model, backend, BatchDecode, DecodeAttention): neither path set on the model."""
-    from engine.models import batch_attention, batch_decode
+    from engine.decode import batch_decode, decode_attention
 
     model, backend = tiny_model(request.param, tmp_path_factory, max_num_seqs=128)  # room for 100 rows
-    assert batch_decode.unsupported(model, backend) is None and batch_attention.unsupported(model, backend) is None
-    return model, backend, batch_decode.BatchDecode(model, backend, 1, 64), batch_attention.DecodeAttention(model, backend)
+    assert batch_decode.unsupported(model, backend) is None and decode_attention.unsupported(model, backend) is None
+    return model, backend, batch_decode.BatchDecode(model, backend, 1, 64), decode_attention.DecodeAttention(model, backend)
 
 
 @contextmanager
 def attached(model, attention) -> Iterator[None]:
     """The layers' decode attention set on every layer inside."""
-    attention.attach(model)
+    model.model.use_decode_paths([], attention)
     try:
         yield
     finally:
-        for layer in model.model.layers:
-            layer.self_attn.rope_decode = None
+        model.model.use_decode_paths([], None)
 
 
 # ---- the batch decode ---------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def test_batch_decode_equals_the_layers(setup, rows: int) -> None:
     model, backend, batch, _ = setup
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
     assert batch.applies(step.input_ids, ForwardContext(backend, step.meta))
-    new_batch, new_plain = matches_the_layers(model, backend, step, lambda: model_path(model, "batch_decode", batch))
+    new_batch, new_plain = matches_the_layers(model, backend, step, lambda: model_path(model, batch))
     # Layer 0's K/V come before any attention: its qkv split-K order moves an element an ULP at most.
     torch.testing.assert_close(new_batch.float(), new_plain.float(), rtol=1 / 128, atol=1e-2)
 
@@ -100,10 +100,12 @@ def test_graph_replays_equal_the_eager_call(setup) -> None:
     graph_replays_equal_eager(model, backend, batch, 24, 100)
 
 
-def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_decodes_the_same_with_and_without_it(tmp_path) -> None:
     rng = random.Random(1)  # 20 requests: decode steps of 5..20 rows
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(20)]
-    engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), monkeypatch, "SIESTA_BATCH_DECODE", "batch_decode", prompts)
+    from engine.decode.batch_decode import BatchDecode
+
+    engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), "batch_decode", has_path(BatchDecode), prompts)
 
 
 # ---- the layers' decode attention ---------------------------------------------------------------
@@ -146,12 +148,11 @@ def test_rope_decode_graph_replays_equal_the_eager_call(setup) -> None:
         graph_replays_equal_eager(model, backend, model, 24, 100)
 
 
-def test_engine_decodes_the_same_with_and_without_rope_decode(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SIESTA_FUSED_DECODE", "0")  # every decode step through the layers
-    monkeypatch.setenv("SIESTA_BATCH_DECODE", "0")
+def test_engine_decodes_the_same_with_and_without_rope_decode(tmp_path) -> None:
     rng = random.Random(2)  # 20 requests: decode steps of 1..20 rows
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(20)]
     engine_same_with_and_without(
-        _checkpoint("qwen3", str(tmp_path / "qwen3")), monkeypatch, "SIESTA_ROPE_DECODE", "layers.0.self_attn.rope_decode",
-        prompts,
+        _checkpoint("qwen3", str(tmp_path / "qwen3")), "rope_decode",
+        lambda core: core.runner.model.model.layers[0].self_attn.decode_attention is not None, prompts,
+        fused_decode=False, batch_decode=False,  # every decode step through the layers
     )  # fmt: skip

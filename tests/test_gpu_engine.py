@@ -151,10 +151,11 @@ def test_server_info_reports_graph_memory(qwen3_dir: str) -> None:
 
 def _compiled_variants() -> dict[str, int]:
     """How many compiled variants of each of the engine's Triton kernels this process holds."""
-    from engine.attention import triton_decode, triton_kernels, triton_prefill
-    from engine.launcher import Launcher
-    from engine.models import fused_ops, skinny_linear
-    from engine.runner import lse_argmax
+    from engine.kernels import attention as triton_kernels
+    from engine.kernels import attention_decode as triton_decode
+    from engine.kernels import attention_prefill as triton_prefill
+    from engine.kernels import fused_ops, lse_argmax, skinny_linear
+    from engine.kernels.launcher import Launcher
 
     counts = {}
     for module in (triton_kernels, triton_prefill, triton_decode, fused_ops, skinny_linear, lse_argmax):

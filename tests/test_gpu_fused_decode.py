@@ -1,4 +1,4 @@
-"""The one-kernel-per-layer decode (engine/models/fused_decode.py, layer_kernel.py) on a GPU
+"""The one-kernel-per-layer decode (engine/decode/fused_decode.py, layer_kernel.py) on a GPU
 (`pytest -m gpu` on the device machine), on tiny checkpoints of the shapes it serves (hidden a
 multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
 
@@ -14,12 +14,11 @@ multiple of 128, head_dim 64), bf16, Triton attention, a random KV cache:
   +0.0 (else down_proj would wait forever);
 - captured in a CUDA graph, replays equal the eager call for new inputs;
 - through the engine: greedy decoding with it gives the tokens and logprobs of the engine
-  without it (SIESTA_FUSED_DECODE=0).
+  without it (`--no-fused-decode`).
 """
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -46,6 +45,7 @@ from transformers import (
 )
 
 from engine.attention import ForwardContext
+from engine.core.engine_core import EngineCore
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,7 +75,7 @@ def _checkpoint(arch: str, path: str) -> str:
 
 @pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    from engine.models.fused_decode import FusedDecode, unsupported
+    from engine.decode.fused_decode import FusedDecode, unsupported
 
     model, backend = tiny_model(request.param, tmp_path_factory)
     assert unsupported(model, backend) is None
@@ -94,13 +94,18 @@ def tiny_model(arch: str, tmp_path_factory: pytest.TempPathFactory, max_num_seqs
 
 
 @contextmanager
-def model_path(model, name: str, path) -> Iterator[None]:
-    """The decoder model's decode path `name` (fused_decode, batch_decode) set to `path` inside."""
-    setattr(model.model, name, path)
+def model_path(model, path) -> Iterator[None]:
+    """The decoder model's whole-step decode path set to `path` inside (engine/models/hooks.py)."""
+    model.model.use_decode_paths([path], None)
     try:
         yield
     finally:
-        setattr(model.model, name, None)
+        model.model.use_decode_paths([], None)
+
+
+def has_path(cls: type) -> Callable[[EngineCore], bool]:
+    """Whether an engine attached a decode path of class `cls`."""
+    return lambda core: any(isinstance(p, cls) for p in core.runner.decode_paths)
 
 
 def _decode_step(rows: int, seed: int, vocab: int):
@@ -148,7 +153,7 @@ def test_fused_decode_equals_the_layers(setup, rows: int) -> None:
     model, backend, fused = setup
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
     assert fused.applies(step.input_ids, ForwardContext(backend, step.meta))
-    new_fused, new_plain = matches_the_layers(model, backend, step, lambda: model_path(model, "fused_decode", fused))
+    new_fused, new_plain = matches_the_layers(model, backend, step, lambda: model_path(model, fused))
     # Layer 0's new K/V come before any attention: the same bits. Later layers' follow hidden
     # states that the split-KV partition (its own, per row count) moves within rounding.
     assert torch.equal(new_fused, new_plain)
@@ -236,7 +241,7 @@ def test_split_counters_end_each_step_at_zero_and_are_zeroed_after_a_resume(setu
 
 
 def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
-    """Where t holds -0.0, the Lamport sentinel (engine/models/lamport.py)."""
+    """Where t holds -0.0, the Lamport sentinel (engine/kernels/lamport.py)."""
     bits = torch.int16 if t.element_size() == 2 else torch.int32
     return t.view(bits) == torch.iinfo(bits).min
 
@@ -244,7 +249,7 @@ def _minus_zeros(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("buffer", ["act", "o_part"])
 def test_lamport_buffers_get_their_sentinel_back_and_after_a_resume(setup, buffer: str) -> None:
     """act (gate_up -> down_proj) and o_part (o_proj -> the norm after it) are Lamport buffers
-    (engine/models/lamport.py): their consumer waits until its slice holds no -0.0, with no grid
+    (engine/kernels/lamport.py): their consumer waits until its slice holds no -0.0, with no grid
     barrier after the producer. Garbage in one would be read as data: `after_resume` turns it
     back into sentinels. After a step the buffer holds exactly the last layer's values in the
     step's rows: each layer puts the sentinel back at its start."""
@@ -260,7 +265,7 @@ def test_a_zero_product_is_stored_as_plus_zero(tmp_path_factory: pytest.TempPath
     """A layer whose first gate rows are zero: silu(0) * up is -0.0 wherever up < 0, the Lamport
     sentinel. The producer stores +0.0 instead, so down_proj's items do not wait for a value that
     was already written (they would spin forever), and the step equals the layers."""
-    from engine.models.fused_decode import FusedDecode
+    from engine.decode.fused_decode import FusedDecode
 
     model, backend = tiny_model("qwen3", tmp_path_factory)
     with torch.no_grad():
@@ -269,7 +274,7 @@ def test_a_zero_product_is_stored_as_plus_zero(tmp_path_factory: pytest.TempPath
     fused = FusedDecode(model, backend, 4)
     for rows in (1, 4):
         step = _decode_step(rows, seed=50 + rows, vocab=model.config.vocab_size)
-        matches_the_layers(model, backend, step, lambda: model_path(model, "fused_decode", fused))
+        matches_the_layers(model, backend, step, lambda: model_path(model, fused))
         assert not _minus_zeros(fused.act[:rows]).any()
         assert (fused.act[:rows, :64] == 0).all()
 
@@ -312,18 +317,17 @@ def test_graph_replays_equal_the_eager_call(setup) -> None:
     graph_replays_equal_eager(model, backend, fused, 2, 60)
 
 
-def engine_same_with_and_without(path: str, monkeypatch: pytest.MonkeyPatch, env: str, attr: str,
-                                 prompts: list[list[int]]) -> None:  # fmt: skip
-    """Greedy decoding of `prompts` through the engine with the model's decode path `attr` on and
-    with `env`=0 gives the same tokens, logprobs within 0.05. `attr`: a dotted path from the
-    decoder model (`fused_decode`, `layers.0.self_attn.rope_decode`)."""
+def engine_same_with_and_without(path: str, switch: str, attached: Callable[[EngineCore], bool],
+                                 prompts: list[list[int]], **knobs: object) -> None:  # fmt: skip
+    """Greedy decoding of `prompts` through the engine with the EngineConfig switch `switch` on
+    and off gives the same tokens, logprobs within 0.05; `attached(core)` says whether the path
+    it switches was attached."""
     from test_gpu_engine import _core, _greedy
 
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(env, flag)
-        core = _core(path, max_model_len=1024)
-        assert (functools.reduce(getattr, attr.split("."), core.runner.model.model) is not None) == (flag == "1")
+        core = _core(path, max_model_len=1024, **knobs, **{switch: flag == "1"})
+        assert attached(core) == (flag == "1")
         results[flag] = _greedy(core, prompts, 24)
         del core
         torch.cuda.empty_cache()
@@ -333,7 +337,9 @@ def engine_same_with_and_without(path: str, monkeypatch: pytest.MonkeyPatch, env
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.05
 
 
-def test_engine_decodes_the_same_with_and_without_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_decodes_the_same_with_and_without_it(tmp_path) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(5, 300))] for _ in range(6)]
-    engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), monkeypatch, "SIESTA_FUSED_DECODE", "fused_decode", prompts)
+    from engine.decode.fused_decode import FusedDecode
+
+    engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), "fused_decode", has_path(FusedDecode), prompts)

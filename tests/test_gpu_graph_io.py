@@ -72,7 +72,7 @@ def test_gather_stages_a_step_into_the_static_inputs() -> None:
 
 
 def test_the_sampler_publishes_to_the_replays_slot_and_counts_replays() -> None:
-    from engine.runner.lse_argmax import lse_argmax
+    from engine.kernels.lse_argmax import lse_argmax
 
     io = _io()
     torch.manual_seed(0)
@@ -96,8 +96,8 @@ def test_the_logits_pieces_merge_to_the_samplers_answer(rows: int) -> None:
     only merges them (lse_argmax.merge_pieces): the same tokens, lse and published pairs as
     lse_argmax on the logits the same kernel wrote, ties broken toward the first column across
     tiles and programs, the replay count advanced."""
-    from engine.models.logits_linear import logits_linear, pieces
-    from engine.runner.lse_argmax import lse_argmax
+    from engine.kernels.logits_linear import logits_linear, pieces
+    from engine.kernels.lse_argmax import lse_argmax
 
     vocab, hidden = 50000, 256  # 782 tiles of 64 columns: every program of an H100/H200 takes several
     count = pieces(vocab, torch.device("cuda"))

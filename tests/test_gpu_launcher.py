@@ -1,4 +1,4 @@
-"""engine/launcher.py's `Launcher` on the GPU: a repeat launch skips Triton's JIT path and does
+"""engine/kernels/launcher.py's `Launcher` on the GPU: a repeat launch skips Triton's JIT path and does
 what that path does; arguments Triton specializes differently (a misaligned pointer) get their
 own compiled variant; a variant compiled for PDL launches, and replays from a CUDA graph, with
 the output of a plain launch. GPU only: every test skips without CUDA."""
@@ -25,7 +25,7 @@ def _rows(t: int, offset: int = 0) -> torch.Tensor:
 
 
 def test_repeat_launches_skip_the_jit_path_and_do_what_it_does() -> None:
-    from engine.attention import triton_kernels as tk
+    from engine.kernels import attention as tk
 
     kernel = tk._store_kv_kernel
     k_cache, v_cache = _cache()
@@ -45,7 +45,7 @@ def test_repeat_launches_skip_the_jit_path_and_do_what_it_does() -> None:
 
 
 def test_arguments_triton_specializes_differently_get_their_own_variant() -> None:
-    from engine.attention import triton_kernels as tk
+    from engine.kernels import attention as tk
 
     kernel = tk._store_kv_kernel
     k_cache, v_cache = _cache()
@@ -63,7 +63,7 @@ def test_arguments_triton_specializes_differently_get_their_own_variant() -> Non
 
 
 def test_a_pdl_variant_replays_in_a_graph_with_the_same_output() -> None:
-    from engine.attention import triton_decode as td
+    from engine.kernels import attention_decode as td
 
     heads, batch, blocks_per_seq = 8, 3, 4
     k_cache, v_cache = _cache(batch * blocks_per_seq)
@@ -95,14 +95,16 @@ def test_a_pdl_variant_replays_in_a_graph_with_the_same_output() -> None:
     assert td._decode_kernel.hits > 0
 
 
-def test_siesta_fast_launch_0_sends_every_launch_down_the_jit_path() -> None:
+def test_no_fast_launch_sends_every_launch_down_the_jit_path() -> None:
     import os
     import subprocess
     import sys
 
     code = (
+        "import sys\n"
         "import torch\n"
-        "from engine.attention import triton_kernels as tk\n"
+        "from engine.kernels import attention as tk, configure\n"
+        "configure(pdl=True, fast_launch=sys.argv[1] == '1', splitk_linear=True)\n"
         "k = torch.randn(4, 4, 64, device='cuda').to(torch.bfloat16)\n"
         "c = torch.zeros(8, 16, 4, 64, dtype=torch.bfloat16, device='cuda')\n"
         "s = torch.arange(4, device='cuda')\n"
@@ -114,15 +116,14 @@ def test_siesta_fast_launch_0_sends_every_launch_down_the_jit_path() -> None:
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for flag, expected in (("0", "0 3"), ("1", "2 1")):
-        env = dict(os.environ, SIESTA_FAST_LAUNCH=flag)
-        p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        p = subprocess.run([sys.executable, "-c", code, flag], cwd=root, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         assert p.stdout.split("\n")[-2] == expected, (flag, p.stdout)
 
 
 def test_a_recorded_launch_relaunches_with_other_tensors_and_a_jit_launch_records_none() -> None:
-    from engine.attention import triton_kernels as tk
-    from engine.launcher import record_launches
+    from engine.kernels import attention as tk
+    from engine.kernels.launcher import record_launches
 
     k_cache, v_cache = _cache()
     slots = torch.tensor([3, 17, 40], dtype=torch.int64, device="cuda")

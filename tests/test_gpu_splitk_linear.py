@@ -1,4 +1,4 @@
-"""The split-K row-parallel linears (engine/models/splitk_linear.py) and the fused RMSNorm that sums
+"""The split-K row-parallel linears (engine/kernels/splitk_linear.py) and the fused RMSNorm that sums
 their parts, on a GPU (`pytest -m gpu` on the device machine):
 - the parts sum to the product (fp32 reference on the same bf16 inputs), for the rows and widths
   the rule takes, and the rule refuses the rest (16 or 65 rows, narrow weights, fp32);
@@ -34,7 +34,7 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("m,n,k", [(17, 4096, 4096), (40, 4096, 12288), (64, 4096, 4096), (64, 8192, 4096)])
 def test_parts_sum_to_the_product(m: int, n: int, k: int) -> None:
-    from engine.models import splitk_linear
+    from engine.kernels import splitk_linear
 
     x, w = _bf16(m, k, seed=m), _bf16(n, k, seed=n) * 0.02
     assert splitk_linear.applies(x, w)
@@ -45,7 +45,7 @@ def test_parts_sum_to_the_product(m: int, n: int, k: int) -> None:
 
 
 def test_the_rule_takes_only_wide_weights_of_17_to_64_half_rows() -> None:
-    from engine.models import splitk_linear
+    from engine.kernels import splitk_linear
 
     w = _bf16(4096, 4096, seed=1)
     for m, ok in ((16, False), (17, True), (64, True), (65, False)):
@@ -56,7 +56,7 @@ def test_the_rule_takes_only_wide_weights_of_17_to_64_half_rows() -> None:
 
 @pytest.mark.parametrize("m", [17, 64])
 def test_norm_of_the_parts_equals_the_norm_of_their_rounded_sum(m: int) -> None:
-    from engine.models import fused_ops, splitk_linear
+    from engine.kernels import fused_ops, splitk_linear
 
     x, w = _bf16(m, 4096, seed=m), _bf16(4096, 4096, seed=5) * 0.02
     parts = splitk_linear.splitk_parts(x, w)
@@ -73,7 +73,7 @@ def test_norm_of_the_parts_equals_the_norm_of_their_rounded_sum(m: int) -> None:
 def wide(tmp_path_factory: pytest.TempPathFactory):
     """(bf16 Qwen3 of hidden 4096 on CUDA, a Triton backend over a random cache), parts off."""
     from engine.attention.triton import TritonBackend
-    from engine.models import splitk_linear
+    from engine.kernels import splitk_linear
 
     config = Qwen3Config(**(TINY | dict(hidden_size=4096, intermediate_size=4096, head_dim=128, max_position_embeddings=1024)),
                          num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)  # fmt: skip
@@ -90,7 +90,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory):
 
 @contextmanager
 def parts_on() -> Iterator[None]:
-    from engine.models import splitk_linear
+    from engine.kernels import splitk_linear
 
     splitk_linear.ENABLED = True
     try:

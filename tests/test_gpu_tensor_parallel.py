@@ -124,8 +124,8 @@ def _nccl_share() -> list[int]:
 
 _FUSED_PROBE = """
 import json, sys, torch, torch.distributed as dist
-from engine.models.fused_ops import fused_add_rms_norm
-from engine.models.tp_reduce import TpReduce
+from engine.kernels.fused_ops import fused_add_rms_norm
+from engine.kernels.tp_reduce import TpReduce
 from engine.parallel import TensorParallel
 rank = int(sys.argv[1]); dev = torch.device("cuda", rank); torch.cuda.set_device(dev)
 dist.init_process_group("nccl", init_method=sys.argv[2], rank=rank, world_size=2, device_id=dev)
@@ -168,7 +168,7 @@ print(json.dumps(found)); dist.destroy_process_group()
 
 
 def test_fused_all_reduce_norm_equals_nccl_then_norm() -> None:
-    """engine/models/tp_reduce.py against NCCL's all-reduce then the fused add + norm kernel: the
+    """engine/kernels/tp_reduce.py against NCCL's all-reduce then the fused add + norm kernel: the
     same bits, on both ranks, for varying row counts (eager) and for 50 chained calls in a CUDA
     graph replayed with new inputs (the slots and epochs of the push protocol stay in step)."""
     import subprocess

@@ -1,4 +1,4 @@
-"""Host -> device copies by the SMs (engine/memory/host_copy.py) and the weight store's restore built on
+"""Host -> device copies by the SMs (engine/kernels/host_copy.py) and the weight store's restore built on
 them (engine/weights/store.py): every byte arrives, whatever the length, alignment or dtype; a
 model whose weights were wiped gets them back bit for bit. GPU only."""
 
@@ -16,7 +16,7 @@ pytestmark = [
 @pytest.mark.parametrize("offset", [0, 1, 16, 100])
 @pytest.mark.parametrize("nbytes", [0, 1, 15, 16, 4097, 16384, 3 * 16384 + 7, 5 << 20])
 def test_copy_from_host_moves_every_byte(offset: int, nbytes: int) -> None:
-    from engine.memory.host_copy import copy_from_host, device_alias
+    from engine.kernels.host_copy import copy_from_host, device_alias
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(nbytes + offset)
@@ -32,7 +32,7 @@ def test_copy_from_host_moves_every_byte(offset: int, nbytes: int) -> None:
 
 
 def test_copy_from_host_refuses_mismatches() -> None:
-    from engine.memory.host_copy import copy_from_host, device_alias
+    from engine.kernels.host_copy import copy_from_host, device_alias
 
     device = torch.device("cuda")
     with pytest.raises(ValueError, match="pinned"):
@@ -43,7 +43,7 @@ def test_copy_from_host_refuses_mismatches() -> None:
 
 
 def test_a_plan_moves_many_tensors_in_one_launch_and_odd_ones_alone() -> None:
-    from engine.memory.host_copy import HostCopyPlan, device_alias
+    from engine.kernels.host_copy import HostCopyPlan, device_alias
 
     device = torch.device("cuda")
     sizes = [16, 4096, 262144, 262144 + 16, 3 * 262144 + 4080, 5, 1000, 7 << 20]  # bytes; 5 and 1000 are odd
@@ -89,7 +89,7 @@ def test_weight_store_restores_wiped_weights_bit_for_bit(qwen3_bf16_dir: str) ->
 
 
 def test_copy_tensors_moves_small_aligned_pairs_in_one_launch_and_leaves_the_rest() -> None:
-    from engine.memory.host_copy import COPY_ALONE_BYTES, copy_tensors
+    from engine.kernels.host_copy import COPY_ALONE_BYTES, copy_tensors
 
     torch.manual_seed(0)
     flat = torch.randn(3 << 20, device="cuda").view(torch.uint8)  # 12 MiB of sources
@@ -115,7 +115,7 @@ def test_copy_tensors_moves_small_aligned_pairs_in_one_launch_and_leaves_the_res
 
 
 def test_launch_chunks_writes_device_bytes_into_pinned_host_memory_with_few_programs() -> None:
-    from engine.memory.host_copy import launch_chunks
+    from engine.kernels.host_copy import launch_chunks
 
     src = torch.randint(0, 255, (9 << 20,), dtype=torch.uint8, device="cuda")
     host = torch.zeros(9 << 20, dtype=torch.uint8, pin_memory=True)

@@ -10,7 +10,10 @@ import pathlib
 import engine
 
 # Lowest first. config, errors, request and limits are the shared vocabulary of every process.
-LAYERS = ["config", "errors", "request", "limits", "parallel", "pdl", "launcher", "attention", "models", "memory", "weights", "runner", "core", "client"]
+LAYERS = [
+    "config", "errors", "request", "limits", "parallel", "kernels", "attention", "models", "decode", "memory", "weights",
+    "runner", "core", "client",
+]  # fmt: skip
 ROOT = pathlib.Path(engine.__file__).parent
 
 
@@ -47,7 +50,7 @@ def test_packages_import_only_the_layers_below_them() -> None:
 def test_every_subpackage_says_what_lives_there_and_which_process_runs_it() -> None:
     for pkg in (p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
         doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text())) or ""
-        if pkg.name in ("attention", "models"):  # registries: their docstrings name what they map
+        if pkg.name in ("attention", "models", "kernels", "decode"):  # libraries: their docstrings say what they hold
             assert doc, f"engine/{pkg.name}/__init__.py has no docstring"
             continue
         assert "process" in doc.lower() and all(
@@ -68,3 +71,58 @@ def test_the_code_paths_the_docs_name_exist() -> None:
             if not ((repo / path).exists() or (ROOT / path).exists()):
                 missing.append(f"{doc}: {path}")
     assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(sorted(missing))
+
+
+def _module_imports(path: pathlib.Path) -> set[str]:
+    """The engine modules `path` imports, by dotted name (`from engine.x import y` names
+    engine.x.y where that is a module), lazily or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("engine.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("engine"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                as_module = ROOT.parent / (sub.replace(".", "/") + ".py")
+                found.add(sub if as_module.exists() else node.module)
+    return found
+
+
+def test_no_two_engine_modules_import_each_other_even_through_others() -> None:
+    """The module graph has no cycle (TYPE_CHECKING and lazy imports count: a cycle there is a
+    design that only works by accident)."""
+    modules = {
+        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in ROOT.rglob("*.py")
+    }
+    graph = {m: {d for d in _module_imports(p) if d in modules and d != m and not m.startswith(d + ".")} for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(modules):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_triton_kernels_live_in_the_kernels_package_and_know_no_modules() -> None:
+    """Every `@triton.jit` is in engine/kernels/; a kernel module takes tensors and shapes, never
+    a torch.nn module (its callers in models/, decode/, attention/ and runner/ pass tensors)."""
+    outside, with_modules = [], []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        in_kernels = path.parent.name == "kernels"
+        if "triton.jit" in text and not in_kernels:
+            outside.append(str(path.relative_to(ROOT.parent)))
+        if in_kernels and ("from torch import nn" in text or "torch.nn." in text.replace("torch.nn.functional", "")):
+            with_modules.append(str(path.relative_to(ROOT.parent)))
+    assert not outside, f"@triton.jit outside engine/kernels/: {outside}"
+    assert not with_modules, f"kernel modules that know torch.nn modules: {with_modules}"

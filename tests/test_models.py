@@ -297,7 +297,7 @@ def test_decode_kernels_prefetch_whole_lines_within_a_row() -> None:
     """The persistent decode kernels' L2 prefetch widths (decode_path.prefetch_width): what was
     asked for, cut to the row and down to a power of two of 128-byte lines (Triton's aranges);
     none below one line."""
-    from engine.models.decode_path import prefetch_width
+    from engine.decode.rules import prefetch_width
 
     assert prefetch_width(1024, 256) == 256  # gate_up's first columns, 0.6B
     assert prefetch_width(512, 1 << 30) == 512  # a whole o_proj tile, 0.6B
@@ -317,8 +317,8 @@ def test_decode_kernels_prefetch_within_their_items_k_split(hidden: int, inter: 
     row's weights, or run past the weight's end at its last row. Widths are whole power-of-two runs
     of 128-byte lines, or 0."""
     pytest.importorskip("triton")
-    from engine.models import batch_decode, fused_decode
-    from engine.models.decode_path import LayerShape
+    from engine.decode import batch_decode, fused_decode
+    from engine.decode.rules import LayerShape
 
     shape = LayerShape(hidden=hidden, inter=inter, nh=nh, nkv=nkv, d=d, eps=1e-6, qk_norm=True,
                        device=torch.device("cpu"), dtype=torch.bfloat16)  # fmt: skip

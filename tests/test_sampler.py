@@ -319,12 +319,12 @@ def test_cuda_sampling_seeds_and_no_sync_before_the_read() -> None:
 @pytest.mark.parametrize("vocab", [5, 1024, 1000, 151936])
 @pytest.mark.parametrize("wide", [False, True])
 def test_cuda_lse_argmax_equals_torch(vocab: int, wide: bool) -> None:
-    """The sampler's CUDA log-sum-exp and argmax of logits / T (engine/runner/lse_argmax.py)
+    """The sampler's CUDA log-sum-exp and argmax of logits / T (engine/kernels/lse_argmax.py)
     against torch's on the same quotient, for float32 and bf16 logits: banned (-inf) tokens, a
     row all -inf, ties broken toward the first index; its (token, logprob) pairs are the torch
     path's bit for bit (NaN where the row is all -inf). `wide`: the pieces a decode graph of more
     than GRAPH_WIDE_ROWS rows reads (graph_config)."""
-    from engine.runner import lse_argmax as la
+    from engine.kernels import lse_argmax as la
 
     def lse_argmax(x: torch.Tensor, t: torch.Tensor, counts: torch.Tensor | None = None):
         return la.lse_argmax(x, t, counts, config=la.graph_config(la.GRAPH_WIDE_ROWS + 1) if wide else None)

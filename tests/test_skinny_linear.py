@@ -1,4 +1,4 @@
-"""The few-rows matmul of engine/models/skinny_linear.py on a GPU (`pytest -m gpu`), against fp32
+"""The few-rows matmul of engine/kernels/skinny_linear.py on a GPU (`pytest -m gpu`), against fp32
 math on the same half-precision inputs and against cuBLAS (F.linear) on them:
 
 - its error from the fp32 result is within bf16/fp16 rounding of cuBLAS's own (both accumulate in
@@ -8,7 +8,7 @@ math on the same half-precision inputs and against cuBLAS (F.linear) on them:
 - a row's result does not depend on how many rows run with it (a graph padded to 64 rows gives
   the rows of an eager forward of 5 the same bits), and a CUDA-graph replay equals the eager call;
 - bias, K and N that are not multiples of the blocks, fp16; bad inputs are refused;
-- `prefetch` (a PDL launch that runs ahead of the kernel before it, engine/pdl.py) reads its x
+- `prefetch` (a PDL launch that runs ahead of the kernel before it, engine/kernels/pdl.py) reads its x
   only after that kernel has written it: a graph of norm -> GEMV -> norm -> ... chained calls
   gives the bits of the same chain without it, replay after replay;
 - the logits (a vocabulary-sized N, `LOGITS_CONFIG`, into a caller's `out`): as close to fp32 as
@@ -51,7 +51,7 @@ def _fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_fp32_as_closely_as_cublas(dtype: torch.dtype, shape: tuple[int, int], m: int, bias: bool) -> None:
-    from engine.models.skinny_linear import skinny_linear
+    from engine.kernels.skinny_linear import skinny_linear
 
     n, k = shape
     x, w, b = _inputs(m, n, k, dtype, bias)
@@ -69,7 +69,7 @@ def test_matches_fp32_as_closely_as_cublas(dtype: torch.dtype, shape: tuple[int,
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_silu_mul_epilogue_rounds_as_the_unfused_ops(dtype: torch.dtype, m: int, bias: bool) -> None:
-    from engine.models.skinny_linear import skinny_linear
+    from engine.kernels.skinny_linear import skinny_linear
 
     x, w, b = _inputs(m, 2 * 3072, 1024, dtype, bias, seed=1)
     # The same column blocks both ways, so each accumulator sums in the same order.
@@ -81,7 +81,7 @@ def test_silu_mul_epilogue_rounds_as_the_unfused_ops(dtype: torch.dtype, m: int,
 
 
 def test_rows_are_independent_and_a_graph_replays_the_same_bits() -> None:
-    from engine.models.skinny_linear import KERNEL_MAX_ROWS, skinny_linear
+    from engine.kernels.skinny_linear import KERNEL_MAX_ROWS, skinny_linear
 
     for rows, silu_mul in ((KERNEL_MAX_ROWS, False), (KERNEL_MAX_ROWS, True)):
         x, w, b = _inputs(rows, 4096, 1024, torch.bfloat16, True, seed=2)
@@ -99,8 +99,8 @@ def test_rows_are_independent_and_a_graph_replays_the_same_bits() -> None:
 
 
 def test_prefetching_gemvs_wait_for_the_kernel_before_them() -> None:
-    from engine.models import fused_ops
-    from engine.models.skinny_linear import skinny_linear
+    from engine.kernels import fused_ops
+    from engine.kernels.skinny_linear import skinny_linear
 
     n = k = 2048
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -135,7 +135,7 @@ def test_prefetching_gemvs_wait_for_the_kernel_before_them() -> None:
 
 @pytest.mark.parametrize("m", [1, 7, 16])
 def test_logits_config_writes_out_as_close_to_fp32_as_cublas(m: int) -> None:
-    from engine.models.skinny_linear import LOGITS_CONFIG, skinny_linear
+    from engine.kernels.skinny_linear import LOGITS_CONFIG, skinny_linear
 
     x, w, _ = _inputs(m, 151936, 1024, torch.bfloat16, False, seed=4)
     exact = _fp32(x, w, None)
@@ -153,7 +153,7 @@ def test_logits_config_writes_out_as_close_to_fp32_as_cublas(m: int) -> None:
 def test_the_models_few_row_logits_are_the_skinny_call_in_a_graph_too(tmp_path_factory: pytest.TempPathFactory) -> None:
     from test_gpu_fused_decode import tiny_model
 
-    from engine.models.skinny_linear import LOGITS_CONFIG, skinny_linear
+    from engine.kernels.skinny_linear import LOGITS_CONFIG, skinny_linear
 
     model, _ = tiny_model("qwen3", tmp_path_factory)
     weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -172,26 +172,20 @@ def test_the_models_few_row_logits_are_the_skinny_call_in_a_graph_too(tmp_path_f
     assert torch.equal(model.compute_logits(many), torch.matmul(many, weight.T))
 
 
-def test_siesta_pdl_0_turns_programmatic_launch_off() -> None:
-    import os
-    import subprocess
-    import sys
+def test_no_pdl_turns_programmatic_launch_off() -> None:
+    from engine.kernels import SWITCHES, configure, pdl
 
-    probe = "import torch; from engine import pdl; print(pdl.enabled(torch.device('cuda')))"
     hopper = torch.cuda.get_device_capability()[0] >= 9
-
-    def run(value: str | None) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "SIESTA_PDL"}
-        if value is not None:
-            env["SIESTA_PDL"] = value
-        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip()
-
-    assert run(None) == str(hopper)
-    assert run("0") == "False"
+    assert pdl.enabled(torch.device("cuda")) == hopper
+    configure(pdl=False, fast_launch=SWITCHES.fast_launch, splitk_linear=SWITCHES.splitk_linear)
+    try:
+        assert not pdl.enabled(torch.device("cuda"))
+    finally:
+        configure(pdl=True, fast_launch=SWITCHES.fast_launch, splitk_linear=SWITCHES.splitk_linear)
 
 
 def test_refuses_what_it_does_not_run() -> None:
-    from engine.models.skinny_linear import KERNEL_MAX_ROWS, MAX_ROWS, applies, skinny_linear
+    from engine.kernels.skinny_linear import KERNEL_MAX_ROWS, MAX_ROWS, applies, skinny_linear
 
     x, w, _ = _inputs(4, 256, 128, torch.bfloat16, False)
     assert applies(x)

@@ -211,8 +211,8 @@ def test_decode_merged_in_the_kernel_matches_sdpa(shape: Shape) -> None:
     real rows as SDPA (rows shorter than a split among them), graph padding rows zero, every
     counter back at zero after the launch; counters left non-zero (a resumed `cuda_graph` region
     holds whatever its pages held) give wrong rows until `after_resume` zeroes them."""
-    from engine import pdl
-    from engine.attention import triton_decode as td
+    from engine.kernels import attention_decode as td
+    from engine.kernels import pdl
 
     torch.manual_seed(5)
     lens = DECODE_LENS
@@ -260,8 +260,8 @@ def test_one_reduce_variant_for_every_batch() -> None:
     steps of few sequences (which the decode graphs of a persistent-kernel model never run), use
     the variant the first call compiled. Sized by the batch's split count, batches of 2-3
     sequences met a new one while serving (bench/RESULTS.md, eighteenth session)."""
-    from engine.attention import triton_decode as td
-    from engine.attention import triton_kernels as tk
+    from engine.kernels import attention as tk
+    from engine.kernels import attention_decode as td
 
     variants = td._decode_reduce_kernel.variants
     torch.manual_seed(3)

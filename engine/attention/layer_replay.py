@@ -1,7 +1,7 @@
 """`LayerReplay`: a step's attention over every layer, planned once per step (as FlashInfer's
 plan/run split does). Layer after layer the launches are the same but for the layer's own
 tensors, so the first layer runs through the backend's `forward` with its kernel launches
-recorded (engine/launcher.py `record_launches`), and every later layer relaunches those compiled
+recorded (engine/kernels/launcher.py `record_launches`), and every later layer relaunches those compiled
 variants with its own q, k, v and cache slices in place of the first layer's: no argument
 binding, grid or specialization work in Python per layer. The piecewise CUDA graphs' mixed and
 prefill steps call it between their pieces (engine/runner/piecewise_graph.py): 28 layers of
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention.base import AttentionMetadata
-from engine.launcher import RecordedLaunch, record_launches
+from engine.kernels.launcher import RecordedLaunch, record_launches
 
 CacheViews = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer -> (k_cache, v_cache)
 

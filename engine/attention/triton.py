@@ -14,7 +14,7 @@ graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV, its piece
 - A decode launched with PDL (`decode(pdl_launch=True)`, which the bench probes run) has its
   splits merged inside the kernel instead, by the last split of each (row, KV head) to end: a
   reduce launch between it and a next kernel launched with PDL would hold that kernel until the
-  reduce ends. The batch decode's own attention kernel (models/batch_attention.py) merges the
+  reduce ends. The batch decode's own attention kernel (kernels/rope_decode.py) merges the
   same way, with the plan and workspace of `merged_decode_plan`. The per-(row, KV head) counters
   are zero between launches; they live in the `cuda_graph` region, so a resume
   of that region zeroes them again (`after_resume`).
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import triton_decode as td
-from engine.attention import triton_kernels as tk
-from engine.attention import triton_prefill as tp
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.layer_replay import LayerReplay
+from engine.kernels import attention as tk
+from engine.kernels import attention_decode as td
+from engine.kernels import attention_prefill as tp
 
 _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
 # Decode programs resident per SM (the default config's registers allow 4): splits fill one wave
@@ -97,7 +97,7 @@ class TritonBackend(AttentionBackend):
 
     def merged_decode_plan(self, batch: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(KV splits, partial outputs, their log-sum-exp, merge counters) for a decode kernel of
-        `batch` rows that merges its own splits (the batch decode's, models/batch_attention.py):
+        `batch` rows that merges its own splits (the batch decode's, kernels/rope_decode.py):
         `decode_splits`' PDL plan."""
         splits, _ = self.decode_splits(batch, pdl_launch=True)
         self._check_workspace(batch, splits, merge=True)
@@ -173,7 +173,7 @@ class TritonBackend(AttentionBackend):
         """Decode attention of q [B, H, D] (row i: sequence i's one query) over layer_id's cache
         as it stands, each row's new K/V already stored, into out [B, H, D]: the split-KV kernel
         and, with more than one split, its reduce. Graph-capturable (splits follow B alone).
-        `pdl_launch`: launched with PDL (engine/pdl.py), for a caller whose kernel before writes
+        `pdl_launch`: launched with PDL (engine/kernels/pdl.py), for a caller whose kernel before writes
         q and the new K/V rows and triggers its dependents; its splits merge in the kernel
         (`decode_splits`). `mixed`: q and out are a mixed step's [T, H, D] token rows, and only its
         sequences of one new token are attended (forward)."""

@@ -5,7 +5,6 @@
 - `poison.py`: what a lost region held, filled with NaN / 0xFF bytes (a CPU release; a GPU resume
   with `--debug-poison-on-resume`), so a read of lost memory shows.
 - `vmm.py`: the CUDA driver's virtual memory calls the regions and the probes use.
-- `host_copy.py`: the pinned host copy of the weights and the kernels that fill and restore it.
 - `kv_cache.py`: `BlockManager`, the paged KV blocks each request holds and the prefix cache.
 - `kv_budget.py`: the KV tensor, and how many blocks fit (a pure function of the profiled memory).
 

@@ -14,13 +14,12 @@ tensors (RMSNorm with the residual add, q/k norm with rope, SiLU-and-mul), and i
 the few-rows matmul of `skinny_linear.py` on half-precision CUDA inputs of few rows (decode
 steps; the MLP's gate_up then applies SiLU-and-mul in the same kernel); any other device runs
 this file's torch code, the reference the kernels are tested against. The model resolves the
-flag once, at construction (`fused_ops_default`).
+flag once, at construction (`fused_ops_default`, `--no-fused-ops`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from types import ModuleType
 from typing import TYPE_CHECKING, overload
 
@@ -34,21 +33,17 @@ from engine.models.rotary import RopeInputs, apply_rotary
 from engine.parallel import Shard, TensorParallel
 
 if TYPE_CHECKING:
-    from engine.models.batch_attention import DecodeAttention
-
-# Set to 0 to build models without the fused Triton ops (the torch ops run on CUDA too).
-FUSED_OPS_ENV = "SIESTA_FUSED_OPS"
-
+    from engine.models.hooks import DecodeAttentionPath
 
 def fused_ops_default() -> bool:
-    """Whether a model built now uses the fused ops on CUDA: yes unless SIESTA_FUSED_OPS=0, or
-    Triton is not installed. Read at model construction, never per step."""
-    return os.environ.get(FUSED_OPS_ENV, "1") != "0" and importlib.util.find_spec("triton") is not None
+    """Whether a model built without a say uses the fused ops on CUDA: when Triton is installed
+    (`--no-fused-ops` builds it with fused=False). Read at model construction, never per step."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _fused_ops() -> ModuleType:
     # Imported on first use by a CUDA tensor, so CPU installs never import Triton.
-    from engine.models import fused_ops
+    from engine.kernels import fused_ops
 
     return fused_ops
 
@@ -58,7 +53,7 @@ def skinny_for(x: torch.Tensor) -> ModuleType | None:
     Checked cheaply first, so a CPU forward never imports it."""
     if not x.is_cuda:
         return None
-    from engine.models import skinny_linear
+    from engine.kernels import skinny_linear
 
     return skinny_linear if skinny_linear.applies(x) else None
 
@@ -68,7 +63,7 @@ def splitk_for(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     linear of x [M, K], else None; checked cheaply first, as skinny_for."""
     if not x.is_cuda or x.dim() != 2:
         return None
-    from engine.models import splitk_linear
+    from engine.kernels import splitk_linear
 
     return splitk_linear if splitk_linear.applies(x, weight) else None
 
@@ -87,7 +82,7 @@ class Linear(nn.Module):
         self.shards: dict[str, Shard] = {}
 
     # Whether the skinny kernel prefetches this weight while the kernel before it runs (see
-    # engine/pdl.py): the packed linears, which always follow a norm.
+    # engine/kernels/pdl.py): the packed linears, which always follow a norm.
     prefetch = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,8 +229,8 @@ class Attention(nn.Module):
 
     qkv_bias: bias on q/k/v (Qwen2, Llama with attention_bias); o_bias: bias on o_proj (Llama with
     attention_bias); qk_norm: RMSNorm over head_dim of each q and k head before rope (Qwen3).
-    `rope_decode` (set by the model runner on CUDA, models/batch_attention.py): decode steps run
-    the norm, rope, K/V store and attention as one kernel on the qkv output.
+    `decode_attention` (hooks.py; attached by the model runner on CUDA): decode steps run the
+    norm, rope, K/V store and attention as one kernel on the qkv output.
     """
 
     def __init__(
@@ -261,7 +256,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_heads * D, config.hidden_size, o_bias, fused, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rope_decode: DecodeAttention | None = None
+        self.decode_attention: DecodeAttentionPath | None = None
 
     def forward(
         self,
@@ -272,8 +267,8 @@ class Attention(nn.Module):
         T = hidden.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
-        if self.rope_decode is not None and self.rope_decode.applies(qkv, ctx):
-            return self.o_proj(self.rope_decode(self, qkv, rope, ctx).view(T, H * D))
+        if self.decode_attention is not None and self.decode_attention.applies(qkv, ctx):
+            return self.o_proj(self.decode_attention(self, qkv, rope, ctx).view(T, H * D))
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.fused and hidden.is_cuda:

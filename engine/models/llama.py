@@ -12,17 +12,15 @@ never `.to(dtype)` it afterwards (that would cast the float32 rotary cache too).
 uninitialised until engine/weights/loader.py loads them. Built on the meta device, materialise it with
 `to_empty(device=...)` and then call `init_buffers()`.
 
-`cls(config, fused=None)`: whether CUDA forwards use the fused Triton ops of fused_ops.py (see
-layers.py); None resolves it from the environment (`fused_ops_default`, SIESTA_FUSED_OPS). A CPU
-forward always runs the torch ops. SIESTA_LOGITS_PIECES=0: a decode graph's sampler reads the
-logits instead of the pieces their epilogue writes (`logits_pieces`).
+`cls(config, fused=None, logits_pieces=True)`: whether CUDA forwards use the fused Triton ops of
+engine/kernels/fused_ops.py (see layers.py; None: when Triton is installed, `fused_ops_default`).
+A CPU forward always runs the torch ops. logits_pieces=False (`--no-logits-pieces`): a decode
+graph's sampler reads the logits instead of the pieces their epilogue writes (`logits_pieces`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +28,7 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.config import ModelConfig
+from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 from engine.models.layers import (
     MLP,
     Attention,
@@ -41,12 +40,6 @@ from engine.models.layers import (
 )
 from engine.models.rotary import RopeInputs, RotaryEmbedding
 from engine.parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from engine.models.batch_decode import BatchDecode
-    from engine.models.fused_decode import FusedDecode
-
-LOGITS_PIECES_ENV = "SIESTA_LOGITS_PIECES"
 
 
 @dataclass(frozen=True)
@@ -123,18 +116,22 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        # Decode steps of few rows, one kernel per layer (fused_decode.py), and of a few to 64
-        # rows, two per layer (batch_decode.py); set by the runner.
-        self.fused_decode: FusedDecode | None = None
-        self.batch_decode: BatchDecode | None = None
+        # Faster paths for whole decode steps (hooks.py), tried in order; none until attached.
+        self.decode_paths: tuple[DecodeStepPath, ...] = ()
+
+    def use_decode_paths(self, steps: list[DecodeStepPath], attention: DecodeAttentionPath | None) -> None:
+        """Hand decode steps to these paths (the model runner, once, on CUDA): a whole step to the
+        first of `steps` that applies, else each layer's attention to `attention` where it applies."""
+        self.decode_paths = tuple(steps)
+        for layer in self.layers:
+            layer.self_attn.decode_attention = attention
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:  # [T] int64, [T] int64 -> [T, hidden]
-        if self.fused_decode is not None and self.fused_decode.applies(input_ids, ctx):
-            return self.fused_decode.forward(input_ids, positions, ctx)
-        if self.batch_decode is not None and self.batch_decode.applies(input_ids, ctx):
-            return self.batch_decode.forward(input_ids, positions, ctx)
+        for path in self.decode_paths:
+            if path.applies(input_ids, ctx):
+                return path.forward(input_ids, positions, ctx)
         x = self.embed_tokens(input_ids)
         # The fused rope kernel reads the cos/sin cache itself; the torch path looks them up once.
         rope = self.rotary_emb(positions, gather=not (self.fused and positions.is_cuda))
@@ -154,9 +151,12 @@ class LlamaForCausalLM(nn.Module):
     logits = model.compute_logits(hidden[rows]) -> [n, vocab] in the model dtype
     """
 
-    def __init__(self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None, logits_pieces: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
+        self.use_logits_pieces = logits_pieces
         self.tp = tp = tp or TensorParallel()
         self.fused = fused_ops_default() if fused is None else fused
         self.model = DecoderModel(config, self.decoder_options(config), self.fused, tp)
@@ -188,11 +188,11 @@ class LlamaForCausalLM(nn.Module):
         skinny_linear.MAX_ROWS rows on CUDA with the fused ops: skinny_linear's LOGITS_CONFIG.
         `lse` (temperatures [n], then [n, logits_pieces(n)] maxima, sums, argmaxes; a decode
         graph's logits, up to 64 rows, into `out`): the logits also write the sampler's pieces
-        (engine/models/logits_linear.py)."""
+        (engine/kernels/logits_linear.py)."""
         weight = self._logits_weight()
         if not self.tp.enabled:
             if lse is not None:
-                from engine.models import logits_linear
+                from engine.kernels import logits_linear
 
                 assert out is not None
                 return logits_linear.logits_linear(hidden, weight, out, lse)
@@ -205,16 +205,16 @@ class LlamaForCausalLM(nn.Module):
 
     def logits_pieces(self, rows: int) -> int:
         """Pieces per row of the sampler's log-sum-exp that compute_logits(lse=...) writes for
-        `rows` rows (engine/runner/lse_argmax.py merges them), 0 where it cannot: not on CUDA in
+        `rows` rows (engine/kernels/lse_argmax.py merges them), 0 where it cannot: not on CUDA in
         half precision with the fused ops on one rank, more than logits_linear.MAX_ROWS rows, a
-        hidden size no K step divides, or SIESTA_LOGITS_PIECES=0 (the sampler then reads the logits)."""
+        hidden size no K step divides, or built with logits_pieces=False (the sampler then reads the logits)."""
         weight = self._logits_weight()
         half = weight.dtype in (torch.bfloat16, torch.float16)
         if self.tp.enabled or not self.model.fused or not weight.is_cuda or not half or not weight.is_contiguous():
             return 0
-        from engine.models import logits_linear
+        from engine.kernels import logits_linear
 
-        if os.environ.get(LOGITS_PIECES_ENV, "1") == "0" or not 0 < rows <= logits_linear.MAX_ROWS:
+        if not self.use_logits_pieces or not 0 < rows <= logits_linear.MAX_ROWS:
             return 0
         if not logits_linear.block_k(weight.shape[1]):
             return 0

@@ -4,15 +4,13 @@ process.
 - `model_runner.py`: `ModelRunner`, startup as a recipe (model, weights, KV cache, attention
   backend, sampler, graphs); `launch` queues a step on the device without waiting.
 - `kv_sizing.py`: how many KV blocks the cache gets (the profiling forward on CUDA).
-- `decode_paths.py`: which kernels a CUDA decode step runs (one or two per layer, or the
-  layers' own with their attention in one kernel), attached to the model at startup.
 - `step_inputs.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
   tensor-parallel rank runs) and sent to the device as the step's input tensors.
 - `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
-- `sampler.py`: greedy and random sampling, logprobs; `lse_argmax.py`: its per-row
-  log-sum-exp and argmax on CUDA (Triton), one read of the logits, or in a decode graph of up to
-  64 rows only the merge of the pieces the logits' epilogue wrote.
+- `sampler.py`: greedy and random sampling, logprobs (on CUDA through
+  engine/kernels/lse_argmax.py: one read of the logits, or in a decode graph of up to 64 rows only
+  the merge of the pieces the logits' epilogue wrote).
 - `prompt_logprobs.py`: the logprobs of prompt tokens a prefill chunk scores, and their top
   alternatives, in slices of rows.
 - `cuda_graph.py` (decode graphs per batch size, one static buffer set sliced per size),
@@ -21,5 +19,5 @@ process.
   step's inputs, the greedy samples), with no copy engine between steps.
 - `pinned.py`: pinned host staging buffers for the step inputs.
 
-Arrows: runner -> memory, weights, models, attention.
+Arrows: runner -> memory, weights, decode, models, attention, kernels.
 """

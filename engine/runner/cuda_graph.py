@@ -12,7 +12,7 @@ Rules:
   (token, logprob) into pinned host memory (engine/runner/graph_io.py); no copy engine runs
   between steps. A step that samples otherwise runs the sampler on the static logits after it.
 - Up to 64 rows the logits also write the greedy sampler's pieces (max, sum of exp, argmax of
-  each logits program's columns: engine/models/logits_linear.py; the model's `logits_pieces`),
+  each logits program's columns: engine/kernels/logits_linear.py; the model's `logits_pieces`),
   so that sampler only merges them.
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
@@ -96,7 +96,7 @@ class CudaGraphRunner:
         if backend.kv_cache.shape[2] * backend.block_size >= 1 << 31:
             raise ValueError("CUDA graphs stage KV slots as int32: this KV cache has 2**31 slots or more")
         # Per batch size, the pieces a row of the sampler's log-sum-exp the logits write (0: the
-        # sampler reads the logits; engine/runner/lse_argmax.py).
+        # sampler reads the logits; engine/kernels/lse_argmax.py).
         self.pieces = {bs: model.logits_pieces(bs) for bs in self.batch_sizes}
         self.io = GraphIO(
             self.inputs, meta.seq_lens, meta.block_tables, meta.slot_mapping, backend.max_num_seqs,

@@ -1,7 +1,7 @@
 """`GraphIO`: what a decode graph reads from the host and writes back to it without a copy engine.
 Pinned host memory is mapped into the device's address space (UVA), so the graph's first kernel
 reads the step's inputs where the host packed them, and its last kernel (the sampler's
-`lse_argmax`, engine/runner/lse_argmax.py) writes each row's (token, logprob) where the host reads
+`lse_argmax`, engine/kernels/lse_argmax.py) writes each row's (token, logprob) where the host reads
 them. Only CUDA code paths import this module (it imports Triton).
 
 Why: outside its graph a decode step spent ~60 us of device time at batch 64 and ~35 us at batch
@@ -34,68 +34,10 @@ from __future__ import annotations
 from array import array
 
 import torch
-import triton
-import triton.language as tl
 
+from engine.kernels import graph_gather
+from engine.kernels.graph_gather import COLUMNS, ROW
 from engine.runner.sampler import SampledOnDevice
-
-COLUMNS = 7  # token, source, position, slot, sequence length, table width, temperature bits
-ROW = 8  # int32 per staged row: the columns, then one unused
-_ROW: tl.constexpr = tl.constexpr(ROW)
-_TABLE_CHUNK = 64  # table entries a gather program reads at once (1024 tokens at block 16)
-
-
-@triton.jit
-def _gather_kernel(
-    stage_ptr,  # [2, SLOT] int32, pinned: the staging ring
-    step_ptr,  # [2] int32: graph replays so far (the slot is its parity), then current
-    tokens_ptr,  # [>= max_num_seqs] int64: the last step's sampled tokens
-    inputs_ptr,  # [2, MAX_BS] int64: the graph's token ids, positions
-    slots_ptr, lens_ptr, temps_ptr,  # [MAX_BS] int64 / int32 / float32
-    tables_ptr,  # [MAX_BS, MAXB] int32
-    MAX_BS: tl.constexpr, MAXB: tl.constexpr, SLOT: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    # Program r: row r of the staged step into the graph's static inputs; program 0 also copies
-    # step to current, which the sampler reads (it sets step for the next replay). Row r of both
-    # slots, the replay count and the row's usual pending token (row r of the last step's) are
-    # read at once: no host read waits for a device read. No early trigger (engine/pdl.py): the
-    # model's first kernel, launched with PDL, starts as this one ends.
-    r = tl.program_id(0)
-    replay = tl.load(step_ptr, cache_modifier=".cg")
-    two = tl.arange(0, 2)
-    cols = tl.arange(0, _ROW)
-    both = tl.load(stage_ptr + two[None, :] * SLOT + r * _ROW + cols[:, None])  # [ROW, 2]
-    tcols = tl.arange(0, CHUNK)
-    row_in = stage_ptr + _ROW * MAX_BS + r * MAXB
-    firsts = tl.load(row_in + two[:, None] * SLOT + tcols[None, :], mask=tcols[None, :] < MAXB)  # [2, CHUNK]
-    usual = tl.load(tokens_ptr + r)
-    if r == 0:
-        tl.store(step_ptr + 1, replay)
-    parity = replay & 1
-    row = tl.sum(tl.where(two[None, :] == parity, both, 0), axis=1)  # [ROW]: this replay's slot
-    token = tl.sum(tl.where(cols == 0, row, 0)).to(tl.int64)
-    source = tl.sum(tl.where(cols == 1, row, 0))
-    position = tl.sum(tl.where(cols == 2, row, 0))
-    slot = tl.sum(tl.where(cols == 3, row, 0))
-    length = tl.sum(tl.where(cols == 4, row, 0))
-    width = tl.sum(tl.where(cols == 5, row, 0))
-    temp = tl.sum(tl.where(cols == 6, row, 0)).to(tl.float32, bitcast=True)
-    first = tl.sum(tl.where(two[:, None] == parity, firsts, 0), axis=0)  # [CHUNK]
-    if source == r:
-        token = usual
-    elif source >= 0:
-        token = tl.load(tokens_ptr + source)
-    row_out = tables_ptr + r * MAXB
-    tl.store(inputs_ptr + r, token)
-    tl.store(inputs_ptr + MAX_BS + r, position.to(tl.int64))
-    tl.store(slots_ptr + r, slot.to(tl.int64))
-    tl.store(lens_ptr + r, length)
-    tl.store(temps_ptr + r, temp)
-    tl.store(row_out + tcols, first, mask=tcols < width)
-    base = row_in + parity * SLOT
-    for c0 in range(CHUNK, width, CHUNK):
-        ok = c0 + tcols < width
-        tl.store(row_out + c0 + tcols, tl.load(base + c0 + tcols, mask=ok), mask=ok)
 
 
 class GraphIO:
@@ -161,10 +103,9 @@ class GraphIO:
 
     def gather(self, bs: int) -> None:
         """Rows 0..bs-1 of the staged step into the static inputs: the graph's first kernel."""
-        _gather_kernel[(bs,)](
-            self.stage, self.counters, self.tokens, self.inputs, self.slot_mapping, self.seq_lens, self.temps,
-            self.block_tables, MAX_BS=self.max_bs, MAXB=self.max_blocks, SLOT=self.slot_elements,
-            CHUNK=min(_TABLE_CHUNK, triton.next_power_of_2(self.max_blocks)), num_warps=1,
+        graph_gather.gather(
+            bs, self.stage, self.counters, self.tokens, self.inputs, self.slot_mapping, self.seq_lens, self.temps,
+            self.block_tables, self.slot_elements,
         )  # fmt: skip
 
     def lse_pieces(self, bs: int, pieces: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,7 +120,7 @@ class GraphIO:
         """The greedy (token, logprob) of logits [bs, V] / temps, published to this replay's
         result slot; the graph's last kernel (it advances the device's replay count). pieces > 0:
         the logits wrote that many pieces a row (lse_pieces), so only their merge is left."""
-        from engine.runner.lse_argmax import graph_config, lse_argmax, merge_pieces
+        from engine.kernels.lse_argmax import graph_config, lse_argmax, merge_pieces
 
         bs = logits.shape[0]
         out = (self.lse[:bs], self.tokens[:bs], self.pairs[:bs])

@@ -8,21 +8,21 @@ and the same count on every tensor-parallel rank (the fewest any has room for).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from engine.attention import ForwardContext
+from engine.attention import AttentionBackend, ForwardContext
+from engine.config import EngineConfig, ModelConfig
 from engine.memory.kv_budget import (
     GpuMemoryProfile,
     gpu_kv_budget,
     kv_block_bytes,
     num_kv_blocks_for_budget,
 )
-from engine.runner.step_inputs import build_metadata
-
-if TYPE_CHECKING:
-    from engine.runner.model_runner import ModelRunner
+from engine.parallel import TensorParallel
+from engine.runner.step_inputs import Uploader, build_metadata
 
 log = logging.getLogger("siesta.engine")
 
@@ -32,7 +32,28 @@ _GIB = 1 << 30
 _GRAPH_MARGIN = 256 << 20
 
 
-def num_kv_blocks(runner: ModelRunner) -> int:
+class SizedRunner(Protocol):
+    """What the sizing reads of the model runner (model_runner.py), its model and weights loaded."""
+
+    config: EngineConfig
+    model_config: ModelConfig
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    tp: TensorParallel
+    upload: Uploader
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    max_model_len: int
+    graph_max_bs: int
+
+    def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend: ...
+
+    def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]: ...
+
+
+def num_kv_blocks(runner: SizedRunner) -> int:
     """The KV blocks of `runner`'s cache, its model and weights loaded, nothing else allocated yet."""
     config = runner.config
     if config.num_kv_blocks is not None:
@@ -55,7 +76,7 @@ def num_kv_blocks(runner: ModelRunner) -> int:
 
 
 @torch.inference_mode()
-def _profile(runner: ModelRunner) -> GpuMemoryProfile:
+def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     """One forward at the largest token budget over a scratch KV cache just big enough for it;
     torch's peak allocation, less that scratch cache, is what a step may need besides KV. The
     reserve: the decode graphs' static logits and the piecewise graphs' pool (at most that peak

@@ -20,14 +20,16 @@ from engine.attention import (
     resolve_backend_name,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.decode.attach import attach_decode_paths
+from engine.kernels import configure as configure_kernels
 from engine.memory.kv_budget import make_kv_cache
 from engine.memory.poison import tensors_of
 from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
+from engine.models.hooks import DecodeStepPath
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
 from engine.request import Batch
 from engine.runner.cuda_graph import CudaGraphRunner
-from engine.runner.decode_paths import attach_decode_paths
 from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
@@ -94,6 +96,7 @@ class ModelRunner:
         self.upload = Uploader(self.device)
         self.memory = MemoryRegions(self.device, enabled=config.memory_saver, poison_on_resume=config.debug_poison_on_resume)
         torch.manual_seed(config.seed)
+        configure_kernels(pdl=config.pdl, fast_launch=config.fast_launch, splitk_linear=config.splitk_linear)
         mc = model_config
         if tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
             self.tp = tp = replace(tp, fused=self._fused_reduce(tp))
@@ -125,11 +128,12 @@ class ModelRunner:
         # Decode graphs and piecewise graphs share one pool: they never run at once.
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
+        self.decode_paths: list[DecodeStepPath] = []
         piecewise_sizes = self.piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
             if self.device.type == "cuda":
-                attach_decode_paths(self.model, self.attn_backend, config.max_num_seqs)
+                self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
@@ -163,18 +167,15 @@ class ModelRunner:
         self.attn_backend.after_resume()
         if self.graphs is not None:
             self.graphs.after_resume()
-        lm = self.model.model
-        for path in (lm.fused_decode, lm.batch_decode):
-            if path is not None:
-                path.after_resume()
+        for path in self.decode_paths:
+            path.after_resume()
 
     def _graph_region_tensors(self) -> list[torch.Tensor]:
         """The tensors the `cuda_graph` region holds: the attention backend's workspaces and graph
         buffers, the graphs' static inputs and outputs, the persistent decode paths' buffers
         (views of the KV cache or the weights that their owners keep are not the region's)."""
-        lm = self.model.model
         owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise,
-                  lm.fused_decode, lm.batch_decode]
+                  *self.decode_paths]
         others = {self.kv_cache.untyped_storage().data_ptr(), self.weights.flat.untyped_storage().data_ptr()}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
@@ -207,9 +208,9 @@ class ModelRunner:
         return piecewise_token_sizes(cap, kv_capacity_tokens)
 
     def _fused_reduce(self, tp: TensorParallel) -> FusedReduce:
-        """The NVLink all-reduce fused into the norms (engine/models/tp_reduce.py), for steps of up
+        """The NVLink all-reduce fused into the norms (engine/kernels/tp_reduce.py), for steps of up
         to FUSED_REDUCE_MAX_ROWS tokens: every decode graph; larger prefills use NCCL."""
-        from engine.models.tp_reduce import TpReduce
+        from engine.kernels.tp_reduce import TpReduce
 
         fused = TpReduce(tp, self.device, self.dtype, self.model_config.hidden_size, FUSED_REDUCE_MAX_ROWS)
         log.info("tensor parallelism: fused NVLink all-reduce for steps of <= %d tokens (%.1f MiB of buffers)",
@@ -223,7 +224,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device("meta"):
-                model = cls(self.model_config, tp=self.tp)
+                model = cls(self.model_config, fused=None if self.config.fused_ops else False, tp=self.tp,
+                            logits_pieces=self.config.logits_pieces)
         finally:
             torch.set_default_dtype(default_dtype)
         return model.eval()

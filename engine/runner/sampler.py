@@ -11,7 +11,7 @@ Order, per row: penalties, then logit_bias (added, as SGLang), then the result h
 |x| <= LOGIT_LIMIT (a huge penalty or bias overflows float32; held there, x / T stays finite for
 every T >= SAMPLING_EPS, so no logprob is NaN), then min_new_tokens masking, then logprobs =
 log_softmax(logits / T) (T below SAMPLING_EPS counts as 1; computed as x - logsumexp(x) for the
-tokens reported, never over the whole [B, V]: engine/runner/lse_argmax.py on CUDA), then greedy
+tokens reported, never over the whole [B, V]: engine/kernels/lse_argmax.py on CUDA), then greedy
 rows take the argmax and the others divide by T, truncate (top-k, top-p, min-p) and sample with
 an exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability
 probs[i] / sum(probs), and lets a row draw q from its own generator.
@@ -230,7 +230,7 @@ class Sampler:
         if self._counts is None:
             assert scaled is not None
             return torch.logsumexp(scaled, dim=-1), scaled.argmax(dim=-1), None
-        from engine.runner.lse_argmax import lse_argmax
+        from engine.kernels.lse_argmax import lse_argmax
 
         if self._counts.numel() < logits.shape[0]:
             self._counts = torch.zeros(logits.shape[0], dtype=torch.int32, device=self.device)

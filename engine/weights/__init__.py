@@ -9,5 +9,5 @@ trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
 - `payload.py`: the wire format of `update_weights_from_tensor` (CUDA IPC / shared memory pickles).
 - `groups.py`: weight-update process groups (`init_weights_update_group`, NCCL or gloo broadcasts).
 
-Arrows: weights -> memory.host_copy, models.
+Arrows: weights -> memory, kernels.host_copy, models.
 """

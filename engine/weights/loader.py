@@ -131,7 +131,7 @@ def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[s
     """Copy each pair into its target; the names copied, in order. Host tensors are copied as
     they come (a checkpoint streams file by file); tensors already on the GPU (CUDA IPC, a
     broadcast) are copied by cudaMemcpy when large and together in one launch when small
-    (engine/memory/host_copy.py)."""
+    (engine/kernels/host_copy.py)."""
     written: list[str] = []
     on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, tensor in pairs:
@@ -145,7 +145,7 @@ def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[s
             dst.copy_(tensor)
         written.append(name)
     if on_device:
-        from engine.memory.host_copy import copy_tensors
+        from engine.kernels.host_copy import copy_tensors
 
         dsts, srcs = [d for d, _ in on_device], [s for _, s in on_device]
         rest, table = copy_tensors(dsts, srcs)

@@ -17,7 +17,7 @@ Rules:
   so nothing a weight update will overwrite is ever restored.
 - An update makes the pieces it wrote current (`written`); once its answer is sent their host
   copy is refreshed on a side stream (`refresh_host`), device to host by a few SM programs
-  (engine/memory/host_copy.py), beside generation. A release starts any refresh still pending and waits
+  (engine/kernels/host_copy.py), beside generation. A release starts any refresh still pending and waits
   for it; the next write waits for a running one on the device.
 - No forward and no read of the weights sees a stale piece: `ensure_current()` runs first and
   copies the stale pieces back from the host copy in one launch (buffers with no host copy are
@@ -41,7 +41,7 @@ from torch import nn
 from engine.weights.loader import checkpoint_targets
 
 if TYPE_CHECKING:
-    from engine.memory.host_copy import HostCopyPlan
+    from engine.kernels.host_copy import HostCopyPlan
 
 log = logging.getLogger("siesta.engine")
 
@@ -163,7 +163,7 @@ class WeightStore:
             for o, n in spans:
                 self.host[o : o + n].copy_(self.flat[o : o + n])
             return
-        from engine.memory.host_copy import launch_chunks
+        from engine.kernels.host_copy import launch_chunks
 
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
@@ -277,9 +277,9 @@ class WeightStore:
         log.info("weights restored from the host copy: %.1f MiB in %.1f ms", nbytes / (1 << 20), seconds * 1e3)
 
     def _plan(self) -> HostCopyPlan:
-        """One launch copying the stale pieces back (engine/memory/host_copy.py); the plan of every
+        """One launch copying the stale pieces back (engine/kernels/host_copy.py); the plan of every
         piece, the common case after a resume, is made once."""
-        from engine.memory.host_copy import HostCopyPlan, device_alias
+        from engine.kernels.host_copy import HostCopyPlan, device_alias
 
         full = len(self.stale) == len(self.pieces)
         if full and self._full_plan is not None:

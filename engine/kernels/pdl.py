@@ -14,27 +14,27 @@ Rules for every kernel launched so:
   this one streams, and wait themselves.
 Any kernel may call `gdc_launch_dependents()` early, launched with PDL or not: what it releases
 waits for it anyway. Who does what in a decode layer:
-- PDL launch, wait, trigger: the RMSNorm (models/fused_ops.py), a short kernel that leaves HBM
+- PDL launch, wait, trigger: the RMSNorm (kernels/fused_ops.py), a short kernel that leaves HBM
   mostly idle; its programs are scheduled while the GEMV before it ends (Qwen3-8B shape, batch 1:
   4.77 -> 4.70 ms a step; thirty-first session);
-- wait, trigger: the cross-rank reduce (models/tp_reduce.py), the same at TP > 1;
-- PDL launch, prefetch, wait, trigger: the GEMVs after them (qkv, gate_up: models/skinny_linear.py
+- wait, trigger: the cross-rank reduce (kernels/tp_reduce.py), the same at TP > 1;
+- PDL launch, prefetch, wait, trigger: the GEMVs after them (qkv, gate_up: kernels/skinny_linear.py
   `prefetch=True`), and the logits of a few rows after the final norm (models/llama.py
   `compute_logits`). The other GEMVs launch plainly, measured (bench/RESULTS.md, twelfth session):
   down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
   attention kernels made both TP=1 and TP=2 steps slower. Launched with PDL but no prefetch,
   the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; thirty-first session).
-- PDL launch, wait: the sampler's read of the logits (runner/lse_argmax.py), scheduled while the
+- PDL launch, wait: the sampler's read of the logits (kernels/lse_argmax.py), scheduled while the
   lm_head streams.
-- The layers' decode attention (models/batch_attention.py `DecodeAttention`: rope, K/V store and
+- The layers' decode attention (decode/decode_attention.py `DecodeAttention`: rope, K/V store and
   split-KV attention in one kernel) launches with PDL after the qkv GEMV: it reads the step's
   metadata and the rope table, prefetches its first K/V tile into L2, waits and triggers.
-- In the one-kernel-per-layer decode (models/layer_kernel.py): every layer's launch waits after
+- In the one-kernel-per-layer decode (kernels/layer_kernel.py): every layer's launch waits after
   its attention prologue (the next layer's KV loads) and triggers after its o_proj. Inside it and
   the batch decode's persistent kernel, `prefetch_l2` also pulls a GEMV phase's first weights
-  into L2 behind the barrier before it (models/grid_phases.py `prefetch_items`).
-- In the batch decode (models/batch_decode.py): the persistent kernel triggers before its qkv
-  phase; the split-KV attention kernel after it (models/batch_attention.py) launches with PDL,
+  into L2 behind the barrier before it (kernels/grid_phases.py `prefetch_items`).
+- In the batch decode (decode/batch_decode.py): the persistent kernel triggers before its qkv
+  phase; the split-KV attention kernel after it (kernels/rope_decode.py) launches with PDL,
   reads the step's metadata (uploaded before any kernel ran) and the rope table, prefetches its
   first K/V tile into L2, waits and triggers (no kernel before it writes the cache: it stores
   the new K/V rows itself);
@@ -50,20 +50,18 @@ waits for it anyway. Who does what in a decode layer:
   two would hold the persistent kernel until the reduce ended (5..24 rows; twenty-sixth session).
 Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.
 
-SIESTA_PDL=0 turns it off (read once, at import): every launch is an ordinary stream-ordered one.
+`--no-pdl` (engine/kernels SWITCHES.pdl) turns it off: every launch is an ordinary stream-ordered one.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-PDL_ENV = "SIESTA_PDL"
-_ENABLED = os.environ.get(PDL_ENV, "1") != "0"
+from engine.kernels import SWITCHES
 
 
 @functools.cache
@@ -73,7 +71,7 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: compute capability 9.0 or more, not disabled."""
-    return _ENABLED and device.type == "cuda" and _capable(device.index or 0)
+    return SWITCHES.pdl and device.type == "cuda" and _capable(device.index or 0)
 
 
 @triton.jit

@@ -11,7 +11,7 @@ registers, with the roundings of fused_ops._norm_rope_heads; split 0 stores the 
 the cache, and every split takes it from registers instead of the cache, so no barrier waits for
 that store. Each split runs the online softmax (base 2) over its chunk of the row's context, in
 tiles of ABN tokens; the chunk is an even share rounded up to whole tiles
-(engine/attention/split_kv.py's `split_chunk`). Every split writes its normalized output and
+(engine/kernels/split_kv.py's `split_chunk`). Every split writes its normalized output and
 log-sum-exp (empty splits and rows of seq_len 0, graph padding, write zeros and -inf; padding
 rows write no cache row), then counts itself done on its (row, KV head)'s counter; the last of
 the row's splits to arrive merges them (`merge_last`) into the attention output, which o_proj
@@ -25,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.split_kv import last_to_arrive, split_chunk
-from engine.models.grid_phases import rnd, stamp
+from engine.kernels.grid_phases import rnd, stamp
+from engine.kernels.split_kv import last_to_arrive, split_chunk
 
 
 @triton.jit

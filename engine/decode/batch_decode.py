@@ -1,6 +1,6 @@
 """`BatchDecode`: the decode steps of a few to 64 rows in two launches per layer, a split-KV
-attention kernel (engine/models/batch_attention.py) and one persistent kernel for everything
-between two attention calls (engine/models/batch_kernel.py), instead of ten kernels per layer.
+attention kernel (engine/kernels/rope_decode.py) and one persistent kernel for everything
+between two attention calls (engine/kernels/batch_kernel.py), instead of ten kernels per layer.
 
 Past a few rows the one-kernel-per-layer decode (fused_decode.py) loses: its attention phase,
 one program per SM, reads the rows' KV slower than the split-KV kernel's four programs per SM
@@ -8,7 +8,7 @@ one program per SM, reads the rows' KV slower than the split-KV kernel's four pr
 new K/V rows' store folded in, and the rest of each layer, o_proj to the next layer's qkv
 projection, is one launch.
 
-Built by the model runner inside the `cuda_graph` region when `unsupported()` (decode_path.py's
+Built by the model runner inside the `cuda_graph` region when `unsupported()` (rules.py's
 rules) finds nothing against the model; the model's forward hands it the decode steps it `applies` to (rows
 in min_rows..max_rows, its backend), eager or captured.
 
@@ -23,7 +23,7 @@ Rules:
 - One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
   (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
 
-SIESTA_BATCH_DECODE=0 turns it off (read at construction).
+`--no-batch-decode` turns it off (engine/decode/attach.py).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.attention.base import AttentionMetadata
-from engine.models import decode_path
-from engine.models.decode_path import LayerShape, k_splits, prefetch_width
+from engine.decode import rules
+from engine.decode.rules import LayerShape, k_splits, prefetch_width
 
-BATCH_DECODE_ENV = "SIESTA_BATCH_DECODE"
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 # Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
 MAX_ROWS = 64
@@ -49,9 +48,9 @@ _G_PRE, _D_PRE, _Q_PRE = 256, 512, 256
 
 
 def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why `BatchDecode` cannot serve this model and backend (None: it can): decode_path.py's rules
-    (the same shapes, measured on the same one), under its own switch."""
-    return decode_path.unsupported(model, backend, BATCH_DECODE_ENV)
+    """Why `BatchDecode` cannot serve this model and backend (None: it can): rules.py
+    (the same shapes, measured on the same one)."""
+    return rules.unsupported(model, backend)
 
 
 def kernel_consts(
@@ -82,8 +81,7 @@ class BatchDecode:
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
         q_pre: int = _Q_PRE,
     ) -> None:  # fmt: skip
-        from engine import pdl
-        from engine.models import batch_attention
+        from engine.kernels import pdl, rope_decode
 
         self.lm = model.model
         self.backend = backend
@@ -93,19 +91,19 @@ class BatchDecode:
         self.programs = torch.cuda.get_device_properties(device).multi_processor_count
         self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
         rows = self.max_rows
-        # engine/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
+        # engine/kernels/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The kernel's arguments that are the same at every layer and step; the first launch's plain.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre)
         self.first_consts = {**self.consts, "launch_pdl": False}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
-        # The attention kernel's (models/batch_attention.py), reading qkv_part [ks_q, rows, qkv].
+        # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
         elem_bytes = backend.kv_cache.element_size()
-        self.attention_consts = batch_attention.kernel_consts(
+        self.attention_consts = rope_decode.kernel_consts(
             self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
             self.shape.qk_norm, backend.kv_cache.shape[3], elem_bytes, self.pdl,
-            batch_attention.batch_tile_config(self.shape.d, elem_bytes),
+            rope_decode.batch_tile_config(self.shape.d, elem_bytes),
         )  # fmt: skip
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
@@ -154,20 +152,23 @@ class BatchDecode:
         plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # backend.merged_decode_plan(M)
     ) -> None:  # fmt: skip
         """Layer i's attention of a step of M = len(positions) rows from the qkv partials into
-        `attn` (its new K/V rows into the cache): batch_attention.py."""
-        from engine.models import batch_attention
+        `attn` (its new K/V rows into the cache): engine/kernels/rope_decode.py."""
+        from engine.kernels import rope_decode
 
         attn = layer.self_attn
-        batch_attention.rope_decode(
-            attn, self.qkv_part, attn.qkv_proj.bias, self.backend.layer_caches[i], positions, self.lm.rotary_emb.cos_sin_cache,
-            meta, self.attn[: positions.shape[0]], self.backend.scale, plan, self.attention_consts,
+        qn, kn = attn.q_norm, attn.k_norm
+        rope_decode.rope_decode(
+            (qn.weight if qn is not None else None, kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0),
+            self.qkv_part, attn.qkv_proj.bias, self.backend.layer_caches[i], positions, self.lm.rotary_emb.cos_sin_cache,
+            (meta.slot_mapping, meta.block_tables, meta.seq_lens), self.attn[: positions.shape[0]], self.backend.scale,
+            plan, self.attention_consts,
         )  # fmt: skip
 
     def _launch(
         self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, out: torch.Tensor,
         timing: torch.Tensor | None, m: int,
     ) -> None:  # fmt: skip
-        from engine.models.batch_kernel import batch_layer_kernel
+        from engine.kernels.batch_kernel import batch_layer_kernel
 
         lm = self.lm
         # layer l's weights (HEAD: any tensor), layer l+1's (TAIL: any tensor)

@@ -14,7 +14,7 @@ partial, then adds one to its (row, KV head) counter; the split that brings it t
 of splits merges them (`merge_splits`) and zeroes the counter for the next launch.
 
 The tile loop, the first tile's L2 prefetch and a split's write and merge are split_kv.py's,
-shared with the batch decode's own attention kernel (engine/models/batch_attention.py).
+shared with the batch decode's own attention kernel (engine/kernels/rope_decode.py).
 
 Compiled variants: the split count is not specialized, and the reduce merges any count of splits
 BLOCK_S at a time, not in one block sized by the batch (mixed steps of two or three sequences,
@@ -28,15 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.split_kv import (
+from engine.kernels.attention import LOG2E, next_pow2, stamp_row
+from engine.kernels.launcher import Launcher
+from engine.kernels.split_kv import (
     attend_tiles,
     prefetch_first_tile,
     split_chunk,
     write_split,
     write_zeros,
 )
-from engine.attention.triton_kernels import LOG2E, next_pow2, stamp_row
-from engine.launcher import Launcher
 
 REDUCE_BLOCK_S = 16  # splits the decode reduce merges per iteration
 
@@ -115,7 +115,7 @@ def _decode_kernel(
 
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
-        # engine/pdl.py: launched while the kernel that writes q and the new K/V row still runs.
+        # engine/kernels/pdl.py: launched while the kernel that writes q and the new K/V row still runs.
         # The metadata is the step's upload; the first tile's K/V lines go to L2; then wait.
         prefetch_first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, stride_cblk, stride_ctok,
                             stride_chead, HEAD_DIM, BLOCK_SIZE, BLOCK_N, LINE)  # fmt: skip
@@ -213,7 +213,7 @@ def decode_attention(
     part_out: torch.Tensor,  # fp32, at least B * H * num_splits * D elements (unused if 1 split)
     part_lse: torch.Tensor,  # fp32, at least B * H * num_splits elements
     config: tuple[int, int, int] | None = None,  # (BLOCK_N, num_warps, num_stages) override
-    pdl_launch: bool = False,  # engine/pdl.py: the kernel before writes q and the new K/V rows
+    pdl_launch: bool = False,  # engine/kernels/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
     counts: torch.Tensor | None = None,  # [>= B * Hkv] int32, zero: merge in the kernel, no reduce
     stamps: torch.Tensor | None = None,  # bench only: [B * Hkv * splits, 4] int64 (_stamp)

@@ -1,6 +1,6 @@
 """The pieces of a split-KV decode over the paged cache (layout: triton_kernels.py) that the
 backend's decode kernel (triton_decode.py) and the batch decode's attention kernel
-(engine/models/batch_attention.py, rope folded in) share: Triton functions inlined into those
+(engine/kernels/rope_decode.py, rope folded in) share: Triton functions inlined into those
 kernels, not kernels.
 
 A split is one contiguous chunk of one row's cached tokens for one KV head (`split_chunk`: an
@@ -16,8 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine import pdl
-from engine.attention.triton_kernels import dot, kv_offsets
+from engine.kernels import pdl
+from engine.kernels.attention import dot, kv_offsets
 
 
 @triton.jit

@@ -29,13 +29,12 @@ some arguments replaced (`relaunch`): how a step's attention runs its later laye
 launches of its first (engine/attention/layer_replay.py). The caller owns the rule that the
 replaced arguments specialize as the recorded ones did.
 
-SIESTA_FAST_LAUNCH=0 (read once, at import) sends every launch down Triton's JIT path.
+`--no-fast-launch` (engine/kernels SWITCHES.fast_launch) sends every launch down Triton's JIT path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,14 +42,14 @@ from typing import Any
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
+from engine.kernels import SWITCHES
+
 try:
     from triton import knobs
 except ImportError:  # Triton before 3.4: every launch takes the JIT path
     knobs = None
 
 Grid = tuple[int, ...]
-FAST_LAUNCH_ENV = "SIESTA_FAST_LAUNCH"
-_ENABLED = os.environ.get(FAST_LAUNCH_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ class Launcher:
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
         self._compiled: dict[tuple, Any] = {}  # key -> triton.compiler.CompiledKernel
-        self._fast = _ENABLED and knobs is not None and hasattr(fn, "device_caches")
+        self._fast = knobs is not None and hasattr(fn, "device_caches")
         self.hits = 0  # launches that skipped the JIT path (tests, bench)
         self.misses = 0
 
@@ -104,7 +103,7 @@ class Launcher:
 
     def launch(self, grid: Grid, args: tuple, kwargs: dict[str, Any]) -> None:
         key = None
-        if self._fast and not _hooks_set() and not getattr(self.fn, "pre_run_hooks", None):
+        if self._fast and SWITCHES.fast_launch and not _hooks_set() and not getattr(self.fn, "pre_run_hooks", None):
             # The options the JIT path adds before it binds, so both paths key the same variant.
             kwargs["debug"] = kwargs.get("debug", self.fn.debug) or knobs.runtime.debug
             kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine.attention.triton_kernels import stamp_row
-from engine.models.lamport import await_rows, await_sum, sentinel_like, written
-from engine.pdl import prefetch_l2
+from engine.kernels.attention import stamp_row
+from engine.kernels.lamport import await_rows, await_sum, sentinel_like, written
+from engine.kernels.pdl import prefetch_l2
 
 STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
 SM_SLOT: tl.constexpr = tl.constexpr(16)

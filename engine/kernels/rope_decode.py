@@ -1,7 +1,7 @@
 """The decode step's attention from the qkv projection's output: the backend's split-KV decode
-(engine/attention/triton_decode.py) with q/k norm, rope and the new K/V rows' store folded in.
+(engine/kernels/attention_decode.py) with q/k norm, rope and the new K/V rows' store folded in.
 Two callers, one kernel (`rope_decode_kernel`):
-- the batch decode (engine/models/batch_decode.py) on the fp32 split-K partials of its persistent
+- the batch decode (engine/decode/batch_decode.py) on the fp32 split-K partials of its persistent
   kernel, which then ends at its qkv projection, one phase and one grid barrier sooner; its tiles
   are half the backend's, two buffered (`batch_tile_config`);
 - `DecodeAttention`, the layers' own forward (models/layers.py `Attention`) on the decode steps no
@@ -32,30 +32,22 @@ builds `DecodeAttention`); the batch decode always uses this kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
-from engine import pdl
-from engine.attention import ForwardContext, triton_decode
-from engine.attention.base import AttentionMetadata
-from engine.attention.split_kv import (
+from engine.kernels import attention_decode as triton_decode
+from engine.kernels.attention import LOG2E
+from engine.kernels.grid_phases import rnd
+from engine.kernels.launcher import Launcher
+from engine.kernels.layer_attention import norm_rope_w, norm_weights
+from engine.kernels.split_kv import (
     attend_tiles,
     prefetch_first_tile,
     split_chunk,
     write_split,
     write_zeros,
 )
-from engine.attention.triton_kernels import LOG2E
-from engine.launcher import Launcher
-from engine.models.grid_phases import rnd
-from engine.models.layer_attention import norm_rope_w, norm_weights
-from engine.models.rotary import RopeInputs
-
-ROPE_DECODE_ENV = "SIESTA_ROPE_DECODE"
 
 
 @triton.jit
@@ -113,7 +105,7 @@ def rope_decode_kernel(
     slot = tl.load(slot_ptr + seq)
     qw1, qw2 = norm_weights(qn_ptr, QK_NORM, HALF)  # the layer's: no load of them after the wait
     kw1, kw2 = norm_weights(kn_ptr, QK_NORM, HALF)
-    if USE_PDL:  # engine/pdl.py: and the first tile's old cache rows into L2, then wait
+    if USE_PDL:  # engine/kernels/pdl.py: and the first tile's old cache rows into L2, then wait
         prefetch_first_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, g, stride_cblk, stride_ctok, stride_chead,
                             D, BLOCK_SIZE, BLOCK_N, LINE)  # fmt: skip
         tl.extra.cuda.gdc_wait()
@@ -197,90 +189,26 @@ def kernel_consts(
 
 
 def rope_decode(
-    attn: nn.Module,  # the layer's models/layers.py `Attention`: its q/k norms (Qwen3), else none
+    norms: tuple[torch.Tensor | None, torch.Tensor | None, float],  # q and k norm weights [D] (Qwen3), eps
     qkv_part: torch.Tensor,  # [KS, MAX_M, QKV] fp32 partial sums, or [1, B, QKV] the qkv linear's output
     qkv_bias: torch.Tensor | None,  # added here (None: already in the part)
     caches: tuple[torch.Tensor, torch.Tensor],  # the layer's K and V caches, each [num_blocks, block_size, NKV, D]
-    positions: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata,
+    positions: torch.Tensor, cos_sin: torch.Tensor,  # [B] int64, [max_pos, D] the rotary table
+    slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # slot_mapping [B], block_tables [B, W], seq_lens [B]
     out: torch.Tensor,  # [B, NH, D]
     scale: float,
-    plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # TritonBackend.merged_decode_plan
+    plan: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor],  # (splits, partial out, partial lse, counters)
     consts: dict[str, object],  # kernel_consts of these shapes
 ) -> None:  # fmt: skip
     """Attention of a decode step of B rows from the qkv projection's output (module docstring)."""
     splits, part_out, part_lse, counts = plan
-    qn, kn = attn.q_norm, attn.k_norm
+    q_w, k_w, eps = norms
     k_cache, v_cache = caches
+    slot_mapping, block_tables, seq_lens = slots
     rope_decode_kernel[(out.shape[0], k_cache.shape[2], splits)](
-        qkv_part, qkv_bias if qkv_bias is not None else qkv_part, qn.weight if qn is not None else cos_sin,
-        kn.weight if kn is not None else cos_sin, positions, cos_sin, meta.slot_mapping, k_cache, v_cache,
-        meta.block_tables, meta.seq_lens, out, part_out, part_lse, counts, qn.eps if qn is not None else 0.0,
-        scale * LOG2E, splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        qkv_part, qkv_bias if qkv_bias is not None else qkv_part, q_w if q_w is not None else cos_sin,
+        k_w if k_w is not None else cos_sin, positions, cos_sin, slot_mapping, k_cache, v_cache,
+        block_tables, seq_lens, out, part_out, part_lse, counts, eps,
+        scale * LOG2E, splits, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         **consts,
     )  # fmt: skip
-
-
-def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why `DecodeAttention` cannot serve this model's layers with this backend (None: it can):
-    CUDA, Triton attention, the fused ops on (it replaces their rotary), not switched off."""
-    from engine.attention.triton import TritonBackend
-
-    if os.environ.get(ROPE_DECODE_ENV, "1") == "0":
-        return f"{ROPE_DECODE_ENV}=0"
-    if not isinstance(backend, TritonBackend) or backend.kv_cache.device.type != "cuda":
-        return "attention backend is not triton on CUDA"
-    if not model.model.fused or not len(model.model.layers):
-        return "fused ops off or no layers"
-    return None
-
-
-class DecodeAttention:
-    """The layers' decode attention (module docstring): `Attention.forward` hands it the qkv
-    linear's output [T, QKV] of a decode step on its backend and gets [T, H, D] back, the new
-    K/V rows stored. Built once by the model runner (`attach`); its constants are every layer's."""
-
-    def __init__(self, model: nn.Module, backend: object) -> None:
-        attn = model.model.layers[0].self_attn
-        kv = backend.kv_cache
-        self.backend = backend
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
-        # One part (KS = 1, its stride unused), the bias already in it.
-        self.consts = kernel_consts(
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, 1, 0, False, attn.q_norm is not None, kv.shape[3],
-            kv.element_size(), pdl.enabled(kv.device),
-        )  # fmt: skip
-        self._plans: dict[int, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def plan(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The backend's merged_decode_plan of `rows` rows (its splits, workspace and counters: fixed
-        by the row count), asked once per row count rather than at every layer of every step."""
-        if rows not in self._plans:
-            self._plans[rows] = self.backend.merged_decode_plan(rows)
-        return self._plans[rows]
-
-    def attach(self, model: nn.Module) -> None:
-        """Every layer's attention runs its decode steps through this."""
-        for layer in model.model.layers:
-            layer.self_attn.rope_decode = self
-
-    def applies(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool:
-        """A decode step on this backend, one row per sequence, qkv [T, QKV] contiguous on CUDA,
-        whose T x Hkv programs fit one wave: in later waves each program's rope ahead of its
-        first tile is no longer hidden (0.6B shape, 256 rows: 5.50 ms a step with it, 5.39-5.41
-        without; bench/RESULTS.md, thirty-first session)."""
-        rows = qkv.shape[0]
-        return (
-            ctx.backend is self.backend and ctx.meta.is_decode and qkv.is_cuda and qkv.is_contiguous()
-            and 0 < rows == ctx.meta.seq_lens.shape[0] and rows * self.shape[1] <= self.backend.wave_programs
-        )  # fmt: skip
-
-    def __call__(
-        self, attn: nn.Module, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext
-    ) -> torch.Tensor:  # `Attention` attn, qkv [T, QKV] -> [T, H, D]
-        nh, _, d = self.shape
-        out = torch.empty(qkv.shape[0], nh, d, dtype=qkv.dtype, device=qkv.device)
-        rope_decode(
-            attn, qkv.unsqueeze(0), None, self.backend.layer_caches[attn.layer_id], rope.positions, rope.cos_sin_cache,
-            ctx.meta, out, self.backend.scale, self.plan(qkv.shape[0]), self.consts,
-        )  # fmt: skip
-        return out

@@ -17,7 +17,7 @@ and on each pointer's 16-byte alignment. Integers that follow the batch (block-t
 strides, split counts, row counts) are not specialized (`do_not_specialize`), and the step's
 uploads start every tensor 16-byte aligned (engine/runner/step_inputs.py): one variant per kernel
 and model serves every batch, compiled at startup, never while a request waits. Every kernel
-launches through engine/launcher.py's `Launcher`.
+launches through engine/kernels/launcher.py's `Launcher`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.launcher import Launcher
+from engine.kernels.launcher import Launcher
 
 LOG2E = 1.4426950408889634
 

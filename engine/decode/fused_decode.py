@@ -1,5 +1,5 @@
 """`FusedDecode`: the decoder layers of a decode step of few rows, one kernel launch per layer
-(engine/models/layer_kernel.py) instead of ten, plus one for the final norm.
+(engine/kernels/layer_kernel.py) instead of ten, plus one for the final norm.
 
 Built by the model runner inside the `cuda_graph` region when `unsupported()` finds nothing
 against it; the model's forward hands it every step it `applies` to (decode, 1..max_rows rows,
@@ -14,12 +14,12 @@ Rules:
   each (row, KV head)'s merger zeroes its counter); they are zeroed when built and after a resume
   of the `cuda_graph` region (`after_resume`), so garbage handed back cannot stall a barrier or
   skip a merge. act (gate_up's output) and o_part (o_proj's partial sums) are Lamport
-  buffers (engine/models/lamport.py: down_proj and the norm after o_proj wait on their data, not
+  buffers (engine/kernels/lamport.py: down_proj and the norm after o_proj wait on their data, not
   on a barrier); they are filled with the sentinel -0.0 at the same two points, so garbage cannot
   pass for data either.
 - The embedding lookup is layer 0's norm phase (layer_kernel.py): no launch of its own.
 - One program per SM, launched cooperatively: the grid barriers need every program resident.
-  On Hopper also with PDL (engine/pdl.py, layer_kernel.py's USE_PDL).
+  On Hopper also with PDL (engine/kernels/pdl.py, layer_kernel.py's USE_PDL).
 - K splits of o_proj and down_proj: as many (1, 2, 4, 8) as keep the items within one wave
   (o_proj's of whole heads), so each program has at most one o_proj item.
 - Split-KV: one attention item per program (rows * KV heads * splits <= P); splits fill that
@@ -27,7 +27,7 @@ Rules:
   in one [group heads, BLOCK_S, D] fp32 load, BLOCK_S the most splits of any row (a one-row
   step's).
 
-SIESTA_FUSED_DECODE=0 turns it off (read at construction).
+`--no-fused-decode` turns it off (engine/decode/attach.py).
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import torch
 from torch import nn
 
 from engine.attention import ForwardContext
-from engine.models import decode_path
-from engine.models.decode_path import LayerShape, k_splits, prefetch_width
+from engine.decode import rules
+from engine.decode.rules import LayerShape, k_splits, prefetch_width
 
-FUSED_DECODE_ENV = "SIESTA_FUSED_DECODE"
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
 # Steps the runner hands it (bench/profile_fused_decode.py, H200, 0.6B, context 512, forward in a
 # graph against the layer-by-layer one; fifteenth session): 1 row 0.70x, 2 rows 0.79x, 4 rows
@@ -66,8 +65,8 @@ _MERGE_ELEMENTS = 2048  # splits x head_dim of a row: 16 splits at head_dim 128 
 
 
 def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why `FusedDecode` cannot serve this model and backend (None: it can): decode_path.py's rules."""
-    return decode_path.unsupported(model, backend, FUSED_DECODE_ENV)
+    """Why `FusedDecode` cannot serve this model and backend (None: it can): rules.py's rules."""
+    return rules.unsupported(model, backend)
 
 
 def kv_splits(programs: int, shape: LayerShape, rows: int) -> int:
@@ -113,7 +112,7 @@ class FusedDecode:
         bn: int = _BN, bk: int = _BK, use_pdl: int = 1, norm_everywhere: int = 1, o_pre: int = _O_PRE, g_pre: int = _G_PRE,
         q_pre: int = _Q_PRE, stages: int = _STAGES, d_pre: int = _D_PRE, lamport: int = 1 | 2,
     ) -> None:  # fmt: skip
-        from engine import pdl
+        from engine.kernels import pdl
 
         self.lm = model.model
         self.backend = backend
@@ -122,7 +121,7 @@ class FusedDecode:
         self.programs = P = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         # One attention item per program: rows * KV heads * splits <= P.
         self.max_rows = rows = min(max_rows, KERNEL_MAX_ROWS, P // self.shape.nkv)
-        # engine/pdl.py: each layer's launch runs its prologue while the layer before finishes.
+        # engine/kernels/pdl.py: each layer's launch runs its prologue while the layer before finishes.
         self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The layer kernel's arguments that are the same at every layer and step.
         self.consts = layer_consts(self.shape, P, rows, backend.kv_cache.shape[3], self.pdl, num_warps, bn, bk, o_pre, g_pre, q_pre, stages, d_pre,
@@ -163,7 +162,7 @@ class FusedDecode:
         self._unwrite()
 
     def _unwrite(self) -> None:
-        from engine.models.lamport import fill_unwritten
+        from engine.kernels.lamport import fill_unwritten
 
         fill_unwritten(self.act)  # the Lamport buffers (layer_kernel.py): every element the sentinel
         fill_unwritten(self.o_part)
@@ -178,7 +177,7 @@ class FusedDecode:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, timing: torch.Tensor | None = None
     ) -> torch.Tensor:  # [M] int64, [M] int64 -> [M, hidden]; timing: [layers, P, STAMPS] int64 (bench)
-        from engine.models.layer_kernel import decoder_layer_kernel, finish_kernel
+        from engine.kernels.layer_kernel import decoder_layer_kernel, finish_kernel
 
         lm, meta = self.lm, ctx.meta
         m = input_ids.shape[0]

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine import pdl
-from engine.launcher import Launcher
+from engine.kernels import pdl
+from engine.kernels.launcher import Launcher
 
 # libdevice's expf, as torch's CUDA silu calls; Triton's interpreter (TRITON_INTERPRET=1, for
 # CPU checks of these kernels) has no libdevice, so it gets tl.exp.
@@ -73,7 +73,7 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel's output, loaded before the wait
-    if USE_PDL:  # engine/pdl.py: scheduled while the kernel before ends; the GEMV after it prefetches now
+    if USE_PDL:  # engine/kernels/pdl.py: scheduled while the kernel before ends; the GEMV after it prefetches now
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)

@@ -10,7 +10,6 @@ bench/RESULTS.md), every GEMV K a multiple of 128, head_dim 64, 128 or 256.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -20,13 +19,10 @@ MAX_HIDDEN = 1024
 _K_UNIT = 128  # every K of a layer's GEMVs is a multiple of this (the kernels' K steps)
 
 
-def unsupported(model: nn.Module, backend: object, env: str) -> str | None:
-    """Why a persistent decode path switched by the environment variable `env` cannot serve this
-    model and backend (None: it can)."""
+def unsupported(model: nn.Module, backend: object) -> str | None:
+    """Why a persistent decode path cannot serve this model and backend (None: it can)."""
     from engine.attention.triton import TritonBackend
 
-    if os.environ.get(env, "1") == "0":
-        return f"{env}=0"
     if not isinstance(backend, TritonBackend):
         return "attention backend is not triton"
     lm = model.model

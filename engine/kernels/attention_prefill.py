@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton_kernels import LOG2E, dot, kv_offsets
-from engine.launcher import Launcher
+from engine.kernels.attention import LOG2E, dot, kv_offsets
+from engine.kernels.launcher import Launcher
 
 
 @triton.jit

@@ -17,25 +17,21 @@ Rules:
   the sum of the parts is cuBLAS's product up to the order of fp32 sums; the norm rounds it to
   the model dtype where the unfused layers round the linear's output.
 - No bias (the norm adds none). Launched plainly (the attention or the gate_up GEMM before it is
-  bandwidth-bound: a prefetch would only take its bandwidth, engine/pdl.py); it triggers its
+  bandwidth-bound: a prefetch would only take its bandwidth, engine/kernels/pdl.py); it triggers its
   dependents at once, so the RMSNorm after it (a PDL launch) is scheduled while it streams.
 - Grid and output fixed by the shapes: CUDA-graph capturable.
 
-SIESTA_SPLITK=0 (read at import) keeps every such linear on cuBLAS.
+`--no-splitk-linear` (engine/kernels SWITCHES.splitk_linear) keeps every such linear on cuBLAS.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
-from engine.models import skinny_linear
+from engine.kernels import SWITCHES, pdl, skinny_linear
 
-ENABLED = os.environ.get("SIESTA_SPLITK", "1") != "0"
 MAX_ROWS = 64
 KS, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 2, 64, 128, 4, 4
 
@@ -49,7 +45,7 @@ def _splitk_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (column tile n, K chunk c): part[c, :, tile] = x[:, chunk c] @ w[tile, chunk c].T.
-    if USE_PDL:  # engine/pdl.py: the norm after it gets scheduled now and waits for all of it
+    if USE_PDL:  # engine/kernels/pdl.py: the norm after it gets scheduled now and waits for all of it
         tl.extra.cuda.gdc_launch_dependents()
     n = tl.program_id(0)
     c = tl.program_id(1)
@@ -74,7 +70,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m, k = x.shape
     n = weight.shape[0]
     return (
-        ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        SWITCHES.splitk_linear and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and skinny_linear.MAX_ROWS < m <= MAX_ROWS and k % (KS * BLOCK_K) == 0 and n % BLOCK_N == 0
         and KS * n // BLOCK_N >= skinny_linear.num_sms(x.device.index or 0) * 15 // 16 and weight.is_contiguous()
     )  # fmt: skip

@@ -56,7 +56,7 @@ bench/RESULTS.md, fifty-sixth session).
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
-USE_PDL (engine/pdl.py): each layer's launch is programmatic. A layer triggers its dependents
+USE_PDL (engine/kernels/pdl.py): each layer's launch is programmatic. A layer triggers its dependents
 after o_proj (each program once past its barrier, or its own item under LAMPORT_O), so the next
 layer's programs get scheduled during phases 5-7, issue their
 phase-0 loads (the layer's KV cache, its q/k norm weights and the step's metadata: nothing a
@@ -76,7 +76,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import (
+from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
     norm_weight,
@@ -86,7 +86,7 @@ from engine.models.grid_phases import (
     stamp,
     unwrite_items,
 )
-from engine.models.layer_attention import attention_phase, attention_prologue
+from engine.kernels.layer_attention import attention_phase, attention_prologue
 
 
 @triton.jit
@@ -161,7 +161,7 @@ def decoder_layer_kernel(
         pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slot_ptr, qn_ptr, kn_ptr,
         M, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt, NKV, D, BLOCK_SIZE, ABN, DTYPE, QK_NORM,
     )  # fmt: skip
-    if USE_PDL and not EMBED:  # engine/pdl.py: everything above reads what no kernel of the step writes
+    if USE_PDL and not EMBED:  # engine/kernels/pdl.py: everything above reads what no kernel of the step writes
         tl.extra.cuda.gdc_wait()
     # The previous layer's down_proj items have read act, and its norms o_part: the sentinel back.
     if LAMPORT:
@@ -188,7 +188,7 @@ def decoder_layer_kernel(
     # The first G_PRE columns of its gate_up rows, pulled into L2 over the barrier and the norm. No
     # barrier with LAMPORT_O: the norm waits for o_part itself.
     phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True, not LAMPORT_O)
-    if USE_PDL:  # engine/pdl.py: the next layer's programs get scheduled and run their prologue
+    if USE_PDL:  # engine/kernels/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
     _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
           9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False, LAMPORT_O)  # fmt: skip

@@ -1,7 +1,7 @@
 """Everything of a decode step between two attention calls in one kernel launch: a persistent
 Triton kernel (one program per SM, phases separated by grid barriers) that takes layer l's
-attention output to layer l+1's qkv projection. The attention kernel after it (batch_attention.py)
-norms and rotates q and k from these partial sums itself. Only engine/models/batch_decode.py
+attention output to layer l+1's qkv projection. The attention kernel after it (rope_decode.py)
+norms and rotates q and k from these partial sums itself. Only engine/decode/batch_decode.py
 imports this module (it imports Triton).
 
 Phases, M rows (M <= BM <= 64), P programs, GEMV items dealt round-robin (grid_phases.py), a grid
@@ -22,7 +22,7 @@ row of the table, looked up by the norm: no launch of its own), then 6. TAIL (th
 last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py): results match them
 up to the order of fp32 sums.
 
-USE_PDL (engine/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
+USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
 issues its first K/V tile's prefetch then (forward at 32 rows 1.490 -> 1.412-1.417 ms,
 bench/RESULTS.md, thirtieth session).
@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.models.grid_phases import (
+from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
     norm_weight,
@@ -77,7 +77,7 @@ def batch_layer_kernel(
     # The norms' weights (the layers': no kernel writes them), so no norm waits on them.
     post_w = norm_weight(post_norm_ptr, HID, BLOCK_HID)
     in_w = norm_weight(norm_ptr, HID, BLOCK_HID)
-    if USE_PDL:  # engine/pdl.py: scheduled as the attention kernel before ends; wait for all of it
+    if USE_PDL:  # engine/kernels/pdl.py: scheduled as the attention kernel before ends; wait for all of it
         tl.extra.cuda.gdc_wait()
     stamp(t_ptr, 12, TIMING)  # the attention kernel before has ended (bench: the launch's clock)
     if HEAD:
@@ -101,7 +101,7 @@ def batch_layer_kernel(
         norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE, W_LOADED=True)
     if not TAIL:
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
-        if USE_PDL:  # engine/pdl.py: the attention kernel after this one gets scheduled now
+        if USE_PDL:  # engine/kernels/pdl.py: the attention kernel after this one gets scheduled now
             tl.extra.cuda.gdc_launch_dependents()
         gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)
     stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)

@@ -18,7 +18,7 @@ Rules:
   (gate and up rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE
   division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
 - Grid and output are fixed by the shapes: CUDA-graph capturable.
-- `prefetch` (on Hopper; engine/pdl.py): launched with PDL, the kernel prefetches the
+- `prefetch` (on Hopper; engine/kernels/pdl.py): launched with PDL, the kernel prefetches the
   first columns of its weight rows (up to PREFETCH_BYTES in all) into L2 before it waits for x.
   For the GEMVs after a norm (qkv, gate_up): the norm, or at TP > 1 the cross-rank reduce, is
   one latency-bound program per row and leaves HBM idle. Between back-to-back GEMVs it would
@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from engine import pdl
-from engine.launcher import Launcher
+from engine.kernels import pdl
+from engine.kernels.launcher import Launcher
 
 # Rows up to which layers use the skinny kernel (bench/bench_linear.py, H200, the 0.6B and 8B
 # layer shapes in CUDA graphs): up to 16 rows it matches cuBLAS or beats it (2.1x on 0.6B's o_proj
@@ -68,7 +68,7 @@ def _block_n(n: int, sms: int) -> int:
     return 32 if triton.cdiv(n, 32) >= sms // 2 else 16
 
 
-# Bytes of a weight pulled into L2 before the wait (engine/pdl.py): what HBM streams in
+# Bytes of a weight pulled into L2 before the wait (engine/kernels/pdl.py): what HBM streams in
 # the ~4 us of a cross-rank reduce; a third of a Hopper GPU's L2.
 PREFETCH_BYTES = 16 << 20
 
@@ -108,7 +108,7 @@ def _skinny_kernel(
     n_ok = offs_n < N
     rows_n = offs_n.to(tl.int64)
     if USE_PDL:
-        # engine/pdl.py: the weights are no kernel's output, so this program's first
+        # engine/kernels/pdl.py: the weights are no kernel's output, so this program's first
         # PREFETCH_LINES lines of each weight row go to L2 while the previous kernel runs.
         if PREFETCH_LINES > 0:
             rows = tl.minimum(rows_n, N - 1)[:, None] * K

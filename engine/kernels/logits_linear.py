@@ -1,7 +1,7 @@
 """A decode graph's logits (1-64 rows, engine/runner/cuda_graph.py) with the greedy sampler's
 pieces: a persistent Triton matmul over the vocabulary whose epilogue folds each column tile into
 one running (max, sum of exp, first argmax) per row and program, so the sampler reads no logits
-and merges few pieces (engine/runner/lse_argmax.py `merge_pieces`). Only the CUDA path of
+and merges few pieces (engine/kernels/lse_argmax.py `merge_pieces`). Only the CUDA path of
 `LlamaForCausalLM.compute_logits` and lse_argmax.py (for `piece`) import this module (it imports
 Triton).
 
@@ -24,7 +24,7 @@ Rules:
   is x). The running sum is rescaled to each new max, so lse matches lse_argmax's to fp32
   rounding, not bit for bit.
 - On Hopper it launches with PDL: the first lines of its first tile go to L2 before it waits
-  (engine/pdl.py). Grid and pieces are fixed by the shapes and the device: CUDA-graph capturable.
+  (engine/kernels/pdl.py). Grid and pieces are fixed by the shapes and the device: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
-from engine.launcher import Launcher
-from engine.models.skinny_linear import num_sms
+from engine.kernels import pdl
+from engine.kernels.launcher import Launcher
+from engine.kernels.skinny_linear import num_sms
 
 # Tiles (block_n, block_k), warps, pipeline stages and programs per SM: the probe's best at 1, 16,
 # 32 and 64 rows of the 0.6B lm_head (64 x 64 x 4 x 4, 3 an SM: 40-104 KB of shared memory each).
@@ -60,7 +60,7 @@ def pieces(vocab: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM, bloc
 def piece(x, AXIS: tl.constexpr):
     # The sampler's piece of x / t values (-inf: masked or banned) along AXIS: (max, sum of
     # exp(x - max), first index of the max); a piece of all -inf is (-inf, 0, 0). The logits'
-    # epilogue below and engine/runner/lse_argmax.py's per-chunk pieces, which its _merge_row merges.
+    # epilogue below and engine/kernels/lse_argmax.py's per-chunk pieces, which its _merge_row merges.
     mx, arg = tl.max(x, AXIS, return_indices=True, return_indices_tie_break_left=True)
     shift = tl.where(mx == float("-inf"), 0.0, mx)
     return mx, tl.sum(tl.exp(x - tl.expand_dims(shift, AXIS)), AXIS), arg
@@ -83,7 +83,7 @@ def _logits_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
-    if USE_PDL:  # engine/pdl.py: the weights are no kernel's output
+    if USE_PDL:  # engine/kernels/pdl.py: the weights are no kernel's output
         if PREFETCH_LINES > 0:
             first = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)[:, None] * K
             pdl.prefetch_l2(w_ptr + first + (tl.arange(0, PREFETCH_LINES) * LINE)[None, :])

@@ -14,10 +14,10 @@ entries (banned tokens) count for nothing; a row of all -inf gets lse -inf. The 
 first index of the row's maximum, as torch.argmax's. The token's logprob is fp32 x[token] / t
 minus the fp32 lse, the sampler's torch ops' arithmetic. `counts` (int32, one per row, zero) is
 the caller's to keep: the kernel leaves it zero again. On Hopper it launches with PDL
-(engine/pdl.py) and waits before it reads or writes anything.
+(engine/kernels/pdl.py) and waits before it reads or writes anything.
 
 `merge_pieces`: the same answer when a kernel before already cut the rows into pieces (the
-logits' epilogue, engine/models/logits_linear.py: a decode graph's logits of up to 64 rows), so
+logits' epilogue, engine/kernels/logits_linear.py: a decode graph's logits of up to 64 rows), so
 only the merge is left, one program per row: after the logits end, one load of a row's pieces
 instead of a second read of its logits (bench/RESULTS.md, fifty-second and fifty-fourth sessions).
 """
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
-from engine.launcher import Launcher
-from engine.models.logits_linear import piece
+from engine.kernels import pdl
+from engine.kernels.launcher import Launcher
+from engine.kernels.logits_linear import piece
 
 # Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, twentieth session:
 # 2048 against 1024, temperature 1: 4.4 / 5.5 / 13.7 / 43.7 us at 1 / 8 / 64 / 256 rows against
@@ -70,7 +70,7 @@ def _lse_argmax_kernel(
 ):  # fmt: skip
     # Program (row, c): with x = logits[row, c*CHUNK : +CHUNK] / t[row], its max, sum of
     # exp(x - max) and first argmax; the row's last program to finish merges them (_merge_row).
-    if USE_PDL:  # engine/pdl.py: scheduled while lm_head streams; everything below reads its output
+    if USE_PDL:  # engine/kernels/pdl.py: scheduled while lm_head streams; everything below reads its output
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -135,8 +135,8 @@ def _merge_kernel(
     CHUNKS: tl.constexpr, BLOCK: tl.constexpr, HOST_STRIDE: tl.constexpr, PUBLISH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program row: _merge_row over pieces another kernel wrote (the logits' epilogue,
-    # engine/models/logits_linear.py), once that kernel has ended.
-    if USE_PDL:  # engine/pdl.py: scheduled while the logits stream; everything below reads their pieces
+    # engine/kernels/logits_linear.py), once that kernel has ended.
+    if USE_PDL:  # engine/kernels/pdl.py: scheduled while the logits stream; everything below reads their pieces
         tl.extra.cuda.gdc_wait()
     _merge_row(tl.program_id(0), max_ptr, sum_ptr, arg_ptr, lse_ptr, token_ptr, pair_ptr, host_ptr, current_ptr, step_ptr, CHUNKS,
                BLOCK, HOST_STRIDE, PUBLISH)  # fmt: skip

@@ -37,9 +37,9 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from engine import pdl
-from engine.launcher import Launcher
-from engine.models.lamport import fill_unwritten, pending, sentinel_like, written
+from engine.kernels import pdl
+from engine.kernels.lamport import fill_unwritten, pending, sentinel_like, written
+from engine.kernels.launcher import Launcher
 from engine.parallel import TensorParallel
 
 # The most ranks one kernel serves (peers are unrolled at compile time).
@@ -60,7 +60,7 @@ def _reduce_add_norm_kernel(
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:  # engine/pdl.py: the next GEMV gets scheduled (and prefetches) meanwhile
+    if USE_PDL:  # engine/kernels/pdl.py: the next GEMV gets scheduled (and prefetches) meanwhile
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)

@@ -1,0 +1,57 @@
+"""Which kernels a CUDA decode step runs, attached to the model once at startup (the model runner,
+inside the `cuda_graph` region, after the attention backend exists):
+- steps of few rows: one kernel per layer (fused_decode.py `FusedDecode`);
+- the steps above them, up to 64 rows: two per layer (batch_decode.py `BatchDecode`);
+- every other decode step: the layers one op at a time, their attention's rope and K/V store
+  folded into one kernel (decode_attention.py `DecodeAttention`).
+Each is attached only where the config, the model, its device and the backend allow it; why not
+is logged. The model sees them through its hooks (engine/models/hooks.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import EngineConfig
+from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
+
+log = logging.getLogger("siesta.engine")
+
+
+def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
+    """Attach the decode paths that serve `model` on `backend` (a CUDA model: the kernels are
+    Triton's) for steps of at most config.max_num_seqs rows; returns the whole-step paths (their
+    owner resets them after a resume)."""
+    from engine.decode import batch_decode, decode_attention, fused_decode
+
+    attention: DecodeAttentionPath | None = None
+    why = "--no-rope-decode" if not config.rope_decode else decode_attention.unsupported(model, backend)
+    if why is None:
+        attention = decode_attention.DecodeAttention(model, backend)
+    else:
+        log.info("rope decode off: %s", why)
+    steps: list[DecodeStepPath] = []
+    first = 1
+    why = "--no-fused-decode" if not config.fused_decode else fused_decode.unsupported(model, backend)
+    if why is None:
+        fused = fused_decode.FusedDecode(model, backend, min(fused_decode.MAX_ROWS, config.max_num_seqs))
+        steps.append(fused)
+        first = fused.max_rows + 1
+        log.info("fused decode: steps of <= %d rows run one kernel per layer (%.1f MiB of scratch)",
+                 fused.max_rows, fused.nbytes / (1 << 20))
+    else:
+        log.info("fused decode off: %s", why)
+    last = min(batch_decode.MAX_ROWS, config.max_num_seqs)
+    why = "--no-batch-decode" if not config.batch_decode else batch_decode.unsupported(model, backend)
+    if why is None and first <= last:
+        batch = batch_decode.BatchDecode(model, backend, first, last)
+        steps.append(batch)
+        log.info("batch decode: steps of %d..%d rows run two kernels per layer (%.1f MiB of scratch)",
+                 first, batch.max_rows, batch.nbytes / (1 << 20))
+    elif why is not None:
+        log.info("batch decode off: %s", why)
+    model.model.use_decode_paths(steps, attention)
+    return steps

@@ -1,0 +1,37 @@
+"""The two places a model hands a step to a faster path it does not know: engine/decode/ builds
+the paths and the model runner attaches them at startup (`DecoderModel.use_decode_paths`). A
+model never imports engine/decode/; these Protocols are all it knows of it.
+
+Rules: a hook answers `applies` from the step's shapes alone (no device read), and a path that
+applies computes exactly what the model's own modules compute, up to the order of fp32 sums.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engine.attention import ForwardContext
+from engine.models.rotary import RopeInputs
+
+
+class DecodeStepPath(Protocol):
+    """A whole decode step of the decoder's layers: input ids [T] -> the final norm's output
+    [T, hidden] (engine/decode/fused_decode.py, batch_decode.py)."""
+
+    def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def after_resume(self) -> None: ...
+
+
+class DecodeAttentionPath(Protocol):
+    """One layer's attention of a decode step from the qkv linear's output [T, QKV] -> [T, H, D],
+    the new K/V rows stored (engine/decode/decode_attention.py)."""
+
+    def applies(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool: ...
+
+    def __call__(self, attn: nn.Module, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext) -> torch.Tensor: ...
