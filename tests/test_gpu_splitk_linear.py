@@ -21,6 +21,8 @@ from test_gpu_fused_decode import _decode_step, matches_the_layers
 from test_piecewise_graph import MAX_MODEL_LEN, load_model, random_cache
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from engine.kernels import SWITCHES
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -73,7 +75,6 @@ def test_norm_of_the_parts_equals_the_norm_of_their_rounded_sum(m: int) -> None:
 def wide(tmp_path_factory: pytest.TempPathFactory):
     """(bf16 Qwen3 of hidden 4096 on CUDA, a Triton backend over a random cache), parts off."""
     from engine.attention.triton import TritonBackend
-    from engine.kernels import splitk_linear
 
     config = Qwen3Config(**(TINY | dict(hidden_size=4096, intermediate_size=4096, head_dim=128, max_position_embeddings=1024)),
                          num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)  # fmt: skip
@@ -82,21 +83,19 @@ def wide(tmp_path_factory: pytest.TempPathFactory):
     c = model.config
     backend = TritonBackend(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5, num_heads=c.num_heads,
                             max_num_seqs=64, max_model_len=MAX_MODEL_LEN)  # fmt: skip
-    enabled = splitk_linear.ENABLED
-    splitk_linear.ENABLED = False
+    enabled = SWITCHES.splitk_linear
+    SWITCHES.splitk_linear = False
     yield model, backend
-    splitk_linear.ENABLED = enabled
+    SWITCHES.splitk_linear = enabled
 
 
 @contextmanager
 def parts_on() -> Iterator[None]:
-    from engine.kernels import splitk_linear
-
-    splitk_linear.ENABLED = True
+    SWITCHES.splitk_linear = True
     try:
         yield
     finally:
-        splitk_linear.ENABLED = False
+        SWITCHES.splitk_linear = False
 
 
 @pytest.mark.parametrize("rows", [17, 40, 64])

@@ -40,8 +40,8 @@ KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 # Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
 MAX_ROWS = 64
 _BK = 64  # K per step of the GEMV loops
-_STAGES = 8  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
-# L2 prefetches (batch_kernel.py; bench/RESULTS.md, thirty-eighth session): the first weights of
+_STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
+# L2 prefetches (batch_kernel.py; bench/history/2026-11-27.md): the first weights of
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
 # before them is done, so they land during the barrier (and norm) between.
 _G_PRE, _D_PRE, _Q_PRE = 256, 512, 256

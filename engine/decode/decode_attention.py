@@ -55,7 +55,7 @@ class DecodeAttention:
         """A decode step on this backend, one row per sequence, qkv [T, QKV] contiguous on CUDA,
         whose T x Hkv programs fit one wave: in later waves each program's rope ahead of its
         first tile is no longer hidden (0.6B shape, 256 rows: 5.50 ms a step with it, 5.39-5.41
-        without; bench/RESULTS.md, thirty-first session)."""
+        without; bench/history/2026-11-25.md)."""
         rows = qkv.shape[0]
         return (
             ctx.backend is self.backend and ctx.meta.is_decode and qkv.is_cuda and qkv.is_contiguous()

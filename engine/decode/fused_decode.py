@@ -43,15 +43,15 @@ from engine.decode.rules import LayerShape, k_splits, prefetch_width
 
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
 # Steps the runner hands it (bench/profile_fused_decode.py, H200, 0.6B, context 512, forward in a
-# graph against the layer-by-layer one; fifteenth session): 1 row 0.70x, 2 rows 0.79x, 4 rows
+# graph against the layer-by-layer one; bench/history/2026-11-23.md): 1 row 0.70x, 2 rows 0.79x, 4 rows
 # 0.86x, 8 rows 1.02x, 16 rows 1.23x: its attention phase (one program per SM, tiles not
 # pipelined) loses to the split-KV kernel's four programs per SM once the rows bring enough KV.
 MAX_ROWS = 4
 _BM = 16  # rows per GEMV tile (tl.dot's smallest M)
 _BN = 32  # output columns per GEMV item
 _BK = 128  # K per step of the GEMV loops
-_STAGES = 5  # of their software pipeline (bench/RESULTS.md, thirty-ninth session)
-# L2 prefetches (layer_kernel.py; bench/RESULTS.md, thirty-eighth and thirty-ninth sessions): each
+_STAGES = 5  # of their software pipeline (bench/history/2026-11-27.md)
+# L2 prefetches (layer_kernel.py; bench/history/2026-11-27.md): each
 # o_proj item's whole tile while the attention's barrier waits; the first
 # 256 columns of each gate_up row while o_proj's barrier waits and under the norm (the whole row: no
 # better); the first 512 of each down_proj item's K split while gate_up's barrier waits, by the

@@ -19,7 +19,7 @@ shared with the batch decode's own attention kernel (engine/kernels/rope_decode.
 Compiled variants: the split count is not specialized, and the reduce merges any count of splits
 BLOCK_S at a time, not in one block sized by the batch (mixed steps of two or three sequences,
 which no decode graph runs, compiled new blocks while serving: 250-290 ms online p99 TTFT,
-bench/RESULTS.md, eighteenth session).
+bench/history/2026-11-24.md).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _decode_kernel(
     if not attend:
         return
     # seq_len after the early return: loaded (with the split) before it, inside decode_row, the
-    # batch-64 layer took 47 us instead of 38 (bench/RESULTS.md, nineteenth session).
+    # batch-64 layer took 47 us instead of 38 (bench/history/2026-11-24.md).
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = split_chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk

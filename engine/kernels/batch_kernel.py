@@ -25,7 +25,7 @@ up to the order of fp32 sums.
 USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
 issues its first K/V tile's prefetch then (forward at 32 rows 1.490 -> 1.412-1.417 ms,
-bench/RESULTS.md, thirtieth session).
+bench/history/2026-11-24.md).
 """
 
 from __future__ import annotations

@@ -11,15 +11,15 @@ SMs). LAST_LEAVES (the one-row kernel's barriers): the arrival is acq_rel, and t
 own add flips the sign leaves without polling. It arrived last, so the rest of the grid waits on
 it anyway; its poll cost a round trip to L2 (0.6B step, H100: 1 / 2 / 4 rows 0.856 / 1.011-1.018
 / 1.142-1.145 -> 0.848-0.853 / 1.004 / 1.135-1.136 ms). The batch kernel keeps the plain wait:
-64 rows 2.308-2.313 -> 2.319 ms with it (bench/RESULTS.md, forty-first session).
+64 rows 2.308-2.313 -> 2.319 ms with it (bench/history/2026-11-27.md).
 
 L2 prefetch (`prefetch_items`, gemv_phase's dealing of items): a program pulls the first weights
 of its items of a later GEMV phase into L2 where HBM would idle: once its own item before is
 done, over the barrier (and norm) or launch boundary between, or under o_proj's split merge.
 Issued between a barrier's `grid_arrive` and its `grid_wait`, a prefetch delays neither the
-program's own loads nor its release (one-row kernel, thirty-ninth session).
+program's own loads nor its release (one-row kernel, bench/history/2026-11-27.md).
 Whole tiles, or every weight phase at once, only take bandwidth from the phase running
-(bench/RESULTS.md, fifteenth, twentieth, thirty-eighth sessions).
+(bench/history/2026-11-23.md, 2026-11-24.md, 2026-11-27.md).
 
 Lamport (lamport.py): a gemv_phase can store no -0.0 (OUT_LAMPORT) or wait for its x slice to
 hold no sentinel (X_LAMPORT), and a norm_phase can wait for its partial sums (PART_LAMPORT), so no

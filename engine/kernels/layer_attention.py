@@ -5,7 +5,7 @@ Items (row m, KV head g, split s), at most one per program (rows * KV heads * sp
 item = program id). Before the barrier that ends the qkv phase, `attention_prologue` issues every
 load of the item that needs no output of this layer: the row's metadata, its cos/sin, the first
 KV tile of its chunk and the q/k norm's weights (one row: the attention phase 2.82 -> 2.56 us;
-bench/RESULTS.md, forty-second session); they land while the program waits. After it,
+bench/history/2026-11-27.md); they land while the program waits. After it,
 `attention_phase` normalizes (Qwen3) and rotates the GROUP query heads and the new key in
 registers, with the roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into
 the cache, and every split takes it from registers instead of the cache, so no barrier waits for
@@ -17,7 +17,7 @@ rows write no cache row), then counts itself done on its (row, KV head)'s counte
 the row's splits to arrive merges them (`merge_last`) into the attention output, which o_proj
 reads after the barrier. Merged once per (row, KV head), not by every o_proj item for the heads of
 its K chunk as before (each merged 32 KB of partials that 31 others merged too; 0.6B, H100: one
-row 2.5 %, four rows 7 % faster: bench/RESULTS.md, fiftieth session).
+row 2.5 %, four rows 7 % faster: bench/history/2026-11-27.md).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ NORM_EVERYWHERE's norms):
      lookup is no launch of its own) -> h; its RMSNorm -> xn.
      NORM_EVERYWHERE (steps of one row): every program normalizes the row into its own xn rows
      and program 0 keeps h; no barrier after it. One row: 0.796 -> 0.783 ms a forward; two rows
-     0.928 -> 0.957, every program then reads twice the partials (bench/RESULTS.md, twentieth
-     session).
+     0.928 -> 0.957, every program then reads twice the partials (bench/history/2026-11-24.md).
   2. qkv = xn @ w_qkv.T (+ bias), tiles of BN columns.
   3. attention (layer_attention.py): q/k norm and rope in registers, the new K/V row into the
      cache, split-KV over each row's context; every split writes its partial output and lse,
@@ -31,20 +30,19 @@ down_proj item waits until its K split of act holds no -0.0, and gate_up stores 
 layer puts the sentinel back into its programs' gate_up columns of act (every row up to MAX_M)
 after its PDL wait, when the layer before has ended and so every read of it (0.6B, H100: steps
 of 2 / 4 rows 2.0 / 1.5 % faster, one row the same; the same wait between qkv and the attention
-was slower at one row: bench/RESULTS.md, forty-ninth session).
+was slower at one row: bench/history/2026-11-27.md).
 LAMPORT_O: o_part the same, between phases 4 and 5: o_proj stores no -0.0 and the norm sums the
 partials it loaded once none is -0.0 (grid_phases.norm_phase's PART_LAMPORT), so the wait costs no
 second read; the sentinel goes back into each program's o_proj tile (rows up to MAX_M) after the
 next layer's PDL wait. One row, H100: the step 1.2 % faster (2 and 4 rows the same). Every
 o_proj item waiting so on the attention's split partials instead of its barrier (when each
-merged its heads' splits itself) was much slower (2.6 -> 7-8 us: bench/RESULTS.md, fiftieth
-session).
+merged its heads' splits itself) was much slower (2.6 -> 7-8 us: bench/history/2026-11-27.md).
 L2 prefetches (grid_phases.prefetch_items; weights only, so results do not change): O_PRE
 weights of each row of the program's o_proj tile once it has arrived at the barrier after phase
 3, so they land while it waits; G_PRE columns of its gate_up rows once its
 o_proj item is done, over the wait (a barrier's, or LAMPORT_O's) and phase 5 (issued between a
 barrier's arrival and its wait, they delay neither the program's own loads nor its release:
-bench/RESULTS.md, thirty-ninth session); D_PRE columns of its down_proj item's K split once its
+bench/history/2026-11-27.md); D_PRE columns of its down_proj item's K split once its
 gate_up item is done (the same, with gate_up's barrier or without, LAMPORT), issued
 only by the programs that had a gate_up item (the others arrive at once, and their fills would
 queue ahead of gate_up's loads); Q_PRE columns of the next layer's qkv rows once its down_proj
@@ -52,7 +50,7 @@ item is done (has_next), over the launch boundary and the next layer's phase 1.
 The norms' weights (layer weights: no kernel of the step writes them) are loaded ahead, phase
 1's before the PDL wait and phase 5's before the attention's barrier, so neither norm waits on a
 load after its sum of squares (one row, H200: the step 0.727-0.745 -> 0.710-0.731 ms;
-bench/RESULTS.md, fifty-sixth session).
+bench/history/2026-11-28.md).
 Every rounding is the unfused layers' (fused_ops.py, skinny_linear.py): results match them up
 to the order of fp32 sums (split-K partials, two half-dim dots for q.k, the split-KV partition).
 
@@ -60,13 +58,12 @@ USE_PDL (engine/kernels/pdl.py): each layer's launch is programmatic. A layer tr
 after o_proj (each program once past its barrier, or its own item under LAMPORT_O), so the next
 layer's programs get scheduled during phases 5-7, issue their
 phase-0 loads (the layer's KV cache, its q/k norm weights and the step's metadata: nothing a
-layer kernel writes), and wait before phase 1. No gap between layer launches (bench/RESULTS.md,
-eighteenth session). Layer 0 launches with PDL too, but its prologue reads the step's metadata,
+layer kernel writes), and wait before phase 1. No gap between layer launches (bench/history/2026-11-24.md). Layer 0 launches with PDL too, but its prologue reads the step's metadata,
 which the kernel before it (a decode graph's gather, engine/runner/graph_io.py) writes: it pulls
 its first Q_PRE qkv weights into L2, then waits, then runs its prologue. The gather triggers no
 early launch (it ends in ~2 us): with it, layer 0's programs were placed beside the gather's and
 the one-row step ran 70 us slower; without, the launch is prepared while the gather runs (one-row
-step 0-3 us faster in five pairs: bench/RESULTS.md, fifty-third session).
+step 0-3 us faster in five pairs: bench/history/2026-11-28.md).
 
 The grid barrier, the norm and GEMV phases are grid_phases.py's.
 """

@@ -7,12 +7,12 @@ Triton).
 
     y [M, V] = x [M, K] @ weight [V, K].T;   per row and program: max, sum of exp(x - max), first argmax
 
-Why persistent: with one program a column tile (skinny_linear's tiles, as the fifty-second session
+Why persistent: with one program a column tile (skinny_linear's tiles, as bench/history/2026-11-28.md
 had it) each tile's epilogue ran after its own loads and before the next program's, and a row had
 one piece a tile (2374 at 64 rows) for the sampler to merge. Here PROGRAMS_PER_SM programs an SM
 take tiles i, i + P, ... in one software pipeline (the tile loop and K loop flattened,
 `tl.range(flatten=True)`): the next tile's weights stream during a tile's epilogue, and a row has
-P pieces. H200, Qwen3-0.6B's lm_head (bench/probe_lm_head.py, fifty-fourth session), logits and
+P pieces. H200, Qwen3-0.6B's lm_head (bench/probe_lm_head.py, bench/history/2026-11-28.md), logits and
 merge: 64 rows 96.2 -> 85.0 us, 16 rows ~81.6 -> 79.4, one row ~77 -> 75.0.
 
 Rules:

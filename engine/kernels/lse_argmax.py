@@ -3,8 +3,8 @@ rows' temperatures, in one read of x: the sampler's logprobs (x / t - lse) and g
 CUDA, and the greedy step's (token, its logprob) per row as the float64 pair the sampler copies
 to the host, so a greedy step samples in one launch. torch's log_softmax runs one program per
 row, 34 us for a batch-1 row of a 152k vocabulary on an H200, 60 us at batch 64
-(bench/RESULTS.md, fifteenth session), and materializing x / t in fp32 cost another 43 us at
-batch 64 (sixteenth session); here each row is cut into CHUNK-wide pieces, one program each,
+(bench/history/2026-11-23.md), and materializing x / t in fp32 cost another 43 us at
+batch 64 (bench/history/2026-11-23.md); here each row is cut into CHUNK-wide pieces, one program each,
 and the piece that finishes last merges the row. One launch: at batch 1 the step is host-bound,
 and every Triton launch costs the host tens of microseconds. Only CUDA code paths import this
 module (it imports Triton).
@@ -19,7 +19,7 @@ the caller's to keep: the kernel leaves it zero again. On Hopper it launches wit
 `merge_pieces`: the same answer when a kernel before already cut the rows into pieces (the
 logits' epilogue, engine/kernels/logits_linear.py: a decode graph's logits of up to 64 rows), so
 only the merge is left, one program per row: after the logits end, one load of a row's pieces
-instead of a second read of its logits (bench/RESULTS.md, fifty-second and fifty-fourth sessions).
+instead of a second read of its logits (bench/history/2026-11-28.md).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 from engine.kernels.logits_linear import piece
 
-# Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, twentieth session:
+# Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, bench/history/2026-11-24.md:
 # 2048 against 1024, temperature 1: 4.4 / 5.5 / 13.7 / 43.7 us at 1 / 8 / 64 / 256 rows against
 # 4.4 / 6.0 / 18.2 / 53.7; other temperatures 6.2 / 7.7 / 18.6 / 57.5 against 5.0 / 6.7 / 21.3 / 65.0).
 CHUNK = 2048
 WARPS = 4
 # A decode graph's sampler above GRAPH_WIDE_ROWS rows: 4096 columns per program (bench_lse_argmax.py,
-# H200, forty-fifth session, temperature 1: 5.79 / 6.65 / 11.31 us at 16 / 24 / 64 rows against
+# H200, bench/history/2026-11-27.md, temperature 1: 5.79 / 6.65 / 11.31 us at 16 / 24 / 64 rows against
 # 6.20 / 7.15 / 13.05 for 2048; 5.17 against 5.11 at 8 rows, 4.16 against 3.89 at one). A graph
 # compiles its variant at capture, so the eager sampler's one-variant rule does not bind it.
 GRAPH_WIDE_ROWS = 8

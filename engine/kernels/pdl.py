@@ -16,14 +16,14 @@ Any kernel may call `gdc_launch_dependents()` early, launched with PDL or not: w
 waits for it anyway. Who does what in a decode layer:
 - PDL launch, wait, trigger: the RMSNorm (kernels/fused_ops.py), a short kernel that leaves HBM
   mostly idle; its programs are scheduled while the GEMV before it ends (Qwen3-8B shape, batch 1:
-  4.77 -> 4.70 ms a step; thirty-first session);
+  4.77 -> 4.70 ms a step; bench/history/2026-11-25.md);
 - wait, trigger: the cross-rank reduce (kernels/tp_reduce.py), the same at TP > 1;
 - PDL launch, prefetch, wait, trigger: the GEMVs after them (qkv, gate_up: kernels/skinny_linear.py
   `prefetch=True`), and the logits of a few rows after the final norm (models/llama.py
-  `compute_logits`). The other GEMVs launch plainly, measured (bench/RESULTS.md, twelfth session):
+  `compute_logits`). The other GEMVs launch plainly, measured (bench/history/2026-11-23.md):
   down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
   attention kernels made both TP=1 and TP=2 steps slower. Launched with PDL but no prefetch,
-  the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; thirty-first session).
+  the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; bench/history/2026-11-25.md).
 - PDL launch, wait: the sampler's read of the logits (kernels/lse_argmax.py), scheduled while the
   lm_head streams.
 - The layers' decode attention (decode/decode_attention.py `DecodeAttention`: rope, K/V store and
@@ -39,15 +39,15 @@ waits for it anyway. Who does what in a decode layer:
   first K/V tile into L2, waits and triggers (no kernel before it writes the cache: it stores
   the new K/V rows itself);
   the next persistent kernel launches with PDL too and waits first, so its programs take the
-  SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; twentieth session).
+  SMs the attention programs leave (forward at 64 rows 1.845 -> 1.817 ms; bench/history/2026-11-24.md).
   The step's first persistent kernel launches plainly: the attention after it reads the
   metadata that the kernel before it (a graph's gather) writes (launched with PDL, waiting first:
-  0.6B at 64 rows the same, 8B at 64 rows 14-69 us slower in four pairs; fifty-third session).
+  0.6B at 64 rows the same, 8B at 64 rows 14-69 us slower in four pairs; bench/history/2026-11-28.md).
   The one-row decode's layer 0, whose own prologue reads that metadata, launches with PDL and
   waits before its prologue (0-3 us faster a step). The gather triggers no early launch: with
   it, layer 0's programs were placed beside the gather's and the one-row step ran 70 us slower.
   Where that attention splits the KV it merges the splits itself: a reduce launched between the
-  two would hold the persistent kernel until the reduce ended (5..24 rows; twenty-sixth session).
+  two would hold the persistent kernel until the reduce ended (5..24 rows; bench/history/2026-11-24.md).
 Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.
 
 `--no-pdl` (engine/kernels SWITCHES.pdl) turns it off: every launch is an ordinary stream-ordered one.

@@ -161,8 +161,8 @@ def batch_tile_config(d: int, elem_bytes: int) -> tuple[int, int, int]:
     two K/V tiles and streams one while it computes the other, at the same four programs an SM
     (0.6B shape: 32x4x6 against 64x4x3). H200, context 512, forward from a graph, three rounds:
     64 / 32 / 16 rows 1.693-1.700 -> 1.678-1.685, 1.339-1.343 -> 1.307-1.313, 1.132-1.135 ->
-    1.114-1.116 ms, 8 rows level (bench/RESULTS.md, fifty-fifth session; the twenty-seventh
-    session's kernel, before rope and the K/V store were folded in, lost with it).
+    1.114-1.116 ms, 8 rows level (bench/history/2026-11-28.md; the kernel of 2026-11-24, before rope
+    and the K/V store were folded in, lost with it).
     Only the 64-token tile of half-precision rows is halved (what was measured; fp32 caches, the
     tests', keep the backend's: 16-token tiles spill there)."""
     block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)

@@ -45,7 +45,7 @@ MAX_ROWS = 16
 KERNEL_MAX_ROWS = 64
 # The logits' tiles (block_n, block_k, warps, stages) for a vocabulary-sized N: at 1-16 rows of
 # Qwen3-0.6B's and 8B's lm_head (152k x 1024 / 4096) 4-6 % faster than cuBLAS, which the default
-# rule's 32-column tiles are not at 8B (bench/probe_lm_head.py, H200, thirty-second session).
+# rule's 32-column tiles are not at 8B (bench/probe_lm_head.py, H200, bench/history/2026-11-25.md).
 LOGITS_CONFIG = dict(block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 

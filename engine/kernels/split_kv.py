@@ -130,7 +130,7 @@ def merge_splits(
     # Called by every split after it stored its partial: the last of the num_valid splits to
     # arrive (last_to_arrive) merges them all into out, partials read from L2.
     # Not the reduce's [BLOCK_S, D]-per-head loop: inside this kernel that made the batch decode
-    # slower than the reduce itself (bench/RESULTS.md, twenty-sixth session, review).
+    # slower than the reduce itself (bench/history/2026-11-24.md, review).
     if last_to_arrive(count_ptr, num_valid):
         offs_d = tl.arange(0, HEAD_DIM)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)

@@ -3,7 +3,7 @@ residual add and RMSNorm that follow it, in one Triton kernel over NVLink (CUDA,
 
 Why: at batch 1 the 8B decode step at TP=2 spent 13.7 % of its device time in NCCL's all-reduce
 kernels (72 per step, 6.5 us each) plus 2.3 us of idle device before each of them and a separate
-norm kernel after (bench/RESULTS.md, eleventh session). Here one kernel per norm does all three.
+norm kernel after (bench/history/2026-11-23.md). Here one kernel per norm does all three.
 
 Protocol (one program per row; every rank runs the same calls in the same order, as with NCCL),
 Lamport-style, as TensorRT-LLM's one-shot kernels: the data is its own flag, so there is no fence
