@@ -38,7 +38,7 @@ _PROGRAMS_PER_SM = 4
 # Merged in the kernel (PDL callers): programs per SM. Filling all four slots made the batch
 # decode's step slower than the reduce (32 rows, two splits: 1.604 against 1.493 ms at context 530,
 # 3.204 against 2.711 at 2000); three per SM was faster at every row count that still splits
-# (5..24 rows; bench/RESULTS.md, twenty-sixth session).
+# (5..24 rows; bench/history/2026-11-24.md).
 _MERGE_PROGRAMS_PER_SM = 3
 
 
@@ -151,7 +151,7 @@ class TritonBackend(AttentionBackend):
             # A mixed step's one-token sequences (decodes) go to the split-KV kernel, which reads
             # each KV head once for its GROUP query heads; the prefill kernel, one program per
             # query head and BLOCK_M query rows, read it GROUP times to fill one row of 128
-            # (bench/RESULTS.md, seventeenth session).
+            # (bench/history/2026-11-23.md).
             mixed = meta.single_query_rows > 0
             tp.prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,

@@ -7,7 +7,7 @@ them. Only CUDA code paths import this module (it imports Triton).
 Why: outside its graph a decode step spent ~60 us of device time at batch 64 and ~35 us at batch
 1 on copy-engine transfers queued between kernels (the upload, its int32 cast, the pending tokens'
 copy, the graph's static inputs, the sampler's upload, the results' copy; 5-13 us each:
-bench/RESULTS.md, thirty-third session), and the host as long again launching them.
+bench/history/2026-11-25.md), and the host as long again launching them.
 
 Rules:
 - Two staging slots and two result slots (a ring, as engine/runner/pinned.py's): step k uses
