@@ -26,8 +26,8 @@ Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, sp
 Rows of seq_len 0 (graph padding) write zeros and no cache row. Results equal the rope kernel
 followed by the backend's store and decode kernels up to the order of fp32 sums (the new token last).
 
-SIESTA_ROPE_DECODE=0 keeps the layers' forward on the separate kernels (read when the runner
-builds `DecodeAttention`); the batch decode always uses this kernel.
+`--no-rope-decode` keeps the layers' forward on the separate kernels (engine/decode/attach.py);
+the batch decode always uses this kernel.
 """
 
 from __future__ import annotations
