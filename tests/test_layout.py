@@ -126,3 +126,17 @@ def test_triton_kernels_live_in_the_kernels_package_and_know_no_modules() -> Non
             with_modules.append(str(path.relative_to(ROOT.parent)))
     assert not outside, f"@triton.jit outside engine/kernels/: {outside}"
     assert not with_modules, f"kernel modules that know torch.nn modules: {with_modules}"
+
+
+def test_the_engine_and_the_server_read_no_environment_switch_of_their_own() -> None:
+    """Every choice is an EngineConfig field and a `siesta serve` flag: no SIESTA_* variable is
+    read under engine/ or server/ (other projects' variables, HF_HOME or PROMETHEUS_MULTIPROC_DIR,
+    are theirs)."""
+    import re
+
+    found = []
+    for path in [*ROOT.rglob("*.py"), *(ROOT.parent / "server").rglob("*.py")]:
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"[\"']SIESTA_\w+[\"']", line):
+                found.append(f"{path.relative_to(ROOT.parent)}:{i}: {line.strip()}")
+    assert not found, "environment switches of our own:\n" + "\n".join(found)
