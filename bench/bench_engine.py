@@ -27,9 +27,9 @@ Sections, in this order (cheapest first, each engine freed before the next is bu
   7. hf: `transformers.generate` on a subsample of the same workload; ratio to section 6.
 
 This file is the recipe (flags, the order of the sections, the deadline, the JSON); the sections
-live in bench/engine_*.py (engine_shapes: checkpoints; engine_decode: copy bandwidth and decode
-steps; engine_graphs: graph memory; engine_mixed; engine_throughput: throughput and hf;
-engine_table: the table), the shared helpers in bench/bench_runtime.py.
+live in bench/engine_*.py (engine_shapes: checkpoints; engine_decode: decode steps; engine_graphs:
+graph memory; engine_mixed; engine_throughput: throughput and hf; engine_table: the table rows),
+the copy bandwidth in bench/device_timing.py, the table's printing in bench/report.py.
 """
 
 from __future__ import annotations
@@ -43,35 +43,18 @@ import traceback
 from typing import Any
 
 import torch
-from bench_runtime import GIB, MIB, elapsed, free_memory, run_section, say, sync, write_json
-from engine_decode import copy_bandwidth, decode_steps, decode_weight_bytes
+from bench_runtime import GIB, MIB, elapsed, run_section, say, write_json
+from device_timing import copy_bandwidth, free_memory
+from engine_decode import decode_steps, decode_weight_bytes
 from engine_graphs import count_graph_replays, graph_memory
 from engine_mixed import mixed_steps
-from engine_shapes import (
-    BUILT_MARKER,
-    FULL_SHAPE,
-    SHAPE_KEYS,
-    SHAPES,
-    TINY_SHAPE,
-    checkpoint,
-    make_checkpoint,
-    read_shape,
-    shape_label,
-)
+from engine_shapes import checkpoint
 from engine_table import print_table, table_rows
 from engine_throughput import hf_generate, throughput, workload
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.memory.kv_budget import kv_block_bytes
-
-# What other scripts import from here (bench_memory.py, bench_fused_ops.py, bench_serving.py), kept
-# importable from bench_engine after the split into bench/engine_*.py.
-__all__ = [
-    "BUILT_MARKER", "FULL_DEFAULTS", "FULL_SHAPE", "SHAPES", "SHAPE_KEYS", "TINY_DEFAULTS", "TINY_SHAPE",
-    "checkpoint", "copy_bandwidth", "elapsed", "free_memory", "main", "make_checkpoint", "read_shape",
-    "run_section", "say", "shape_label", "sync", "write_json",
-]
 
 # Defaults of the full run; `--tiny` replaces them with TINY_DEFAULTS where a flag is not given.
 FULL_DEFAULTS = dict(  # model_dir: the 0.6B shape's, for bench_memory.py; this script's is per shape

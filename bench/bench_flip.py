@@ -26,7 +26,7 @@ the push, before kv_cache resumes. The server runs on `--server-gpu` (CUDA_VISIB
     back in ONE broadcast (SGLang's FlattenedTensorBucket).
 
 Sections, in this order:
-  1. checkpoint: bench_serving.py's `build_checkpoint` (bench_engine's random bf16 checkpoint of
+  1. checkpoint: serving_checkpoint.py's `build_checkpoint` (a random bf16 checkpoint of
      `--shape 0.6b|8b|DIR` into `--model-dir`, plus the demo tokenizer), in a child process.
   2. refs.d2d: `dst.copy_(src)` of one flat tensor of the model's bytes on the trainer GPU, CUDA
      events, median: the floor of a CUDA IPC push.
@@ -39,7 +39,7 @@ Sections, in this order:
   6. verify.initial: `/weights_checker` checksum of the loaded weights (per tensor).
   7. refs.driver: with kv_cache + weights released, children on the server's GPU time the CUDA
      driver's unmap + release and create + map of one handle of each region's bytes (from
-     `/memory_occupation`; probe_vmm_driver.py through memory_children.py), then resume.
+     `/memory_occupation`; memory_driver.py through memory_children.py), then resume.
   8. push.<mode>, per mode: `--warmup-flips` untimed flips, then `--flips` timed ones. Each: the
      wall time around every call from this client and the server's `seconds`; flip total =
      release + resume weights + push + resume kv (wall); then one greedy `/generate` (4 prompts,
@@ -60,7 +60,6 @@ import platform
 import signal
 import subprocess
 import sys
-import time
 import traceback
 from typing import Any
 
@@ -68,11 +67,10 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [p for p in (ROOT, BENCH) if p not in sys.path]
 
-from bench_runtime import say, write_json  # noqa: E402
+from bench_runtime import elapsed, say, write_json  # noqa: E402
 from flip_table import print_table, summarize, table_rows  # noqa: E402
 
 MODES = ("bucket", "tensor", "distributed", "distributed_bucket")
-T0 = time.perf_counter()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -250,7 +248,7 @@ class Run:
             write_json(self.args.out, self.res)
 
     def late(self) -> bool:
-        return time.perf_counter() - T0 > self.args.deadline_s
+        return elapsed() > self.args.deadline_s
 
     def env(self, visible: str | None) -> dict[str, str]:
         """The environment of a child on the server's GPU (`visible`); the repository root on its
@@ -305,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         if sec.get("flips"):
             sec["summary"] = summarize(sec["flips"], res["meta"].get("model_bytes", 0))
     res["table"] = table_rows(res)
-    res["meta"]["total_s"] = time.perf_counter() - T0
+    res["meta"]["total_s"] = elapsed()
     write_json(args.out, res)
-    print_table(res, time.perf_counter() - T0)
+    print_table(res, elapsed())
     return 1 if res["errors"] else 0
 
 

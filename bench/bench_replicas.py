@@ -7,8 +7,8 @@ goes to the JSON file named by `--out`, rewritten after each section. See bench/
     python bench/bench_replicas.py --tiny --out /tmp/r.json                              # CPU smoke test
 
 Rules:
-- bench_serving.py's checkpoint (in a child process, which also counts the GPUs: this process
-  never touches CUDA), `Server` and load generator, with their rules. Replica i gets
+- The serving suite's checkpoint (serving_checkpoint.py, in a child process, which also counts the
+  GPUs: this process never touches CUDA), `Server` and load generator, with their rules. Replica i gets
   CUDA_VISIBLE_DEVICES = the i-th GPU this process sees; on the CPU all share the cores.
 - Workload, slime's: N concurrent single-prompt `/generate` requests (`return_logprob`,
   `ignore_eos`, temperature 1), fresh random prompts per section. Untimed before each: min(N, 256)
@@ -24,7 +24,7 @@ Rules:
   call's wall time and slowest worker `latency_ms`, bytes freed per replica, nvidia-smi memory on
   GPUs. Each replica's greedy outputs before and after must match and carry flip-1, else FAIL.
 - Bounded: every request and fan-out has `--request-timeout-s`; no section starts after
-  `--deadline-s`; servers and gateway (own sessions) stop in `finally`, on Ctrl-C and SIGTERM too.
+  `--deadline-s`; servers and gateway (own process groups) stop in `finally`, on Ctrl-C and SIGTERM too.
   Loopback only. Exit 1 on a crashed section, a failed request or a failed flip.
 """
 
@@ -44,11 +44,14 @@ import time
 import traceback
 from typing import Any
 
-import bench_serving as serving
 import httpx
+from bench_runtime import elapsed, say, write_json
+from replicas_gateway import Gateway, replica, requests_served
 from replicas_table import FLIP_VERSION, print_table, table_rows
-from serving_clients import ClientPool, random_prompts, rl_specs, summarize
-from serving_server import T0, Server, cpu_pct, cpu_s, free_port, say, write_json
+from serving_checkpoint import build_checkpoint
+from serving_clients import CLIENT_CPU_LIMIT_PCT, ClientPool, random_prompts, rl_specs
+from serving_server import Server, cpu_pct, cpu_s
+from serving_summary import summarize
 
 FULL = dict(shape="0.6b", server_args="", num_prompts=1024, input_len=256, output_len=256, client_procs=8,
             deadline_s=480.0, startup_timeout_s=600.0)
@@ -63,79 +66,10 @@ FLIP_STEPS = (("release", "release_memory_occupation", {}), ("resume weights", "
 
 
 def checkpoint_and_gpus(shape: str, model_dir: str | None, seed: int, tiny: bool) -> dict[str, Any]:
-    """In a child process: bench_serving's checkpoint, and how many GPUs CUDA sees there."""
+    """In a child process: the serving checkpoint, and how many GPUs CUDA sees there."""
     import torch
 
-    return serving.build_checkpoint(shape, model_dir, seed, tiny) | {"gpus": 0 if tiny else torch.cuda.device_count()}
-
-
-def replica(model: str, flags: list[str], log_path: str, index: int, gpu: bool) -> Server:
-    """A `Server` on this process's index-th GPU: it inherits the environment, so
-    CUDA_VISIBLE_DEVICES is set only while it spawns (to the id this process's own list names)."""
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if gpu:
-        os.environ["CUDA_VISIBLE_DEVICES"] = seen.split(",")[index].strip() if seen else str(index)
-    try:
-        return Server(model, flags, log_path)
-    finally:
-        if seen is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = seen
-
-
-class Gateway(Server):
-    """`python -m smg.launch_router` in a session of its own in front of `workers` (this
-    interpreter and environment: the GPU machine has smg from wheels on PYTHONPATH only). Stopped
-    by Server's bounded `stop` (it has no engine process)."""
-
-    def __init__(self, workers: list[str], log_path: str) -> None:
-        self.workers, self.engine_pid, port = workers, None, free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        # its Prometheus port too is a free one: the default 29000 may clash
-        cmd = [sys.executable, "-m", "smg.launch_router", "--worker-urls", *workers, "--policy", "cache_aware",
-               "--enable-rl", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--health-check-interval-secs", "1", "--load-monitor-interval", "1",
-               "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "0"]
-        self.log = open(log_path, "w")
-        say(f"gateway: {shlex.join(cmd)} (log: {log_path})")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.http = httpx.Client(base_url=self.url)  # one client: making one costs ~20 ms (its SSL context)
-
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        """Until `/v1/rl/workers` lists every worker, each `ready` (`/readiness` needs only one)."""
-        deadline, seen = time.monotonic() + timeout_s, {}
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"smg exited with {self.proc.returncode}: see {self.log.name}")
-            try:
-                seen = {w["url"]: w["health"] for w in self.http.get("/v1/rl/workers", timeout=5.0).json()["workers"]}
-            except (httpx.HTTPError, ValueError, KeyError):
-                seen = {}
-            if set(seen) == set(self.workers) and set(seen.values()) == {"ready"}:
-                return seen
-            time.sleep(0.2)
-        raise RuntimeError(f"smg did not report {len(self.workers)} ready workers in {timeout_s:.0f} s (last: {seen})")
-
-    def fanout(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """One call to every replica: its wall time, status, per-worker answers, slowest worker."""
-        t = time.perf_counter()
-        r = self.http.post(f"/v1/rl/engine/{route}", params={"selector": "engine=sglang"}, json=body, timeout=timeout_s)
-        wall_ms, ans = 1e3 * (time.perf_counter() - t), r.json()
-        results = ans.get("results") or {}
-        return {"wall_ms": wall_ms, "status": r.status_code, "succeeded": ans.get("succeeded"), "failed": ans.get("failed"),
-                "worker_max_latency_ms": max((x.get("latency_ms") or 0.0 for x in results.values()), default=None),
-                "results": results}
-
-    def stop(self) -> None:
-        self.http.close()
-        super().stop()
-
-
-def requests_served(url: str) -> float:
-    """The replica's finished requests: siesta_requests_total summed over its outcome labels."""
-    text = httpx.get(f"{url}/metrics", timeout=30.0).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("siesta_requests_total"))
+    return build_checkpoint(shape, model_dir, seed, tiny) | {"gpus": 0 if tiny else torch.cuda.device_count()}
 
 
 async def warm_up(urls: list[str], prompts: list[list[int]], timeout_s: float) -> None:
@@ -176,7 +110,7 @@ def load_section(url: str, servers: list[Server], gateway: Gateway | None, seed:
     out |= {"requests_per_replica": served, "gateway_cpu_pct": cpu["gateway"],
             "server_cpu_pct": [cpu[f"server{i}"] for i in range(len(servers))],
             "engine_cpu_pct": [cpu[f"engine{i}"] for i in range(len(servers))],
-            "invalid": out["client_cpu_pct_max"] > serving.CLIENT_CPU_LIMIT_PCT}
+            "invalid": out["client_cpu_pct_max"] > CLIENT_CPU_LIMIT_PCT}
     say(f"{url}: {out['ok']}/{out['requests']} ok, {out['output_tokens']} tokens in {out['wall_s']:.2f} s = "
         f"{out['tokens_per_s']:.0f} tok/s; requests per replica {served}; CPU gateway {cpu['gateway'] or 0:.0f} %, "
         f"clients {out['client_cpu_pct_max']:.0f} % max")
@@ -270,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[Server] = []  # the replicas and then the gateway: all stopped in `finally`
 
     def section(name: str, fn: Any, *a: Any) -> None:
-        if time.perf_counter() - T0 > args.deadline_s:
+        if elapsed() > args.deadline_s:
             res["skipped"].append(name)
             return say(f"{name}: skipped (past --deadline-s)")
         try:
@@ -318,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in reversed(servers):
             s.stop()
     res["table"] = table_rows(res, args.replicas, args.gpu)
-    res["meta"]["total_s"] = time.perf_counter() - T0
+    res["meta"]["total_s"] = elapsed()
     write_json(args.out, res)
     print_table(res)
     failed = any((res.get(k) or {}).get("failed") for k in ("one", "gateway")) or not (res.get("flip") or {}).get("ok")

@@ -6,11 +6,11 @@ to the JSON file named by `--out`, rewritten after each section. See bench/READM
     python bench/bench_serving.py --tiny --out /tmp/s.json                                      # CPU smoke test
 
 Rules:
-- The checkpoint is built by bench_engine.py's code (`--shape 0.6b|8b|DIR`, random bf16 weights)
+- The checkpoint is built by serving_checkpoint.py (`--shape 0.6b|8b|DIR`, random bf16 weights)
   in a child process, so this process never holds the GPU. The server needs a tokenizer: the
   demo tokenizer (512 tokens) is written into a checkpoint built here, or into a directory of its
-  own passed as `--tokenizer` when DIR is someone else's. Prompts are token ids; sampled ids past
-  512 decode to "" (so responses carry little text).
+  own passed as `--tokenizer` when DIR is someone else's, widened so that every id of the model
+  decodes to a word. Prompts are token ids.
 - Order: the in-process Engine first (all N), stopped; then the server (all N, then online),
   stopped. Never both at once. Each uses the engine flags of `--server-args`.
 - RL shape, for each N: (1) one `/generate` holding N prompts, (2) N concurrent single-prompt
@@ -27,7 +27,7 @@ Rules:
   round's tok/s beside it (`rounds_tokens_per_s`): on a machine whose speed drifts by +-10 %
   between runs, ratios of medians say what one round cannot.
 - Bounded: every request has `--request-timeout-s`; no section starts after `--deadline-s`; the
-  server (its own session) is stopped in `finally`, on Ctrl-C and SIGTERM too. Loopback only.
+  server (its own process group) is stopped in `finally`, on Ctrl-C and SIGTERM too. Loopback only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -48,26 +47,23 @@ import traceback
 from typing import Any
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCH)
-sys.path[:0] = [ROOT, BENCH]
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from serving_clients import ClientPool, online_specs, random_prompts, rl_specs, summarize  # noqa: E402
-from serving_server import (  # noqa: E402
-    T0,
-    Server,
-    cpu_pct,
-    cpu_s,
-    py_spy,
-    say,
-    stop_py_spy,
-    write_json,
+from bench_runtime import elapsed, say, write_json  # noqa: E402
+from serving_checkpoint import build_checkpoint  # noqa: E402
+from serving_clients import (  # noqa: E402
+    CLIENT_CPU_LIMIT_PCT,
+    SAMPLES,
+    ClientPool,
+    online_specs,
+    random_prompts,
+    rl_specs,
 )
+from serving_server import Server, cpu_pct, cpu_s, py_spy, stop_py_spy  # noqa: E402
+from serving_summary import summarize  # noqa: E402
+from serving_table import print_table, table_rows  # noqa: E402
 
 MODES = ("batched", "singles", "streams", "n8")
-# Issue 13's targets: a mode's tok/s over the batched request's; "engine": batched over Engine.
-TARGETS = {"singles": 0.95, "streams": 0.85, "n8": 0.95, "engine": 0.95}
-SERVER_CPU_TARGET_PCT, CLIENT_CPU_LIMIT_PCT, SAMPLES = 60.0, 90.0, 8
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 FULL = dict(shape="0.6b", server_args="", num_prompts="64,256,1024", input_len=256, output_len=256,
             online_output_len=256, num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
 TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompts="8", input_len=16,
@@ -75,51 +71,6 @@ TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompt
             # streams long enough that a server starved of CPU (CI: 2 cores) cannot send one whole
             # in a single event, so they have inter-token gaps to measure
             online_output_len=48, num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0)
-
-
-def build_checkpoint(shape: str, model_dir: str | None, seed: int, tiny: bool) -> dict[str, Any]:
-    """In a child process: bench_engine's checkpoint, and the demo tokenizer, widened to the
-    model's vocabulary (`widen_tokenizer`), where the checkpoint is the bench's own or has none."""
-    import bench_engine
-    import torch
-    import transformers
-
-    from engine.demo_model import save_tokenizer
-
-    transformers.utils.logging.disable_progress_bar()
-    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
-    out = bench_engine.checkpoint(shape, model_dir, device, seed)
-    out["label"], out["tokenizer"] = bench_engine.shape_label(out["shape"]), None
-    mine = os.path.isfile(os.path.join(out["path"], bench_engine.BUILT_MARKER))
-    if mine or not all(os.path.isfile(os.path.join(out["path"], f)) for f in TOKENIZER_FILES):
-        out["tokenizer"] = None if mine else "/tmp/siesta-bench-demo-tokenizer"
-        save_tokenizer(out["path"] if mine else out["tokenizer"])
-        widen_tokenizer(out["path"] if mine else out["tokenizer"], out["shape"]["vocab_size"])
-    return out
-
-
-def widen_tokenizer(path: str, vocab_size: int) -> None:
-    """Give the demo tokenizer saved at `path` (512 tokens) one token for every id below
-    `vocab_size`: ids from 512 on decode to synthetic words (" aaba", " aabb", ...), with no merge
-    that encodes to them. A random model samples its whole vocabulary, and an id that a tokenizer
-    cannot decode adds nothing to the text, so the incremental detokenizer's window would grow with
-    each one (a stream decoding ever longer windows: a cost no real checkpoint's text has)."""
-    file = os.path.join(path, "tokenizer.json")
-    with open(file, encoding="utf-8") as f:
-        data = json.load(f)
-    vocab: dict[str, int] = data["model"]["vocab"]
-    next_id, i = max(vocab.values()) + 1, 0
-    while next_id < vocab_size:
-        word, k = "", i + 26 * 26  # three letters or more
-        while k:
-            k, r = divmod(k, 26)
-            word = chr(ord("a") + r) + word
-        i += 1
-        if "\u0120" + word not in vocab:  # byte-level BPE writes a leading space as U+0120
-            vocab["\u0120" + word] = next_id
-            next_id += 1
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False)
 
 
 def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, Any]]], expected: int,
@@ -161,7 +112,7 @@ def engine_runs(args: argparse.Namespace, model: str, flags: list[str], work: di
         pid = llm._core.process.pid  # noqa: SLF001
         llm.generate(input_ids=work[min(work)][:16], sampling_params=SamplingParams(max_new_tokens=4, ignore_eos=True))
         for n, prompts in work.items():
-            if time.perf_counter() - T0 > args.deadline_s:
+            if elapsed() > args.deadline_s:
                 say(f"engine N={n}: skipped (past --deadline-s)")
                 continue
             runs = []
@@ -208,7 +159,7 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
         for n, batched_prompts in work.items():
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
             for _, (i, mode) in itertools.product(range(args.rounds), enumerate(MODES)):
-                if mode in args.skip or (mode == "n8" and n < SAMPLES) or time.perf_counter() - T0 > args.deadline_s:
+                if mode in args.skip or (mode == "n8" and n < SAMPLES) or elapsed() > args.deadline_s:
                     continue
                 prompts = batched_prompts if mode == "batched" else random_prompts(
                     random.Random(args.seed * 7919 + n * 10 + i), n, args.input_len, vocab)
@@ -222,7 +173,7 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
                     f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
                     f"engine {r['engine_cpu_pct'] or 0:.0f} %, clients {r['client_cpu_pct_max']:.0f} % max, {r['engine_steps']} steps")
                 write_json(args.out, res)
-        if "online" not in args.skip and time.perf_counter() - T0 <= args.deadline_s:
+        if "online" not in args.skip and elapsed() <= args.deadline_s:
             shares = online_specs(random.Random(args.seed + 99), args.num_online, args.request_rate, args.input_len,
                                   args.online_output_len, args.random_range_ratio, vocab, sampling, args.client_procs)
             r = res["online"] = http_section(server, pool, *shares)
@@ -233,67 +184,6 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
         if pool is not None:
             pool.close()
         server.stop()
-
-
-def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The table: per N the Engine, the batched request against it, the server's CPU there, each
-    other mode against the batched request; then the online shape. CPU columns per section."""
-    rows: list[dict[str, Any]] = []
-
-    def row(metric: str, measured: Any, ref: Any = None, target: str = "-", least: float | None = None,
-            sec: dict[str, Any] | None = None, higher: bool = True) -> None:
-        ratio = measured / ref if measured is not None and ref and least is not None and higher else None
-        value = ratio if higher else measured
-        ok = None if least is None or value is None else (value >= least if higher else value < least)
-        sec = sec or {}
-        note = "INVALID: client CPU" if sec.get("invalid") else f"{sec['failed']} FAILED" if sec.get("failed") else ""
-        rows.append(dict(metric=metric, measured=measured, reference=ref, ratio=ratio, target=target, ok=ok,
-                         server_cpu=sec.get("server_cpu_pct"), engine_cpu=sec.get("engine_cpu_pct"),
-                         client_cpu=sec.get("client_cpu_pct_max"), note=note))
-
-    for n, sec in sorted(res["rl"].items(), key=lambda kv: int(kv[0])):
-        tps = {mode: r["tokens_per_s"] for mode, r in sec.items()}
-        if "engine" in sec:
-            row(f"N={n} in-process Engine, tok/s (client col: this process)", tps["engine"], sec=sec["engine"])
-        if "batched" in sec:
-            b = sec["batched"]
-            row(f"N={n} one batched /generate, tok/s; ref = Engine", tps["batched"], tps.get("engine"),
-                f">= {TARGETS['engine']}", TARGETS["engine"], b)
-            row(f"N={n} server CPU in the batched section, % of a core (busiest API process)", b.get("server_cpu_pct_max"),
-                target=f"< {SERVER_CPU_TARGET_PCT:.0f}", least=SERVER_CPU_TARGET_PCT, higher=False)
-        for mode, label in (("singles", "N concurrent singles"), ("streams", "N concurrent streams"),
-                            ("n8", f"N/{SAMPLES} concurrent n:{SAMPLES}")):
-            if mode in sec:
-                row(f"N={n} {label}, tok/s; ref = batched", tps[mode], tps.get("batched"),
-                    f">= {TARGETS[mode]}", TARGETS[mode], sec[mode])
-    on = res.get("online")
-    if on:
-        row(f"online {on['request_rate']} req/s x {on['num_requests']}: output tok/s; ref = req/s",
-            on["tokens_per_s"], on["requests_per_s"], sec=on)
-        row("online TTFT ms: p50; ref = p99", on["ttft_ms"]["p50"], on["ttft_ms"]["p99"])
-        row("online inter-token latency ms: p50; ref = p99", on["itl_ms"]["p50"], on["itl_ms"]["p99"])
-    return rows
-
-
-def print_table(res: dict[str, Any]) -> None:
-    def num(x: float | None) -> str:
-        return "-" if x is None else f"{x:.3g}" if abs(x) < 0.01 else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
-
-    head = ["metric", "measured", "reference", "ratio", "target", "ok", "server CPU %", "engine CPU %",
-            "client CPU % max", "note"]
-    ckpt, server = res.get("checkpoint") or {}, res.get("server") or {}
-    print(f"\n## siesta serving benchmark: {'TINY smoke run (numbers mean nothing): ' if res['meta']['tiny'] else ''}"
-          f"{ckpt.get('label', 'no checkpoint')}; device {server.get('device', '?')}, {server.get('dtype', '?')}")
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(" --- " for _ in head) + "|")
-    for r in res["table"]:
-        cells = [r["metric"], num(r["measured"]), num(r["reference"]), num(r["ratio"]), r["target"],
-                 "-" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL"), num(r["server_cpu"]),
-                 num(r["engine_cpu"]), num(r["client_cpu"]), r["note"]]
-        print("| " + " | ".join(cells) + " |")
-    for name, err in res["errors"].items():
-        print(f"section {name} FAILED: {err.strip().splitlines()[-1] if err else ''}")
-    print(f"total {time.perf_counter() - T0:.0f} s; JSON in {res['meta']['out']}", flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -367,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         res["errors"]["interrupted"] = "KeyboardInterrupt"
         say("interrupted")
     res["table"] = table_rows(res)
-    res["meta"]["total_s"] = time.perf_counter() - T0
+    res["meta"]["total_s"] = elapsed()
     write_json(args.out, res)
     print_table(res)
     failed = any(r.get("failed") for sec in res["rl"].values() for r in sec.values()) or (res.get("online") or {}).get("failed")

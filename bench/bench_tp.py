@@ -9,16 +9,16 @@ TP=2's step 0.65x of TP=1's or less; the weights each GPU reads halve, the all-r
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
-from typing import Any
 
 import torch
-from bench_runtime import free_memory, say
+from bench_runtime import elapsed, say, write_json
+from device_timing import free_memory
 from engine_decode import decode_steps
 from engine_graphs import count_graph_replays
 from engine_shapes import checkpoint
+from report import Rows, over, print_targets, run_footer
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -61,17 +61,18 @@ def main(argv: list[str] | None = None) -> int:
             core.close()
             del core
             free_memory(torch.device("cuda"))
-    rows: list[dict[str, Any]] = []
-    print("\n| batch | TP=1 step (ms) | TP=2 step (ms) | TP=2 / TP=1 | target | ok |\n| --- | --- | --- | --- | --- | --- |")
+    rows = Rows()
     for bs, by_tp in steps.items():
         one, two = by_tp.get(1), by_tp.get(2)
-        ratio = two / one if one and two else float("nan")
-        target = f"<= {TARGET_BS1}" if bs == 1 else "-"
-        ok = ("PASS" if ratio <= TARGET_BS1 else "FAIL") if bs == 1 else "-"
-        rows.append({"batch_size": bs, "tp1_s": one, "tp2_s": two, "ratio": ratio})
-        print(f"| {bs} | {one * 1e3 if one else float('nan'):.3f} | {two * 1e3 if two else float('nan'):.3f} | {ratio:.3f} | {target} | {ok} |")
-    with open(args.out, "w") as f:
-        json.dump({"shape": ckpt["shape"], "rows": rows, "device": torch.cuda.get_device_name(0)}, f, indent=2)
+        ratio = over(two, one)
+        held = bs == 1 and ratio is not None
+        rows.add(f"decode step bs={bs}: TP=2 (ms); ref = TP=1", two and two * 1e3, one and one * 1e3, ratio,
+                 f"<= {TARGET_BS1}" if bs == 1 else "-", ratio <= TARGET_BS1 if held else None)
+    res = {"meta": {"out": args.out, "args": vars(args), "device_name": torch.cuda.get_device_name(0)},
+           "shape": ckpt["shape"], "steps_s": steps, "table": rows, "errors": {}}
+    write_json(args.out, res)
+    print_targets(f"siesta tensor-parallel decode step: {res['meta']['device_name']}, {args.shape} shape, bf16, "
+                  f"CUDA graphs, context {args.decode_context}", rows, footer=run_footer(res, elapsed()))
     return 0
 
 

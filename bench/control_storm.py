@@ -3,6 +3,7 @@
 10 resumes, 10 generates of prompts 0 and 1, 10 flushes), one more resume, and the 8 prompts
 again. A trial passes when every generate answered and the 8 prompts after it equal the
 reference, token for token. Prints one table (trials passing, answers by status) and writes JSON.
+`--no-release` is the control run: 20 info reads in place of the releases and resumes.
 
     python3 bench/control_storm.py --shape 0.6b --trials 20 --out $OUT/storm.json            # H200
     python3 bench/control_storm.py --shape 0.6b --trials 20 --poison --out $OUT/storm_p.json  # resumes poisoned
@@ -24,8 +25,10 @@ import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_runtime import elapsed, say, write_json  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
-from serving_server import Server, say, write_json  # noqa: E402
+from report import Rows, print_targets, run_footer  # noqa: E402
+from serving_server import Server  # noqa: E402
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -83,7 +86,7 @@ async def _storm(url: str, trials: int, vocab: int, release: bool) -> dict[str, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="0.6b", help="a bench_engine shape (0.6b, 8b) or a checkpoint directory")
+    ap.add_argument("--shape", default="0.6b", help="an engine_shapes shape (0.6b, 8b) or a checkpoint directory")
     ap.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU (a smoke test)")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--trials", type=int, default=20)
@@ -110,16 +113,19 @@ def main() -> int:
     trials = res["trials"]
     passed = sum(not t["generates_wrong"] and not t["rows_wrong_after"] and not t["server_errors"] for t in trials)
     res["trials_passed"] = passed
-    write_json(args.out, res)
-    totals = collections.Counter()
+    totals: collections.Counter[str] = collections.Counter()
     for t in trials:
         totals.update(t["statuses"])
-    print(f"\ncontrol storm on {res['device']} ({res['dtype']}, memory saver {res['memory_saver']}, flags {' '.join(flags)}, releases {not args.no_release})")
-    print("| trials | identical to the reference | generates answered / wrong | answers by status |")
-    print("| --- | --- | --- | --- |")
-    print(f"| {len(trials)} | {passed} | {sum(t['generates_answered'] for t in trials)} / "
-          f"{sum(t['generates_wrong'] for t in trials)} | {dict(sorted(totals.items()))} |")
-    print(f"warm prefix cache gives the reference: {res['warm_equals_reference']}")
+    rows = res["table"] = Rows()
+    rows.add("trials identical to the reference; ref = trials", passed, len(trials), target="all", ok=passed == len(trials))
+    rows.add("generates answered; ref = wrong", sum(t["generates_answered"] for t in trials),
+             sum(t["generates_wrong"] for t in trials))
+    rows.add("answers by status", str(dict(sorted(totals.items()))))
+    rows.add("warm prefix cache gives the reference", res["warm_equals_reference"])
+    res["meta"], res["errors"] = {"out": args.out}, {}
+    write_json(args.out, res)
+    print_targets(f"control storm on {res['device']}: {res['dtype']}, memory saver {res['memory_saver']}, releases "
+                  f"{not args.no_release}, flags {' '.join(flags)}", rows, footer=run_footer(res, elapsed()))
     return 0 if passed == len(trials) else 1
 
 

@@ -1,5 +1,5 @@
-"""The decode roofline of bench_engine.py: device copy bandwidth (section copy), the weight bytes a
-decode step reads, and the decode step time at one batch size (section decode)."""
+"""bench_engine.py's section decode: the weight bytes a decode step reads, and the decode step
+time at one batch size against the roofline (the copy bandwidth is device_timing.copy_bandwidth)."""
 
 from __future__ import annotations
 
@@ -12,40 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from bench_runtime import MIB, free_memory, say, timed_copy
+from bench_runtime import say
 
 from engine.core.engine_core import EngineCore
 from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
-
-# ---- 2. copy bandwidth --------------------------------------------------------------------------
-
-
-def copy_bandwidth(device: torch.device, mib: int, iters: int) -> dict[str, Any]:
-    """Device-to-device copy of a bf16 tensor; bandwidth = (bytes read + bytes written) / the
-    fastest of `iters` timed copies, STREAM's convention: on the H200 machines the median of 20
-    moved 3973-4214 GB/s between runs on one machine while the best stayed 4194-4256
-    (bench/RESULTS.md, forty-fifth session), so a roofline on the median let the copy's noise pass
-    or fail a target. The median stays in the JSON (`bandwidth_median_bytes_per_s`)."""
-    n = mib * MIB // 2
-    src = torch.randn(n, dtype=torch.float32, device=device).to(torch.bfloat16)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = [timed_copy(dst, src) for _ in range(iters)]
-    nbytes = 2 * src.numel() * src.element_size()
-    med = statistics.median(times)
-    del src, dst
-    free_memory(device)
-    best = min(times)
-    out = {"tensor_bytes": nbytes // 2, "iters": iters, "median_s": med, "min_s": best,
-           "bandwidth_bytes_per_s": nbytes / best, "bandwidth_best_bytes_per_s": nbytes / best,
-           "bandwidth_median_bytes_per_s": nbytes / med}
-    say(f"copy: {mib} MiB bf16, best {best * 1e3:.3f} ms -> {nbytes / best / 1e9:.0f} GB/s (read + write; median "
-        f"{nbytes / med / 1e9:.0f})")
-    return out
-
-# ---- 4. decode step time ------------------------------------------------------------------------
 
 
 def decode_weight_bytes(core: EngineCore) -> int:

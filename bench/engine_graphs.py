@@ -8,7 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench_runtime import MIB, free_memory, say
+from bench_runtime import MIB, say
+from device_timing import free_memory
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore

@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 import torch
-from bench_runtime import say, sync
+from bench_runtime import say
+from device_timing import sync
 from engine_decode import device_waits
 
 from engine.core.engine_core import EngineCore

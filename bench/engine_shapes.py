@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 import torch
-from bench_runtime import free_memory, say
+from bench_runtime import say
+from device_timing import free_memory
 
 # Shapes `--shape` names (random weights); `--tiny` uses "tiny". max_position_embeddings is kept
 # at 4096 (the real models have 40960): the workloads here are short.
@@ -34,7 +35,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
     ),
 }
-# Names bench_memory.py and bench_fused_ops.py import: the 0.6B shape, and the tiny one.
+# Names bench_memory.py and kernels/fused_ops.py import: the 0.6B shape, and the tiny one.
 FULL_SHAPE, TINY_SHAPE = SHAPES["0.6b"], SHAPES["tiny"]
 # The config.json keys a shape is made of (and compared on, when a built checkpoint is reused).
 SHAPE_KEYS = tuple(SHAPES["0.6b"])

@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 import torch
-from bench_runtime import elapsed, free_memory, say, sync
+from bench_runtime import elapsed, say
+from device_timing import free_memory, sync
 
 from engine.core.engine_core import EngineCore
 from engine.core.protocol import AddRequest

@@ -3,6 +3,8 @@ model's bytes (the floor of a CUDA IPC push), a pinned host-to-device copy and t
 own unmap/release and create/map of a region's bytes (memory_children.py's children, each a fresh
 process on the server's GPU), and a plain `torch.distributed.broadcast` of the model's bytes
 between the trainer's GPU and the server's (the floor of `update_weights_from_distributed`).
+`driver_refs` takes the driver's floor while the server's regions are released, and
+`control_round_trip` the HTTP, dispatch and validation an update pays besides its bytes.
 
 The broadcast reference runs this process as rank 0 and a child (`python bench/flip_refs.py
 broadcast`, with the server's CUDA_VISIBLE_DEVICES, as the server would see its GPU) as rank 1;
@@ -25,6 +27,8 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from bench_runtime import MIB, say  # noqa: E402
+from flip_http import Http  # noqa: E402
 from memory_children import spawn_child  # noqa: E402
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "uint8")
@@ -38,7 +42,7 @@ def d2d_copy(nbytes: int, device: Any, iters: int) -> dict[str, Any]:
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    from bench_runtime import timed_copy
+    from device_timing import timed_copy
 
     times = [timed_copy(dst, src) for _ in range(iters + 1)][1:]  # the first is a warm-up
     del src, dst
@@ -139,7 +143,7 @@ def broadcast_reference(
 ) -> dict[str, Any]:
     """This process as rank 0 on `device`, a child as rank 1 (on its cuda:0, or the CPU); GB/s of
     the flat tensor and of the tensor list from the receiver's medians."""
-    from flip_trainer import free_port
+    from bench_runtime import free_port
 
     for _, dtype in specs:
         if dtype not in DTYPE_NAMES:
@@ -208,3 +212,63 @@ if __name__ == "__main__":
         print("usage: flip_refs.py broadcast  (job as one JSON line on stdin)", file=sys.stderr)
         sys.exit(2)
     sys.exit(_child_main())
+
+
+def driver_refs(run: Any, http: Http, env: dict[str, str]) -> dict[str, Any] | None:
+    """The driver's floor for the released regions' bytes, measured while they are released."""
+    args, res = run.args, run.res
+    occ = http.get("/memory_occupation")
+    if not occ.get("memory_saver"):
+        res["skipped"].append("refs.driver (the server's memory saver is off)")
+        return None
+    tags = ["kv_cache", "weights"] + (["cuda_graph"] if args.release_graphs else [])
+    sizes = {t: occ["tags"][t]["bytes"] for t in tags if occ["tags"][t]["bytes"] > 0}
+    http.post("/release_memory_occupation", {"tags": tags})
+    try:
+        out = {t: driver(n, args.ref_iters, args.driver_wait_s, env) for t, n in sizes.items()}
+    finally:
+        http.post("/resume_memory_occupation", {"tags": tags})
+    res["refs"]["driver"] = out
+    if (
+        occ.get("weights_backup") != "none"
+    ):  # the next forward restores every weight from the host copy
+        body = {
+            "input_ids": [[5, 6, 7]],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        }
+        http.post("/generate", body)
+        restore = res["refs"]["weights_restore"] = http.get("/memory_occupation").get(
+            "last_weights_restore"
+        )
+        if restore and restore.get("seconds"):
+            say(
+                f"refs.weights_restore: {restore['bytes'] / 1e9:.2f} GB from the host copy at the first forward in "
+                f"{restore['seconds'] * 1e3:.1f} ms = {restore['bytes'] / restore['seconds'] / 1e9:.1f} GB/s"
+            )
+    for t, d in out.items():
+        a = d["right_after"]
+        say(
+            f"refs.driver: {t} {d['bytes'] / MIB:.0f} MiB in one handle: unmap + release {a['pause_median_s'] * 1e3:.1f} "
+            f"ms, create + map {a['resume_median_s'] * 1e3:.1f} ms right after "
+            f"({d['after_wait']['resume_median_s'] * 1e3:.1f} ms {d['wait_s']} s after)"
+        )
+    return out
+
+
+def control_round_trip(http: Http, specs: list[Any]) -> float:
+    """Median wall of an `update_weights_from_distributed` carrying the checkpoint's full list
+    but naming an unknown group: the HTTP, dispatch and validation a push pays besides its bytes."""
+    body = {
+        "names": [n for n, _, _ in specs],
+        "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs],
+        "shapes": [list(s) for _, s, _ in specs],
+        "group_name": "no-such-group",
+    }
+    walls = []
+    for _ in range(20):
+        t = time.perf_counter()
+        r = http.client.post("/update_weights_from_distributed", json=body)
+        walls.append(time.perf_counter() - t)
+        if r.status_code != 400:
+            raise RuntimeError(f"an update naming no group answered {r.status_code}: {r.text[:500]}")
+    return sorted(walls)[len(walls) // 2]

@@ -13,12 +13,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bench_runtime import say, write_json
-from flip_refs import broadcast_reference, d2d_copy, driver, h2d
+from bench_runtime import MIB, say, write_json
+from flip_http import Http, Poster
+from flip_refs import broadcast_reference, control_round_trip, d2d_copy, driver_refs, h2d
 from flip_trainer import (
     DIST_MODES,
-    Http,
-    Poster,
     checkpoint_specs,
     flip,
     join_group,
@@ -27,14 +26,13 @@ from flip_trainer import (
 )
 from flip_verify import Verify
 
-MIB = 1 << 20
 MODE_INDEX = {"bucket": 0, "tensor": 1, "distributed": 2, "distributed_bucket": 3}
 NEW_TOKENS = 8
 
 
 def build_in_child(args: Any) -> dict[str, Any]:
-    """bench_serving's checkpoint (and demo tokenizer), built in a spawned child process."""
-    from bench_serving import build_checkpoint
+    """The serving checkpoint (and demo tokenizer), built in a spawned child process."""
+    from serving_checkpoint import build_checkpoint
 
     with mp.get_context("spawn").Pool(1) as child:
         job = child.apply_async(
@@ -72,66 +70,6 @@ def env_set(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def driver_refs(run: Any, http: Http, env: dict[str, str]) -> dict[str, Any] | None:
-    """The driver's floor for the released regions' bytes, measured while they are released."""
-    args, res = run.args, run.res
-    occ = http.get("/memory_occupation")
-    if not occ.get("memory_saver"):
-        res["skipped"].append("refs.driver (the server's memory saver is off)")
-        return None
-    tags = ["kv_cache", "weights"] + (["cuda_graph"] if args.release_graphs else [])
-    sizes = {t: occ["tags"][t]["bytes"] for t in tags if occ["tags"][t]["bytes"] > 0}
-    http.post("/release_memory_occupation", {"tags": tags})
-    try:
-        out = {t: driver(n, args.ref_iters, args.driver_wait_s, env) for t, n in sizes.items()}
-    finally:
-        http.post("/resume_memory_occupation", {"tags": tags})
-    res["refs"]["driver"] = out
-    if (
-        occ.get("weights_backup") != "none"
-    ):  # the next forward restores every weight from the host copy
-        body = {
-            "input_ids": [[5, 6, 7]],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-        }
-        http.post("/generate", body)
-        restore = res["refs"]["weights_restore"] = http.get("/memory_occupation").get(
-            "last_weights_restore"
-        )
-        if restore and restore.get("seconds"):
-            say(
-                f"refs.weights_restore: {restore['bytes'] / 1e9:.2f} GB from the host copy at the first forward in "
-                f"{restore['seconds'] * 1e3:.1f} ms = {restore['bytes'] / restore['seconds'] / 1e9:.1f} GB/s"
-            )
-    for t, d in out.items():
-        a = d["right_after"]
-        say(
-            f"refs.driver: {t} {d['bytes'] / MIB:.0f} MiB in one handle: unmap + release {a['pause_median_s'] * 1e3:.1f} "
-            f"ms, create + map {a['resume_median_s'] * 1e3:.1f} ms right after "
-            f"({d['after_wait']['resume_median_s'] * 1e3:.1f} ms {d['wait_s']} s after)"
-        )
-    return out
-
-
-def control_round_trip(http: Http, specs: list[Any]) -> float:
-    """Median wall of an `update_weights_from_distributed` carrying the checkpoint's full list
-    but naming an unknown group: the HTTP, dispatch and validation a push pays besides its bytes."""
-    body = {
-        "names": [n for n, _, _ in specs],
-        "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs],
-        "shapes": [list(s) for _, s, _ in specs],
-        "group_name": "no-such-group",
-    }
-    walls = []
-    for _ in range(20):
-        t = time.perf_counter()
-        r = http.client.post("/update_weights_from_distributed", json=body)
-        walls.append(time.perf_counter() - t)
-        if r.status_code != 400:
-            raise RuntimeError(f"an update naming no group answered {r.status_code}: {r.text[:500]}")
-    return sorted(walls)[len(walls) // 2]
 
 
 def push_mode(

@@ -1,13 +1,13 @@
 """bench_flip.py's table: each phase of the flip against its reference from the same run, with
 the targets of the flip issue (PASS/FAIL). Rows are dicts (metric, measured, reference, ratio,
-target, ok), as bench_memory.py's."""
+target, ok), printed by report.py."""
 
 from __future__ import annotations
 
 import statistics
 from typing import Any
 
-from bench_runtime import table_number
+from report import Rows, over, print_targets, run_footer
 
 FLIP_TARGET_MS = 250.0  # the 8B shape only
 PUSH_TARGETS_GBPS = {"bucket": 400.0, "tensor": 200.0}
@@ -56,30 +56,9 @@ def gbps(x: float | None) -> float | None:
     return None if x is None else x / 1e9
 
 
-def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-
-    def row(
-        metric: str,
-        measured: float | None,
-        reference: float | None = None,
-        ratio: float | None = None,
-        target: str = "-",
-        ok: bool | None = None,
-    ) -> None:
-        rows.append(
-            dict(
-                metric=metric,
-                measured=measured,
-                reference=reference,
-                ratio=ratio,
-                target=target,
-                ok=ok,
-            )
-        )
-
-    def over(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
+def table_rows(res: dict[str, Any]) -> Rows:
+    rows = Rows()
+    row = rows.add
 
     refs, pushes = res.get("refs") or {}, res.get("push") or {}
     is_8b = res["meta"]["args"]["shape"] == "8b" and not res["meta"]["tiny"]
@@ -201,25 +180,9 @@ def table_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_table(res: dict[str, Any], total_s: float) -> None:
-    num = table_number
-
     meta, server = res["meta"], res.get("server") or {}
-    head = ["metric", "measured", "reference", "ratio", "target", "ok"]
-    print(
-        f"\n## siesta flip benchmark: {'TINY smoke run (numbers mean nothing): ' if meta['tiny'] else ''}"
-        f"{(res.get('checkpoint') or {}).get('label', 'no checkpoint')}; {meta.get('model_bytes', 0) / 1e9:.2f} GB "
-        f"in {meta.get('num_tensors', '?')} tensors; device {server.get('device', '?')} "
-        f"({meta.get('device_name', '-')}), {server.get('dtype', '?')}"
-    )
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join(" --- " for _ in head) + "|")
-    for r in res.get("table", []):
-        ok = "-" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
-        print(
-            f"| {r['metric']} | {num(r['measured'])} | {num(r['reference'])} | {num(r['ratio'])} | {r['target']} | {ok} |"
-        )
-    for section, err in res["errors"].items():
-        print(f"section {section} FAILED: {err.strip().splitlines()[-1] if err else ''}")
-    if res.get("skipped"):
-        print(f"skipped (past --deadline-s or not possible here): {', '.join(res['skipped'])}")
-    print(f"total {total_s:.0f} s; JSON in {meta['out']}", flush=True)
+    title = (f"siesta flip benchmark: {'TINY smoke run (numbers mean nothing): ' if meta['tiny'] else ''}"
+             f"{(res.get('checkpoint') or {}).get('label', 'no checkpoint')}; {meta.get('model_bytes', 0) / 1e9:.2f} GB "
+             f"in {meta.get('num_tensors', '?')} tensors; device {server.get('device', '?')} "
+             f"({meta.get('device_name', '-')}), {server.get('dtype', '?')}")
+    print_targets(title, res.get("table", []), footer=run_footer(res, total_s))

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from bench_runtime import say
-from flip_trainer import Http, checkpoint_weights, free
+from flip_http import Http
+from flip_trainer import checkpoint_weights, free
 
 
 class Verify:

@@ -1,7 +1,7 @@
 """The reference measurements of bench_memory.py, each in a fresh CUDA process of its own (the
 bench process never opens a CUDA context): an idle process's footprint, a pinned host-to-device
 copy, torch_memory_saver's own CPU backup, and the driver's floor for a region's bytes
-(probe_vmm_driver.py). Run as `python bench/memory_children.py MODE ...`; `spawn_child` does.
+(memory_driver.py). Run as `python bench/memory_children.py MODE ...`; `spawn_child` does.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def child_driver(nbytes: int, iters: int, wait_s: float, chunk: int | None = Non
     scrubbed)."""
     import torch
 
-    sys.path.insert(0, HERE)
-    from probe_vmm_driver import Driver, cycle, mapped
+    sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench/ and the repository root
+    from memory_driver import Driver, cycle, mapped
 
     torch.zeros(1, device="cuda")
     drv = Driver(torch.cuda.current_device())

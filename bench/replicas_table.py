@@ -1,27 +1,27 @@
 """bench_replicas.py's table: the gateway's throughput against one replica's from the same run
 (target: 0.9 x the number of replicas, on GPUs), how it split the requests, CPU, and each phase of
 the fanned-out flip against its slowest worker. Rows are dicts (metric, measured, reference,
-ratio, target, ok, note), as bench_flip.py's."""
+ratio, target, ok, note), printed by report.py."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from serving_server import T0
+from bench_runtime import elapsed
+from report import Rows, over, print_targets, run_footer
 
 PER_REPLICA_TARGET = 0.9  # the gateway's tok/s over one replica's, per replica
 FLIP_VERSION = "flip-1"
 
 
-def table_rows(res: dict[str, Any], replicas: int, gpu: bool) -> list[dict[str, Any]]:
+def table_rows(res: dict[str, Any], replicas: int, gpu: bool) -> Rows:
     """The table: each load section's tok/s (the gateway's against one replica's), how the gateway
     split the requests, CPU; each flip phase's fan-out wall time against its slowest worker."""
-    rows: list[dict[str, Any]] = []
+    rows = Rows()
 
     def row(metric: str, measured: Any, ref: Any = None, ratio: float | None = None, target: str = "-",
             ok: bool | None = None, note: str = "") -> None:
-        rows.append(dict(metric=metric, measured=measured, reference=ref, ratio=ratio, target=target, ok=ok, note=note))
+        rows.add(metric, measured, ref, ratio, target, ok, note=note)
 
     def note(sec: dict[str, Any]) -> str:
         failed = f"{sec['failed']} FAILED; " if sec["failed"] else ""
@@ -35,7 +35,7 @@ def table_rows(res: dict[str, Any], replicas: int, gpu: bool) -> list[dict[str, 
         row(f"one replica, N={one['requests']} singles: output tok/s", one["tokens_per_s"], note=note(one))
     if gw:
         want, ref = PER_REPLICA_TARGET * replicas, (one or {}).get("tokens_per_s")
-        ratio = gw["tokens_per_s"] / ref if ref else None
+        ratio = over(gw["tokens_per_s"], ref)
         row(f"{replicas} replicas via the gateway: output tok/s; ref = one replica", gw["tokens_per_s"], ref, ratio,
             f">= {want:.2f}" if gpu else "n/a (cpu)", None if ratio is None or not gpu else ratio >= want, note(gw))
         row("gateway: requests per replica; ref = all", each(gw["requests_per_replica"]), gw["requests"],
@@ -57,17 +57,8 @@ def table_rows(res: dict[str, Any], replicas: int, gpu: bool) -> list[dict[str, 
 
 
 def print_table(res: dict[str, Any]) -> None:
-    def cell(x: Any) -> str:
-        return "-" if x is None else x if isinstance(x, str) else f"{x:.3f}" if abs(x) < 10 else f"{x:.1f}"
-
-    head = ["metric", "measured", "reference", "ratio", "target", "ok", "note"]
     meta = res["meta"]
-    print(f"\n## siesta replicas behind the gateway: {'TINY smoke run (numbers mean nothing): ' if meta['tiny'] else ''}"
-          f"{(res.get('checkpoint') or {}).get('label', 'no checkpoint')}; {meta['args']['replicas']} replicas on "
-          f"{'GPUs' if meta['gpu'] else 'the CPU'}\n| " + " | ".join(head) + " |\n|" + "|".join(" --- " for _ in head) + "|")
-    for r in res["table"]:
-        ok = "-" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
-        print("| " + " | ".join([r["metric"], *map(cell, (r["measured"], r["reference"], r["ratio"])), r["target"], ok, r["note"]]) + " |")
-    for name, err in res["errors"].items():
-        print(f"section {name} FAILED: {err.strip().splitlines()[-1] if err else ''}")
-    print(f"total {time.perf_counter() - T0:.0f} s; JSON in {meta['out']}", flush=True)
+    title = (f"siesta replicas behind the gateway: {'TINY smoke run (numbers mean nothing): ' if meta['tiny'] else ''}"
+             f"{(res.get('checkpoint') or {}).get('label', 'no checkpoint')}; {meta['args']['replicas']} replicas on "
+             f"{'GPUs' if meta['gpu'] else 'the CPU'}")
+    print_targets(title, res["table"], footer=run_footer(res, elapsed()))

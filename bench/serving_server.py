@@ -1,35 +1,20 @@
-"""The server under test for bench_serving.py and bench_replicas.py: `siesta serve` started as a
-user starts it (`Server`), its processes' CPU read from /proc (`cpu_s`, `cpu_pct`), sampled by
-py-spy when asked (`py_spy`, `stop_py_spy`), and the scripts' shared log line (`say`, seconds since
-this module's import, the script's start) and JSON writer.
+"""The server under test for bench_serving.py, bench_replicas.py, bench_flip.py and
+control_storm.py: `siesta serve` started as a user starts it (`Server`), its processes' CPU read
+from /proc (`cpu_s`, `cpu_pct`), sampled by py-spy when asked (`py_spy`, `stop_py_spy`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 import httpx
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def write_json(path: str, res: dict[str, Any]) -> None:
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(res, f, indent=2, default=str)
-    os.replace(f"{path}.tmp", path)
+from bench_runtime import ROOT, free_port, say
 
 
 def cpu_s(pid: int | None) -> float | None:
@@ -46,15 +31,9 @@ def cpu_pct(before: float | None, after: float | None, wall: float) -> float | N
     return None if before is None or after is None or wall <= 0 else 100.0 * (after - before) / wall
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    """`python -m server.cli serve` (what `siesta serve` runs) in a session of its own, on a free
-    loopback port; `stop` ends it and then its engine process, waiting a bounded time for each."""
+    """`python -m server.cli serve` (what `siesta serve` runs) in a process group of its own, on a
+    free loopback port; `stop` ends it and then its engine process, waiting a bounded time for each."""
 
     def __init__(self, model: str, flags: list[str], log_path: str) -> None:
         port = free_port()
@@ -84,17 +63,21 @@ class Server:
         raise RuntimeError(f"siesta serve not healthy within {timeout_s:.0f} s: see {self.log.name}")
 
     def _helpers(self) -> list[int]:
-        """API server processes 1..N-1: the server's spawned children other than its engine."""
+        """API server processes 1..N-1: the server's children named `siesta::api<i>` (or, before
+        they name themselves, spawned multiprocessing children), never its engine."""
         pids = []
         for entry in os.listdir("/proc"):
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    spawned = b"spawn_main" in f.read()
+                    cmdline = f.read()
+                with open(f"/proc/{entry}/comm", "rb") as f:
+                    comm = f.read()
             except (OSError, ValueError, IndexError):
                 continue
-            if ppid == self.proc.pid and spawned and int(entry) != self.engine_pid:
+            api = b"siesta::api" in cmdline or comm.startswith(b"siesta::api") or b"spawn_main" in cmdline
+            if ppid == self.proc.pid and api and int(entry) != self.engine_pid:
                 pids.append(int(entry))
         return pids
 

@@ -1,53 +1,126 @@
-"""The benchmark scripts run on the device machine only, so CI checks what it can of them: each
-parses its arguments (`--help`) without a GPU, bench_memory.py without a GPU exits 2 with a JSON
-file that says why, instead of a traceback, and bench_engine.py and bench_serving.py run every code
-path of theirs in `--tiny` mode on the CPU (numbers meaningless, fields checked); so do
-bench_flip.py, with every push mode a CPU has, and bench_replicas.py, where smg is installed.
-compile_offline.py compiles the decode path's Triton kernels for Hopper without a GPU, and the
-occupancy they are built on is checked here."""
+"""The benchmark scripts run on the device machine only, so CI checks what it can of them: every
+suite, kernel benchmark and probe parses its arguments (`--help`) without a GPU; bench_memory.py
+without a GPU exits 2 with a JSON file that says why; bench_engine.py, bench_serving.py,
+bench_flip.py (every push mode a CPU has), bench_replicas.py (where smg is installed) and
+control_storm.py run every code path of theirs in `--tiny` mode on the CPU (numbers meaningless,
+fields checked); kernels/occupancy.py compiles the decode path's Triton kernels for Hopper without
+a GPU and the occupancy they are built on is checked here. The suite's shape is held too: one
+report helper prints every table, RESULTS.md is the current state (a row per target naming its
+device, date and command), and nothing imports a probe."""
 
 from __future__ import annotations
 
-import csv
+import ast
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = Path(ROOT) / "bench"
+SUITES = ["bench_engine.py", "bench_serving.py", "bench_flip.py", "bench_memory.py", "bench_replicas.py",
+          "bench_tp.py", "control_storm.py"]
+SCRIPTS = SUITES + sorted(f"{d}/{p.name}" for d in ("kernels", "probes") for p in (BENCH / d).glob("*.py"))
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize(
-    "script",
-    [
-        "bench_engine.py",
-        "bench_memory.py",
-        "bench_fused_ops.py",
-        "probe_vmm_driver.py",
-        "probe_ipc_open.py",
-        "bench_serving.py",
-        "bench_replicas.py",
-        "bench_flip.py",
-        "bench_allreduce.py",
-        "bench_tp.py",
-        "profile_decode.py",
-        "ncu_decode.py",
-        "probe_step_tail.py",
-        "control_storm.py",
-        "probe_resume_poison.py",
-    ],
-)
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
     p = _run(os.path.join("bench", script), "--help")
     assert p.returncode == 0, p.stderr
     assert "usage:" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_the_report_helper_prints_the_table_it_is_given() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from report import Rows, print_table, print_targets
+    finally:
+        sys.path.remove(str(BENCH))
+    rows = Rows()
+    rows.add("decode step bs=1 (ms)", 0.727, 0.296, 2.4561, "<= 2.5", True)
+    rows.add("requests per replica", "512 / 512", 1024, note="valid", cpu=37.1)
+    rows.add("copy bandwidth (GB/s)", 4235.04, None, None, "-", None)
+    rows.add("tiny ratio", 0.00123, ratio=float("nan"), target=">= 0.65", ok=False)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_targets("a title", rows, extra=[("server CPU %", "cpu")], footer=["total 3 s"])
+        print_table("kernels", ["op", "us"], [["rms_norm", 12], ["silu", 3.14159]])
+    assert out.getvalue().splitlines() == [
+        "",
+        "## a title",
+        "| metric | measured | reference | ratio | target | ok | server CPU % | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| decode step bs=1 (ms) | 0.7270 | 0.2960 | 2.456 | <= 2.5 | PASS | - |  |",
+        "| requests per replica | 512 / 512 | 1024 | - | - | - | 37.1 | valid |",
+        "| copy bandwidth (GB/s) | 4235.0 | - | - | - | - | - |  |",
+        "| tiny ratio | 0.00123 | - | - | >= 0.65 | FAIL | - |  |",
+        "total 3 s",
+        "",
+        "## kernels",
+        "| op | us |",
+        "| --- | --- |",
+        "| rms_norm | 12 |",
+        "| silu | 3.142 |",
+    ]
+    assert rows[1] == dict(metric="requests per replica", measured="512 / 512", reference=1024, ratio=None,
+                           target="-", ok=None, note="valid", cpu=37.1)  # the JSON keeps the rows as they are
+
+
+def test_results_is_the_current_state_and_every_row_says_where_and_how() -> None:
+    text = (BENCH / "RESULTS.md").read_text()
+    assert len(text.splitlines()) <= 200
+    tables = [line for line in text.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in tables[0].strip("|").split("|")]
+    assert {"metric", "value", "ratio", "target", "device", "date", "command"} <= set(head), head
+    rows = [line for line in tables if not line.startswith(("| metric |", "| --- |"))]
+    assert len(rows) >= 20
+    for line in rows:
+        cells = dict(zip(head, (c.strip() for c in line.strip().strip("|").split(" | ")), strict=True))
+        assert re.fullmatch(r"(\d+x )?H[0-9]{3}", cells["device"]), line
+        assert re.fullmatch(r"2\d{3}-\d\d-\d\d", cells["date"]), line
+        assert cells["command"].startswith("`") and ".py" in cells["command"], line
+        entry = re.fullmatch(r"\[(\d{4}-\d\d-\d\d)[a-z]\]\(history/(\d{4}-\d\d-\d\d)\.md\)", cells["entry"])
+        assert entry and entry[1] == entry[2] == cells["date"] and (BENCH / "history" / f"{entry[2]}.md").exists(), line
+    for path in re.findall(r"`(?:[A-Z_]+=\S+ )?python3 (?:-m pytest \S+ \S+ )?(\S+\.py)", text):
+        assert (Path(ROOT) / path).exists(), path
+
+
+def test_no_bench_file_imports_a_probe_and_probes_stay_on_public_names() -> None:
+    probes = {p.stem for p in (BENCH / "probes").glob("*.py")}
+    wrong = []
+    for path in BENCH.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                if path.parent.name == "probes" and (node.module or "").startswith("engine"):
+                    wrong += [f"{path.name} imports engine's private {a.name}" for a in node.names if a.name.startswith("_")]
+            wrong += [f"{path.relative_to(BENCH)} imports the probe {n}" for n in names if n.split(".")[-1] in probes]
+            if path.parent.name == "probes" and isinstance(node, ast.Attribute) and re.fullmatch(r"_[a-z]\w*", node.attr):
+                wrong.append(f"{path.name} reaches the private {node.attr}")
+    assert not wrong, wrong
+
+
+def test_the_readme_names_every_script_and_says_nothing_of_how_it_was_made() -> None:
+    readme = (BENCH / "README.md").read_text()
+    for script in SUITES + ["report.py"] + [s for s in SCRIPTS if "/" in s]:
+        assert f"bench/{script}" in readme, script
+    said = [f"{p.relative_to(BENCH)}: {line.strip()}" for p in BENCH.rglob("*") if p.suffix in (".py", ".md")
+            and p.parent.name != "history" for line in p.read_text().splitlines()
+            if re.search(r"session", line.replace("start_new_session", ""), re.I)]
+    assert not said, said
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -100,23 +173,12 @@ def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
     assert "| mixed step: 4 decodes + one 32-token chunk (ms)" in p.stdout
 
 
-def test_bench_engine_keeps_the_names_other_scripts_import() -> None:
-    """bench_memory.py, bench_fused_ops.py and bench_serving.py import these from bench_engine,
-    whose sections now live in bench/engine_*.py."""
-    names = ("FULL_DEFAULTS", "FULL_SHAPE", "TINY_SHAPE", "BUILT_MARKER", "make_checkpoint", "checkpoint",
-             "shape_label", "copy_bandwidth", "say", "run_section", "write_json")
-    code = f"import sys; sys.path.insert(0, 'bench'); import bench_engine as b; print([n for n in {names} if "
-    code += "not hasattr(b, n)])"
-    p = _run("-c", code)
-    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
-
-
 def test_bench_tokenizer_decodes_every_id_of_the_model(tmp_path: str) -> None:
-    """bench_serving's tokenizer for a checkpoint of a wider vocabulary than the demo's 512: every
-    id decodes to text (a random model samples them all), and text encodes as the demo's does."""
+    """The serving checkpoint's tokenizer for a vocabulary wider than the demo's 512: every id
+    decodes to text (a random model samples them all), and text encodes as the demo's does."""
     code = (
         "import sys; sys.path.insert(0, 'bench'); import json\n"
-        "from bench_serving import widen_tokenizer\n"
+        "from serving_checkpoint import widen_tokenizer\n"
         "from engine.demo_model import build_tokenizer, save_tokenizer\n"
         "from transformers import AutoTokenizer\n"
         f"p = {str(tmp_path)!r}; save_tokenizer(p); widen_tokenizer(p, 2000)\n"
@@ -260,7 +322,7 @@ def test_the_layers_attention_kernel_compiles_for_every_head_dim(tmp_path: str) 
     compile error here is an engine that fails at its first decode step on a GPU."""
     pytest.importorskip("triton")
     out = os.path.join(tmp_path, "compile.json")
-    p = _run(os.path.join("bench", "compile_offline.py"), "--decode-configs", "64x4x3", "--layers-head-dims",
+    p = _run(os.path.join("bench", "kernels", "occupancy.py"), "--decode-configs", "64x4x3", "--layers-head-dims",
              "16,32,64,128,256", "--json", out, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     with open(out) as f:
@@ -276,7 +338,7 @@ def test_the_layers_attention_kernel_compiles_for_every_head_dim(tmp_path: str) 
 def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tmp_path: str) -> None:
     pytest.importorskip("triton")
     out = os.path.join(tmp_path, "compile.json")
-    p = _run(os.path.join("bench", "compile_offline.py"), "--persistent", "--json", out, timeout=600)
+    p = _run(os.path.join("bench", "kernels", "occupancy.py"), "--persistent", "--json", out, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     with open(out) as f:
         kernels = json.load(f)
@@ -296,50 +358,12 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer
     assert kernels["batch_layer_kernel"]["per_sm_shared"] >= 1
     # The decode graphs' logits run PROGRAMS_PER_SM programs an SM in one wave.
-    from engine.models.logits_linear import PROGRAMS_PER_SM
+    from engine.kernels.logits_linear import PROGRAMS_PER_SM
 
     for rows in (16, 64):
         logits = kernels[f"_logits_kernel ({rows} rows)"]
         assert min(logits["per_sm_regs"], logits["per_sm_shared"]) >= PROGRAMS_PER_SM, (rows, logits)
     assert {name: r["stack"] for name, r in kernels.items()} == dict.fromkeys(kernels, 0)  # nothing spills
-
-
-def test_probe_step_plan_times_both_slot_lists_on_the_cpu(tmp_path: str) -> None:
-    out = os.path.join(tmp_path, "plan.json")
-    p = _run(os.path.join("bench", "probe_step_plan.py"), "--number", "3", "--out", out)
-    assert p.returncode == 0, p.stderr[-3000:]
-    with open(out) as f:
-        rows = json.load(f)["rows"]
-    assert [r["tokens"] for r in rows] == [1, 64, 256, 576, 8192]
-    for r in rows:
-        assert r["per_token_us"] > 0 and r["slot_mapping_us"] > 0
-        assert r["ratio"] == pytest.approx(r["slot_mapping_us"] / r["per_token_us"])
-    assert "| one 8192-token chunk | 8192 |" in p.stdout
-
-
-def test_ncu_decode_summarizes_an_exported_source_page(tmp_path: str) -> None:
-    # The layout `ncu --page source --csv --print-source sass` writes: a kernel line, the header,
-    # one row per SASS instruction (addresses 16 bytes apart; a second 4 KB region here).
-    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
-              "stall_long_sb", "stall_no_inst", "stall_barrier", "stall_long_sb (Not Issued)"]  # fmt: skip
-    rows = [
-        ["0x7f0000000000", "LDGSTS.E.BYPASS.128 [R1], [R2]", "5", "512", "4", "1", "0", "9"],
-        ["0x7f0000000010", "HMMA.16816.F32.BF16 R4, R8, R12, R4", "2", "512", "0", "2", "0", "9"],
-        ["0x7f0000001000", "CCTL.IVALL", "9", "4096", "9", "0", "0", "9"],
-    ]
-    path = os.path.join(tmp_path, "source.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f, quoting=csv.QUOTE_ALL)
-        w.writerow(["Kernel Name", "decoder_layer_kernel", ""])
-        w.writerow(header)
-        w.writerows(rows)
-    p = _run(os.path.join("bench", "ncu_decode.py"), "--summarize", path, "--top", "2")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "### 3 instructions, 4.0 KB of code, 16 samples" in p.stdout
-    assert "| long_sb | 13 | 81.2 % |" in p.stdout and "| no_inst | 3 | 18.8 % |" in p.stdout
-    assert "| 0 | 1024 | 7 | 4 | 3 | 0 |" in p.stdout  # the first 4 KB: two instructions
-    assert "| 4 | 4096 | 9 | 9 | 0 | 0 |" in p.stdout
-    assert "| 4.0 | 9 | `CCTL.IVALL` | long_sb |" in p.stdout
 
 
 def test_control_storm_tiny_runs_its_trials(tmp_path: str) -> None:

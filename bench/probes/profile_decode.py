@@ -3,9 +3,9 @@ CUDA graphs on, overlap on) of B running decodes, kernels grouped by name. Print
 size, one table: kernel | launches per step | device us per step | share, plus the step's wall
 time and the sum of its kernels' time (the gap between them is idle device time).
 
-    python3 bench/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
-    python3 bench/profile_decode.py --shape 0.6b --batch-sizes 64 --host --out $OUT/p.json  # cProfile
-    python3 bench/profile_decode.py --batch-sizes 64 --mixed 512 --host --out $OUT/p.json  # mixed steps
+    python3 bench/probes/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
+    python3 bench/probes/profile_decode.py --shape 0.6b --batch-sizes 64 --host --out $OUT/p.json  # cProfile
+    python3 bench/probes/profile_decode.py --batch-sizes 64 --mixed 512 --host --out $OUT/p.json  # mixed steps
 
 `--mixed C`: every profiled step also admits a fresh prompt of C random tokens with
 max_new_tokens 1, prefilled whole beside the B decodes (bench_engine.py's mixed step).
@@ -15,21 +15,27 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
+import sys
 import time
 from collections import defaultdict
 from typing import Any
 
-import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
-from bench_runtime import say, write_json
-from engine_shapes import checkpoint
 
-from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
-from engine.core.protocol import AddRequest
-from engine.request import SamplingParams
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import say, write_json  # noqa: E402
+from engine_shapes import checkpoint  # noqa: E402
+from report import print_table  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.core.protocol import AddRequest  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
 
 
 def start_decodes(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> None:
@@ -120,25 +126,21 @@ def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:
             for (b, a), (n, us) in rows[:20]]
 
 
-def print_table(r: dict[str, Any], top: int) -> None:
-    print(f"\n### decode bs={r['batch_size']}, context {r['context']}: step wall {r['wall_us_per_step']:.0f} us, "
-          f"kernels {r['kernel_us_per_step']:.0f} us ({r['kernels_per_step']:.0f} launches per step)\n")
-    print("| kernel | launches per step | device us per step | share |")
-    print("| --- | --- | --- | --- |")
-    for k in r["kernels"][:top]:
-        print(f"| `{k['name']}` | {k['launches_per_step']:.1f} | {k['us_per_step']:.1f} | "
-              f"{k['us_per_step'] / r['kernel_us_per_step']:.3f} |")
+def print_profile(r: dict[str, Any], top: int) -> None:
+    print_table(f"decode bs={r['batch_size']}, context {r['context']}: step wall {r['wall_us_per_step']:.0f} us, "
+                f"kernels {r['kernel_us_per_step']:.0f} us ({r['kernels_per_step']:.0f} launches per step)",
+                ["kernel", "launches per step", "device us per step", "share"],
+                [[f"`{k['name']}`", k["launches_per_step"], k["us_per_step"], k["us_per_step"] / r["kernel_us_per_step"]]
+                 for k in r["kernels"][:top]])
     idle = sum(g["us_per_step"] for g in r["gaps"])
-    print(f"\nlargest idle gaps between kernels (top 20 pairs: {idle:.0f} us per step)\n")
-    print("| kernel before | kernel after | gaps per step | idle us per step |")
-    print("| --- | --- | --- | --- |")
-    for g in r["gaps"][:top]:
-        print(f"| `{g['before']}` | `{g['after']}` | {g['count_per_step']:.1f} | {g['us_per_step']:.1f} |")
+    print_table(f"largest idle gaps between kernels (top 20 pairs: {idle:.0f} us per step)",
+                ["kernel before", "kernel after", "gaps per step", "idle us per step"],
+                [[f"`{g['before']}`", f"`{g['after']}`", g["count_per_step"], g["us_per_step"]] for g in r["gaps"][:top]])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py takes it)")
     p.add_argument("--model-dir")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--context", type=int, default=512)
@@ -162,7 +164,7 @@ def main() -> None:
             profile_host(core, bs, args.context, args.steps, rng, args.top, args.mixed)
             continue
         results.append(profile_batch(core, bs, args.context, args.steps, rng, args.mixed))
-        print_table(results[-1], args.top)
+        print_profile(results[-1], args.top)
     write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "batches": results})
     core.close()
 

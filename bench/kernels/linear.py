@@ -1,5 +1,5 @@
 """The decode step's linears at few rows: cuBLAS (F.linear, + the fused SiLU-and-mul for gate_up)
-against engine/models/skinny_linear.py, on the layer shapes of Qwen3-0.6B and Qwen3-8B, bf16.
+against engine/kernels/skinny_linear.py, on the layer shapes of Qwen3-0.6B and Qwen3-8B, bf16.
 
 Each op is timed as the decode step runs it: inside a CUDA graph, over as many distinct weight
 copies as make 512 MiB (so every call reads its weight from HBM, not from L2, as consecutive
@@ -8,16 +8,14 @@ first call (what an L2 prefetch of the next layer's weights could at best give).
 that implies, and the ratio cuBLAS time / skinny time. With `--sweep`, every (block_n, block_k,
 warps, stages) of a small grid is timed too, and the best is printed beside the default rule.
 
-    python bench/bench_linear.py --out $OUT/linear.json [--sweep]
+    python3 bench/kernels/linear.py --out $OUT/linear.json [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import say, write_json  # noqa: E402
+from device_timing import time_graph  # noqa: E402
+from report import print_table  # noqa: E402
 
 SHAPES = {  # name -> (N, K, silu_mul): N output features (2I packed for gate_up), K input
     "0.6b qkv": (4096, 1024, False),
@@ -46,30 +49,9 @@ ROTATE_BYTES = 512 << 20
 GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5)))
 
 
-def time_graph(calls: Callable[[], None], per: int, reps: int) -> float:
-    """Median microseconds per op of a CUDA graph holding `per` ops."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        calls()  # compile / warm outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / per)
-    return statistics.median(times)
-
-
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
-    from engine.models import fused_ops
-    from engine.models.skinny_linear import skinny_linear
+    from engine.kernels import fused_ops
+    from engine.kernels.skinny_linear import skinny_linear
 
     n, k, silu = SHAPES[name]
     dev = torch.device("cuda")
@@ -110,7 +92,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
             try:
                 t = time_graph(skinny(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns), len(ws), reps)
             except Exception as e:  # out of shared memory and the like
-                print(f"  {name} m={m} {(bn, bk, nw, ns)}: {type(e).__name__}", flush=True)
+                say(f"{name} m={m} {(bn, bk, nw, ns)}: {type(e).__name__}")
                 continue
             if best is None or t < best[0]:
                 best = (t, (bn, bk, nw, ns))
@@ -123,7 +105,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--shapes", default=",".join(SHAPES))
@@ -133,19 +115,18 @@ def main() -> None:
                    help="distinct weight copies cycled through (0: one copy, which stays in L2: the bound of any prefetch)")
     args = p.parse_args()
     rows = []
-    print(f"device: {torch.cuda.get_device_name()}", flush=True)
-    print("| shape | M | cuBLAS us | GB/s | skinny us | GB/s | cuBLAS / skinny | best sweep us (cfg) | max rel err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for name in args.shapes.split(","):
         for m in (int(r) for r in args.rows.split(",")):
             r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
             rows.append(r)
-            best = f"{r['best_us']:.2f} {r['best_cfg']}" if "best_us" in r else "-"
-            print(f"| {name} | {m} | {r['cublas_us']:.2f} | {r['cublas_gbs']:.0f} | {r['skinny_us']:.2f} | "
-                  f"{r['skinny_gbs']:.0f} | {r['speedup']:.2f} | {best} | {r['max_rel_err']:.1e} |", flush=True)
+            say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, skinny {r['skinny_us']:.2f} us")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
+    print_table(f"decode linears, bf16, CUDA graphs: {torch.cuda.get_device_name()}",
+                ["shape", "M", "cuBLAS us", "GB/s", "skinny us", "GB/s", "cuBLAS / skinny", "best sweep us (cfg)",
+                 "max rel err"],
+                [[r["shape"], r["m"], r["cublas_us"], r["cublas_gbs"], r["skinny_us"], r["skinny_gbs"], r["speedup"],
+                  f"{r['best_us']:.2f} {r['best_cfg']}" if "best_us" in r else None, r["max_rel_err"]] for r in rows])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ NCCL (`dist.all_reduce`, what the engine used first) against torch's symmetric-m
 (`one_shot`: every rank reads every peer's buffer over NVLink and sums, one kernel with a barrier
 on each side; `two_shot`: reduce-scatter then all-gather through the peers' buffers).
 
-    python3 bench/bench_allreduce.py --out $OUT/allreduce.json
+    python3 bench/kernels/allreduce.py --out $OUT/allreduce.json
 
 One process per GPU (all visible GPUs), bf16 messages of `tokens x hidden`. Each method runs
 `--ops` back-to-back all-reduces captured in one graph, the graph replayed `--replays` times;
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -24,11 +25,14 @@ from typing import Any
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-import bench_runtime  # noqa: E402,F401  (puts the repository root on sys.path)
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from bench_runtime import write_json  # noqa: E402
+from report import print_table  # noqa: E402
 
 Method = Callable[[torch.Tensor, torch.Tensor], None]  # (local input, output) -> None
 
@@ -106,23 +110,18 @@ def run_rank(rank: int, world: int, init: str, args: argparse.Namespace, out_pat
         write_json(out_path, {"world_size": world, "hidden": args.hidden, "ops_per_graph": args.ops,
                               "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "rows": rows})
-        print_table(rows, world)
+        print_table(f"all-reduce in a CUDA graph, {world} GPUs, bf16: device us per all-reduce",
+                    ["tokens x hidden", "KiB", "NCCL", "one_shot", "two_shot", "NCCL / one_shot", "NCCL / two_shot",
+                     "max err (one_shot)"],
+                    [[r["tokens"], r["bytes"] // 1024, r["nccl_us"], r["one_shot_us"], r["two_shot_us"],
+                      r["nccl_us"] / r["one_shot_us"], r["nccl_us"] / r["two_shot_us"], r["one_shot_max_err"]]
+                     for r in rows])
     dist.barrier()
     dist.destroy_process_group()
 
 
-def print_table(rows: list[dict[str, Any]], world: int) -> None:
-    print(f"\n### all-reduce in a CUDA graph, {world} GPUs, bf16: device us per all-reduce\n")
-    print("| tokens x hidden | KiB | NCCL | one_shot | two_shot | NCCL / one_shot | NCCL / two_shot | max err (one_shot) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['tokens']} | {r['bytes'] / 1024:.0f} | {r['nccl_us']:.2f} | {r['one_shot_us']:.2f} | "
-              f"{r['two_shot_us']:.2f} | {r['nccl_us'] / r['one_shot_us']:.2f} | {r['nccl_us'] / r['two_shot_us']:.2f} | "
-              f"{r['one_shot_max_err']:.3g} |")
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--tokens", default="1,8,32,64,128,256,512,1024,4096")

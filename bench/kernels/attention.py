@@ -7,22 +7,32 @@ against a large device-to-device copy (bytes read + written). Rows sweep the dec
 and the split target. Prefill: TFLOP/s of the causal work, against torch's SDPA on contiguous
 tensors (flash) with the same shapes.
 
-    python bench/attention_kernels.py [--json results.json]
+    python3 bench/kernels/attention.py [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.attention import triton_decode as td
-from engine.attention import triton_kernels as tk
-from engine.attention import triton_prefill as tp
-from engine.attention.triton import TritonBackend
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import write_json  # noqa: E402
+from device_timing import copy_bandwidth  # noqa: E402
+from report import print_table  # noqa: E402
+
+from engine.attention import AttentionMetadata  # noqa: E402
+from engine.attention.triton import TritonBackend  # noqa: E402
+from engine.kernels import attention as tk  # noqa: E402
+from engine.kernels import attention_decode as td  # noqa: E402
+from engine.kernels import attention_prefill as tp  # noqa: E402
 
 H, HKV, D, BLOCK = 32, 8, 128, 16  # Llama-3-8B / Qwen-7B-like attention
 DTYPE = torch.bfloat16
@@ -33,7 +43,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def event_time(fn, iters: int = 20, warmup: int = 3) -> float:
+def event_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
     """Median seconds of fn() over iters runs, each between CUDA events."""
     for _ in range(warmup):
         fn()
@@ -48,7 +58,7 @@ def event_time(fn, iters: int = 20, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def graph_time(step) -> float:
+def graph_time(step: Callable[[], object]) -> float:
     """Median seconds of one replay of a CUDA graph of step() (run once eagerly first)."""
     step()
     torch.cuda.synchronize()
@@ -58,22 +68,8 @@ def graph_time(step) -> float:
     return event_time(graph.replay)
 
 
-def read_bandwidth() -> float:
-    """Bytes per second of a 2 GiB bf16 read: a sum accumulated in fp32, replayed from a CUDA graph
-    (torch's bf16 sum, event-timed, read ~6 % less on an H200: bench/RESULTS.md, twenty-seventh session)."""
-    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")
-    return x.numel() * x.element_size() / graph_time(lambda: x.sum(dtype=torch.float32))
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy, counting bytes read plus written."""
-    x = torch.randn(1 << 29, device="cuda").to(torch.bfloat16)
-    y = torch.empty_like(x)
-    t = event_time(lambda: y.copy_(x), iters=30)
-    return 2 * x.numel() * x.element_size() / t
-
-
-def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) -> list[dict]:
+def decode_case(batch: int, ctx: int, configs: list[tuple[int, ...]], split_targets: list[int],
+                copy_bw: float) -> list[dict[str, Any]]:
     per_layer = batch * ctx * HKV * D * 2 * 2  # K and V bytes one layer reads
     layers = max(2, min(64, int(2e9 // per_layer)))
     blocks_per_seq = cdiv(ctx, BLOCK)
@@ -111,7 +107,8 @@ def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) ->
         part_out = torch.empty(max(1, batch * H * splits * D), dtype=torch.float32, device="cuda")
         part_lse = torch.empty(max(1, batch * H * splits), dtype=torch.float32, device="cuda")
 
-        def step(config=config, splits=splits, part_out=part_out, part_lse=part_lse):
+        def step(config: tuple[int, ...] = config, splits: int = splits, part_out: torch.Tensor = part_out,
+                 part_lse: torch.Tensor = part_lse) -> None:
             for layer in range(layers):
                 kc, vc = cache[layer, 0], cache[layer, 1]
                 tk.store_kv(k, v, kc, vc, meta.slot_mapping)
@@ -131,7 +128,7 @@ def decode_case(batch: int, ctx: int, configs, split_targets, copy_bw: float) ->
     return rows
 
 
-def prefill_case(batch: int, q_len: int, ctx: int, config=None) -> dict:
+def prefill_case(batch: int, q_len: int, ctx: int, config: tuple[int, ...] | None = None) -> dict[str, Any]:
     seq_len = ctx + q_len
     blocks_per_seq = cdiv(seq_len, BLOCK)
     num_blocks = batch * blocks_per_seq
@@ -143,7 +140,7 @@ def prefill_case(batch: int, q_len: int, ctx: int, config=None) -> dict:
     out = torch.empty_like(q)
     kc, vc = cache[0, 0], cache[0, 1]
 
-    def ours():
+    def ours() -> None:
         tp.prefill_attention(q, kc, vc, tables, seq_lens, qsl, out, D**-0.5, q_len, config)
 
     t = event_time(ours)
@@ -155,32 +152,18 @@ def prefill_case(batch: int, q_len: int, ctx: int, config=None) -> dict:
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=ctx == 0)  # noqa: E731
     t_ref = event_time(sdpa)
     ref_flops = flops if ctx == 0 else batch * 4 * H * D * q_len * seq_len
-    name = "x".join(map(str, config or tp._prefill_config(D, 2)))
+    name = "x".join(map(str, config)) if config else "default"
     return dict(batch=batch, q_len=q_len, ctx=ctx, config=name, ms=t * 1e3, tflops=flops / t / 1e12, sdpa_tflops=ref_flops / t_ref / 1e12)
 
 
-def kernel_resources() -> list[str]:
-    lines = []
-    for fn in (td._decode_kernel, td._decode_reduce_kernel, tp._prefill_kernel, tk._store_kv_kernel):
-        try:
-            for kernels in fn.device_caches.values():
-                for kernel in kernels[0].values():
-                    lines.append(
-                        f"{kernel.name}: regs {kernel.n_regs} spills {kernel.n_spills} shared {kernel.metadata.shared}"
-                    )
-        except Exception as e:  # Triton internals move between versions: report, don't fail
-            lines.append(f"{fn.__name__}: resources unavailable ({e!r})")
-    return lines
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="default config only")
     args = parser.parse_args()
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(torch.device("cuda"), 1024, 30)["bandwidth_bytes_per_s"]
     configs = [td.decode_config(D, 2)]
     if not args.quick:
         configs += [(32, 4, 3), (128, 4, 2)]
@@ -191,27 +174,16 @@ def main() -> None:
         torch.cuda.empty_cache()
     prefill_configs = [None] if args.quick else [None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
     prefill = [prefill_case(4, 2048, 0, c) for c in prefill_configs] + [prefill_case(1, 1024, 7168)]
-
-    print(f"\n{name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"decode, H={H} Hkv={HKV} D={D} block={BLOCK} {str(DTYPE)[6:]}, one CUDA graph over the layers")
-    print(f"{'batch':>5} {'ctx':>5} {'config':>9} {'target':>7} {'splits':>6} {'us/layer':>9} {'GB/s':>7} {'of copy':>8}")
-    for r in decode:
-        print(
-            f"{r['batch']:>5} {r['ctx']:>5} {r['config']:>9} {r['split_target']!s:>7} {r['splits']:>6} "
-            f"{r['us_per_layer']:>9.1f} {r['gbps']:>7.0f} {r['frac_copy']:>8.1%}"
-        )
-    print("prefill (causal; sdpa = torch flash on contiguous K/V, no paging)")
-    print(f"{'batch':>5} {'q_len':>6} {'ctx':>5} {'config':>12} {'ms':>8} {'TFLOP/s':>8} {'sdpa':>8}")
-    for r in prefill:
-        print(
-            f"{r['batch']:>5} {r['q_len']:>6} {r['ctx']:>5} {r['config']:>12} {r['ms']:>8.3f} "
-            f"{r['tflops']:>8.0f} {r['sdpa_tflops']:>8.0f}"
-        )
-    resources = kernel_resources()
-    print("\n".join(resources))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=name, copy_gbps=copy_bw / 1e9, decode=decode, prefill=prefill, kernels=resources), f, indent=1)
+        write_json(args.json, dict(device=name, copy_gbps=copy_bw / 1e9, decode=decode, prefill=prefill))
+    print_table(f"split-KV decode: {name}, H={H} Hkv={HKV} D={D} block={BLOCK} {str(DTYPE)[6:]}, one CUDA graph over "
+                f"the layers; copy {copy_bw / 1e9:.0f} GB/s (read + write)",
+                ["batch", "ctx", "config", "split target", "splits", "us a layer", "GB/s", "of copy"],
+                [[r["batch"], r["ctx"], r["config"], str(r["split_target"]), r["splits"], r["us_per_layer"], r["gbps"],
+                  r["frac_copy"]] for r in decode])
+    print_table("prefill, causal (sdpa: torch flash on contiguous K/V, no paging)",
+                ["batch", "q_len", "ctx", "config", "ms", "TFLOP/s", "sdpa TFLOP/s"],
+                [[r["batch"], r["q_len"], r["ctx"], r["config"], r["ms"], r["tflops"], r["sdpa_tflops"]] for r in prefill])
 
 
 if __name__ == "__main__":

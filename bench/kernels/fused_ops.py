@@ -1,13 +1,13 @@
-"""Fused ops (engine/models/fused_ops.py) before / after, on a GPU, in one run:
+"""Fused ops (engine/kernels/fused_ops.py) before / after, on a GPU, in one run:
 
-1. decode: an engine on a Qwen3-0.6B-shaped random bf16 checkpoint (bench_engine.make_checkpoint)
-   built twice, without the fused ops (SIESTA_FUSED_OPS=0) and with them; each replays its bs=1
+1. decode: an engine on a Qwen3-0.6B-shaped random bf16 checkpoint (engine_shapes.make_checkpoint)
+   built twice, without the fused ops (`EngineConfig.fused_ops`) and with them; each replays its bs=1
    and bs=64 decode graphs over a random KV cache (context `--context`), timed with CUDA events;
    GPU kernels per eager forward and per layer (torch profiler); the two engines' logits compared.
 2. ops: each fused op against its torch ops at a few token counts, both captured in CUDA graphs
    (triton.testing.do_bench_cudagraph, median).
 
-    python bench/bench_fused_ops.py --out $OUT/fused_ops.json
+    python3 bench/kernels/fused_ops.py --out $OUT/fused_ops.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import statistics
 import sys
@@ -23,16 +22,19 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from bench_engine import FULL_SHAPE, copy_bandwidth, make_checkpoint, say  # noqa: E402
+from bench_runtime import say, write_json  # noqa: E402
+from device_timing import copy_bandwidth  # noqa: E402
+from engine_shapes import FULL_SHAPE, make_checkpoint  # noqa: E402
+from report import print_table  # noqa: E402
 
 from engine.attention import AttentionMetadata  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.memory.kv_budget import kv_block_bytes  # noqa: E402
-from engine.models.layers import FUSED_OPS_ENV, RMSNorm, SiluAndMul  # noqa: E402
+from engine.models.layers import RMSNorm, SiluAndMul  # noqa: E402
 from engine.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 
@@ -96,10 +98,9 @@ def count_kernels(fn: Any) -> tuple[int, dict[str, int]]:
 
 @torch.inference_mode()
 def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[int, torch.Tensor]) -> dict[str, Any]:
-    os.environ[FUSED_OPS_ENV] = "1" if fused else "0"
     core = EngineCore(EngineConfig(
         model=args.model_dir, device="cuda", dtype="bfloat16", num_kv_blocks=4096, max_num_seqs=256,
-        cuda_graph_max_bs=256, max_model_len=2048,
+        cuda_graph_max_bs=256, max_model_len=2048, fused_ops=fused,
     ))  # fmt: skip
     runner, graphs = core.runner, core.runner.graphs
     assert graphs is not None and runner.model.fused == fused
@@ -154,7 +155,7 @@ def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[in
 
 def op_cases(tokens: int) -> dict[str, tuple[Any, Any]]:
     """op name -> (torch ops, fused op), closures over fresh random bf16 inputs of `tokens` rows."""
-    from engine.models import fused_ops
+    from engine.kernels import fused_ops
 
     dev, dt = "cuda", torch.bfloat16
     H, Hkv, D, N, inter = 16, 8, 128, 1024, 3072
@@ -200,7 +201,7 @@ def ops(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default="/tmp/siesta-bench-qwen3-0.6b")
     p.add_argument("--out", default="/tmp/fused_ops.json")
     p.add_argument("--context", type=int, default=512)
@@ -219,22 +220,19 @@ def main() -> int:
     res["fused"] = decode(args, True, bandwidth, ref)
     if not args.skip_ops:
         res["ops"] = ops(args)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-
-    print(f"\n{res['device']}, decode graph replay, context {args.context}, bf16 Qwen3-0.6B shape")
-    print(f"{'bs':>4} {'unfused ms':>11} {'fused ms':>9} {'speedup':>8} {'roofline ms':>12} "
-          f"{'kern/layer before':>18} {'after':>6} {'logits rel err':>15} {'argmax agree':>13}")
+    write_json(args.out, res)
+    rows = []
     for bs in args.batch_sizes:
         a, b = res["unfused"]["batches"][bs], res["fused"]["batches"][bs]
-        print(f"{bs:>4} {a['replay_median_ms']:>11.3f} {b['replay_median_ms']:>9.3f} "
-              f"{a['replay_median_ms'] / b['replay_median_ms']:>7.2f}x {a['roofline_ms']:>12.3f} "
-              f"{a['kernels_per_layer']:>18.1f} {b['kernels_per_layer']:>6.1f} "
-              f"{b['logits_rel_err_vs_unfused']:>15.3g} {b['argmax_agree']:>13.2f}")
+        rows.append([bs, a["replay_median_ms"], b["replay_median_ms"], a["replay_median_ms"] / b["replay_median_ms"],
+                     a["roofline_ms"], a["kernels_per_layer"], b["kernels_per_layer"], b["logits_rel_err_vs_unfused"],
+                     b["argmax_agree"]])
+    print_table(f"fused ops, decode graph replay: {res['device']}, context {args.context}, bf16 Qwen3-0.6B shape",
+                ["bs", "unfused ms", "fused ms", "unfused / fused", "roofline ms", "kernels a layer, unfused", "fused",
+                 "logits rel err", "argmax agree"], rows)
     if "ops" in res:
-        print(f"\n{'op':>14} {'T':>5} {'torch us':>9} {'fused us':>9}")
-        for r in res["ops"]:
-            print(f"{r['op']:>14} {r['tokens']:>5} {r['torch_us']:>9.1f} {r['fused_us']:>9.1f}")
+        print_table("fused ops against torch's, CUDA graphs, median", ["op", "tokens", "torch us", "fused us"],
+                    [[r["op"], r["tokens"], r["torch_us"], r["fused_us"]] for r in res["ops"]])
     return 0
 
 

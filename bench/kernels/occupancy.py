@@ -2,37 +2,43 @@
 variant's registers, stack (spills), shared memory, the programs per SM those allow, and for the
 split-KV decode kernel how many K/V tiles its software pipeline buffers and keeps in flight while
 it computes one. What a tile config or a kernel change does to occupancy and pipelining, known
-before a GPU run (bench/RESULTS.md, twenty-eighth session: 64x4x3 buffers one tile and waits for
+before a GPU run (bench/history/2026-11-24.md, 2026-11-24k: 64x4x3 buffers one tile and waits for
 all of it; 32x4x6 fits five programs per SM, 32x4x7 four).
 
 Needs only Triton (`pip install triton`: its wheel carries ptxas and cuobjdump); no GPU, no CUDA
 driver. Shapes are Qwen3-0.6B's layer (hidden 1024, 16 heads, 8 KV heads, head_dim 128,
 intermediate 3072, KV blocks of 16); the persistent kernels' constants are the ones their
-constructors pick by default on a 132-SM part (the same functions compute them). Pointers and the integers Triton would specialize
-are marked 16-byte divisible, as the engine's launches are (triton_kernels.py).
+constructors pick by default on a 132-SM part (the same functions compute them). Pointers and the
+integers Triton would specialize are marked 16-byte divisible, as the engine's launches are.
 
-    python bench/compile_offline.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
+    python3 bench/kernels/occupancy.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
 
 CI runs it (tests/test_bench_scripts.py) and checks the occupancy the decode path is built on: the
-split-KV decode at the engine's own config four programs per SM (bench/RESULTS.md, seventeenth
-session: fewer lose), and so the batch decode's attention kernel (rope folded in; its half-size
-tiles two buffered, fifty-fifth session), the layer kernel two (a layer's programs get scheduled,
-with PDL, beside the layer before), no kernel spilling.
+split-KV decode at the engine's own config four programs per SM (bench/history/2026-11-23.md,
+2026-11-23l: fewer lose), and so the batch decode's attention kernel (rope folded in; its
+half-size tiles two buffered, 2026-11-28d), the layer kernel two (a layer's programs get
+scheduled, with PDL, beside the layer before), no kernel spilling. It reaches into the kernel
+modules' private kernels (`_decode_kernel`, `_splitk_kernel`, ...): compiling them is its job.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
-import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import write_json  # noqa: E402
+from report import print_table  # noqa: E402
 
 SM_REGS, SM_SHARED, BLOCK_RESERVED = 65536, 228 * 1024, 1024  # H100 / H200, per SM
 P = 132  # SMs of an H100 SXM / H200
@@ -43,7 +49,7 @@ OPTIONS = ("num_warps", "num_stages", "launch_cooperative_grid", "launch_pdl", "
 
 def _jit(fn: object) -> triton.runtime.jit.JITFunction:
     while not isinstance(fn, triton.runtime.jit.JITFunction):
-        fn = fn.fn  # engine.launcher.Launcher
+        fn = fn.fn  # engine.kernels.launcher.Launcher
     return fn
 
 
@@ -86,7 +92,7 @@ def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], o
 
 def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
     """The backend's split-KV decode as the batch decode launches it (PDL, one split)."""
-    from engine.attention import triton_decode as td
+    from engine.kernels import attention_decode as td
 
     block_n, warps, stages = config
     types = {n: BF16 for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -113,15 +119,17 @@ def _pipeline(out: dict[str, object], block_n: int) -> dict[str, object]:
 
 def persistent_kernels() -> dict[str, dict[str, object]]:
     """The batch decode's two kernels (persistent, attention), the layers' attention kernel (the
-    same on the qkv output), the split-K parts and their norm (splitk_kernels) and the fused decode's persistent kernel, with the constants their launches take by default (batch_decode.kernel_consts,
-    batch_attention.kernel_consts, fused_decode.layer_consts)."""
+    same on the qkv output), the split-K parts and their norm (splitk_kernels) and the fused
+    decode's persistent kernel, with the constants their launches take by default
+    (batch_decode.kernel_consts, rope_decode.kernel_consts, fused_decode.layer_consts)."""
     import torch
 
-    from engine.models import batch_attention, batch_decode, fused_decode
-    from engine.models.batch_attention import rope_decode_kernel
-    from engine.models.batch_kernel import batch_layer_kernel
-    from engine.models.decode_path import LayerShape
-    from engine.models.layer_kernel import decoder_layer_kernel
+    from engine.decode import batch_decode, fused_decode
+    from engine.decode.rules import LayerShape
+    from engine.kernels import rope_decode
+    from engine.kernels.batch_kernel import batch_layer_kernel
+    from engine.kernels.layer_kernel import decoder_layer_kernel
+    from engine.kernels.rope_decode import rope_decode_kernel
 
     shape = LayerShape(hidden=HID, inter=INTER, nh=H, nkv=HKV, d=D, eps=1e-6, qk_norm=True, device=torch.device("cuda"),
                        dtype=torch.bfloat16)  # fmt: skip
@@ -136,8 +144,8 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
     qkv = (H + 2 * HKV) * D
-    tiles = batch_attention.batch_tile_config(D, 2)
-    attention = batch_attention.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True, tiles)
+    tiles = rope_decode.batch_tile_config(D, 2)
+    attention = rope_decode.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True, tiles)
     types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
     return {
         **splitk_kernels(),
@@ -153,9 +161,9 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
 
 
 def splitk_kernels() -> dict[str, dict[str, object]]:
-    """The 8B shape's o_proj / down_proj at 64 rows as split-K parts (models/splitk_linear.py) and
+    """The 8B shape's o_proj / down_proj at 64 rows as split-K parts (kernels/splitk_linear.py) and
     the fused RMSNorm that sums them (its hidden 4096), at their launch constants."""
-    from engine.models import fused_ops, splitk_linear
+    from engine.kernels import fused_ops, splitk_linear
 
     s = splitk_linear
     consts = dict(BLOCK_M=s.MAX_ROWS, BLOCK_N=s.BLOCK_N, BLOCK_K=s.BLOCK_K, KS=s.KS, USE_PDL=True)
@@ -169,9 +177,9 @@ def splitk_kernels() -> dict[str, dict[str, object]]:
 
 
 def logits_kernels() -> dict[str, dict[str, object]]:
-    """A decode graph's logits with the sampler's pieces (models/logits_linear.py) at 16 and 64
+    """A decode graph's logits with the sampler's pieces (kernels/logits_linear.py) at 16 and 64
     rows of the 0.6B lm_head (the vocabulary a multiple of 16, as Qwen's), at its launch constants."""
-    from engine.models import logits_linear as ll
+    from engine.kernels import logits_linear as ll
 
     types = dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, t_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", arg_ptr="*i64")
     cfg = ll.CONFIG
@@ -185,17 +193,17 @@ def logits_kernels() -> dict[str, dict[str, object]]:
 
 
 def layers_attention(d: int, elem_bytes: int) -> dict[str, object]:
-    """The layers' DecodeAttention kernel (models/batch_attention.py) for head_dim d and a cache of
+    """The layers' DecodeAttention kernel (engine.kernels.rope_decode) for head_dim d and a cache of
     elem_bytes (2: bf16, 4: fp32), at the 0.6B shape's heads: every head dim the backend takes
     must compile (the tests' tiny checkpoints use 16)."""
-    from engine.models import batch_attention
-    from engine.models.batch_attention import rope_decode_kernel
+    from engine.kernels import rope_decode
+    from engine.kernels.rope_decode import rope_decode_kernel
 
     half = BF16 if elem_bytes == 2 else "*fp32"
     types = {n: half for n in _jit(rope_decode_kernel).arg_names if n.endswith("_ptr")}
     types.update(pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                  count_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", eps="fp32", sm_scale_log2="fp32")  # fmt: skip
-    consts = batch_attention.kernel_consts(H, HKV, d, 1, 0, False, True, BLOCK, elem_bytes, True)
+    consts = rope_decode.kernel_consts(H, HKV, d, 1, 0, False, True, BLOCK, elem_bytes, True)
     return compile_sm90(rope_decode_kernel, types, *_split(consts), ("num_splits", "stride_bt"))
 
 
@@ -208,7 +216,7 @@ def _split(consts: dict[str, object]) -> tuple[dict[str, object], dict[str, obje
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode-configs", default="", help="','-separated BLOCK_NxWARPSxSTAGES of the split-KV decode "
-                   "(default: the engine's own, triton_decode.decode_config)")  # fmt: skip
+                   "(default: the engine's own, attention_decode.decode_config)")  # fmt: skip
     p.add_argument("--persistent", action="store_true", help="also the batch and fused decodes' persistent kernels, the split-K "
                    "parts with their norm, and the decode graphs' logits")  # fmt: skip
     p.add_argument("--layers-head-dims", default="", help="','-separated head dims: the layers' attention kernel "
@@ -216,34 +224,36 @@ def main() -> None:
     p.add_argument("--json", help="write every variant's numbers here")
     args = p.parse_args()
     if not args.decode_configs:
-        from engine.attention.triton_decode import decode_config
+        from engine.kernels.attention_decode import decode_config
 
         args.decode_configs = "x".join(str(v) for v in decode_config(D, 2))
     report: dict[str, dict[str, object]] = {}
-    print("| split-KV decode, BLOCK_N x warps x stages | registers | stack | shared KB | programs per SM (registers / shared) "
-          "| K/V tiles buffered | tiles in flight while one computes |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    decode_rows = []
     for spec in args.decode_configs.split(","):
         r = report[f"decode {spec}"] = decode_kernel(tuple(int(v) for v in spec.split("x")))
-        print(f"| {spec} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} "
-              f"| {r['buffers']} | {r['in_flight']} |")  # fmt: skip
+        decode_rows.append([spec, r["regs"], r["stack"], r["shared"] / 1024, f"{r['per_sm_regs']} / {r['per_sm_shared']}",
+                            r["buffers"], r["in_flight"]])
+    print_table("split-KV decode for sm_90", ["BLOCK_N x warps x stages", "registers", "stack", "shared KB",
+                "programs per SM (registers / shared)", "K/V tiles buffered", "tiles in flight while one computes"],
+                decode_rows)
     if args.persistent:
-        print("\n| persistent kernel | registers | stack | shared KB | programs per SM (registers / shared) |")
-        print("| --- | --- | --- | --- | --- |")
+        rows = []
         for name, r in persistent_kernels().items():
-            print(f"| {name} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | {r['per_sm_regs']} / {r['per_sm_shared']} |")
+            rows.append([name, r["regs"], r["stack"], r["shared"] / 1024, f"{r['per_sm_regs']} / {r['per_sm_shared']}"])
             report[name] = r
+        print_table("persistent decode kernels for sm_90", ["kernel", "registers", "stack", "shared KB",
+                    "programs per SM (registers / shared)"], rows)
     if args.layers_head_dims:
-        print("\n| layers' attention kernel, head_dim / cache dtype | registers | stack | shared KB | programs per SM |")
-        print("| --- | --- | --- | --- | --- |")
+        rows = []
         for d in (int(v) for v in args.layers_head_dims.split(",")):
             for elem_bytes, dtype in ((2, "bf16"), (4, "fp32")):
                 r = report[f"layers attention {d} {dtype}"] = layers_attention(d, elem_bytes)
-                print(f"| {d} / {dtype} | {r['regs']} | {r['stack']} | {r['shared'] / 1024:.1f} | "
-                      f"{min(r['per_sm_regs'], r['per_sm_shared'])} |")  # fmt: skip
+                rows.append([f"{d} / {dtype}", r["regs"], r["stack"], r["shared"] / 1024,
+                             min(r["per_sm_regs"], r["per_sm_shared"])])
+        print_table("the layers' attention kernel for sm_90", ["head_dim / cache dtype", "registers", "stack",
+                    "shared KB", "programs per SM"], rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({k: {n: v for n, v in r.items() if n != "ttgir"} for k, r in report.items()}, f, indent=1)
+        write_json(args.json, {k: {n: v for n, v in r.items() if n != "ttgir"} for k, r in report.items()})
 
 
 if __name__ == "__main__":

@@ -1,25 +1,30 @@
-"""The sampler's one read of the logits (engine/runner/lse_argmax.py) against the copy roofline
+"""The sampler's one read of the logits (engine/kernels/lse_argmax.py) against the copy roofline
 and torch: per row count and (columns per program, warps) config, microseconds per call from a
 CUDA graph, the logits' read bandwidth over the copy bandwidth, and torch's log_softmax +
 argmax on the same logits. Every config's tokens and lse are checked against torch's first.
 Each graph re-reads the same logits, as the step reads what lm_head just wrote: from L2 where
 they fit (up to ~64 rows of a 152k vocabulary).
 
-    python3 bench/bench_lse_argmax.py --rows 1,64,256 --configs 1024x4,4096x4,4096x8 --out $OUT/lse.json
+    python3 bench/kernels/lse_argmax.py --rows 1,64,256 --configs 1024x4,4096x4,4096x8 --out $OUT/lse.json
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
-import bench_runtime  # noqa: F401  (puts the repository root on sys.path)
 import torch
-from bench_linear import time_graph
-from bench_runtime import say, write_json
-from engine_decode import copy_bandwidth
 
-from engine.runner import lse_argmax as la
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import say, write_json  # noqa: E402
+from device_timing import copy_bandwidth, time_graph  # noqa: E402
+from report import print_table  # noqa: E402
+
+from engine.kernels import lse_argmax as la  # noqa: E402
 
 
 def bench_rows(rows: int, args: argparse.Namespace, configs: list[tuple[int, ...]], bw: float) -> list[dict[str, Any]]:
@@ -38,8 +43,7 @@ def bench_rows(rows: int, args: argparse.Namespace, configs: list[tuple[int, ...
         us = time_graph(lambda cfg=cfg: [la.lse_argmax(x, t, counts, config=cfg) for _ in range(args.per)], args.per, args.reps)
         gbs = x.numel() * x.element_size() / us / 1e3
         out.append({"rows": rows, "config": cfg, "us": us, "read_gb_s": gbs, "of_copy": gbs * 1e9 / bw, "torch_us": torch_us, "correct": ok})
-        flag = "" if ok else " (WRONG)"
-        print(f"| {rows} | {cfg[0]}x{cfg[1]}{flag} | {us:.2f} | {gbs:.0f} | {gbs * 1e9 / bw:.2f} | {torch_us:.2f} | {torch_us / us:.2f} |")
+        say(f"rows {rows}, config {cfg}: {us:.2f} us{'' if ok else ' (WRONG)'}")
     return out
 
 
@@ -56,12 +60,14 @@ def main() -> None:
     bw = copy_bandwidth(torch.device("cuda"), 1024, 20)["bandwidth_bytes_per_s"]
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     results: list[dict[str, Any]] = []
-    print("| rows | config | us per call | read GB/s | of copy bandwidth | torch log_softmax + argmax us | torch / this |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         results += bench_rows(rows, args, configs, bw)
-    write_json(args.out, {"copy_bandwidth_bytes_per_s": bw, "results": results})
-    say(f"wrote {args.out}")
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_per_s": bw, "rows": results})
+    print_table(f"the sampler's read of the logits (lse_argmax): {torch.cuda.get_device_name()}, vocab {args.vocab}",
+                ["rows", "config", "us per call", "read GB/s", "of copy bandwidth", "torch log_softmax + argmax us",
+                 "torch / this"],
+                [[r["rows"], f"{r['config'][0]}x{r['config'][1]}{'' if r['correct'] else ' (WRONG)'}", r["us"],
+                  r["read_gb_s"], r["of_copy"], r["torch_us"], r["torch_us"] / r["us"]] for r in results])
 
 
 if __name__ == "__main__":

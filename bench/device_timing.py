@@ -1,0 +1,87 @@
+"""Timing on the device, shared by the suites, the kernel benchmarks and the probes: syncs and
+frees, one timed copy, the copy bandwidth a roofline is measured against, and the median time of
+an op replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_runtime import MIB, say
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """Seconds of one `dst.copy_(src)`: CUDA events on a GPU, perf_counter on a CPU."""
+    if dst.device.type != "cuda":
+        t = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def copy_bandwidth(device: torch.device, mib: int, iters: int) -> dict[str, Any]:
+    """Device-to-device copy of a bf16 tensor; bandwidth = (bytes read + bytes written) / the
+    fastest of `iters` timed copies, STREAM's convention: on the H200 machines the median of 20
+    moved 3973-4214 GB/s between runs on one machine while the best stayed 4194-4256
+    (bench/history/2026-11-27.md), so a roofline on the median let the copy's noise pass or fail
+    a target. The median stays in the result (`bandwidth_median_bytes_per_s`)."""
+    n = mib * MIB // 2
+    src = torch.randn(n, dtype=torch.float32, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = [timed_copy(dst, src) for _ in range(iters)]
+    nbytes = 2 * src.numel() * src.element_size()
+    med = statistics.median(times)
+    del src, dst
+    free_memory(device)
+    best = min(times)
+    out = {"tensor_bytes": nbytes // 2, "iters": iters, "median_s": med, "min_s": best,
+           "bandwidth_bytes_per_s": nbytes / best, "bandwidth_best_bytes_per_s": nbytes / best,
+           "bandwidth_median_bytes_per_s": nbytes / med}
+    say(f"copy: {mib} MiB bf16, best {best * 1e3:.3f} ms -> {nbytes / best / 1e9:.0f} GB/s (read + write; median "
+        f"{nbytes / med / 1e9:.0f})")
+    return out
+
+
+def time_graph(calls: Callable[[], None], per: int, reps: int) -> float:
+    """Median microseconds per op of a CUDA graph holding the `per` ops `calls()` launches (warmed
+    up on a side stream first, so that compiles stay out of the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / per)
+    return statistics.median(times)
