@@ -251,7 +251,8 @@ def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
     before = _rank_socket_dirs()
     server = ServerProcess(qwen3_dir, "--max-model-len", "512", "--tp-size", "2")
     try:
-        assert _rank_socket_dirs() - before  # the ranks' sockets exist while they run
+        ours = _rank_socket_dirs() - before  # the ranks' sockets exist while they run
+        assert ours
         info = httpx.get(f"{server.url}/get_server_info").json()
         worker, engine = info["tp_worker_pids"][0], info["engine_pid"]
         stream = BackgroundStream(server.url, {"input_ids": PROMPTS[1], "stream": True,
@@ -269,8 +270,9 @@ def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
         server.proc.wait(timeout=15)
         assert server.proc.returncode not in (0, None)
         assert not os.path.exists(f"/proc/{engine}") or "Z" in open(f"/proc/{engine}/stat").read().split()[2]
-        # Rank 0 died without closing its sockets: the server removed them with its own.
-        assert _rank_socket_dirs() == before
+        # Rank 0 died without closing its sockets: the server removed them with its own (only
+        # this server's are judged: other processes on the machine may hold their own).
+        assert not ours & _rank_socket_dirs(), ours & _rank_socket_dirs()
     finally:
         server.stop()
 
@@ -278,11 +280,12 @@ def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
 def test_engine_api_raises_when_a_rank_dies(qwen3_dir: str) -> None:
     before = _rank_socket_dirs()
     with Engine(model=qwen3_dir, tp_size=2, **KNOBS) as llm:
-        assert _rank_socket_dirs() - before
+        ours = _rank_socket_dirs() - before
+        assert ours
         os.kill(llm.get_server_info()["tp_worker_pids"][0], signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="rank 1"):
             for _ in range(100):
                 llm.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert time.monotonic() - t0 < 15
-    assert _rank_socket_dirs() == before
+    assert not ours & _rank_socket_dirs(), ours & _rank_socket_dirs()
