@@ -1,7 +1,7 @@
 """slime's and verl's HTTP calls, replayed with their exact payloads against a real server on CPU.
 
 Payloads and call orders are copied from the clients' code (cited per payload: slime @624b824,
-verl @1dda039; /tmp/research_rl_clients.md has the survey). Weight syncs are checked against
+verl @1dda039; ../shared/RL_CLIENTS.md surveys them). Weight syncs are checked against
 transformers on the new checkpoint. One server serves the whole module; each test leaves it
 resident, unpaused, with the old weights.
 """

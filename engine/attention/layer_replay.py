@@ -5,7 +5,7 @@ recorded (engine/kernels/launcher.py `record_launches`), and every later layer r
 variants with its own q, k, v and cache slices in place of the first layer's: no argument
 binding, grid or specialization work in Python per layer. The piecewise CUDA graphs' mixed and
 prefill steps call it between their pieces (engine/runner/piecewise_graph.py): 28 layers of
-three launches each, host-bound on a slow host (bench/probe_mixed_step.py).
+three launches each, host-bound on a slow host (bench/history/2026-11-24.md).
 
 Rules (each checked; where one fails, that layer runs through `forward` instead):
 - Only the backend's Launcher kernels run in `forward` for such a call, all of them recorded with

@@ -1,5 +1,5 @@
-"""`TritonBackend`: paged attention with the Triton kernels of `triton_kernels.py` (layout, K/V store,
-graph metadata), `triton_prefill.py` and `triton_decode.py` (split-KV, its pieces in `split_kv.py`), for CUDA.
+"""`TritonBackend`: paged attention with the Triton kernels of `engine/kernels/attention.py` (layout, K/V store,
+graph metadata), `engine/kernels/attention_prefill.py` and `engine/kernels/attention_decode.py` (split-KV, its pieces in `engine/kernels/split_kv.py`), for CUDA.
 
 - Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing).
 - Prefill (any step with a sequence of more than one new token): one ragged-batch kernel, causal
@@ -33,7 +33,7 @@ from engine.kernels import attention_prefill as tp
 _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
 # Decode programs resident per SM (the default config's registers allow 4): splits fill one wave
 # of batch * kv_heads * splits <= this * num_SMs programs. Measured on an H200 (bench/
-# attention_kernels.py): a second, partial wave or an unneeded reduce cost 10-15%.
+# bench/kernels/attention.py): a second, partial wave or an unneeded reduce cost 10-15%.
 _PROGRAMS_PER_SM = 4
 # Merged in the kernel (PDL callers): programs per SM. Filling all four slots made the batch
 # decode's step slower than the reduce (32 rows, two splits: 1.604 against 1.493 ms at context 530,

@@ -58,7 +58,7 @@ def kernel_consts(
     bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
-    `rows` rows at most on `programs` SMs (no device needed: bench/compile_offline.py compiles them)."""
+    `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them)."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d

@@ -88,7 +88,7 @@ def layer_consts(
 ) -> dict[str, object]:  # fmt: skip
     """The layer kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` programs, KV blocks of `block_size` (no device needed:
-    bench/compile_offline.py compiles them)."""
+    bench/kernels/occupancy.py compiles them)."""
     import triton
 
     tiles = shape.hidden // bn

@@ -4,7 +4,8 @@ them, so a CPU install never needs Triton.
 
 Rules: a kernel module knows tensors, shapes and dtypes, never a module's attribute names (its
 callers in engine/models/, engine/decode/, engine/attention/ and engine/runner/ pass tensors);
-each has a test (tests/test_*.py naming it) and a benchmark (bench/kernels/).
+each has a test (tests/test_*.py naming it), and the ones a step spends its time in a
+benchmark (bench/kernels/; docs/KERNELS.md lists both).
 
 `SWITCHES`: the three choices that live below any model (`--pdl`, `--fast-launch`,
 `--splitk-linear`), set once per process at startup by `configure` (the model runner, from

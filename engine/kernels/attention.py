@@ -1,6 +1,6 @@
 """Triton kernels for paged attention, and thin launchers: the cache's layout, the helpers every
-attention kernel shares, and the K/V store. The prefill kernel is `triton_prefill.py`'s, the
-split-KV decode `triton_decode.py`'s (its shared pieces `split_kv.py`'s). Only `engine.attention.triton` (and the models' fused decode
+attention kernel shares, and the K/V store. The prefill kernel is `engine/kernels/attention_prefill.py`'s, the
+split-KV decode `engine/kernels/attention_decode.py`'s (its shared pieces `engine/kernels/split_kv.py`'s). Only `engine.attention.triton` (and the models' fused decode
 kernels) import these modules, so a CPU install never imports Triton.
 
 Cache of one layer: K and V each `[num_blocks, block_size, Hkv, D]`, contiguous; token j of a
@@ -66,7 +66,7 @@ def smid():
 @triton.jit
 def stamp_row(row_ptr, i: tl.constexpr, SM_AT: tl.constexpr):
     # bench only: this program's %globaltimer (ns) into row_ptr[i]; at point 0 also its %smid into
-    # row_ptr[SM_AT]. Callers own the row layout (triton_decode._stamp, grid_phases.stamp).
+    # row_ptr[SM_AT]. Callers own the row layout (attention_decode._stamp, grid_phases.stamp).
     tl.store(row_ptr + i, globaltimer())
     if i == 0:
         tl.store(row_ptr + SM_AT, smid().to(tl.int64))

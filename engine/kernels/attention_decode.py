@@ -1,4 +1,4 @@
-"""The Triton split-KV decode over the paged cache (layout: triton_kernels.py), and its launcher.
+"""The Triton split-KV decode over the paged cache (layout: attention.py), and its launcher.
 
 `_decode_kernel` + `_decode_reduce_kernel`: split-KV decode (one query per sequence). Grid
 (B, Hkv, S): one program handles all H/Hkv query heads of one KV head, so each K/V tile is loaded
@@ -86,7 +86,7 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, LINE: tl.constexpr = 64,
     MERGE: tl.constexpr = False,  # the last split of (seq, kv_head) to finish merges the partials
-    stamp_ptr=None,  # [programs, 4] int64 (TIMING only: bench/probe_attention_l2.py)
+    stamp_ptr=None,  # [programs, 4] int64 (TIMING only: per-program timestamps)
     TIMING: tl.constexpr = False,
 ):  # fmt: skip
     seq = tl.program_id(0)

@@ -1,10 +1,10 @@
-"""The Triton prefill kernel over the paged cache (layout: triton_kernels.py), and its launcher.
+"""The Triton prefill kernel over the paged cache (layout: attention.py), and its launcher.
 
 `_prefill_kernel`: grid (cdiv(max_query_len, BLOCK_M), sequences, H); one program attends BLOCK_M
 queries of one sequence and one head over that sequence's keys, causally with the offset of the
 cached prefix (context = seq_len - q_len). Eager only: its grid uses the host's max_query_len. In
 a mixed step (`skip_single`) it leaves sequences of one query to the split-KV decode kernel
-(triton_decode.py), which reads each KV head once for its GROUP query heads, and its grid spans
+(attention_decode.py), which reads each KV head once for its GROUP query heads, and its grid spans
 only the sequences from the first to the last with more than one (`seqs`). Over all sequences,
 64 decodes beside a chunk made 4096 programs that returned at once; profiled on an H100, the
 kernel then took 28.7 us a layer beside the decodes against 16.5 for the chunk alone.

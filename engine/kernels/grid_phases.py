@@ -5,7 +5,7 @@ this one.
 
 Grid barrier: one int32 counter; program 0 adds 2^31 - (P - 1), the others 1, so the sign bit
 flips once all P have arrived and the low bits return to 0 (no reset between barriers or
-launches; the kernels' owners zero it once per step). Release on arrival, acquire loads while
+launches; the kernels' owners zero it when built and after a resume). Release on arrival, acquire loads while
 waiting, CTA barriers around both; every program must be resident (cooperative launch, grid <=
 SMs). LAST_LEAVES (the one-row kernel's barriers): the arrival is acq_rel, and the program whose
 own add flips the sign leaves without polling. It arrived last, so the rest of the grid waits on

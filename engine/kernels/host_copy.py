@@ -3,7 +3,7 @@
 Why not `cudaMemcpy`: a copy engine moves pinned memory at the PCIe peak (~55 GB/s on an H200)
 only while nothing else uses the copy engines, and right after any large free the driver scrubs
 the freed pages with them. A weights restore right after a release, or right after a trainer's
-`empty_cache()`, then runs at half speed (27 GB/s measured; `bench/probe_vmm_driver.py`, section
+`empty_cache()`, then runs at half speed (27 GB/s measured; bench/history, the VMM driver probe's section
 copy). A kernel on the SMs that reads the pinned buffer runs at ~51 GB/s either way.
 
 Rules:

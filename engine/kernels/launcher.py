@@ -7,7 +7,7 @@ options into a string for its cache key, builds launch metadata for its (empty) 
 checks the kernel's globals and looks up the device and stream before the driver launch. On the
 H200 machine's host an attention launch took 19-29 us that way (43-47 in a slower process); the
 binding is 3.4 us of it and the compiled kernel's own launcher 5.7. A 28-layer mixed step makes
-84 such launches (bench/profile_launch.py, bench/history/2026-11-24.md).
+84 such launches (bench/history/2026-11-24.md).
 
 `Launcher(jit_fn)` keeps the call syntax, `launcher[grid](*args, **kwargs)`. Rules:
 - The key is Triton's own specialization of the arguments (its native binder: dtypes, 16-byte

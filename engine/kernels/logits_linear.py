@@ -12,7 +12,7 @@ had it) each tile's epilogue ran after its own loads and before the next program
 one piece a tile (2374 at 64 rows) for the sampler to merge. Here PROGRAMS_PER_SM programs an SM
 take tiles i, i + P, ... in one software pipeline (the tile loop and K loop flattened,
 `tl.range(flatten=True)`): the next tile's weights stream during a tile's epilogue, and a row has
-P pieces. H200, Qwen3-0.6B's lm_head (bench/probe_lm_head.py, bench/history/2026-11-28.md), logits and
+P pieces. H200, Qwen3-0.6B's lm_head (the lm_head probe of bench/history/2026-11-28.md), logits and
 merge: 64 rows 96.2 -> 85.0 us, 16 rows ~81.6 -> 79.4, one row ~77 -> 75.0.
 
 Rules:
@@ -127,7 +127,7 @@ def logits_linear(
     out: torch.Tensor,  # [M, V], unit last stride: the logits, written in place (a graph's buffer)
     # the rows' temperatures [M] float32, then [M, pieces(V)] maxima, sums (float32), argmaxes (int64)
     lse: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    config: dict[str, int] | None = None,  # tuning overrides (bench/probe_lm_head.py): CONFIG's keys
+    config: dict[str, int] | None = None,  # tuning overrides (bench/history/2026-11-28.md, the lm_head probe): CONFIG's keys
     per_sm: int = PROGRAMS_PER_SM,
 ) -> torch.Tensor:  # out
     m, k = x.shape

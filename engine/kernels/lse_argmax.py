@@ -32,12 +32,12 @@ from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 from engine.kernels.logits_linear import piece
 
-# Columns per program, warps (bench/bench_lse_argmax.py, H200, 152k vocabulary, bench/history/2026-11-24.md:
+# Columns per program, warps (bench/kernels/lse_argmax.py, H200, 152k vocabulary, bench/history/2026-11-24.md:
 # 2048 against 1024, temperature 1: 4.4 / 5.5 / 13.7 / 43.7 us at 1 / 8 / 64 / 256 rows against
 # 4.4 / 6.0 / 18.2 / 53.7; other temperatures 6.2 / 7.7 / 18.6 / 57.5 against 5.0 / 6.7 / 21.3 / 65.0).
 CHUNK = 2048
 WARPS = 4
-# A decode graph's sampler above GRAPH_WIDE_ROWS rows: 4096 columns per program (bench_lse_argmax.py,
+# A decode graph's sampler above GRAPH_WIDE_ROWS rows: 4096 columns per program (bench/kernels/lse_argmax.py,
 # H200, bench/history/2026-11-27.md, temperature 1: 5.79 / 6.65 / 11.31 us at 16 / 24 / 64 rows against
 # 6.20 / 7.15 / 13.05 for 2048; 5.17 against 5.11 at 8 rows, 4.16 against 3.89 at one). A graph
 # compiles its variant at capture, so the eager sampler's one-variant rule does not bind it.
@@ -150,7 +150,7 @@ def lse_argmax(
     """x [B, V] CUDA logits (half or float32, last dim contiguous), temperatures [B] float32 ->
     (lse [B] float32, argmax [B] int64, pairs [B, 2] float64: the argmax and its logprob) of
     x / t. counts: int32 zeros, at least B (module docstring); None allocates them. config:
-    (columns per program, warps) in place of (CHUNK, WARPS) (bench/bench_lse_argmax.py). out:
+    (columns per program, warps) in place of (CHUNK, WARPS) (bench/kernels/lse_argmax.py). out:
     those three written in place (a graph's static buffers). publish: (host [2, >= B, 2] float64,
     pinned; current [1] int32, this replay's number; step [1] int32): the pairs also go to
     host[current & 1], and step becomes current + 1 (engine/runner/graph_io.py)."""

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import attention_decode as triton_decode
+from engine.kernels import attention_decode
 from engine.kernels.attention import LOG2E
 from engine.kernels.grid_phases import rnd
 from engine.kernels.launcher import Launcher
@@ -71,7 +71,7 @@ def rope_decode_kernel(
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, NKV, D]
     block_tables_ptr, seq_lens_ptr,  # [B, max_blocks] int32, [B] int32 (0: padding)
     out_ptr,  # [B, NH, D]
-    part_out_ptr, part_lse_ptr, count_ptr,  # split partials and merge counters (triton_decode.py)
+    part_out_ptr, part_lse_ptr, count_ptr,  # split partials and merge counters (attention_decode.py)
     eps, sm_scale_log2, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -157,7 +157,7 @@ def rope_decode_kernel(
 
 def batch_tile_config(d: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) of the batch decode's attention: the backend's decode tile
-    (triton_decode.decode_config) at half the tokens and twice the stages, so a program buffers
+    (attention_decode.decode_config) at half the tokens and twice the stages, so a program buffers
     two K/V tiles and streams one while it computes the other, at the same four programs an SM
     (0.6B shape: 32x4x6 against 64x4x3). H200, context 512, forward from a graph, three rounds:
     64 / 32 / 16 rows 1.693-1.700 -> 1.678-1.685, 1.339-1.343 -> 1.307-1.313, 1.132-1.135 ->
@@ -165,7 +165,7 @@ def batch_tile_config(d: int, elem_bytes: int) -> tuple[int, int, int]:
     and the K/V store were folded in, lost with it).
     Only the 64-token tile of half-precision rows is halved (what was measured; fp32 caches, the
     tests', keep the backend's: 16-token tiles spill there)."""
-    block_n, num_warps, num_stages = triton_decode.decode_config(d, elem_bytes)
+    block_n, num_warps, num_stages = attention_decode.decode_config(d, elem_bytes)
     if elem_bytes == 2 and block_n == 64:
         return 32, num_warps, 2 * num_stages
     return block_n, num_warps, num_stages
@@ -176,13 +176,13 @@ def kernel_consts(
     use_pdl: bool, config: tuple[int, int, int] | None = None,
 ) -> dict[str, object]:  # fmt: skip
     """The kernel's constexprs and launch options for a layer of nh / nkv heads of d, qkv partials
-    [ks, *, *] at `stride`, KV blocks of block_size (no device needed: bench/compile_offline.py
+    [ks, *, *] at `stride`, KV blocks of block_size (no device needed: bench/kernels/occupancy.py
     compiles them). The tile config (BLOCK_N, warps, stages) is `config`, else the backend's
     decode kernel's."""
-    block_n, num_warps, num_stages = config or triton_decode.decode_config(d, elem_bytes)
+    block_n, num_warps, num_stages = config or attention_decode.decode_config(d, elem_bytes)
     return dict(
         NH=nh, NKV=nkv, D=d, KS=ks, STRIDE=stride, HAS_BIAS=has_bias, QK_NORM=qk_norm,
-        BLOCK_H=triton_decode.query_rows(nh // nkv), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=triton_decode.prefetch_line(d, elem_bytes),
+        BLOCK_H=attention_decode.query_rows(nh // nkv), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=attention_decode.prefetch_line(d, elem_bytes),
         IEEE=elem_bytes == 4,  # fp32 caches: fp32 dots, not tf32 (as the backend's kernel)
         USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl, enable_fp_fusion=False,
     )  # fmt: skip

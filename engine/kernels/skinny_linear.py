@@ -10,7 +10,7 @@ Rules:
 - For few rows of a half-precision x (bf16/fp16); `applies` says whether a call may use it. fp32
   models keep cuBLAS (a tensor-core dot would round fp32 inputs to tf32).
 - One program per BLOCK_N output columns over all of K (no split-K: no second kernel, no
-  atomics), K in BLOCK_K = 128 steps, 5 stages in flight (the best of bench_linear.py's sweep). Accumulation in fp32,
+  atomics), K in BLOCK_K = 128 steps, 5 stages in flight (the best of bench/kernels/linear.py's sweep). Accumulation in fp32,
   bias added in fp32, one rounding to the model dtype: the result is cuBLAS's up to the order of
   the sum.
 - `silu_mul`: the gate and up columns of a packed gate_up weight are computed by the same
@@ -22,7 +22,7 @@ Rules:
   first columns of its weight rows (up to PREFETCH_BYTES in all) into L2 before it waits for x.
   For the GEMVs after a norm (qkv, gate_up): the norm, or at TP > 1 the cross-rank reduce, is
   one latency-bound program per row and leaves HBM idle. Between back-to-back GEMVs it would
-  only take bandwidth from the running one (bench_linear.py: slower), so they launch plainly.
+  only take bandwidth from the running one (bench/kernels/linear.py: slower), so they launch plainly.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 
-# Rows up to which layers use the skinny kernel (bench/bench_linear.py, H200, the 0.6B and 8B
+# Rows up to which layers use the skinny kernel (bench/kernels/linear.py, H200, the 0.6B and 8B
 # layer shapes in CUDA graphs): up to 16 rows it matches cuBLAS or beats it (2.1x on 0.6B's o_proj
 # at one row, 1.2-1.3x on gate_up with its activation); at 32-64 rows cuBLAS's tiled GEMMs win.
 MAX_ROWS = 16
@@ -45,7 +45,7 @@ MAX_ROWS = 16
 KERNEL_MAX_ROWS = 64
 # The logits' tiles (block_n, block_k, warps, stages) for a vocabulary-sized N: at 1-16 rows of
 # Qwen3-0.6B's and 8B's lm_head (152k x 1024 / 4096) 4-6 % faster than cuBLAS, which the default
-# rule's 32-column tiles are not at 8B (bench/probe_lm_head.py, H200, bench/history/2026-11-25.md).
+# rule's 32-column tiles are not at 8B (the lm_head probe, H200, bench/history/2026-11-25.md).
 LOGITS_CONFIG = dict(block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 

@@ -1,5 +1,5 @@
-"""The pieces of a split-KV decode over the paged cache (layout: triton_kernels.py) that the
-backend's decode kernel (triton_decode.py) and the batch decode's attention kernel
+"""The pieces of a split-KV decode over the paged cache (layout: attention.py) that the
+backend's decode kernel (attention_decode.py) and the batch decode's attention kernel
 (engine/kernels/rope_decode.py, rope folded in) share: Triton functions inlined into those
 kernels, not kernels.
 

@@ -9,7 +9,7 @@ Rules:
 - For 17..64 rows of a half-precision x and weights wide enough that the KS x N / BLOCK_N programs
   fill the GPU (at least 15/16 of its SMs): Qwen3-8B's o_proj (4096 x 4096) and down_proj
   (4096 x 12288) at batch 17-64. Narrower layers would leave SMs idle; qkv and gate_up (not
-  row-parallel, no norm after them) stay on cuBLAS, which reads them as fast (bench/history/2026-11-27.md: `bench/probe_splitk_rows.py`, H200, 64 rows: o_proj 11.15 us against
+  row-parallel, no norm after them) stay on cuBLAS, which reads them as fast (bench/history/2026-11-27.md, the split-K rows probe, H200, 64 rows: o_proj 11.15 us against
   cuBLAS's 12.43, down_proj 28.0 against 31.8 with cuBLAS's own split-K reduce; qkv 16.2 and
   gate_up 50.3 on cuBLAS against 18.6 and 58.4 here).
 - One program per (BLOCK_N columns, K chunk), BLOCK_K = 128, 4 stages in flight, fp32 tl.dot:

@@ -4,7 +4,7 @@ results returned instead of aborting the process.
 torch_memory_saver maps a region back with cuMemCreate + cuMemMap and calls `exit(1)` when
 cuMemCreate fails, so the engine must know that a resume fits before it asks. The memory regions
 use this to probe a tight fit with a real allocation that fails softly (engine/memory/regions.py);
-bench/probe_vmm_driver.py extends it with the calls it times.
+The probes of bench/history/ extended it with the calls they timed.
 """
 
 from __future__ import annotations
