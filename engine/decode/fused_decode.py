@@ -42,7 +42,7 @@ from engine.decode import rules
 from engine.decode.rules import LayerShape, k_splits, prefetch_width
 
 KERNEL_MAX_ROWS = 16  # tl.dot's 16-row tiles: one tile of rows covers every step up to this
-# Steps the runner hands it (bench/profile_fused_decode.py, H200, 0.6B, context 512, forward in a
+# Steps the runner hands it (bench/history/2026-11-27.md, H200, 0.6B, context 512, forward in a
 # graph against the layer-by-layer one; bench/history/2026-11-23.md): 1 row 0.70x, 2 rows 0.79x, 4 rows
 # 0.86x, 8 rows 1.02x, 16 rows 1.23x: its attention phase (one program per SM, tiles not
 # pipelined) loses to the split-KV kernel's four programs per SM once the rows bring enough KV.

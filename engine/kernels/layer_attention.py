@@ -172,7 +172,7 @@ def attention_phase(
                 m_i = m_new
         # bench only (TIMING): inside the phase, q and k normed and rotated (17); in the loop's
         # last tile the tile ready (18), after q.k (19), the softmax (20) and p.v (21); after the
-        # loop (14); after merge_last (15). profile_fused_decode.py prints them per program.
+        # loop (14); after merge_last (15). (a profiler reads them per program).
         stamp(t_ptr, 14, TIMING)
         part = (m * NH + heads) * num_splits + s  # [BH]
         tl.store(part_o_ptr + part[:, None] * D + dd, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=h_ok[:, None])
