@@ -54,6 +54,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     mlp_bias: bool = False
+    # Mixture of experts, by Qwen3-MoE's config.json names; num_experts 0: a dense model. Layer i's
+    # MLP is sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, path: str) -> ModelConfig:
@@ -93,6 +101,13 @@ class ModelConfig:
             eos_token_ids=_eos_ids(path, hf, int(hf["vocab_size"])),
             bos_token_id=hf.get("bos_token_id"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            # transformers >= 5 saves Qwen3-MoE's num_experts as num_local_experts.
+            num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
         )
 
 

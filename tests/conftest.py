@@ -22,6 +22,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 # Test files whose tools come with the dev extra only (the GPU machine lacks them): skipped there.
@@ -77,6 +79,16 @@ def _tiny_qwen3(seed: int = 2) -> PreTrainedModel:
         **TINY, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True
     )
     return _randomized(Qwen3ForCausalLM, config, seed=seed)
+
+
+def _tiny_qwen3_moe(seed: int = 11) -> PreTrainedModel:
+    # 8 experts of 32, top-2 renormalised (Qwen3-30B-A3B's norm_topk_prob); layer 1 keeps a dense
+    # MLP (mlp_only_layers), so sparse and dense layers alternate.
+    config = Qwen3MoeConfig(
+        **TINY, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+    )
+    return _randomized(Qwen3MoeForCausalLM, config, seed=seed)
 
 
 def _tiny_mistral() -> PreTrainedModel:
@@ -141,6 +153,18 @@ def qwen3_aligned_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         tie_word_embeddings=False,
     )
     return _save(_randomized(Qwen3ForCausalLM, config, seed=5), str(tmp_path_factory.mktemp("qwen3_aligned")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3-MoE, saved with Hugging Face's per-expert names (`mlp.experts.{e}.gate_proj.weight`)."""
+    return _save(_tiny_qwen3_moe(), str(tmp_path_factory.mktemp("qwen3_moe")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`qwen3_moe_dir`'s architecture with other weights: what a trainer pushes as an update."""
+    return _save(_tiny_qwen3_moe(seed=12), str(tmp_path_factory.mktemp("qwen3_moe_next")))
 
 
 @pytest.fixture(scope="session")

@@ -274,11 +274,13 @@ def test_no_fused_ops_reaches_the_model_the_engine_builds(qwen3_dir: str) -> Non
         del core
 
 
-def test_cpu_forward_never_imports_triton(qwen3_dir: str) -> None:
+@pytest.mark.parametrize("which", ["qwen3", "qwen3_moe"])
+def test_cpu_forward_never_imports_triton(which: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(f"{which}_dir")
     code = f"""
 import sys, torch
 from test_models import PagedRunner, build
-model = build({qwen3_dir!r})
+model = build({model_dir!r})
 model.fused = True
 for m in model.modules():
     if hasattr(m, "fused"):
@@ -286,6 +288,7 @@ for m in model.modules():
 PagedRunner(model, 16).step({{0: [5, 6, 7]}})
 assert "engine.kernels.fused_ops" not in sys.modules, "fused_ops imported on a CPU forward"
 assert "engine.kernels.skinny_linear" not in sys.modules, "skinny_linear imported on a CPU forward"
+assert "engine.kernels.fused_moe" not in sys.modules, "fused_moe imported on a CPU forward"
 assert "triton" not in sys.modules, "Triton imported on a CPU forward"
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

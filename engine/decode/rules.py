@@ -2,8 +2,8 @@
 batch_decode.py: up to 64 rows, two per layer) share: the models they serve (`unsupported`), the
 layer shape they compile for (`LayerShape`) and how they split a GEMV's K (`k_splits`).
 
-Models they serve: Triton attention, TP = 1, fused ops on, a half-precision CUDA model without
-o_proj or MLP biases, hidden <= MAX_HIDDEN (the one shape measured: at the 8B shape's 4096 one
+Models they serve: Triton attention, TP = 1, fused ops on, a half-precision CUDA model of dense
+MLPs (no mixture of experts) without o_proj or MLP biases, hidden <= MAX_HIDDEN (the one shape measured: at the 8B shape's 4096 one
 program per SM streams a layer's 24-96 MB slower than the skinny GEMVs' own grids,
 bench/RESULTS.md), every GEMV K a multiple of 128, head_dim 64, 128 or 256.
 """
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from engine.models.layers import MLP
 
 MAX_HIDDEN = 1024
 _K_UNIT = 128  # every K of a layer's GEMVs is a multiple of this (the kernels' K steps)
@@ -29,6 +31,8 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
     layer = lm.layers[0] if len(lm.layers) else None
     if layer is None or not lm.fused or model.tp.enabled:
         return "no layers, fused ops off or tensor parallel"
+    if not all(isinstance(lay.mlp, MLP) for lay in lm.layers):
+        return "mixture-of-experts layers"
     attn, mlp = layer.self_attn, layer.mlp
     w = attn.qkv_proj.weight
     if not w.is_cuda or w.dtype not in (torch.bfloat16, torch.float16):

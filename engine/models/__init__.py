@@ -19,6 +19,7 @@ _ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,9 +1,9 @@
-"""The Llama decoder, shared by every family Siesta serves: Llama and Mistral use it as is, Qwen2
-and Qwen3 (qwen2.py, qwen3.py) only change `DecoderOptions`.
+"""The Llama decoder, shared by every family Siesta serves: Llama and Mistral use it as is, Qwen2,
+Qwen3 and Qwen3-MoE (qwen2.py, qwen3.py, qwen3_moe.py) only change `DecoderOptions`.
 
 Parameter names match the Hugging Face checkpoints (`model.layers.0.self_attn.o_proj.weight`, ...)
 except the packed linears: `qkv_proj` holds q/k/v_proj, `gate_up_proj` holds gate/up_proj (see
-`MergedLinear.rows`). With tensor parallelism (`tp`) every rank builds its own slice of each
+`MergedLinear.rows`), and a sparse layer's experts (moe.py: `PackedExperts`). With tensor parallelism (`tp`) every rank builds its own slice of each
 parameter (engine/parallel.py has the rules) under the same names.
 
 Construction: `cls(config)` creates parameters in the current default dtype and on the current
@@ -38,7 +38,9 @@ from engine.models.layers import (
     fused_ops_default,
     skinny_for,
 )
+from engine.models.moe import SparseMoE
 from engine.models.rotary import RopeInputs, RotaryEmbedding
+from engine.models.routed_experts import RoutedExperts
 from engine.parallel import TensorParallel
 
 
@@ -50,6 +52,7 @@ class DecoderOptions:
     o_bias: bool = False  # bias on o_proj
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope
     mlp_bias: bool = False  # bias on gate/up/down_proj
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse mixture of experts (moe.py)
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +77,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             config, layer_id, options.qkv_bias, options.o_bias, options.qk_norm, fused, tp
         )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused, tp)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, layer_id, fused, tp) if layer_id in options.moe_layers
+            else MLP(config.hidden_size, config.intermediate_size, options.mlp_bias, fused, tp)
+        )  # fmt: skip
         # Each norm after a row-parallel layer (the previous layer's down_proj, this one's o_proj)
         # sums its partial output across ranks, fused with the residual add.
         after_down = tp if tp.defers_reduce(options.mlp_bias) else None
@@ -162,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, self.decoder_options(config), self.fused, tp)
         # Tied: the logits reuse model.embed_tokens.weight and there is no lm_head parameter.
         # Either way each rank holds the vocabulary rows `tp.vocab_shard` names.
+        self.routed_experts: RoutedExperts | None = None  # capture_routed_experts
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, tp.vocab_rows(config.vocab_size), bias=False)
@@ -222,6 +229,20 @@ class LlamaForCausalLM(nn.Module):
 
     def _logits_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def capture_routed_experts(self, max_tokens: int) -> RoutedExperts:
+        """From now on every forward records each sparse layer's top-k expert ids for steps of up
+        to `max_tokens` tokens (routed_experts.py), in a buffer allocated here, on the current
+        default device (the model runner: inside the `cuda_graph` region). ValueError for a
+        model without sparse layers."""
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        if not moe:
+            raise ValueError(f"{self.config.architecture} has no mixture-of-experts layers to record")
+        routed = RoutedExperts(self.config.num_layers, moe[0].top_k, max_tokens)
+        for mlp in moe:
+            mlp.routed = routed
+        self.routed_experts = routed
+        return routed
 
     def init_buffers(self) -> None:
         """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""

@@ -2,8 +2,9 @@
 model is a view into it, the host copy has the same layout, and the store knows which pieces of
 it hold the current weights.
 
-Pieces: one per checkpoint tensor (a packed parameter's q, k and v rows are three pieces) and one
-per computed buffer (the rotary cache). A piece is current when its device bytes hold the weights
+Pieces: one per checkpoint tensor (a packed parameter's q, k and v rows are three pieces, a
+packed experts tensor one per expert) and one per computed buffer (the rotary cache); callers
+name pieces by checkpoint name (loader.checkpoint_names expands a packed name). A piece is current when its device bytes hold the weights
 of the engine's current version; else it is stale.
 
 Rules:
@@ -132,6 +133,8 @@ class WeightStore:
         base = self.flat.data_ptr()
         pieces = []
         for name, target in self.targets.items():
+            if target.covers:  # a packed name: its pieces are the checkpoint tensors it covers
+                continue
             view = target.view
             pieces.append(Piece(name, view.data_ptr() - base, view.numel() * view.element_size(), False))
         for name, buf in self.model.named_buffers():

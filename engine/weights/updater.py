@@ -34,6 +34,7 @@ import torch
 from engine.config import EngineConfig
 from engine.parallel import TensorParallel
 from engine.weights.loader import (
+    checkpoint_names,
     ignored,
     load_checkpoint,
     load_named_tensors,
@@ -196,7 +197,7 @@ class WeightUpdater:
         meta = self._meta(names, dtypes, shapes)
         if load_format == "flattened_bucket":
             return self._from_bucket(group_name, names, shapes, meta)
-        direct = [n for n, dst in zip(names, meta.into, strict=True) if dst is not None]
+        direct = checkpoint_names(self.store.targets, (n for n, dst in zip(names, meta.into, strict=True) if dst is not None))
         buffers = [
             dst if dst is not None else torch.empty(tuple(s), dtype=d, device=self.device)
             for s, d, dst in zip(shapes, meta.dtypes, meta.into, strict=True)
@@ -217,15 +218,16 @@ class WeightUpdater:
     def _from_bucket(self, group_name: str, names: list[str], shapes: list[list[int]], meta: _Meta) -> int:
         self._phase("validate")
         if meta.span is not None:  # the bucket's layout is the weights' own: received in place
+            written = checkpoint_names(self.store.targets, names)
             try:
                 self.groups.receive_into(group_name, [self.store.flat[meta.span]])
             except BaseException:
-                self.store.invalidate(names)
+                self.store.invalidate(written)
                 raise
             self._phase("receive")
             self._copied()
             self.route = "bucket in place"
-            return self._done(list(names))
+            return self._done(written)
         flat = torch.empty(sum(meta.nbytes), dtype=torch.uint8, device=self.device)
         self.groups.receive_into(group_name, [flat])
         self._phase("receive")
@@ -260,7 +262,7 @@ class WeightUpdater:
         # half-way; without one (a CPU, --weights-backup none) scratch tensors keep it all or nothing.
         into = tuple(
             None if self.store.host is None or ignored(self.model, n) or targets[n].view.dtype != d
-            or targets[n].shard is not None  # a tensor-parallel rank keeps a slice of what arrives
+            or not targets[n].whole  # a tensor-parallel rank keeps a slice of what arrives
             else targets[n].view
             for n, d in zip(names, parsed, strict=True)
         )

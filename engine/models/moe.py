@@ -1,0 +1,153 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE's): a router picks each token's top-k experts, each a
+SiLU-gated MLP, and sums their outputs weighted by the router's probabilities.
+
+    logits  = gate(x)                                   # [T, E], the model dtype
+    weights, ids = top-k of softmax(logits in fp32)     # [T, k] fp32, [T, k]; / their sum if norm_topk_prob
+    y[t]    = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
+
+Experts are packed, one tensor per kind (as vLLM's and SGLang's fused MoE read them):
+`experts.gate_up_proj` [E, 2I, hidden] (expert e's gate_proj rows, then its up_proj rows) and
+`experts.down_proj` [E, hidden, I]. Hugging Face's per-expert names
+(`mlp.experts.{e}.gate_proj.weight`, ...) and transformers 5's packed ones
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) land in them (`checkpoint_parts`,
+`packed_parts`; engine/weights/loader.py). The router is `gate.weight` [E, hidden].
+
+Tensor parallelism (vLLM's and SGLang's default for MoE): each rank holds a slice of every
+expert's intermediate dimension (gate and up rows each sliced, down's columns sliced) and the
+whole router, so every rank routes alike; the output is this rank's partial sum, which the
+RMSNorm after the layer all-reduces (`tp.defers_reduce`: there is no bias), as a dense MLP's.
+
+Devices: a CUDA forward runs the fused Triton kernels of engine/kernels/fused_moe.py (imported
+on first use, so a CPU forward never imports Triton); any other device runs this file's torch
+code, the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError, ModelConfig
+from engine.models.layers import Linear
+from engine.models.routed_experts import RoutedExperts
+from engine.parallel import Shard, TensorParallel
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] fp32, ids [T, k] int64), highest weight first:
+    softmax over the experts in fp32, its top k, divided by their sum when `renormalize`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass(frozen=True)
+class ExpertSlot:
+    """Where (part of) one checkpoint tensor lands: `param[index]` of the packed experts, of
+    which this rank holds `shard` of the checkpoint tensor (None: all of it)."""
+
+    param: str  # "gate_up_proj" | "down_proj"
+    index: tuple[int | slice, ...]
+    shard: Shard | None
+
+
+class PackedExperts(nn.Module):
+    """E SiLU-gated MLPs in two tensors: gate_up_proj [E, 2 I_r, hidden], down_proj [E, hidden, I_r],
+    where I_r is this rank's slice of moe_intermediate_size (`shard`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.shard = tp.even(intermediate_size, f"moe_intermediate_size ({intermediate_size})")
+        part = self.shard.length
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * part, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, part), requires_grad=False)
+
+    def checkpoint_parts(self) -> dict[str, ExpertSlot]:
+        """Hugging Face's per-expert names (below this module) -> where each lands, expert by
+        expert in checkpoint order."""
+        s, part = self.shard, self.shard.length
+        rows = None if s.whole else s  # of gate_proj / up_proj [I, hidden]
+        cols = None if s.whole else Shard(1, s.start, s.length, s.total)  # of down_proj [hidden, I]
+        parts: dict[str, ExpertSlot] = {}
+        for e in range(self.num_experts):
+            parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (e, slice(0, part)), rows)
+            parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (e, slice(part, 2 * part)), rows)
+            parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (e,), cols)
+        return parts
+
+    def packed_parts(self) -> dict[str, tuple[ExpertSlot, ...]]:
+        """transformers 5's packed names (below this module; gate_up_proj [E, 2I, hidden], down_proj
+        [E, hidden, I]) -> where their parts land: the whole parameter on one rank; else the
+        rank's gate rows and up rows of the packed gate_up, and its columns of down."""
+        s, part = self.shard, self.shard.length
+        if s.whole:
+            return {"gate_up_proj": (ExpertSlot("gate_up_proj", (), None),), "down_proj": (ExpertSlot("down_proj", (), None),)}
+        total = 2 * s.total
+        gate = ExpertSlot("gate_up_proj", (slice(None), slice(0, part)), Shard(1, s.start, part, total))
+        up = ExpertSlot("gate_up_proj", (slice(None), slice(part, 2 * part)), Shard(1, s.total + s.start, part, total))
+        down = ExpertSlot("down_proj", (), Shard(2, s.start, part, s.total))
+        return {"gate_up_proj": (gate, up), "down_proj": (down,)}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The torch reference: x [T, hidden], weights [T, k], ids [T, k] -> [T, hidden]. Each
+        expert that any token routes to runs once, on its tokens; the weighted outputs are
+        summed per token in the model dtype (as transformers does)."""
+        T, k = ids.shape
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        w = weights.reshape(-1, 1).to(x.dtype)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            start += n
+            tokens = pairs // k
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[pairs]
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP of decoder layer `layer_id`: x [T, hidden] -> [T, hidden] (at tp > 1 this
+    rank's partial sum). `routed` (attached by the model, `RoutedExperts`): where each forward
+    records the layer's top-k ids; None records nothing."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, fused: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        E, k = config.num_experts, config.num_experts_per_tok
+        if not 0 < k <= E:
+            raise ConfigError(f"num_experts_per_tok ({k}) must be in [1, num_experts ({E})]")
+        if config.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size must be >= 1, got {config.moe_intermediate_size}")
+        self.layer_id = layer_id
+        self.top_k = k
+        self.renormalize = config.norm_topk_prob
+        # Registered in transformers 5's order (experts, then the router), so that a trainer's
+        # flattened bucket of its packed names lies in the weights region as one span.
+        self.experts = PackedExperts(E, config.hidden_size, config.moe_intermediate_size, tp)
+        self.gate = Linear(config.hidden_size, E, bias=False, fused=fused)  # replicated on every rank
+        self.routed: RoutedExperts | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them
+        if x.is_cuda:
+            from engine.kernels import fused_moe
+
+            weights, ids = fused_moe.topk_softmax(logits.float(), self.top_k, self.renormalize)
+            if self.routed is not None:
+                self.routed.record(self.layer_id, ids)
+            return fused_moe.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.routed is not None:
+            self.routed.record(self.layer_id, ids)
+        return self.experts(x, weights, ids)
