@@ -17,6 +17,7 @@ _EXPORTS = {
     "ModelConfig": "engine.config",
     "GenerationOutput": "engine.client.output",
     "InvalidRequest": "engine.errors",
+    "ModelNotFound": "engine.weights.model_dir",
     "SamplingParams": "engine.request",
 }
 

@@ -29,7 +29,8 @@ from multiprocessing.synchronize import Event
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from server.app import ServerConfig
+from engine.core.process_title import set_process_title
+from server.server_config import ServerConfig
 
 if TYPE_CHECKING:
     import uvicorn
@@ -128,6 +129,7 @@ def run_api_server(
     """Entry point of API server process `index`: attach to the engine, serve the shared port
     (`serving` is set once it listens) until stopped, or until the engine or the parent process
     is gone."""
+    set_process_title(f"siesta::api{index}")
     import uvicorn
 
     from engine.client.async_client import AsyncEngineClient

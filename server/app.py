@@ -4,11 +4,9 @@ routers (SGLang-native and OpenAI-compatible)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -18,6 +16,8 @@ from engine.client.async_client import AsyncEngineClient
 from server.errors import error_body, install_error_handlers
 from server.json_bodies import JsonBodies
 from server.metrics import Metrics
+from server.model_names import ModelNames
+from server.server_config import ServerConfig
 
 # Routes a load balancer or supervisor probes without credentials.
 OPEN_ROUTES = frozenset({"/health"})
@@ -32,25 +32,6 @@ ADMIN_ROUTES = frozenset({
 # After the engine process dies, /health answers 503 this long before the server exits (non-zero,
 # so that a supervisor restarts it).
 DEATH_GRACE_S = 3.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    max_request_bytes: int = 64 << 20
-    served_model_name: str | None = None  # the `model` of /v1 routes (default: --model)
-    log_level: str = "INFO"
-    api_server_count: int = 1  # HTTP processes in front of the one engine (server/api_servers.py)
-
-    def public(self) -> dict[str, Any]:
-        """Settings safe to show: keys are redacted."""
-        out = dataclasses.asdict(self)
-        out["api_key"] = "***" if self.api_key else None
-        out["admin_api_key"] = "***" if self.admin_api_key else None
-        return out
 
 
 def build_app(
@@ -77,7 +58,8 @@ def build_app(
     app.state.server_config = config
     app.state.metrics = Metrics()
     app.state.api_server_index = api_server_index
-    app.state.model_name = config.served_model_name or client.config.model
+    app.state.model_names = ModelNames.of(config.served_model_name, client.config.model)
+    app.state.model_name = app.state.model_names.served[0]
     install_error_handlers(app)
     app.add_middleware(KeyCheck, api_key=config.api_key, admin_key=config.admin_api_key)
     app.add_middleware(JsonBodies, max_bytes=config.max_request_bytes)

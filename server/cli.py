@@ -1,9 +1,15 @@
 """`siesta`: the command line.
 
-- `siesta serve [--model DIR] [--host H] [--port P] [--api-key K] [every EngineConfig knob]`
+- `siesta serve [--model DIR|REPO_ID] [--host H] [--port P] [--api-key K] [every EngineConfig knob]`
 - `siesta demo-model DIR`: write the embedded tiny checkpoint.
 
-Engine flags are generated from `EngineConfig`'s fields, so defaults live in one place.
+Rules:
+- Engine flags are generated from `EngineConfig`'s fields, so defaults live in one place; `--help`
+  prints each default once (a help text that states its own default gets no second one).
+- Parsing imports neither torch, transformers nor fastapi: `siesta --help` answers at once, and
+  `serve` logs its first line before it imports them.
+- A bad `--model` or flag value is one line on stderr and exit status 2, never a traceback; an
+  engine that fails to start is one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import types
 import typing
 from typing import Any
 
-from engine.config import EngineConfig
-from server.app import ServerConfig
+from engine.config import ConfigError, EngineConfig
+from server.server_config import ServerConfig
 
 log = logging.getLogger("siesta.server")
 
@@ -35,6 +41,16 @@ def _flag_type(hint: Any) -> tuple[type, bool]:
         scalar = [a for a in args if a is not type(None)]
         return scalar[0], type(None) in args
     return hint, False
+
+
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after a flag's help, unless the help states its default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = (action.help or "").replace(" (default: %(default)s)", "")  # BooleanOptionalAction's own
+        if "(default" in text or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -68,34 +84,63 @@ def bind_warning(server: ServerConfig) -> str | None:
             "can release memory and replace the weights")
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _fail(message: object, status: int = 2) -> int:
+    """One line on stderr, as argparse reports a bad flag; the exit status."""
+    print(f"siesta serve: error: {message}", file=sys.stderr)
+    return status
 
-    from engine.client.async_client import AsyncEngineClient
-    from server.api_servers import ApiServers, listen_socket, share_metrics
-    from server.app import build_app
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    t0 = time.perf_counter()
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's settings, `--model` resolved to a local checkpoint directory
+    (engine/weights/model_dir.py). Raises `ConfigError` with a one-line message."""
+    from engine.weights.model_dir import hub_offline, is_local, resolve_config
+
     if not args.model:
         from engine.demo_model import create_demo_model
 
+        log.info("no --model given: writing the embedded demo model (tiny random Qwen3) to %s", DEMO_CACHE)
         args.model = create_demo_model(DEMO_CACHE)
-        log.info("no --model given: serving the embedded demo model (tiny random Qwen3) from %s", args.model)
-    config = engine_config_from(args)
+    elif not is_local(args.model) and not hub_offline():
+        log.info("--model %s: a Hugging Face repo id, fetched through huggingface_hub unless cached", args.model)
+    config = resolve_config(engine_config_from(args))
+    if config.model != args.model:
+        log.info("--model %s is %s", args.model, config.model)
     server = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
-        max_request_bytes=args.max_request_bytes, served_model_name=args.served_model_name, log_level=args.log_level,
-        api_server_count=args.api_server_count,
+        max_request_bytes=args.max_request_bytes, served_model_name=tuple(args.served_model_name or [args.model]),
+        log_level=args.log_level, api_server_count=args.api_server_count,
     )
     if server.api_server_count < 1:
-        log.error("--api-server-count must be >= 1, got %d", server.api_server_count)
-        return 2
+        raise ConfigError(f"--api-server-count must be >= 1, got {server.api_server_count}")
+    return config, server
+
+
+def _serve(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config, server = _configs(args)
+    except ConfigError as e:
+        return _fail(e)
+    log.info("starting: model %s, served as %s, on %s", config.model, ", ".join(server.served_model_name), config.device)
     warning = bind_warning(server)
     if warning:
         log.warning(warning)
+
+    t1 = time.perf_counter()
+    import uvicorn
+
+    from engine.client.async_client import AsyncEngineClient
+    from engine.errors import EngineDeadError
+    from server.api_servers import ApiServers, listen_socket, share_metrics
+    from server.app import build_app
+
+    log.info("HTTP server modules imported in %.1f s", time.perf_counter() - t1)
     metrics_dir = share_metrics() if server.api_server_count > 1 else None
-    client = AsyncEngineClient(config, log_level=args.log_level, num_clients=server.api_server_count)
+    try:
+        client = AsyncEngineClient(config, log_level=args.log_level, num_clients=server.api_server_count)
+    except EngineDeadError as e:
+        return _fail(f"the engine did not start: {e}", 1)
     info = client.info
     log.info(
         "engine ready in %.1f s: %s (%s) on %s in %s, context %d; weights %.1f MiB, KV cache %.1f MiB "
@@ -144,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="siesta", description="Siesta: an LLM server for RL rollouts")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a model over HTTP", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser("serve", help="serve a model over HTTP", formatter_class=_DefaultsOnce)
     defaults = ServerConfig()
     serve.add_argument("--host", default=defaults.host, help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
@@ -153,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the only key for the control routes (memory, weights, flush, pause, abort_all)")
     serve.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
                        help="larger request bodies get 413")
-    serve.add_argument("--served-model-name", default=None, help="model name of the /v1 routes (default: --model)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names the /v1 routes answer to and /v1/models lists; replies carry the first "
+                            "(default: --model as given)")
     serve.add_argument("--api-server-count", type=int, default=defaults.api_server_count,
                        help="HTTP processes in front of the one engine, sharing the port (as vLLM's; more admit "
                             "bursts of requests faster)")

@@ -1,7 +1,8 @@
 """Errors as JSON: every failure is `{"error": {"message", "type", "code"}}` (the OpenAI shape,
 which the `openai` client parses), with 4xx for the caller's mistakes, 503 for an engine that
 cannot serve, and never a traceback. One table (`HTTP_STATUS`) maps each failure's exception type
-(engine/errors.py) to its status and error type."""
+(engine/errors.py) to its status and error type. `code` is the HTTP status, but for an unknown
+`model`: 404 with OpenAI's `"code": "model_not_found"` and `"param": "model"`, as vLLM answers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from engine.errors import EngineDeadError, EngineUnavailable, Forbidden, InvalidRequest
 from server.generation import ClientDisconnected
+from server.model_names import ModelNotServed
 from server.schemas import UNION_TAGS
 
 log = logging.getLogger("siesta.server")
@@ -25,6 +27,7 @@ CLIENT_CLOSED = 499
 # permission check (an admin-only field) raises it.
 HTTP_STATUS: dict[type[BaseException], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
+    ModelNotServed: (404, "invalid_request_error"),
     Forbidden: (403, "forbidden"),
     PermissionError: (403, "forbidden"),
     EngineUnavailable: (503, "service_unavailable"),
@@ -36,6 +39,8 @@ HTTP_STATUS: dict[type[BaseException], tuple[int, str]] = {
 def error_body(exc: BaseException, type_: str | None = None, code: int = 400) -> dict:
     if type_ is None:
         code, type_ = next((v for t, v in HTTP_STATUS.items() if isinstance(exc, t)), (code, "invalid_request_error"))
+    if isinstance(exc, ModelNotServed):  # OpenAI's body: the code names the error, `param` the field
+        return {"error": {"message": str(exc), "type": type_, "param": exc.param, "code": exc.code}}
     return {"error": {"message": str(exc), "type": type_, "code": code}}
 
 
@@ -60,7 +65,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, EngineDeadError):
             exc = EngineDeadError(f"engine is dead: {exc}")
         body = error_body(exc)
-        return JSONResponse(body, status_code=body["error"]["code"])
+        status = next(v[0] for t, v in HTTP_STATUS.items() if isinstance(exc, t))
+        return JSONResponse(body, status_code=status)
 
     for exc_type in HTTP_STATUS:
         app.add_exception_handler(exc_type, _failure)

@@ -9,6 +9,8 @@ Rules:
 - A stream sends `data: {chunk}` events, a final chunk per choice with its finish_reason, the
   usage chunk when `stream_options.include_usage`, then `data: [DONE]`; a failure after the
   status line went out is an in-band error event (`{"error": {...}}`) before [DONE].
+- `model` must be one the server serves, or none (server/model_names.py); another is a 404
+  `model_not_found`.
 Response shapes (choices, usage, logprobs) are `server.openai_reply.Reply`'s.
 """
 
@@ -41,16 +43,17 @@ def _client(request: Request) -> AsyncEngineClient:
 
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    """Every served name (server/model_names.py), the first first."""
     client = _client(request)
-    model = {
-        "id": request.app.state.model_name,
+    models = [{
+        "id": name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "sglang",  # the runtime the SGLang Model Gateway detects from data[0] (docs/SMG_GATEWAY.md)
         "root": client.config.model,
         "max_model_len": client.info["max_context_length"],
-    }
-    return {"object": "list", "data": [model]}
+    } for name in request.app.state.model_names.served]
+    return {"object": "list", "data": models}
 
 
 def _rids(reply_id: str, num_prompts: int) -> list[str]:
@@ -71,6 +74,7 @@ def _fill_context(prompts: list[list[int]], limit: int) -> int:
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     client = _client(request)
+    request.app.state.model_names.check(body.model)
     body.check_supported()
     prompts, echo = body.prompts(client.tokenizer, client.info)
     limit = client.info["max_context_length"]
@@ -117,6 +121,7 @@ def chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     client = _client(request)
+    request.app.state.model_names.check(body.model)
     body.check_supported()
     prompt = chat_prompt(client.tokenizer, body)
     max_new = body.max_new_tokens

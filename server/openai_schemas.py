@@ -4,7 +4,7 @@ Rules:
 - OpenAI's field names, plus vLLM's sampling extensions (top_k, min_p, repetition_penalty,
   min_tokens, ignore_eos, stop_token_ids, skip_special_tokens), which clients send at top level
   (the `openai` client's `extra_body`).
-- `model` is accepted whatever it says: RL clients often send the checkpoint path.
+- `model` is checked by the route against the served names (server/model_names.py).
 - A null field means its default, as OpenAI documents. Unknown fields are ignored (clients send
   extras), but known fields that would change the output and that we cannot honour
   (logit_bias, suffix, best_of, tools, response_format) are refused, never silently dropped.

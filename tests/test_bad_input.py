@@ -42,24 +42,24 @@ BAD: dict[str, tuple[str, bytes, list[str]]] = {
     "low_then_high": ("/generate", _raw('{"text": "\\ude00\\ud83d"}'), ["text", SURROGATE]),
     "raw_bytes": ("/generate", b'{"text": "\xed\xa0\x80"}', ["text", SURROGATE]),
     "utf16_body": ("/generate", '{"text": "\ud800"}'.encode("utf-16", "surrogatepass"), ["text", SURROGATE]),
-    "completion_prompt": ("/v1/completions", _raw('{"model": "m", "prompt": "\\ud800", "max_tokens": 2}'), ["prompt", SURROGATE]),
-    "completion_prompts": ("/v1/completions", _raw('{"model": "m", "prompt": ["ok", "\\ud800"], "max_tokens": 2}'), ["prompt[1]", SURROGATE]),
-    "completion_stop": ("/v1/completions", _raw('{"model": "m", "prompt": "hi", "stop": ["\\ud800"]}'), ["stop[0]", SURROGATE]),
-    "chat_content": ("/v1/chat/completions", _raw('{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    "completion_prompt": ("/v1/completions", _raw('{"prompt": "\\ud800", "max_tokens": 2}'), ["prompt", SURROGATE]),
+    "completion_prompts": ("/v1/completions", _raw('{"prompt": ["ok", "\\ud800"], "max_tokens": 2}'), ["prompt[1]", SURROGATE]),
+    "completion_stop": ("/v1/completions", _raw('{"prompt": "hi", "stop": ["\\ud800"]}'), ["stop[0]", SURROGATE]),
+    "chat_content": ("/v1/chat/completions", _raw('{"messages": [{"role": "user", "content": "\\ud800"}]}'),
                      ["messages[0].content", SURROGATE]),
     "chat_part": ("/v1/chat/completions",
-                  _raw('{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}'),
+                  _raw('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}'),
                   ["messages[0].content[0].text", SURROGATE]),
-    "chat_role": ("/v1/chat/completions", _raw('{"model": "m", "messages": [{"role": "\\ud800", "content": "hi"}]}'),
+    "chat_role": ("/v1/chat/completions", _raw('{"messages": [{"role": "\\ud800", "content": "hi"}]}'),
                   ["messages[0].role", SURROGATE]),
     "abort_rid": ("/abort_request", _raw('{"rid": "\\ud800"}'), ["rid", SURROGATE]),
-    "echo_negative": ("/v1/completions", _raw('{"model": "m", "prompt": [-1, 5], "echo": true, "max_tokens": 2}'),
+    "echo_negative": ("/v1/completions", _raw('{"prompt": [-1, 5], "echo": true, "max_tokens": 2}'),
                       ["token id -1 is outside the vocabulary [0, 512)"]),
-    "echo_vocab": ("/v1/completions", _raw('{"model": "m", "prompt": [5, 512], "echo": true, "max_tokens": 2}'),
+    "echo_vocab": ("/v1/completions", _raw('{"prompt": [5, 512], "echo": true, "max_tokens": 2}'),
                    ["token id 512 is outside the vocabulary [0, 512)"]),
-    "echo_huge": ("/v1/completions", _raw('{"model": "m", "prompt": [[5], [18446744073709551616]], "echo": true, "max_tokens": 2}'),
+    "echo_huge": ("/v1/completions", _raw('{"prompt": [[5], [18446744073709551616]], "echo": true, "max_tokens": 2}'),
                   ["token id 18446744073709551616 is outside the vocabulary [0, 512)"]),
-    "echo_stream": ("/v1/completions", _raw('{"model": "m", "prompt": [-7], "echo": true, "stream": true}'),
+    "echo_stream": ("/v1/completions", _raw('{"prompt": [-7], "echo": true, "stream": true}'),
                     ["token id -7 is outside the vocabulary"]),
     "ids_vocab": ("/generate", _raw('{"input_ids": [5, 512], "sampling_params": {"max_new_tokens": 2}}'),
                   ["token id 512 is outside the vocabulary [0, 512)"]),
@@ -69,8 +69,8 @@ BAD: dict[str, tuple[str, bytes, list[str]]] = {
     "ids_too_deep": ("/generate", _raw('{"input_ids": [[[1]]]}'), ["input_ids", "valid integer"]),
     "ids_digits": ("/generate", _raw('{"input_ids": [' + "9" * 5000 + "]}"), ["parsing the body"]),
     "ids_float": ("/generate", _raw('{"input_ids": [1.5]}'), ["input_ids"]),
-    "prompt_too_deep": ("/v1/completions", _raw('{"model": "m", "prompt": [[[1]]]}'), ["prompt"]),
-    "prompt_mixed": ("/v1/completions", _raw('{"model": "m", "prompt": [1, "a"]}'), ["prompt"]),
+    "prompt_too_deep": ("/v1/completions", _raw('{"prompt": [[[1]]]}'), ["prompt"]),
+    "prompt_mixed": ("/v1/completions", _raw('{"prompt": [1, "a"]}'), ["prompt"]),
     "stop_ids_huge": ("/generate", _raw('{"text": "hi", "sampling_params": {"stop_token_ids": [100000000000000000000000]}}'),
                       ["sampling_params.stop_token_ids"]),
     # Once these killed the engine (the min_new_tokens mask indexed past the logits) or gave NaN logprobs.
@@ -83,12 +83,12 @@ BAD: dict[str, tuple[str, bytes, list[str]]] = {
     "bias_float32": ("/generate", _raw('{"text": "hi", "sampling_params": {"logit_bias": {"5": -1e39}}}'),
                      ["logit_bias values must be finite"]),
     "chat_temperature_float32": ("/v1/chat/completions", _raw(
-        '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e300}'), ["temperature must be a finite"]),
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e300}'), ["temperature must be a finite"]),
     "weight_version_huge": ("/update_weight_version", _raw('{"new_version": 643575036341766585429386823613808640}'),
                             ["new_version"]),
     "text_10mb": ("/generate", json.dumps({"text": TEN_MB, "sampling_params": GEN}).encode(),
                   ["the prompt is at least", f"over the context length of {CONTEXT}"]),
-    "completion_10mb": ("/v1/completions", json.dumps({"model": "m", "prompt": TEN_MB, "max_tokens": 2}).encode(),
+    "completion_10mb": ("/v1/completions", json.dumps({"prompt": TEN_MB, "max_tokens": 2}).encode(),
                         ["the prompt is at least", f"over the context length of {CONTEXT}"]),
 }
 
@@ -133,10 +133,10 @@ def test_bad_input_is_a_400_on_a_kept_connection(demo_server: ServerProcess, nam
 VALID = {
     "pair_text": ("/generate", _raw('{"text": "\\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}')),
     "pair_stop": ("/generate", _raw('{"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop": ["\\uD83D\\uDE00"]}}')),
-    "pair_chat": ("/v1/chat/completions", _raw('{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2}')),
+    "pair_chat": ("/v1/chat/completions", _raw('{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}], "max_tokens": 2}')),
     "escaped_backslash": ("/generate", _raw('{"text": "\\\\ud800", "sampling_params": {"max_new_tokens": 2}}')),
-    "utf8_emoji": ("/v1/completions", json.dumps({"model": "m", "prompt": "😀 ok", "max_tokens": 2}, ensure_ascii=False).encode()),
-    "echo_ids": ("/v1/completions", _raw('{"model": "m", "prompt": [5, 511], "echo": true, "max_tokens": 2}')),
+    "utf8_emoji": ("/v1/completions", json.dumps({"prompt": "😀 ok", "max_tokens": 2}, ensure_ascii=False).encode()),
+    "echo_ids": ("/v1/completions", _raw('{"prompt": [5, 511], "echo": true, "max_tokens": 2}')),
     "long_but_fits": ("/generate", json.dumps({"text": "hello world " * 60, "sampling_params": GEN}).encode()),
 }
 
@@ -183,7 +183,7 @@ def test_extreme_sampling_values_give_numbers(demo_server: ServerProcess, name: 
             values += [lp for top in meta["output_top_logprobs"] for lp, _, _ in top]
             assert len(values) == 8 * 4 and all(isinstance(v, float) for v in values), meta
             chat = http.post("/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "None None"}], "logprobs": True, "top_logprobs": 3,
+                "messages": [{"role": "user", "content": "None None"}], "logprobs": True, "top_logprobs": 3,
                 "max_tokens": 8, "seed": seed, **{k: v for k, v in params.items() if k in CHAT_FIELDS}})
             assert chat.status_code == 200, chat.text[:500]
         if name == "temperature_below_eps":

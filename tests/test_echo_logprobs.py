@@ -30,7 +30,7 @@ def hf_logprobs(demo_dir: str) -> Any:
 def _lm_eval_loglikelihood_payload(requests: list[list[int]]) -> dict[str, Any]:
     """lm-evaluation-harness, lm_eval/models/openai_completions.py, LocalCompletionsAPI._create_payload
     with generate=False (a loglikelihood batch; token-id prompts, its default tokenized_requests)."""
-    return {"model": "m", "prompt": requests, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    return {"prompt": requests, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
 
 
 def _lm_eval_parse_logprobs(out: dict[str, Any], ctxlens: list[int]) -> list[tuple[float, bool]]:
@@ -70,7 +70,7 @@ def test_echo_logprobs_shape_and_top_alternatives(demo_server: ServerProcess, hf
     """Tokens, logprobs, top alternatives and offsets cover the prompt then the completion; the
     first prompt token has no logprob; the alternatives are transformers' top N."""
     ids = [random.Random(9).randrange(3, 500) for _ in range(10)]
-    body = {"model": "m", "prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 3, "echo": True, "ignore_eos": True}
+    body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 3, "echo": True, "ignore_eos": True}
     r = httpx.post(demo_server.url + "/v1/completions", json=body, timeout=60).json()
     [choice] = r["choices"]
     lps = choice["logprobs"]
@@ -91,7 +91,7 @@ def test_echo_logprobs_shape_and_top_alternatives(demo_server: ServerProcess, hf
 def test_echo_logprobs_stream_equals_whole(demo_server: ServerProcess) -> None:
     """Streamed, the prompt's text and logprobs open each choice in one chunk with its first
     token (as vLLM sends them); the chunks add up to the whole response, for every sample of n."""
-    body = {"model": "m", "prompt": "Good morning! How are you", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+    body = {"prompt": "Good morning! How are you", "max_tokens": 6, "temperature": 0, "logprobs": 2,
             "echo": True, "n": 2, "ignore_eos": True}
     with httpx.Client(base_url=demo_server.url, timeout=60) as http:
         whole = http.post("/v1/completions", json=body).json()
@@ -116,7 +116,7 @@ def test_echo_logprobs_stream_equals_whole(demo_server: ServerProcess) -> None:
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_only(demo_server: ServerProcess) -> None:
     ids = [7, 8, 9, 10, 11]
-    body = {"model": "m", "prompt": ids, "max_tokens": 0, "logprobs": 0, "echo": True}
+    body = {"prompt": ids, "max_tokens": 0, "logprobs": 0, "echo": True}
     with httpx.Client(base_url=demo_server.url, timeout=60) as http:
         r = http.post("/v1/completions", json=body).json()
         [choice] = r["choices"]

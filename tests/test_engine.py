@@ -11,7 +11,7 @@ import torch
 from oracle import hf_greedy
 from transformers import AutoModelForCausalLM
 
-from engine import Engine, EngineDeadError, InvalidRequest, SamplingParams
+from engine import Engine, EngineDeadError, InvalidRequest, ModelNotFound, SamplingParams
 from engine.core.protocol import AddRequests, StepOutputs
 
 NUM_NEW = 48
@@ -206,7 +206,7 @@ def test_startup_errors_are_clear(tmp_path, qwen3_dir: str) -> None:
     missing = tmp_path / "missing_weights"
     shutil.copytree(qwen3_dir, missing)
     (missing / "model.safetensors").unlink()
-    with pytest.raises(EngineDeadError, match="safetensors"):
+    with pytest.raises(ModelNotFound, match="safetensors"):  # before any process starts
         Engine(model=str(missing), device="cpu")
 
 

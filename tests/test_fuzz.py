@@ -68,13 +68,13 @@ EXPLICIT: dict[str, list[Any]] = {
         {"input_ids": [[[1]]]},
     ],
     "/v1/completions": [
-        {"model": "m", "prompt": "\ud800", "max_tokens": 2},
-        {"model": "m", "prompt": [-1, 5], "echo": True, "max_tokens": 2},
-        {"model": "m", "prompt": [[5], [2**64]], "echo": True, "max_tokens": 2},
+        {"prompt": "\ud800", "max_tokens": 2},
+        {"prompt": [-1, 5], "echo": True, "max_tokens": 2},
+        {"prompt": [[5], [2**64]], "echo": True, "max_tokens": 2},
     ],
     "/v1/chat/completions": [
-        {"model": "m", "messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
-        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+        {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
     ],
 }
 # Fuzzed last, each case followed by its restoring call.
@@ -168,7 +168,8 @@ def _repaired(case: Any) -> None:
         body["prompt"] = p if isinstance(p, list) and p and all(isinstance(x, str) for x in p) else _ids(p)
     elif case.path == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": str(m.get("content"))} for m in body.get("messages", [])[:2]] or [{"role": "user", "content": "Hi"}]
-    for key in ("suffix", "logit_bias", "tools", "tool_choice", "response_format", "echo", "best_of"):
+    # A fuzzed `model` names no served model (404, server/model_names.py); none means the served one.
+    for key in ("model", "suffix", "logit_bias", "tools", "tool_choice", "response_format", "echo", "best_of"):
         body.pop(key, None)
     for holder in (body, body.get("sampling_params")):
         if not isinstance(holder, dict):

@@ -104,8 +104,8 @@ def test_http_routes_and_503_while_released(server: ServerProcess) -> None:
         health = http.get("/health")
         assert health.status_code == 200 and health.json()["memory"] == "released"
         for path, body in [("/generate", greedy), ("/generate", greedy | {"stream": True}),
-                           ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
-                           ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})]:
+                           ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
             r = http.post(path, json=body)
             assert r.status_code == 503, (path, r.text)
             assert "kv_cache" in r.json()["error"]["message"], path

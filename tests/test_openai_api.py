@@ -18,7 +18,6 @@ from engine.errors import InvalidRequest
 
 openai = pytest.importorskip("openai")  # the dev extra has it; the GPU machine may not
 
-MODEL = "any-name-is-accepted"
 NO_EOS = {"ignore_eos": True}
 PROMPT = "Good morning! How are you"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Good morning!"}]
@@ -27,6 +26,12 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def oai(demo_server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=demo_server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(demo_dir: str) -> str:
+    """The name the demo server serves: its --model as given (server/model_names.py)."""
+    return demo_dir
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +68,11 @@ def test_models_list(oai: openai.OpenAI, demo_dir: str) -> None:
 
 
 def test_completion_greedy_matches_generate_and_transformers(
-    oai: openai.OpenAI, demo_server: ServerProcess, demo_dir: str, tokenizer: Any
+    oai: openai.OpenAI, demo_server: ServerProcess, demo_dir: str, tokenizer: Any, model: str
 ) -> None:
     ids = tokenizer.encode(PROMPT)
     expected = hf_greedy(demo_dir, [ids], 20)[0]
-    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, extra_body=NO_EOS)
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, extra_body=NO_EOS)
     assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == demo_dir
     [c] = r.choices
     native = _native(demo_server, text=PROMPT, sampling_params={"max_new_tokens": 20, "temperature": 0} | NO_EOS)
@@ -76,25 +81,25 @@ def test_completion_greedy_matches_generate_and_transformers(
     assert c.index == 0 and c.finish_reason == "length" and c.logprobs is None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 20, len(ids) + 20)
     # Token ids as the prompt: the same text.
-    by_ids = oai.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0, extra_body=NO_EOS)
+    by_ids = oai.completions.create(model=model, prompt=ids, max_tokens=20, temperature=0, extra_body=NO_EOS)
     assert by_ids.choices[0].text == c.text
     # Echo puts the prompt in front.
-    echoed = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, echo=True, extra_body=NO_EOS)
+    echoed = oai.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, echo=True, extra_body=NO_EOS)
     assert echoed.choices[0].text == PROMPT + c.text
     # Several prompts and n: prompt-major choices.
     other = "Numbers too"
-    both = oai.completions.create(model=MODEL, prompt=[PROMPT, other], n=2, max_tokens=20, temperature=0, extra_body=NO_EOS)
+    both = oai.completions.create(model=model, prompt=[PROMPT, other], n=2, max_tokens=20, temperature=0, extra_body=NO_EOS)
     assert [ch.index for ch in both.choices] == [0, 1, 2, 3]
     texts = [ch.text for ch in both.choices]
-    alone = oai.completions.create(model=MODEL, prompt=other, max_tokens=20, temperature=0, extra_body=NO_EOS)
+    alone = oai.completions.create(model=model, prompt=other, max_tokens=20, temperature=0, extra_body=NO_EOS)
     assert texts == [c.text, c.text, alone.choices[0].text, alone.choices[0].text]
     assert both.usage.prompt_tokens == len(ids) + len(tokenizer.encode(other))
     assert both.usage.completion_tokens == 80
 
 
-def test_n_with_seed_is_reproducible(oai: openai.OpenAI) -> None:
+def test_n_with_seed_is_reproducible(oai: openai.OpenAI, model: str) -> None:
     def sample() -> list[str]:
-        r = oai.completions.create(model=MODEL, prompt=PROMPT, n=2, seed=3, max_tokens=12, temperature=1.0, extra_body=NO_EOS)
+        r = oai.completions.create(model=model, prompt=PROMPT, n=2, seed=3, max_tokens=12, temperature=1.0, extra_body=NO_EOS)
         assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 24
         return [c.text for c in r.choices]
 
@@ -103,8 +108,8 @@ def test_n_with_seed_is_reproducible(oai: openai.OpenAI) -> None:
     assert sample() == first
 
 
-def test_completion_logprobs(oai: openai.OpenAI, demo_server: ServerProcess) -> None:
-    r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body=NO_EOS)
+def test_completion_logprobs(oai: openai.OpenAI, demo_server: ServerProcess, model: str) -> None:
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body=NO_EOS)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert lp.text_offset[0] == 0
@@ -118,8 +123,8 @@ def test_completion_logprobs(oai: openai.OpenAI, demo_server: ServerProcess) -> 
     assert lp.token_logprobs == pytest.approx(native_lps, abs=1e-5)
 
 
-def test_stop_strings_cut_the_text(oai: openai.OpenAI) -> None:
-    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "seed": 11, "extra_body": NO_EOS}
+def test_stop_strings_cut_the_text(oai: openai.OpenAI, model: str) -> None:
+    args = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "seed": 11, "extra_body": NO_EOS}
     text = oai.completions.create(**args).choices[0].text
     k = next(i for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
     stop = text[k:k + 2]
@@ -132,8 +137,8 @@ def test_stop_strings_cut_the_text(oai: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_streaming_completion_equals_whole(oai: openai.OpenAI) -> None:
-    args = {"model": MODEL, "prompt": [PROMPT, "Numbers"], "n": 2, "max_tokens": 16, "temperature": 0,
+def test_streaming_completion_equals_whole(oai: openai.OpenAI, model: str) -> None:
+    args = {"model": model, "prompt": [PROMPT, "Numbers"], "n": 2, "max_tokens": 16, "temperature": 0,
             "logprobs": 1, "extra_body": NO_EOS}
     whole = oai.completions.create(**args)
     chunks = list(oai.completions.create(**args, stream=True, stream_options={"include_usage": True}))
@@ -149,9 +154,9 @@ def test_streaming_completion_equals_whole(oai: openai.OpenAI) -> None:
         assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["length"]
 
 
-def test_chat_completion(oai: openai.OpenAI, demo_server: ServerProcess, tokenizer: Any) -> None:
+def test_chat_completion(oai: openai.OpenAI, demo_server: ServerProcess, tokenizer: Any, model: str) -> None:
     ids = _chat_ids(tokenizer, MESSAGES)
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=0, extra_body=NO_EOS)
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0, extra_body=NO_EOS)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     [c] = r.choices
     native = _native(demo_server, input_ids=ids, sampling_params={"max_new_tokens": 16, "temperature": 0} | NO_EOS)
@@ -160,16 +165,16 @@ def test_chat_completion(oai: openai.OpenAI, demo_server: ServerProcess, tokeniz
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 16)
     # Text parts are joined with newlines; one part is the plain string.
     parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Good morning!"}]}]
-    same = oai.chat.completions.create(model=MODEL, messages=parts, max_tokens=16, temperature=0, extra_body=NO_EOS)
+    same = oai.chat.completions.create(model=model, messages=parts, max_tokens=16, temperature=0, extra_body=NO_EOS)
     assert same.choices[0].message.content == c.message.content
     # max_completion_tokens wins over max_tokens.
-    short = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, max_completion_tokens=5,
+    short = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, max_completion_tokens=5,
                                         temperature=0, extra_body=NO_EOS)
     assert short.usage.completion_tokens == 5 and c.message.content.startswith(short.choices[0].message.content)
 
 
-def test_streaming_chat_equals_whole(oai: openai.OpenAI) -> None:
-    args = {"model": MODEL, "messages": MESSAGES, "n": 2, "max_tokens": 16, "temperature": 0,
+def test_streaming_chat_equals_whole(oai: openai.OpenAI, model: str) -> None:
+    args = {"model": model, "messages": MESSAGES, "n": 2, "max_tokens": 16, "temperature": 0,
             "logprobs": True, "top_logprobs": 1, "extra_body": NO_EOS}
     whole = oai.chat.completions.create(**args)
     chunks = list(oai.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
@@ -185,8 +190,8 @@ def test_streaming_chat_equals_whole(oai: openai.OpenAI) -> None:
         assert mine[-1].finish_reason == "length"
 
 
-def test_chat_logprobs(oai: openai.OpenAI) -> None:
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+def test_chat_logprobs(oai: openai.OpenAI, model: str) -> None:
+    r = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
                                     logprobs=True, top_logprobs=2, extra_body=NO_EOS)
     content = r.choices[0].logprobs.content
     assert len(content) == 8
@@ -196,8 +201,8 @@ def test_chat_logprobs(oai: openai.OpenAI) -> None:
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
 
 
-def test_abort_and_disconnect_end_requests(oai: openai.OpenAI, demo_server: ServerProcess) -> None:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 450, "temperature": 0, "stream": True} | NO_EOS
+def test_abort_and_disconnect_end_requests(oai: openai.OpenAI, demo_server: ServerProcess, model: str) -> None:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 450, "temperature": 0, "stream": True} | NO_EOS
     with httpx.stream("POST", demo_server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
@@ -249,10 +254,10 @@ BAD = [
 
 
 @pytest.mark.parametrize("route,args,needle", BAD, ids=[f"{r}-{n}" for r, _, n in BAD])
-def test_bad_input_is_a_400(oai: openai.OpenAI, route: str, args: dict, needle: str) -> None:
+def test_bad_input_is_a_400(oai: openai.OpenAI, route: str, args: dict, needle: str, model: str) -> None:
     create = oai.completions.create if route == "completions" else oai.chat.completions.create
     with pytest.raises(openai.BadRequestError) as e:
-        create(model=MODEL, **args)
+        create(model=model, **args)
     assert e.value.status_code == 400 and needle in str(e.value)
 
 

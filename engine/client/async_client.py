@@ -25,6 +25,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -69,6 +70,15 @@ def _ignore_outcome(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def _load_tokenizer(config: EngineConfig) -> Any:
+    t0 = time.perf_counter()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    log.info("tokenizer loaded in %.1f s (transformers imported)", time.perf_counter() - t0)
+    return tokenizer
+
+
 class AsyncEngineClient:
     def __init__(
         self, config: EngineConfig, log_level: str = "INFO", num_clients: int = 1, link: CoreLink | None = None
@@ -76,11 +86,15 @@ class AsyncEngineClient:
         """Start the engine process with room for `num_clients` clients (API server processes), or
         with `link` use one another process started, and wait until it is ready (blocking: call
         before serving)."""
-        from transformers import AutoTokenizer
-
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self._core = link if link is not None else CoreProcess(config, log_level=log_level, num_clients=num_clients)
+        try:  # while the engine process starts
+            self.tokenizer = _load_tokenizer(config)
+            if link is None:
+                self._core.wait_ready()
+        except BaseException:
+            self._core.close()
+            raise
         self.info = self._core.info
         self._live: dict[str, LiveRequest] = {}
         self._calls: dict[int, tuple[asyncio.Future[Any], Any]] = {}  # call id -> (future, reply type)

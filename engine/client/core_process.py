@@ -4,15 +4,22 @@
 Each client binds its two sockets; the core connects to every client's pair and says `Ready` (or
 `Failed`) to each once it has built everything. The process that spawns the core is client 0;
 other API server processes (`--api-server-count`) attach to it with pairs of their own.
+
+The engine process is spawned: it imports the starter's main module again, as `__mp_main__`. A
+script that starts an engine outside `if __name__ == "__main__":` would start one more from there;
+`refuse_while_bootstrapping` stops that child at once, and its starter raises one line that names
+the fix (`BOOTSTRAP_EXIT` is how the child tells it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import msgspec
@@ -20,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core.loop import run_engine_core
+from engine.core.process_title import set_process_title
 from engine.core.protocol import ControlReply, Failed, FromCore, Ready, Shutdown, ToCore
 from engine.errors import EngineDeadError, from_kind
 
@@ -28,6 +35,34 @@ from engine.errors import EngineDeadError, from_kind
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 10.0
 POLL_MS = 200
+# The exit code of an engine process stopped by `refuse_while_bootstrapping`.
+BOOTSTRAP_EXIT = 3
+MAIN_GUARD_ERROR = (
+    "the engine was started at import time of the main script, which the spawned engine process "
+    "imports again: put the script's code under `if __name__ == \"__main__\":`"
+)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+log = logging.getLogger("siesta.engine")
+
+
+def refuse_while_bootstrapping() -> None:
+    """Exit at once, with `BOOTSTRAP_EXIT` and no traceback, in a spawned child that is still
+    importing its parent's main module (where multiprocessing sets `_inheriting`); the parent
+    raises `MAIN_GUARD_ERROR`. Anywhere else, nothing."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(BOOTSTRAP_EXIT)
+
+
+def run_engine_process(config: EngineConfig, pipes: list[tuple[str, str]], log_level: str, spawned_at: float) -> None:
+    """The engine process's entry point: its name (`siesta::engine`), a log line of how long the
+    spawn and its imports took (`spawned_at`: the parent's `time.time()` at start), then the loop."""
+    set_process_title("siesta::engine")
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    from engine.core.loop import run_engine_core  # torch: the longest import
+
+    log.info("engine process %d up in %.1f s (spawn and imports)", os.getpid(), time.time() - spawned_at)
+    run_engine_core(config, pipes, log_level)
 
 
 def _memory_saver_hook(config: EngineConfig) -> contextlib.AbstractContextManager:
@@ -142,7 +177,9 @@ class CoreLink:
         return None
 
     def close(self) -> None:
-        """Close this end (the engine goes on: it is its starter's to stop)."""
+        """Close this end (the engine goes on: it is its starter's to stop). Twice is once."""
+        if self._to_core.closed:
+            return
         self._to_core.close()
         self._from_core.close()
         self._ctx.term()
@@ -150,28 +187,35 @@ class CoreLink:
 
 class CoreProcess(CoreLink):
     """The engine process, started here, and client 0's link to it. `pipes` are the addresses of
-    all `num_clients` clients (the others attach from their own processes: `CoreLink.attach`)."""
+    all `num_clients` clients (the others attach from their own processes: `CoreLink.attach`).
+    The constructor returns once the process is started; `wait_ready` waits until it has built
+    everything (the starter loads its tokenizer meanwhile)."""
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO", num_clients: int = 1) -> None:
+        refuse_while_bootstrapping()
         self._dir = tempfile.mkdtemp(prefix="siesta-")
         pipes = [(f"ipc://{os.path.join(self._dir, f'to_core{i}')}", f"ipc://{os.path.join(self._dir, f'from_core{i}')}")
                  for i in range(num_clients)]
         super().__init__(pipes[0])
         self.pipes = pipes
         self.process = mp.get_context("spawn").Process(
-            target=run_engine_core, args=(config, self.pipes, log_level), name="siesta-engine", daemon=True
+            target=run_engine_process, args=(config, self.pipes, log_level, time.time()), name="siesta::engine",
+            daemon=True,
         )
         with _memory_saver_hook(config):
             self.process.start()
         self.pid = self.process.pid
-        self.wait_ready()
+        log.info("engine process %d started", self.pid)
 
     def check_alive(self) -> bool:
         if self.dead is None and not self.process.is_alive():
-            self.dead = f"engine process exited with code {self.process.exitcode}"
+            code = self.process.exitcode
+            self.dead = MAIN_GUARD_ERROR if code == BOOTSTRAP_EXIT else f"engine process exited with code {code}"
         return self.dead is None
 
     def close(self) -> None:
+        if self._to_core.closed:
+            return
         if self.process.is_alive():
             try:
                 self._to_core.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)

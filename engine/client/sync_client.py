@@ -10,7 +10,12 @@ from typing import Any
 
 import msgspec
 
-from engine.client.core_process import POLL_MS, CoreProcess, reply_result
+from engine.client.core_process import (
+    POLL_MS,
+    CoreProcess,
+    refuse_while_bootstrapping,
+    reply_result,
+)
 from engine.client.output import GenerationOutput, RequestState
 from engine.config import EngineConfig
 from engine.core import calls
@@ -24,6 +29,7 @@ from engine.core.protocol import (
 )
 from engine.errors import EngineDeadError, InvalidRequest
 from engine.request import SamplingParams
+from engine.weights.model_dir import resolve_config
 
 log = logging.getLogger("siesta.client")
 
@@ -37,14 +43,23 @@ class MemoryNotAvailable(RuntimeError):
         self.answer = answer
 
 class Engine:
-    """Blocking Python API: `Engine(model=DIR, device="cpu", dtype="float32", **engine_knobs)`."""
+    """Blocking Python API: `Engine(model=DIR_OR_REPO_ID, device="cpu", dtype="float32", **engine_knobs)`.
+    A repo id resolves through the Hugging Face cache (engine/weights/model_dir.py); a model that
+    is not there raises `ModelNotFound` before any process starts."""
 
     def __init__(self, model: str | None = None, *, log_level: str = "WARNING", **knobs: Any) -> None:
+        refuse_while_bootstrapping()  # a script without `if __name__ == "__main__":`, imported by the engine process
         from transformers import AutoTokenizer
 
-        self.config = EngineConfig(model=model or knobs.pop("model", ""), **knobs)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+        self.config = resolve_config(EngineConfig(model=model or knobs.pop("model", ""), **knobs))
         self._core = CoreProcess(self.config, log_level=log_level)
+        try:  # while the engine process starts
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.config.model)
+            self._core.wait_ready()
+        except BaseException:
+            self._core.close()
+            self._core = None  # type: ignore[assignment]
+            raise
         self.info = self._core.info
         # Whether the engine serves, as of its last control reply (engine/core/availability.py).
         self.state = self._core.state
@@ -194,6 +209,11 @@ class Engine:
         return self.call(calls.GetInfo())
 
     # ---- lifetime -------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's (named `siesta::engine`)."""
+        return self._core.pid if self._core is not None else None
 
     def shutdown(self) -> None:
         if getattr(self, "_core", None) is not None:

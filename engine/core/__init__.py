@@ -14,6 +14,7 @@ ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns
   `ranks.py` (`Ranks`, every rank as rank 0 drives them: the worker processes, their sockets, a
   watchdog), `rank_protocol.py` (one struct per thing a rank does), `worker.py` (the worker
   process of a rank above 0, spawned by `Ranks`).
+- `process_title.py`: the names `ps` shows (`siesta::engine`, `siesta::tp1`, `siesta::api1`).
 - `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`: the control calls
   (release/resume, weight updates, the weights checker, `/v1/loads`, profiling), mixed into
   `EngineCore`; `deferred.py`: a call that answers once the engine is ready for it.

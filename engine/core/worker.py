@@ -21,6 +21,7 @@ import msgspec
 
 from engine.config import EngineConfig, ModelConfig, context_length
 from engine.core import rank_protocol as rp
+from engine.core.process_title import set_process_title
 from engine.core.protocol import ControlError, connect_pipes
 from engine.core.rank import Rank
 from engine.errors import error_kind
@@ -83,4 +84,5 @@ def run_worker(
 
 if __name__ == "__main__":  # started by engine/core/ranks.py: rank size init_method in out log_level config
     _rank, _size, _init, _in, _out, _level, _config = sys.argv[1:8]
+    set_process_title(f"siesta::tp{_rank}")
     run_worker(msgspec.json.decode(_config, type=EngineConfig), int(_rank), int(_size), _init, _in, _out, _level)
