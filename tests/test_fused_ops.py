@@ -289,6 +289,7 @@ PagedRunner(model, 16).step({{0: [5, 6, 7]}})
 assert "engine.kernels.fused_ops" not in sys.modules, "fused_ops imported on a CPU forward"
 assert "engine.kernels.skinny_linear" not in sys.modules, "skinny_linear imported on a CPU forward"
 assert "engine.kernels.fused_moe" not in sys.modules, "fused_moe imported on a CPU forward"
+assert "engine.kernels.moe_routing" not in sys.modules, "moe_routing imported on a CPU forward"
 assert "triton" not in sys.modules, "Triton imported on a CPU forward"
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,9 +17,9 @@ expert's intermediate dimension (gate and up rows each sliced, down's columns sl
 whole router, so every rank routes alike; the output is this rank's partial sum, which the
 RMSNorm after the layer all-reduces (`tp.defers_reduce`: there is no bias), as a dense MLP's.
 
-Devices: a CUDA forward runs the fused Triton kernels of engine/kernels/fused_moe.py (imported
-on first use, so a CPU forward never imports Triton); any other device runs this file's torch
-code, the reference the kernels are tested against.
+Devices: a CUDA forward runs the Triton kernels of engine/kernels/moe_routing.py (`topk_softmax`)
+and fused_moe.py (`fused_moe`), imported on first use, so a CPU forward never imports Triton; any
+other device runs this file's torch code, the reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ from engine.parallel import Shard, TensorParallel
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] fp32, ids [T, k] int64), highest weight first:
-    softmax over the experts in fp32, its top k, divided by their sum when `renormalize`."""
+    softmax over the experts in fp32, its top k, divided by their sum when `renormalize`. Among
+    equal probabilities the lower expert id comes first (a stable sort, as the CUDA kernel;
+    torch.topk, which transformers uses, promises no order among ties)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :k], ids[:, :k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -141,12 +144,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them
         if x.is_cuda:
-            from engine.kernels import fused_moe
+            from engine.kernels.fused_moe import fused_moe
+            from engine.kernels.moe_routing import topk_softmax
 
-            weights, ids = fused_moe.topk_softmax(logits.float(), self.top_k, self.renormalize)
+            weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
             if self.routed is not None:
                 self.routed.record(self.layer_id, ids)
-            return fused_moe.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         weights, ids = route(logits, self.top_k, self.renormalize)
         if self.routed is not None:
             self.routed.record(self.layer_id, ids)
