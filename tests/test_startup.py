@@ -181,7 +181,7 @@ def test_startup_logs_each_phase_with_its_time(hub_server: tuple[TimedServer, st
     assert first_at < torch_import_s, f"first line after {first_at:.2f} s (import torch: {torch_import_s:.2f} s)"
     assert "siesta-tests/tiny-qwen3" in first
     timed = [r"HTTP server modules imported in \d+\.\d s", r"tokenizer loaded in \d+\.\d s",
-             r"engine process \d+ up in \d+\.\d s", r"weights loaded in \d+\.\d+ s", r"KV cache: \d+ blocks",
+             r"engine process \d+ up in \d+\.\d s", r"weights loaded in \d+\.\d+ s", r"KV cache in \d+\.\d+ s: \d+ blocks",
              r"engine core ready in \d+\.\d+ s", r"engine ready in \d+\.\d s"]
     for phase in timed:
         assert re.search(phase, server.log), f"no {phase!r} in the log:\n{server.log}"
@@ -202,6 +202,7 @@ def test_the_memory_report_says_what_holds_the_host_copy(hub_server: tuple[Timed
     report = httpx.get(f"{server.url}/memory_occupation", timeout=10).json()
     assert report["weights_backup"] == "host" and report["weights_host_copy"] == "pageable"
     assert report["weights_host_copy_bytes"] > 0
+    assert "host copy pageable" in server.log, "the startup log names the host copy as the report does"
 
 
 def test_a_tensor_parallel_worker_is_named(qwen3_dir: str) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from engine.config import EngineConfig, ModelConfig
 from engine.core import calls
 from engine.core import rank_protocol as rp
@@ -22,14 +20,6 @@ from engine.parallel import TensorParallel, device_for_rank, join_group
 from engine.runner.model_runner import ModelRunner, resolve_device
 from engine.weights.checker import WeightChecker
 from engine.weights.updater import WeightUpdater
-
-
-def host_copy_kind(host: torch.Tensor | None) -> str:
-    """What holds the weights' host copy: `pinned` memory (on CUDA), `pageable` memory (on a CPU,
-    where nothing can be pinned), or `none` (--weights-backup none)."""
-    if host is None:
-        return "none"
-    return "pinned" if host.is_pinned() else "pageable"
 
 
 class Rank:
@@ -79,7 +69,7 @@ class Rank:
         return self.memory.describe() | {
             "tp_rank": self.tp.rank,
             "device": str(self.runner.device),
-            "weights_host_copy": host_copy_kind(store.host),
+            "weights_host_copy": store.host_copy_kind,
             "weights_host_copy_bytes": store.host_bytes,
             "weights_stale_bytes": store.stale_bytes,
             "last_weights_restore": dict(store.last_restore),

@@ -113,9 +113,10 @@ class ModelRunner:
         log.info(
             "weights loaded in %.2f s: %.1f MiB in one allocation (%s, %s), host copy %s",
             time.perf_counter() - t0, self.weights_bytes / (1 << 20), self.device, str(self.dtype).replace("torch.", ""),
-            "pinned" if self.weights.host is not None else "none",
+            self.weights.host_copy_kind,
         )
 
+        t0 = time.perf_counter()
         self.num_kv_blocks = num_kv_blocks(self)
         with self.memory.region("kv_cache"):
             self.kv_cache = make_kv_cache(
@@ -123,7 +124,8 @@ class ModelRunner:
             )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.memory.holds("kv_cache", lambda: [self.kv_cache])
-        log.info("KV cache: %d blocks of %d tokens, %.1f MiB", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / (1 << 20))
+        log.info("KV cache in %.2f s: %d blocks of %d tokens, %.1f MiB", time.perf_counter() - t0, self.num_kv_blocks,
+                 self.block_size, self.kv_cache_bytes / (1 << 20))
 
         # Decode graphs and piecewise graphs share one pool: they never run at once.
         self.graphs: CudaGraphRunner | None = None

@@ -143,6 +143,14 @@ class WeightStore:
 
     # ---- the host copy ------------------------------------------------------------------------
 
+    @property
+    def host_copy_kind(self) -> str:
+        """What holds the host copy: `pinned` memory (on CUDA), `pageable` memory (on a CPU, where
+        nothing is pinned), or `none` (--weights-backup none)."""
+        if self.host is None:
+            return "none"
+        return "pinned" if self.host.is_pinned() else "pageable"
+
     def keep_host_copy(self) -> None:
         """Allocate the host copy (pinned on CUDA) in the same layout and fill it."""
         self.host = torch.empty(self.flat.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
