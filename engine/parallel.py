@@ -6,6 +6,8 @@ torch.distributed's default process group (NCCL on CUDA, gloo on a CPU), made on
 Sharding rules (Megatron's, as vLLM and SGLang shard the decoder families served here):
 - column-parallel linears (q/k/v, gate/up, lm_head) keep `1/size` of the output features;
   row-parallel ones (o, down) keep `1/size` of the input features and sum with an all-reduce;
+- mixture-of-experts layers (engine/models/moe.py) split every expert's intermediate dimension
+  as a dense MLP's (gate and up rows, down's columns: partial sums) and replicate the router;
 - query heads split evenly; KV heads split evenly when there are at least `size` of them, else
   each rank keeps the one KV head its query heads use (replicated across `size / Hkv` ranks);
 - the vocabulary splits into `ceil(V / size)` rows per rank (the last rank padded): embedding

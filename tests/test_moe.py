@@ -74,6 +74,17 @@ def test_prefill_then_decode_matches_transformers(qwen3_moe_dir: str, block_size
             assert_close(out[i][0], refs[i][len(prompts[i]) + step])
 
 
+def test_chunked_prefill_and_padded_pieces_as_for_dense_models(qwen3_moe_dir: str) -> None:
+    """The dense models' tests of a chunked prefill (test_models.py) and of a step padded to a
+    piecewise-graph size (test_piecewise_graph.py), on the MoE checkpoint."""
+    import test_models
+    import test_piecewise_graph
+
+    test_models.test_chunked_prefill_matches_transformers(qwen3_moe_dir)
+    for num_tokens in (5, 23):
+        test_piecewise_graph.test_padded_pieces_equal_the_plain_forward(qwen3_moe_dir, num_tokens)
+
+
 def test_router_choices_equal_transformers(qwen3_moe_dir: str) -> None:
     """The capture holds, per token of the step, each sparse layer's top-k ids as transformers
     chooses them (best first); the dense layer's column stays 0; a step overwrites its rows."""

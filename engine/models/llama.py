@@ -3,8 +3,9 @@ Qwen3 and Qwen3-MoE (qwen2.py, qwen3.py, qwen3_moe.py) only change `DecoderOptio
 
 Parameter names match the Hugging Face checkpoints (`model.layers.0.self_attn.o_proj.weight`, ...)
 except the packed linears: `qkv_proj` holds q/k/v_proj, `gate_up_proj` holds gate/up_proj (see
-`MergedLinear.rows`), and a sparse layer's experts (moe.py: `PackedExperts`). With tensor parallelism (`tp`) every rank builds its own slice of each
-parameter (engine/parallel.py has the rules) under the same names.
+`MergedLinear.rows`), and a sparse layer's experts (moe.py `PackedExperts`). With tensor
+parallelism (`tp`) every rank builds its own slice of each parameter (engine/parallel.py has the
+rules) under the same names.
 
 Construction: `cls(config)` creates parameters in the current default dtype and on the current
 default device, so build it inside `torch.device(dev)` with `torch.set_default_dtype(dtype)` set;

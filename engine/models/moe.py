@@ -123,7 +123,9 @@ class PackedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """The MoE MLP of decoder layer `layer_id`: x [T, hidden] -> [T, hidden] (at tp > 1 this
     rank's partial sum). `routed` (attached by the model, `RoutedExperts`): where each forward
-    records the layer's top-k ids; None records nothing."""
+    records the layer's top-k ids; None records nothing. On CUDA the kernels run whatever `fused`
+    says (the torch reference syncs with the host per expert, so no graph could hold it); `fused`
+    only lets the router's linear run the few-rows GEMV."""
 
     def __init__(self, config: ModelConfig, layer_id: int, fused: bool, tp: TensorParallel) -> None:
         super().__init__()
