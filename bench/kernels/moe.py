@@ -1,0 +1,151 @@
+"""Fused MoE (engine/kernels/fused_moe.py) at the Qwen3-30B-A3B layer shape (hidden 2048,
+moe_intermediate 768, 128 experts, top-8, bf16), on a GPU, against:
+
+- the bytes-read roofline: the distinct experts a call's tokens route to (counted), each read
+  once (gate_up 2I x H and down H x I, bf16), plus x and out, at the copy bandwidth measured in
+  the same run (device_timing.copy_bandwidth);
+- a plain torch reference (engine/models/moe.py's loop over the experts that have tokens; its
+  per-expert counts come to the host, so it runs eagerly, timed with CUDA events);
+- the dense bf16 matmul rate measured in the same run (a [T*k, H] x [H, 3I] GEMM's FLOP/s is the
+  ceiling a grouped GEMM of T*k rows can hope for): the prefill target is a ratio of it.
+
+fused_moe runs as a decode step runs it: inside a CUDA graph, `--layers` weight copies with their
+own routings cycled (so the experts come from HBM, not from L2, as consecutive layers do),
+median of `--reps` replays. The routing is softmax top-8 of random logits (near-uniform: the
+most distinct experts for T). `topk_softmax` is timed apart (its own graph).
+
+    python3 bench/kernels/moe.py --out $OUT/moe.json [--tokens 1,8,64,256,2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import say, write_json  # noqa: E402
+from device_timing import copy_bandwidth, time_graph  # noqa: E402
+from report import print_table  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
+
+
+def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """engine/models/moe.py's reference forward: each expert with tokens once, on its tokens."""
+    T, k = ids.shape
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    w = weights.reshape(-1, 1).to(x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        tokens = pairs // k
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
+        out.index_add_(0, tokens, F.linear(F.silu(gate) * up, w2[e]) * w[pairs])
+    return out
+
+
+def eager_us(fn: Any, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def dense_tflops(rows: int, reps: int) -> float:
+    """bf16 FLOP/s of one [rows, H] x [H, 3I] matmul (cuBLAS), in TFLOP/s."""
+    a = torch.randn(max(rows, 16), HIDDEN, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(HIDDEN, 3 * INTER, device="cuda", dtype=torch.bfloat16)
+    us = time_graph(lambda: [a @ b for _ in range(20)], 20, reps)
+    return 2 * a.shape[0] * HIDDEN * 3 * INTER / us / 1e6
+
+
+def bench_tokens(T: int, layers: list[tuple[torch.Tensor, torch.Tensor]], bandwidth: float, reps: int) -> dict[str, Any]:
+    from engine.kernels.fused_moe import fused_moe, shared_workspace, topk_softmax
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(T)
+    x = torch.randn(T, HIDDEN, device=dev, dtype=dt, generator=g)
+    logits = [torch.randn(T, EXPERTS, device=dev, generator=g) for _ in layers]
+    routes = [topk_softmax(lg, TOP_K, True) for lg in logits]
+    outs = [torch.empty(T, HIDDEN, device=dev, dtype=dt) for _ in layers]
+    ws = shared_workspace(T, EXPERTS, TOP_K, HIDDEN, INTER, dt, dev)
+    distinct = statistics.mean(ids.unique().numel() for _, ids in routes)
+    expert_bytes = 3 * HIDDEN * INTER * 2
+    roofline_us = (distinct * expert_bytes + 2 * T * HIDDEN * 2) / bandwidth * 1e6
+
+    def ours() -> None:
+        for (w13, w2), (w, ids), out in zip(layers, routes, outs, strict=True):
+            fused_moe(x, w13, w2, w, ids, out=out, workspace=ws)
+
+    def routing() -> None:
+        for lg in logits:
+            topk_softmax(lg, TOP_K, True)
+
+    ours_us = time_graph(ours, len(layers), reps)
+    route_us = time_graph(routing, len(layers), reps)
+    (w13, w2), (w, ids) = layers[0], routes[0]
+    ref_us = eager_us(lambda: torch_moe(x, w13, w2, w, ids), max(3, reps // 4))
+    ref = torch_moe(x, w13, w2, w, ids).float()
+    err = ((outs[0].float() - ref).abs().max() / ref.abs().max()).item()
+    flops = 2 * T * TOP_K * 3 * HIDDEN * INTER
+    row = {"tokens": T, "distinct_experts": distinct, "fused_us": ours_us, "topk_softmax_us": route_us,
+           "torch_us": ref_us, "roofline_us": roofline_us, "roofline_ratio": roofline_us / ours_us,
+           "tflops": flops / ours_us / 1e6, "dense_tflops": dense_tflops(T * TOP_K, reps),
+           "max_rel_err_vs_torch": err}  # fmt: skip
+    row["dense_ratio"] = row["tflops"] / row["dense_tflops"]
+    say(f"T={T}: fused {ours_us:.1f} us (roofline {roofline_us:.1f}, {distinct:.0f} experts), torch {ref_us:.1f} us, "
+        f"{row['tflops']:.0f} TFLOP/s ({row['dense_ratio']:.2f} of dense), err {err:.3g}")
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 8, 64, 256, 2048])
+    p.add_argument("--layers", type=int, default=4, help="weight copies cycled in the graph (1.2 GB each)")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev, 1024, 20)["bandwidth_bytes_per_s"]
+    layers = []
+    for i in range(args.layers):
+        g = torch.Generator(device=dev).manual_seed(1000 + i)
+        w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=g).mul_(HIDDEN**-0.5).to(torch.bfloat16)
+        w2 = torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=g).mul_(INTER**-0.5).to(torch.bfloat16)
+        layers.append((w13, w2))
+    rows = [bench_tokens(T, layers, bandwidth, args.reps) for T in args.tokens]
+    if args.out:
+        write_json(args.out, {"device": torch.cuda.get_device_name(), "copy_bandwidth_bytes_per_s": bandwidth,
+                              "shape": [HIDDEN, INTER, EXPERTS, TOP_K], "rows": rows})  # fmt: skip
+    print_table(f"fused MoE, Qwen3-30B-A3B layer (H {HIDDEN}, I {INTER}, E {EXPERTS}, top-{TOP_K}), bf16: "
+                f"{torch.cuda.get_device_name()}",
+                ["T", "experts read", "fused us (graph)", "roofline us", "roofline / fused", "topk_softmax us",
+                 "torch us (eager)", "torch / fused", "TFLOP/s", "of dense", "rel err vs torch"],
+                [[r["tokens"], r["distinct_experts"], r["fused_us"], r["roofline_us"], r["roofline_ratio"],
+                  r["topk_softmax_us"], r["torch_us"], r["torch_us"] / r["fused_us"], r["tflops"], r["dense_ratio"],
+                  r["max_rel_err_vs_torch"]] for r in rows])  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
