@@ -85,3 +85,18 @@ def time_graph(calls: Callable[[], None], per: int, reps: int) -> float:
         b.synchronize()
         times.append(1e3 * a.elapsed_time(b) / per)
     return statistics.median(times)
+
+
+def event_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn() over iters runs, each between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)

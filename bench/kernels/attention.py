@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import write_json  # noqa: E402
-from device_timing import copy_bandwidth  # noqa: E402
+from device_timing import copy_bandwidth, event_time  # noqa: E402
 from report import print_table  # noqa: E402
 
 from engine.attention import AttentionMetadata  # noqa: E402
@@ -41,21 +40,6 @@ MAX_MODEL_LEN = 32768
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def event_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() over iters runs, each between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def graph_time(step: Callable[[], object]) -> float:

@@ -26,49 +26,15 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import copy_bandwidth, time_graph  # noqa: E402
+from device_timing import copy_bandwidth, event_time, time_graph  # noqa: E402
 from report import print_table  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
-
-
-def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """engine/models/moe.py's reference forward: each expert with tokens once, on its tokens."""
-    T, k = ids.shape
-    out = torch.zeros_like(x)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    w = weights.reshape(-1, 1).to(x.dtype)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start : start + n]
-        start += n
-        tokens = pairs // k
-        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
-        out.index_add_(0, tokens, F.linear(F.silu(gate) * up, w2[e]) * w[pairs])
-    return out
-
-
-def eager_us(fn: Any, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def dense_tflops(rows: int, reps: int) -> float:
@@ -81,6 +47,7 @@ def dense_tflops(rows: int, reps: int) -> float:
 
 def bench_tokens(T: int, layers: list[tuple[torch.Tensor, torch.Tensor]], bandwidth: float, reps: int) -> dict[str, Any]:
     from engine.kernels.fused_moe import fused_moe, shared_workspace, topk_softmax
+    from engine.models.moe import reference_moe
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(T)
@@ -104,8 +71,8 @@ def bench_tokens(T: int, layers: list[tuple[torch.Tensor, torch.Tensor]], bandwi
     ours_us = time_graph(ours, len(layers), reps)
     route_us = time_graph(routing, len(layers), reps)
     (w13, w2), (w, ids) = layers[0], routes[0]
-    ref_us = eager_us(lambda: torch_moe(x, w13, w2, w, ids), max(3, reps // 4))
-    ref = torch_moe(x, w13, w2, w, ids).float()
+    ref_us = 1e6 * event_time(lambda: reference_moe(x, w13, w2, w, ids), iters=max(3, reps // 4), warmup=1)
+    ref = reference_moe(x, w13, w2, w, ids).float()
     err = ((outs[0].float() - ref).abs().max() / ref.abs().max()).item()
     flops = 2 * T * TOP_K * 3 * HIDDEN * INTER
     row = {"tokens": T, "distinct_experts": distinct, "fused_us": ours_us, "topk_softmax_us": route_us,

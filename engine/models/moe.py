@@ -49,6 +49,30 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
     return weights, ids
 
 
+def reference_moe(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights / ids [T, k] ->
+    [T, hidden]. Each expert that any token routes to runs once, on its tokens; the weighted
+    outputs are summed per token in the model dtype (as transformers does)."""
+    T, k = ids.shape
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    w = weights.reshape(-1, 1).to(x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start : start + n]
+        start += n
+        tokens = pairs // k
+        gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, tokens, F.linear(F.silu(gate) * up, down[e]) * w[pairs])
+    return out
+
+
 @dataclass(frozen=True)
 class ExpertSlot:
     """Where (part of) one checkpoint tensor lands: `param[index]` of the packed experts, of
@@ -98,26 +122,8 @@ class PackedExperts(nn.Module):
         return {"gate_up_proj": (gate, up), "down_proj": (down,)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The torch reference: x [T, hidden], weights [T, k], ids [T, k] -> [T, hidden]. Each
-        expert that any token routes to runs once, on its tokens; the weighted outputs are
-        summed per token in the model dtype (as transformers does)."""
-        T, k = ids.shape
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        w = weights.reshape(-1, 1).to(x.dtype)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start : start + n]
-            start += n
-            tokens = pairs // k
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w[pairs]
-            out.index_add_(0, tokens, y)
-        return out
+        """The torch reference (`reference_moe`) over these experts."""
+        return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class SparseMoE(nn.Module):
