@@ -82,7 +82,10 @@ class ControlWalk:
     # ---- the walk ----------------------------------------------------------------------------
 
     async def run(self, steps: int, workers: int = 3) -> None:
-        limits = httpx.Limits(max_connections=64)
+        # A pooled connection idle past the server's keep-alive (uvicorn's 5 s) may be closed by
+        # the server just as the walk sends on it: a disconnect that says nothing of the server.
+        # Idle connections are dropped here first.
+        limits = httpx.Limits(max_connections=64, keepalive_expiry=1.0)
         async with httpx.AsyncClient(base_url=self.url, timeout=self.setup.call_timeout_s, limits=limits) as http:
             self.http = http
             traffic = [asyncio.create_task(self._traffic(random.Random(self.seed * 1000 + w))) for w in range(workers)]
