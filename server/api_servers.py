@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.process_title import set_process_title
-from server.server_config import ServerConfig
+from server.server_config import KEEP_ALIVE_S, ServerConfig
 
 if TYPE_CHECKING:
     import uvicorn
@@ -144,7 +144,9 @@ def run_api_server(
         uv.should_exit = True
 
     app = build_app(client, server, stop, api_server_index=index)
-    uv = uvicorn.Server(uvicorn.Config(app, log_level=server.log_level.lower(), timeout_graceful_shutdown=5))
+    uv = uvicorn.Server(uvicorn.Config(
+        app, log_level=server.log_level.lower(), timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S
+    ))
     threading.Thread(target=_watch, args=(uv, parent, serving), name="siesta-parent-watch", daemon=True).start()
     uv.run(sockets=[listen_socket(server.host, server.port)])
 

@@ -26,7 +26,7 @@ import typing
 from typing import Any
 
 from engine.config import ConfigError, EngineConfig
-from server.server_config import ServerConfig
+from server.server_config import KEEP_ALIVE_S, ServerConfig
 
 log = logging.getLogger("siesta.server")
 
@@ -158,7 +158,8 @@ def _serve(args: argparse.Namespace) -> int:
     helpers = ApiServers(config, server, client.pipes[1:], client.pid, metrics_dir) if metrics_dir is not None else None
     app = build_app(client, server, on_death, before_shutdown=helpers.stop if helpers else None)
     uv = uvicorn.Server(uvicorn.Config(
-        app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
+        app, host=server.host, port=server.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
     ))
     log.info("serving on http://%s:%d with %d API server process(es)", server.host, server.port, server.api_server_count)
     if helpers is None:

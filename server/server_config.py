@@ -9,6 +9,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# Seconds an idle HTTP connection stays open. Longer than the clients' own keep-alive (httpx 5 s,
+# aiohttp 15 s), so a client always drops an idle connection first: a server closing one while a
+# client sends on it is a disconnect the client cannot tell from a crash.
+KEEP_ALIVE_S = 75
+
 
 @dataclass(frozen=True)
 class ServerConfig:
