@@ -369,22 +369,28 @@ def test_stream_events_are_the_json_of_the_result() -> None:
 def test_an_idle_connection_outlives_the_clients_keep_alive(demo_server: ServerProcess) -> None:
     """The server keeps an idle HTTP/1.1 connection open past httpx's 5 s keep-alive (and
     uvicorn's default), so a client's pooled connection is never closed under its next request."""
+    import http.client
     import socket
 
     from server.server_config import KEEP_ALIVE_S
 
     host, port = demo_server.url.removeprefix("http://").split(":")
-    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(request)
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
         time.sleep(6)  # past 5 s: uvicorn's default would have closed it by now
         sock.setblocking(False)
         try:
             closed = sock.recv(1, socket.MSG_PEEK) == b""
         except BlockingIOError:
             closed = False  # open, nothing to read
-        assert not closed, f"the server closed an idle connection before {KEEP_ALIVE_S} s"
         sock.setblocking(True)
-        sock.sendall(request)
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert not closed, f"the server closed an idle connection before {KEEP_ALIVE_S} s"
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        assert second.status == 200 and second.read() and conn.sock is sock  # the same connection
+    finally:
+        conn.close()
