@@ -153,14 +153,13 @@ class BatchDecode:
     ) -> None:  # fmt: skip
         """Layer i's attention of a step of M = len(positions) rows from the qkv partials into
         `attn` (its new K/V rows into the cache): engine/kernels/rope_decode.py."""
+        from engine.decode.decode_attention import norm_inputs
         from engine.kernels import rope_decode
 
         attn = layer.self_attn
-        qn, kn = attn.q_norm, attn.k_norm
         rope_decode.rope_decode(
-            (qn.weight if qn is not None else None, kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0),
-            self.qkv_part, attn.qkv_proj.bias, self.backend.layer_caches[i], positions, self.lm.rotary_emb.cos_sin_cache,
-            (meta.slot_mapping, meta.block_tables, meta.seq_lens), self.attn[: positions.shape[0]], self.backend.scale,
+            norm_inputs(attn), self.qkv_part, attn.qkv_proj.bias, self.backend.layer_caches[i], positions,
+            self.lm.rotary_emb.cos_sin_cache, (meta.slot_mapping, meta.block_tables, meta.seq_lens), self.attn[: positions.shape[0]], self.backend.scale,
             plan, self.attention_consts,
         )  # fmt: skip
 

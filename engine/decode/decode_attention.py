@@ -15,6 +15,13 @@ from engine.kernels.rope_decode import kernel_consts, rope_decode
 from engine.models.rotary import RopeInputs
 
 
+def norm_inputs(attn: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    """An `Attention`'s q and k norm weights [D] and eps for the rope-decode kernel (None, None,
+    0.0: no q/k norm, as Llama and Qwen2)."""
+    qn, kn = attn.q_norm, attn.k_norm
+    return (qn.weight if qn is not None else None, kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0)
+
+
 def unsupported(model: nn.Module, backend: object) -> str | None:
     """Why `DecodeAttention` cannot serve this model's layers with this backend (None: it can):
     CUDA, Triton attention, the fused ops on (it replaces their rotary)."""
@@ -30,7 +37,7 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
 class DecodeAttention:
     """The layers' decode attention (module docstring): `Attention.forward` hands it the qkv
     linear's output [T, QKV] of a decode step on its backend and gets [T, H, D] back, the new
-    K/V rows stored. Built once by the model runner (`attach`); its constants are every layer's."""
+    K/V rows stored. Built once at startup (attach.py); its constants are every layer's."""
 
     def __init__(self, model: nn.Module, backend: object) -> None:
         attn = model.model.layers[0].self_attn
@@ -67,10 +74,9 @@ class DecodeAttention:
     ) -> torch.Tensor:  # `Attention` attn, qkv [T, QKV] -> [T, H, D]
         nh, _, d = self.shape
         out = torch.empty(qkv.shape[0], nh, d, dtype=qkv.dtype, device=qkv.device)
-        qn, kn, meta = attn.q_norm, attn.k_norm, ctx.meta
+        meta = ctx.meta
         rope_decode(
-            (qn.weight if qn is not None else None, kn.weight if kn is not None else None, qn.eps if qn is not None else 0.0),
-            qkv.unsqueeze(0), None, self.backend.layer_caches[attn.layer_id], rope.positions, rope.cos_sin_cache,
+            norm_inputs(attn), qkv.unsqueeze(0), None, self.backend.layer_caches[attn.layer_id], rope.positions, rope.cos_sin_cache,
             (meta.slot_mapping, meta.block_tables, meta.seq_lens), out, self.backend.scale, self.plan(qkv.shape[0]),
             self.consts,
         )  # fmt: skip

@@ -35,6 +35,7 @@ from engine.parallel import Shard, TensorParallel
 if TYPE_CHECKING:
     from engine.models.hooks import DecodeAttentionPath
 
+
 def fused_ops_default() -> bool:
     """Whether a model built without a say uses the fused ops on CUDA: when Triton is installed
     (`--no-fused-ops` builds it with fused=False). Read at model construction, never per step."""
