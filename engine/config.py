@@ -225,6 +225,10 @@ class EngineConfig:
         default=False,
         metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/kernels/tp_reduce.py)"},
     )
+    enable_return_routed_experts: bool = field(
+        default=False,
+        metadata={"help": "record every MoE layer's top-k experts per token, so requests may ask for them (return_routed_experts: RL routing replay)"},
+    )
     # Kernel choices on CUDA (docs/KERNELS.md): each on by default; off runs the path it replaces.
     fused_ops: bool = field(default=True, metadata={"help": "Triton norms, rope, SiLU-mul and few-rows GEMVs (off: torch ops)"})
     fused_decode: bool = field(default=True, metadata={"help": "decode steps of 1-4 rows as one kernel per layer"})

@@ -36,6 +36,9 @@ class SamplingParams:
     - `logit_bias`: (token id, bias) pairs added to the logits after the penalties; a dict is
       accepted too. Token ids (these and `stop_token_ids`) are checked against the vocabulary
       when the request is added.
+    - `return_routed_experts` (a top-level field of SGLang's request, as the logprob ones): the
+      top-k experts every MoE layer chose for each position but the last (engine/runner/route_log.py);
+      the engine must record them (`enable_return_routed_experts`).
     - `temperature` below SAMPLING_EPS (1e-6) is greedy, as in SGLang. Every float must be finite
       in float32, where the sampler uses it.
     """
@@ -60,6 +63,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for `stop`; store tuples so the object stays hashable.
@@ -166,6 +170,8 @@ class Request:
     prompt_logprobs: list[float | None] = field(default_factory=list)
     # With top_logprobs_num > 0 as well: the top (token id, logprob) pairs at each such position.
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # return_routed_experts: the positions whose routed experts were sent (0 .. routes_sent - 1).
+    routes_sent: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -68,7 +68,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "is_embedding": False,
         "skip_tokenizer_init": False,
         "enable_memory_saver": bool(info["memory_saver"]),
-        "enable_return_routed_experts": False,
+        "enable_return_routed_experts": bool(cfg["enable_return_routed_experts"]),
         "context_length": info["max_context_length"],
         "page_size": info["block_size"],
         "random_seed": cfg["seed"],

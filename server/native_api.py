@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from typing import Any
 
@@ -83,6 +84,8 @@ def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None
         meta["input_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, name(tok)] for tok, lp in row] for row in out.output_top_logprobs]
+    if out.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(out.routed_experts).decode("ascii")
     if out.input_top_logprobs is not None:
         meta["input_top_logprobs"] = [None if row is None else [[lp, tok, name(tok)] for tok, lp in row]
                                       for row in out.input_top_logprobs]

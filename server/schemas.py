@@ -11,7 +11,10 @@ Rules:
   a 400. `custom_params` is accepted and has no effect (no custom logit processors here).
 - Constrained decoding (`json_schema`, `regex`, `ebnf`, `structural_tag`, `stop_regex`) is not
   implemented: any non-null value is a 400 saying so. So are the top-level `image_data`,
-  `lora_path`, `custom_logit_processor` and `return_routed_experts: true`.
+  `lora_path` and `custom_logit_processor`.
+- `return_routed_experts: true` needs a server started with `--enable-return-routed-experts`
+  (SGLang's flag), else a 400; `meta_info.routed_experts` is then the base64 of an int32 array
+  [prompt + output - 1, num_layers, top_k] (SGLang's layout).
 - `stream_interval`: a streamed request sends an event every that many tokens (and the last).
 - `logit_bias`: {"token id": bias}, added to the logits (engine/runner/sampler.py).
 - `weight_version` fields take a string or an integer, kept as a string.
@@ -44,7 +47,7 @@ from engine.errors import InvalidRequest
 from engine.request import SamplingParams
 
 # Set from the request's top level (`return_logprob`, `top_logprobs_num`), not sampling_params.
-_TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num", "logprob_start_len"})
+_TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num", "logprob_start_len", "return_routed_experts"})
 # Integers the engine sees fit in 64 bits (its messages are msgspec: a larger int is a 500 there).
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 # The most samples per prompt (`n`): make_jobs builds them all at once.
@@ -101,7 +104,9 @@ class _SamplingBase(BaseModel):
     def _nulls_are_defaults(cls, data: Any) -> Any:
         return _without_nulls(data)
 
-    def to_engine(self, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1) -> SamplingParams:
+    def to_engine(
+        self, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1, return_routed_experts: bool = False
+    ) -> SamplingParams:
         """Engine params; raises `InvalidRequest` naming the bad value."""
         server_only = self.model_dump(include=set(_SERVER_ONLY))
         unsupported = [name for name in UNSUPPORTED_SAMPLING if server_only[name] is not None]
@@ -116,8 +121,9 @@ class _SamplingBase(BaseModel):
         fields["stop_token_ids"] = fields["stop_token_ids"] or ()
         fields["logit_bias"] = _logit_bias(fields["logit_bias"])
         return SamplingParams(
-            **fields, logprobs=logprobs, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len
-        )
+            **fields, logprobs=logprobs, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+            return_routed_experts=return_routed_experts,
+        )  # fmt: skip
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -168,17 +174,19 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     return_text_in_logprobs: bool = False  # each logprob entry's third item: the token's text, not null
+    # Each MoE layer's experts per position, base64 int32 in meta_info (the server records them:
+    # --enable-return-routed-experts).
+    return_routed_experts: bool = False
     # SGLang's, not served here: null (or false) only.
     image_data: Any = None
     lora_path: Any = None
     custom_logit_processor: Any = None
-    return_routed_experts: bool = False
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> GenerateRequest:
-        for name in ("image_data", "lora_path", "custom_logit_processor", "return_routed_experts"):
+        for name in ("image_data", "lora_path", "custom_logit_processor"):
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported here (text-only models, no LoRA, no MoE routing)")
+                raise ValueError(f"{name} is not supported here (text-only models, no LoRA)")
         return self
 
     def per_prompt(self, num_prompts: int, is_batch: bool) -> PromptParams:
@@ -192,7 +200,8 @@ class GenerateRequest(BaseModel):
         listed = [name for name in _LOGPROB_FIELDS if isinstance(getattr(self, name), list)]
         if ns[0] > 1 and listed:
             raise InvalidRequest(f"{listed[0]} can be a list only with n = 1, got n = {ns[0]}")
-        params = [sp.to_engine(lp, k, s if lp else -1) for sp, lp, k, s in zip(sampling, logprob, top_n, start, strict=True)]
+        routes = self.return_routed_experts
+        params = [sp.to_engine(lp, k, s if lp else -1, routes) for sp, lp, k, s in zip(sampling, logprob, top_n, start, strict=True)]
         return PromptParams(params, ns[0], [sp.stream_interval or 1 for sp in sampling])
 
     def rids(self, num_prompts: int, is_batch: bool) -> list[str] | None:

@@ -60,3 +60,34 @@ def test_engine_greedy_equals_transformers(qwen3_moe_dir: str) -> None:
         for d in core.step():
             ids[d.request_id] += d.new_token_ids
     assert [ids[str(i)] for i in range(len(prompts))] == want
+
+
+def test_served_with_graphs_routes_releases_and_resumes(qwen3_moe_dir: str) -> None:
+    """The engine process on the GPU (decode and piecewise graphs, the fused kernels): greedy
+    tokens and every position's routed experts as transformers'; with every tag released it holds
+    what an idle CUDA process holds (the MoE workspace and the routes' record live in the
+    `cuda_graph` region); after a resume that poisons what it maps again, the same answers."""
+    pytest.importorskip("engine.kernels.fused_moe")
+    from test_gpu_memory import RESIDUAL_OVER_IDLE, _idle_footprint, _process_used
+    from test_routed_experts import rows, want
+
+    from engine import Engine, SamplingParams
+
+    prompts = [random_tokens(n, seed=20 + n) for n in (3, 17, 40, 9, 70)]
+    expected = hf_greedy(qwen3_moe_dir, prompts, 12)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    with Engine(model=qwen3_moe_dir, device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=256,
+                max_num_seqs=16, cuda_graph_max_bs=8, enable_return_routed_experts=True,
+                debug_poison_on_resume=True) as llm:  # fmt: skip
+        assert llm.info["cuda_graph_batch_sizes"] and llm.info["piecewise_cuda_graph_tokens"]
+        for attempt in ("startup", "after a poisoned resume"):
+            outs = llm.generate(input_ids=prompts, sampling_params=params)
+            assert [o.output_ids for o in outs] == expected, attempt
+            for p, o in zip(prompts, outs, strict=True):
+                assert torch.equal(rows(o.routed_experts), want(qwen3_moe_dir, (p + o.output_ids)[:-1])), attempt
+            llm.release_memory_occupation()
+            if attempt == "startup":
+                held, idle = _process_used(llm._core.process.pid), _idle_footprint()["per_pid"]
+                if held is not None and idle is not None:
+                    assert held - idle <= RESIDUAL_OVER_IDLE, (held, idle)
+            llm.resume_memory_occupation()

@@ -35,6 +35,8 @@ class GenerationOutput:
     input_token_logprobs: list[tuple[float | None, int]] | None = None  # from logprob_start_len
     # With top_logprobs_num > 0 too: each of those positions' top (token id, logprob) pairs.
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # return_routed_experts: int32 [prompt + output - 1, num_layers, top_k] as bytes (SGLang's layout).
+    routed_experts: bytearray | None = None
     cached_tokens: int = 0
     e2e_latency: float = 0.0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released)
@@ -89,6 +91,7 @@ class RequestState:
             prompt_token_ids=prompt_token_ids,
             output_token_logprobs=[] if params.logprobs else None,
             output_top_logprobs=[] if params.top_logprobs_num > 0 else None,
+            routed_experts=bytearray() if params.return_routed_experts else None,
         )
 
     def apply(self, delta: RequestDelta) -> StepUpdate:
@@ -102,6 +105,8 @@ class RequestState:
             out.output_token_logprobs += list(zip(delta.new_logprobs, new_ids, strict=True))
         if delta.new_top_logprobs is not None and out.output_top_logprobs is not None:
             out.output_top_logprobs += [[(int(t), float(lp)) for t, lp in row] for row in delta.new_top_logprobs]
+        if delta.routed_experts is not None and out.routed_experts is not None:
+            out.routed_experts += delta.routed_experts
         if delta.input_logprobs is not None:
             start = self.params.logprob_start_len
             out.input_token_logprobs = list(zip(delta.input_logprobs, out.prompt_token_ids[start:], strict=True))

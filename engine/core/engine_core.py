@@ -91,6 +91,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         error = prompt_error(req.prompt_token_ids, req.sampling_params, self.limits)
         if error is None and self.scheduler.has(req.request_id):  # another API server's request
             error = f"request id {req.request_id!r} is already running"
+        if error is None and req.sampling_params.return_routed_experts and self.runner.route_log is None:
+            error = "return_routed_experts needs the engine started with --enable-return-routed-experts (and a MoE model)"
         if error is not None:
             req.finish(FINISH_ERROR, error=error)
             return _final_delta(req)
@@ -98,9 +100,18 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         return None
 
     def abort(self, request_ids: list[str] | None) -> list[RequestDelta]:
+        """Finish the named requests (None: all) with finish_reason abort: one final delta each,
+        with the routed experts of its known positions when asked (read before its blocks go)."""
         ids = request_ids if request_ids is not None else self.scheduler.request_ids()
-        aborted = (self.scheduler.abort(rid) for rid in ids)
-        return [_final_delta(r) for r in aborted if r is not None]
+        deltas = []
+        for rid in ids:
+            req = self.scheduler.get(rid)
+            if req is None:
+                continue
+            routes = self._routes(req, req.num_known_tokens - 1)
+            self.scheduler.abort(rid)
+            deltas.append(_final_delta(req, routed_experts=routes))
+        return deltas
 
     def step(self) -> list[RequestDelta]:
         """Schedule and launch one step, then read the step launched before it: the host packs
@@ -133,7 +144,12 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
     def _read(self, step: LaunchedStep) -> list[RequestDelta]:
         """Wait for a launched step's tokens; apply them; one delta per request still running."""
         results = step.results()
+        if step.routes is not None:
+            step.routes.commit()
         live = [(r, s) for r, s in zip(step.requests, results, strict=True) if not r.finished]
+        # Routed experts up to the position this step's token came from (before its blocks may go).
+        routes = {r: self._routes(r, r.num_known_tokens if r.sampling_params.max_new_tokens else r.num_prompt_tokens - 1)
+                  for r, _ in live if r.sampling_params.return_routed_experts}
         self.scheduler.resolve(step.batch, [(r, s.token_id) for r, s in live])
         deltas: list[RequestDelta] = []
         for req, s in live:
@@ -157,10 +173,23 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
                     stop_matched=req.stop_matched,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens,
+                    routed_experts=routes.get(req),
                 )
             )
         self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
         return deltas
+
+    def _routes(self, req: Request, end: int) -> bytes | None:
+        """The routed experts of `req`'s positions routes_sent .. end - 1, marked sent; None when
+        it did not ask, or while those positions have no KV (preempted: they come once recomputed)."""
+        log = self.runner.route_log
+        if not req.sampling_params.return_routed_experts or log is None:
+            return None
+        if end > min(req.num_computed_tokens, len(req.block_table) * log.block_size):
+            return None
+        rows = log.rows(req.block_table, req.routes_sent, end)
+        req.routes_sent = max(req.routes_sent, end)
+        return rows
 
     def after_reply(self) -> None:
         """Run once a control call's reply is sent, on every rank: the host copy of weights an
@@ -299,8 +328,9 @@ def _from_logprob_start(req: Request, per_position: list[T]) -> list[T] | None:
     return per_position[req.sampling_params.logprob_start_len :] if per_position else None
 
 
-def _final_delta(req: Request, unavailable: bool = False) -> RequestDelta:
+def _final_delta(req: Request, unavailable: bool = False, routed_experts: bytes | None = None) -> RequestDelta:
     return RequestDelta(
+        routed_experts=routed_experts,
         unavailable=unavailable,
         request_id=req.request_id,
         new_token_ids=[],

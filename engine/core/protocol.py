@@ -78,6 +78,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released): 503
+    # return_routed_experts: the routed experts of the positions this step made known, int32
+    # [positions, num_layers, top_k] as bytes (engine/runner/route_log.py); a client concatenates them.
+    routed_experts: bytes | None = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -64,6 +64,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request of that id, if any."""
+        return self._requests.get(request_id)
+
     def has(self, request_id: str) -> bool:
         """Whether an unfinished request has this id."""
         return request_id in self._requests

@@ -22,6 +22,7 @@ graph's sampler reads the logits instead of the pieces their epilogue writes (`l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ from engine.models.moe import SparseMoE
 from engine.models.rotary import RopeInputs, RotaryEmbedding
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from engine.kernels.moe_workspace import MoeWorkspace
 
 
 @dataclass(frozen=True)
@@ -231,15 +235,27 @@ class LlamaForCausalLM(nn.Module):
     def _logits_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def sparse_layers(self) -> list[SparseMoE]:
+        """The mixture-of-experts MLPs, in layer order ([] for a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def reserve_workspaces(self, max_tokens: int) -> list[MoeWorkspace]:
+        """The buffers the fused MoE kernels share across layers and CUDA-graph sizes, allocated now
+        for steps of up to `max_tokens` tokens (the model runner: inside the `cuda_graph` region,
+        before the KV profile and every capture); one per distinct layer shape, [] when dense."""
+        found = {id(ws): ws for ws in (mlp.reserve(max_tokens) for mlp in self.sparse_layers())}
+        return list(found.values())
+
     def capture_routed_experts(self, max_tokens: int) -> RoutedExperts:
         """From now on every forward records each sparse layer's top-k expert ids for steps of up
-        to `max_tokens` tokens (routed_experts.py), in a buffer allocated here, on the current
-        default device (the model runner: inside the `cuda_graph` region). ValueError for a
-        model without sparse layers."""
-        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        to `max_tokens` tokens (routed_experts.py), in a buffer allocated here, on the weights'
+        device (the model runner: inside the `cuda_graph` region). ValueError for a model without
+        sparse layers."""
+        moe = self.sparse_layers()
         if not moe:
             raise ValueError(f"{self.config.architecture} has no mixture-of-experts layers to record")
-        routed = RoutedExperts(self.config.num_layers, moe[0].top_k, max_tokens)
+        device = self.model.embed_tokens.weight.device
+        routed = RoutedExperts(self.config.num_layers, moe[0].top_k, max_tokens, device)
         for mlp in moe:
             mlp.routed = routed
         self.routed_experts = routed

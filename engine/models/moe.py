@@ -25,6 +25,7 @@ other device runs this file's torch code, the reference the kernels are tested a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from engine.config import ConfigError, ModelConfig
 from engine.models.layers import Linear
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import Shard, TensorParallel
+
+if TYPE_CHECKING:
+    from engine.kernels.moe_workspace import MoeWorkspace
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +152,15 @@ class SparseMoE(nn.Module):
         self.experts = PackedExperts(E, config.hidden_size, config.moe_intermediate_size, tp)
         self.gate = Linear(config.hidden_size, E, bias=False, fused=fused)  # replicated on every rank
         self.routed: RoutedExperts | None = None
+
+    def reserve(self, max_tokens: int) -> MoeWorkspace:
+        """CUDA: the fused kernels' shared workspace for this layer's shapes and steps of up to
+        `max_tokens` tokens, allocated now if it is not yet (engine/kernels/moe_workspace.py)."""
+        from engine.kernels.moe_workspace import shared_workspace
+
+        e = self.experts
+        w = e.down_proj  # [E, hidden, I_r]
+        return shared_workspace(max_tokens, e.num_experts, self.top_k, w.shape[1], w.shape[2], w.dtype, w.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.request import Batch, Request
+from engine.runner.route_log import StagedRoutes
 from engine.runner.sampler import SampledOnDevice
 from engine.runner.step_inputs import PendingTokens
 
@@ -22,11 +23,13 @@ class SampleResult:
 @dataclass
 class LaunchedStep:
     """A step whose work is queued on the device: `batch` as scheduled; `requests` the rows that
-    sample, in batch order; `samples` their tokens (None when no row samples)."""
+    sample, in batch order; `samples` their tokens (None when no row samples); `routes` the
+    routed experts of its tokens on their way to the host (None unless they are recorded)."""
 
     batch: Batch
     requests: list[Request]
     samples: SampledOnDevice | None
+    routes: StagedRoutes | None = None
 
     @property
     def needs_host_tokens(self) -> bool:

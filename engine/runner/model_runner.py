@@ -27,6 +27,7 @@ from engine.memory.poison import tensors_of
 from engine.memory.regions import MemoryRegions
 from engine.models import get_model_class
 from engine.models.hooks import DecodeStepPath
+from engine.models.routed_experts import RoutedExperts
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
 from engine.request import Batch
 from engine.runner.cuda_graph import CudaGraphRunner
@@ -34,8 +35,10 @@ from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
 from engine.runner.prompt_logprobs import PromptLogprobs
+from engine.runner.route_log import RouteLog
 from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
 from engine.runner.step_inputs import (
+    SLOTS_PART,
     StepInputs,
     StepPlan,
     Uploader,
@@ -116,6 +119,15 @@ class ModelRunner:
             self.weights.host_copy_kind,
         )
 
+        # What every step shares at its largest size, allocated before the KV profile counts the
+        # memory left: the fused MoE kernels' workspace, and the routed experts' record when asked.
+        self.max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.routed: RoutedExperts | None = None
+        with self.memory.region("cuda_graph"):
+            self.moe_workspaces = self.model.reserve_workspaces(self.max_step_tokens) if self.device.type == "cuda" else []
+            if config.enable_return_routed_experts:
+                self.routed = self._capture_routes()
+
         t0 = time.perf_counter()
         self.num_kv_blocks = num_kv_blocks(self)
         with self.memory.region("kv_cache"):
@@ -124,6 +136,7 @@ class ModelRunner:
             )
         self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.memory.holds("kv_cache", lambda: [self.kv_cache])
+        self.route_log = RouteLog(self.routed, self.num_kv_blocks * self.block_size, self.block_size) if self.routed else None
         log.info("KV cache in %.2f s: %d blocks of %d tokens, %.1f MiB", time.perf_counter() - t0, self.num_kv_blocks,
                  self.block_size, self.kv_cache_bytes / (1 << 20))
 
@@ -172,12 +185,22 @@ class ModelRunner:
         for path in self.decode_paths:
             path.after_resume()
 
+    def _capture_routes(self) -> RoutedExperts:
+        try:
+            routed = self.model.capture_routed_experts(self.max_step_tokens)
+        except ValueError as e:
+            raise ConfigError(f"--enable-return-routed-experts: {e}") from None
+        log.info("routed experts recorded for steps of <= %d tokens: %.1f MiB on the device", self.max_step_tokens,
+                 routed.buffer.numel() * routed.buffer.element_size() / (1 << 20))
+        return routed
+
     def _graph_region_tensors(self) -> list[torch.Tensor]:
         """The tensors the `cuda_graph` region holds: the attention backend's workspaces and graph
-        buffers, the graphs' static inputs and outputs, the persistent decode paths' buffers
-        (views of the KV cache or the weights that their owners keep are not the region's)."""
+        buffers, the graphs' static inputs and outputs, the persistent decode paths' buffers, the
+        MoE workspaces and the routed experts' record (views of the KV cache or the weights that
+        their owners keep are not the region's)."""
         owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise,
-                  *self.decode_paths]
+                  *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed]
         others = {self.kv_cache.untyped_storage().data_ptr(), self.weights.flat.untyped_storage().data_ptr()}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
@@ -247,7 +270,8 @@ class ModelRunner:
             req.prompt_logprobs[q] = lp
             if req.prompt_top_logprobs and prompt.tops is not None:
                 req.prompt_top_logprobs[q] = prompt.tops[j][: req.sampling_params.top_logprobs_num]
-        return LaunchedStep(batch, [batch.requests[i] for i in plan.sample_rows], samples)
+        routes = self.route_log.stage(plan.parts[SLOTS_PART]) if self.route_log is not None else None
+        return LaunchedStep(batch, [batch.requests[i] for i in plan.sample_rows], samples, routes)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[SampledOnDevice | None, PromptLogprobs]:

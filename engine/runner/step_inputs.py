@@ -124,6 +124,7 @@ class StepPlan(msgspec.Struct, array_like=True):
 
 
 _INT32_FIELDS = 3  # the metadata's last parts: query_start_loc, seq_lens, block tables
+SLOTS_PART = 5  # StepPlan.parts[SLOTS_PART]: the KV slot of each of the step's tokens, in token order
 
 
 def plan_step(batch: Batch, block_size: int, pending: PendingTokens | None = None) -> StepPlan:

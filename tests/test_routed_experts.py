@@ -1,0 +1,120 @@
+"""Routed experts for RL routing replay (SGLang's `--enable-return-routed-experts` and the request's
+`return_routed_experts`) on the CPU: for every position of prompt + output but the last, each MoE
+layer's top-k experts are transformers' router choices on the tiny Qwen3-MoE checkpoint (float32),
+through chunked prefill, prefix-cache hits, stops and aborts; over HTTP they arrive as slime
+reads them (THUDM/slime `slime/rollout/sglang_rollout.py`, `generate`: base64 of int32, reshaped
+to (len(tokens) - 1, num_layers, moe_router_topk))."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from server_util import ServerProcess
+from test_models import random_tokens
+from test_moe import hf_router_ids
+
+from engine import Engine, SamplingParams
+from engine.errors import EngineDeadError
+
+LAYERS, TOP_K = 3, 2  # the tiny checkpoint: sparse, dense, sparse; top-2 of 8
+KNOBS = dict(device="cpu", dtype="float32", max_model_len=512, block_size=8, max_num_batched_tokens=32,
+             enable_return_routed_experts=True)  # fmt: skip
+
+
+def ask(max_new_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, return_routed_experts=True, **kw)
+
+
+def rows(data: bytes | bytearray) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(bytes(data), dtype=np.int32).reshape(-1, LAYERS, TOP_K).copy())
+
+
+def want(path: str, tokens: list[int]) -> torch.Tensor:
+    """transformers' choices per position of `tokens`: [len, LAYERS, TOP_K], the dense layer 0."""
+    sparse = hf_router_ids(path, tokens)
+    out = torch.zeros(len(tokens), LAYERS, TOP_K, dtype=torch.int32)
+    out[:, 0], out[:, 2] = sparse[0], sparse[1]
+    return out
+
+
+def test_every_position_routes_as_transformers(qwen3_moe_dir: str) -> None:
+    base = random_tokens(40, seed=5)
+    with Engine(model=qwen3_moe_dir, **KNOBS) as llm:
+        first = llm.generate(input_ids=[base], sampling_params=ask(6))[0]
+        assert torch.equal(rows(first.routed_experts), want(qwen3_moe_dir, base + first.output_ids[:-1]))
+        # One batch: a prompt extending `base` (its blocks come from the prefix cache, written by
+        # the request above), a fresh one chunked over several steps, `base` stopped by a stop
+        # token, a prefill-only scoring request, and one that does not ask.
+        stop = first.output_ids[2]
+        prompts = [base + random_tokens(9, seed=6), random_tokens(70, seed=7), base, base[:21], base[:17]]
+        params = [ask(8), ask(5), ask(6, stop_token_ids=(stop,)), ask(0),
+                  SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)]  # fmt: skip
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        assert outs[0].cached_tokens >= 32 and outs[2].cached_tokens >= 32
+        assert outs[2].finish_reason == "stop" and len(outs[2].output_ids) == first.output_ids.index(stop) + 1
+        for prompt, out in zip(prompts[:4], outs[:4], strict=True):
+            tokens = prompt + out.output_ids
+            assert torch.equal(rows(out.routed_experts), want(qwen3_moe_dir, tokens[:-1])), out.request_id
+        assert outs[4].routed_experts is None
+
+
+def test_refused_without_the_flag_and_on_a_dense_model(qwen3_moe_dir: str, qwen3_dir: str) -> None:
+    with Engine(model=qwen3_moe_dir, **{**KNOBS, "enable_return_routed_experts": False}) as llm:
+        (out,) = llm.generate(input_ids=[[1, 2, 3]], sampling_params=ask(2))
+        assert out.refused and "--enable-return-routed-experts" in out.error and out.output_ids == []
+    with pytest.raises(EngineDeadError, match="no mixture-of-experts layers"):
+        Engine(model=qwen3_dir, **KNOBS)
+
+
+def test_an_aborted_request_gets_the_positions_it_knows(qwen3_moe_dir: str) -> None:
+    """Deltas carry each step's new positions; an abort's final delta the rest of the known ones
+    (slime resubmits an aborted sample with its tokens so far and reads len(tokens) - 1 rows)."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.core.protocol import AddRequest
+
+    core = EngineCore(EngineConfig(model=qwen3_moe_dir, num_kv_blocks=64, **KNOBS))
+    prompt = random_tokens(45, seed=9)
+    assert core.add_request(AddRequest(request_id="a", prompt_token_ids=prompt, sampling_params=ask(50))) is None
+    ids, routes = [], bytearray()
+    while len(ids) < 5:
+        for d in core.step():
+            ids += d.new_token_ids
+            routes += d.routed_experts or b""
+    (final,) = core.abort(["a"])  # with a step in flight: its position is not known yet
+    routes += final.routed_experts
+    tokens = prompt + ids
+    assert final.finish_reason == "abort" and torch.equal(rows(routes), want(qwen3_moe_dir, tokens[:-1]))
+    core.close()
+
+
+def _slime_routes(output: dict, tokens: list[int]) -> np.ndarray:
+    """slime's reader, as in its generate()."""
+    return np.frombuffer(base64.b64decode(output["meta_info"]["routed_experts"].encode("ascii")), dtype=np.int32).reshape(
+        len(tokens) - 1, LAYERS, TOP_K
+    )
+
+
+def test_over_http_as_slime_reads_them(qwen3_moe_dir: str) -> None:
+    server = ServerProcess(qwen3_moe_dir, "--max-model-len", "512", "--block-size", "8", "--enable-return-routed-experts")
+    try:
+        with server.client() as http:
+            assert http.get("/server_info").json()["enable_return_routed_experts"] is True
+            prompt = random_tokens(30, seed=8)
+            body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                    "sampling_params": {"max_new_tokens": 7, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+            output = http.post("/generate", json=body).json()
+            tokens = prompt + [t for _, t, _ in output["meta_info"]["output_token_logprobs"]]
+            assert torch.equal(torch.from_numpy(_slime_routes(output, tokens).copy()), want(qwen3_moe_dir, tokens[:-1]))
+            # Streamed: the last event carries them.
+            with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+            last = httpx.Response(200, content=events[-1]).json()
+            assert last["output_ids"] == tokens[len(prompt) :]
+            assert _slime_routes(last, tokens).tobytes() == _slime_routes(output, tokens).tobytes()
+    finally:
+        server.stop()
