@@ -60,6 +60,11 @@ def test_every_position_routes_as_transformers(qwen3_moe_dir: str) -> None:
             tokens = prompt + out.output_ids
             assert torch.equal(rows(out.routed_experts), want(qwen3_moe_dir, tokens[:-1])), out.request_id
         assert outs[4].routed_experts is None
+        # A release poisons what it frees (on a CPU always): the dense layer's column is 0 again.
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        again = llm.generate(input_ids=[base], sampling_params=ask(6))[0]
+        assert again.output_ids == first.output_ids and again.routed_experts == first.routed_experts
 
 
 def test_refused_without_the_flag_and_on_a_dense_model(qwen3_moe_dir: str, qwen3_dir: str) -> None:

@@ -8,7 +8,7 @@ column (Qwen3-MoE's mlp_only_layers) is never written and stays 0.
 
 Rules:
 - Allocated once at the largest token count of a step (the model runner: inside the `cuda_graph`
-  region) and written in place by every forward, so a CUDA graph records the writes and a replay
+  region; zeroed again after each resume of it) and written in place by every forward, so a CUDA graph records the writes and a replay
   makes them: the ids read after a step are the ones its forward used, graphs included.
 - Each forward overwrites rows [0, T) of every sparse layer; rows past T are the previous steps'
   (a padded graph's extra rows hold the padding's choices). Read a step's rows before the next
@@ -31,6 +31,11 @@ class RoutedExperts:
     @property
     def max_tokens(self) -> int:
         return self.buffer.shape[0]
+
+    def reset(self) -> None:
+        """Zero the buffer (after its memory came back undefined: a dense layer's column is never
+        written by a forward)."""
+        self.buffer.zero_()
 
     def record(self, layer_id: int, ids: torch.Tensor) -> None:
         """Layer `layer_id`'s choices for the step's tokens: ids [T, k] (any integer dtype)."""
