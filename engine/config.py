@@ -205,6 +205,10 @@ class EngineConfig:
         default=False,
         metadata={"help": "fill what a GPU resume maps again with NaN / 0xFF bytes, so any read of memory lost in the release shows (a CPU release always does)"},
     )
+    load_format: str = field(
+        default="auto",
+        metadata={"help": "auto (the checkpoint's safetensors) | dummy (random weights of config.json's shape: benchmarks; vLLM's name)"},
+    )
     weights_backup: str = field(
         default="host", metadata={"help": "host (pinned copy: resume restores weights) | none (resume needs a weight update)"}
     )
@@ -256,6 +260,8 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.weights_backup not in ("host", "none"):
             raise ConfigError(f"weights_backup must be host or none, got {self.weights_backup!r}")
         if self.dtype != "auto":

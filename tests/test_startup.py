@@ -95,6 +95,23 @@ def test_a_bad_model_path_is_one_line(tmp_path, qwen3_dir: str) -> None:
     _one_line_error(_serve("--model", str(empty), "--mem-fraction", "3"), "mem_fraction")
 
 
+def test_dummy_weights_need_only_the_config(tmp_path, qwen3_moe_dir: str) -> None:
+    """`load_format="dummy"` (vLLM's): a directory without safetensors serves random weights of
+    its config's shape, the same on every start (the benchmarks' 30B-A3B shape has no checkpoint)."""
+    shape_only = tmp_path / "shape_only"
+    shutil.copytree(qwen3_moe_dir, shape_only)
+    for f in shape_only.glob("*.safetensors"):
+        f.unlink()
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with Engine(model=str(shape_only), load_format="dummy", device="cpu", dtype="float32", max_model_len=128) as llm:
+            runs.append(llm.generate(input_ids=[[3, 1, 4, 1, 5]], sampling_params=greedy)[0].output_ids)
+    assert len(runs[0]) == 6 and runs[0] == runs[1]
+    with Engine(model=qwen3_moe_dir, device="cpu", dtype="float32", max_model_len=128) as llm:
+        assert llm.generate(input_ids=[[3, 1, 4, 1, 5]], sampling_params=greedy)[0].output_ids != runs[0]
+
+
 def hub_cache(home: str, repo_id: str, checkpoint: str, revision: str = "0123456789abcdef") -> str:
     """`checkpoint` laid out as huggingface_hub caches `repo_id` under HF_HOME `home`; the snapshot."""
     repo = os.path.join(home, "hub", "models--" + repo_id.replace("/", "--"))

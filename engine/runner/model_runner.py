@@ -46,7 +46,7 @@ from engine.runner.step_inputs import (
     plan_step,
     step_inputs,
 )
-from engine.weights.loader import load_checkpoint
+from engine.weights.loader import load_checkpoint, load_dummy
 from engine.weights.store import WeightStore
 
 log = logging.getLogger("siesta.engine")
@@ -108,7 +108,10 @@ class ModelRunner:
         with self.memory.region("weights"):
             self.model = self._build_model()
             self.weights = WeightStore(self.model, self.device)
-        load_checkpoint(self.model, self.model_config.path, self.weights.targets)
+        if config.load_format == "dummy":
+            load_dummy(self.model, config.seed)
+        else:
+            load_checkpoint(self.model, self.model_config.path, self.weights.targets)
         self.weights_bytes = self.weights.nbytes
         self.memory.holds("weights", lambda: [self.weights.flat])
         if config.weights_backup == "host":  # on a CPU too: a release there loses the weights as well

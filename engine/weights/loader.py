@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -275,6 +276,19 @@ def load_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | N
     targets = targets if targets is not None else checkpoint_targets(model)
     _validate(model, targets, checkpoint_entries(path), require_all=True)
     return _copy(model, targets, iterate_checkpoint(path, targets))
+
+
+def load_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of the model's own shapes (vLLM's `--load-format dummy`, for benchmarks):
+    1-D tensors (norms) 1.0, every other N(0, 0.02) from a generator seeded by (seed, name), so
+    that a tensor every tensor-parallel rank holds whole is the same on each."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            p.normal_(0.0, 0.02, generator=gen)
 
 
 def validate_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> None:

@@ -35,18 +35,19 @@ class ModelNotFound(ConfigError):
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
-    """`config` with `model` (and `tokenizer`, when given) as local directories."""
-    model = resolve_model_dir(config.model)
+    """`config` with `model` (and `tokenizer`, when given) as local directories (with
+    `load_format` dummy, a model directory needs its config.json only)."""
+    model = resolve_model_dir(config.model, weights=config.load_format != "dummy")
     tokenizer = resolve_tokenizer_dir(config.tokenizer) if config.tokenizer else None
     if (model, tokenizer) == (config.model, config.tokenizer):
         return config
     return config.replace(model=model, tokenizer=tokenizer)
 
 
-def resolve_model_dir(name: str) -> str:
+def resolve_model_dir(name: str, weights: bool = True) -> str:
     """The checkpoint directory `name` names: itself, or a repo id's snapshot in the Hub cache."""
     path = name if is_local(name) else _snapshot(name, "model")
-    check_model_dir(path, name)
+    check_model_dir(path, name, weights)
     return path
 
 
@@ -58,9 +59,9 @@ def resolve_tokenizer_dir(name: str) -> str:
     return _snapshot(name, "tokenizer")
 
 
-def check_model_dir(path: str, name: str | None = None) -> None:
-    """Raise `ModelNotFound` unless `path` holds config.json and safetensors weights. `name`: what
-    the user gave, when it was a repo id (the message names both)."""
+def check_model_dir(path: str, name: str | None = None, weights: bool = True) -> None:
+    """Raise `ModelNotFound` unless `path` holds config.json and (`weights`) safetensors weights.
+    `name`: what the user gave, when it was a repo id (the message names both)."""
     shown = repr(path) if name in (None, path) else f"{path!r} (the snapshot of {name!r})"
     path = os.path.expanduser(path)
     if not os.path.exists(path):
@@ -70,7 +71,7 @@ def check_model_dir(path: str, name: str | None = None) -> None:
     files = os.listdir(path)
     if "config.json" not in files:
         raise ModelNotFound(f"model directory {shown} has no config.json: is it a Hugging Face checkpoint?")
-    if not any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in files):
+    if weights and not any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in files):
         other = sorted(f for f in files if f.endswith((".bin", ".pt", ".pth", ".gguf")))
         found = f" (found {', '.join(other[:3])}: Siesta loads safetensors only)" if other else ""
         raise ModelNotFound(f"model directory {shown} has config.json but no *.safetensors weights{found}")
