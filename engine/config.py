@@ -62,6 +62,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense MLP every token runs, gated (0: none)
 
     @classmethod
     def from_hf(cls, path: str) -> ModelConfig:
@@ -96,7 +97,7 @@ class ModelConfig:
             max_position_embeddings=_max_positions(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias; Llama-family configs say so with `attention_bias`.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(hf.get("attention_bias", False)),
             torch_dtype=_dtype_name(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             eos_token_ids=_eos_ids(path, hf, int(hf["vocab_size"])),
             bos_token_id=hf.get("bos_token_id"),
@@ -108,6 +109,7 @@ class ModelConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
         )
 
 

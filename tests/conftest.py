@@ -20,6 +20,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -91,6 +93,17 @@ def _tiny_qwen3_moe(seed: int = 11) -> PreTrainedModel:
     return _randomized(Qwen3MoeForCausalLM, config, seed=seed)
 
 
+def _tiny_qwen2_moe() -> PreTrainedModel:
+    # Qwen2-MoE: q/k/v bias, a gated shared expert beside 8 experts of 32, top-2 not renormalised
+    # (norm_topk_prob false, as Qwen1.5-MoE); layer 1 dense.
+    config = Qwen2MoeConfig(
+        **TINY, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[1],
+    )
+    return _randomized(Qwen2MoeForCausalLM, config, seed=13)
+
+
 def _tiny_mistral() -> PreTrainedModel:
     # Mistral-shaped: Llama layers under another name, GQA, no rope scaling, a sliding window
     # no shorter than the context (so full attention is exact).
@@ -159,6 +172,12 @@ def qwen3_aligned_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen3-MoE, saved with Hugging Face's per-expert names (`mlp.experts.{e}.gate_proj.weight`)."""
     return _save(_tiny_qwen3_moe(), str(tmp_path_factory.mktemp("qwen3_moe")))
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen2-MoE with its shared expert, per-expert names as saved by transformers."""
+    return _save(_tiny_qwen2_moe(), str(tmp_path_factory.mktemp("qwen2_moe")))
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,12 @@ def _model(path: str, device: str) -> torch.nn.Module:
     return model
 
 
-def test_cuda_forward_equals_the_reference(qwen3_moe_dir: str) -> None:
+@pytest.mark.parametrize("family", ["qwen3_moe_dir", "qwen2_moe_dir"])
+def test_cuda_forward_equals_the_reference(family: str, request: pytest.FixtureRequest) -> None:
+    """Qwen3-MoE, and Qwen2-MoE with its shared expert (a dense MLP on the fused path)."""
     pytest.importorskip("engine.kernels.fused_moe")
-    cpu, gpu = _model(qwen3_moe_dir, "cpu"), _model(qwen3_moe_dir, "cuda")
+    path = request.getfixturevalue(family)
+    cpu, gpu = _model(path, "cpu"), _model(path, "cuda")
     routed = {"cpu": cpu.capture_routed_experts(64), "cuda": None}
     with torch.device("cuda"):
         routed["cuda"] = gpu.capture_routed_experts(64)

@@ -221,3 +221,30 @@ def test_two_ranks_equal_one_rank(qwen3_moe_dir: str, qwen3_moe_next_dir: str) -
         packed = hf_named_parameters(qwen3_moe_next_dir)
         assert llm.update_weights_from_tensor([serialize_named_tensors(packed)])["success"]
         assert _outputs(llm)[0] == want["new"]
+
+
+# ---- Qwen2-MoE: the shared expert ------------------------------------------------------------
+
+
+def test_qwen2_moe_matches_transformers(qwen2_moe_dir: str) -> None:
+    """Qwen2-MoE (q/k/v bias, a gated shared expert, routing weights not renormalised): prefill
+    and decode logits, router choices, and the engine's greedy tokens and logprobs, at TP=1 and
+    at TP=2 over gloo (each rank a slice of the shared expert as of every expert)."""
+    model = build(qwen2_moe_dir)
+    assert model.model.layers[0].mlp.shared_expert is not None and not model.model.layers[0].mlp.renormalize
+    routed = model.capture_routed_experts(max_tokens=64)
+    runner = PagedRunner(model, block_size=8)
+    prompt, more = random_tokens(23, seed=4), random_tokens(2, seed=5)
+    ref = hf_logits(qwen2_moe_dir, prompt + more)
+    assert_close(runner.step({0: prompt})[0], ref[: len(prompt)])
+    sparse = hf_router_ids(qwen2_moe_dir, prompt)
+    assert torch.equal(routed.last(len(prompt))[:, 0].long(), sparse[0])
+    assert torch.equal(routed.last(len(prompt))[:, 2].long(), sparse[1])
+    for i, token in enumerate(more):
+        assert_close(runner.step({0: [token]})[0][0], ref[len(prompt) + i])
+    want = hf_greedy(qwen2_moe_dir, PROMPTS, N)
+    for tp in (1, 2):
+        with Engine(model=qwen2_moe_dir, tp_size=tp, **KNOBS) as llm:
+            ids, lps = _outputs(llm)
+            assert ids == want, tp
+            _assert_logprobs_close(lps, _hf_logprobs(qwen2_moe_dir, PROMPTS, ids))

@@ -18,6 +18,7 @@ _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }

@@ -4,6 +4,7 @@ SiLU-gated MLP, and sums their outputs weighted by the router's probabilities.
     logits  = gate(x)                                   # [T, E], the model dtype
     weights, ids = top-k of softmax(logits in fp32)     # [T, k] fp32, [T, k]; / their sum if norm_topk_prob
     y[t]    = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
+    y[t]   += sigmoid(shared_expert_gate(x[t])) * shared_expert(x[t])     # Qwen2-MoE only
 
 Experts are packed, one tensor per kind (as vLLM's and SGLang's fused MoE read them):
 `experts.gate_up_proj` [E, 2I, hidden] (expert e's gate_proj rows, then its up_proj rows) and
@@ -12,9 +13,12 @@ Experts are packed, one tensor per kind (as vLLM's and SGLang's fused MoE read t
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) land in them (`checkpoint_parts`,
 `packed_parts`; engine/weights/loader.py). The router is `gate.weight` [E, hidden].
 
+Qwen2-MoE adds a shared expert: a dense MLP (`shared_expert`, names as any MLP's) that every
+token runs, scaled by a sigmoid gate (`shared_expert_gate.weight` [1, hidden]).
+
 Tensor parallelism (vLLM's and SGLang's default for MoE): each rank holds a slice of every
-expert's intermediate dimension (gate and up rows each sliced, down's columns sliced) and the
-whole router, so every rank routes alike; the output is this rank's partial sum, which the
+expert's intermediate dimension (gate and up rows each sliced, down's columns sliced; the shared
+expert as a dense MLP) and the whole router and shared gate, so every rank routes alike; the output is this rank's partial sum, which the
 RMSNorm after the layer all-reduces (`tp.defers_reduce`: there is no bias), as a dense MLP's.
 
 Devices: a CUDA forward runs the Triton kernels of engine/kernels/moe_routing.py (`topk_softmax`)
@@ -32,12 +36,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.layers import Linear
+from engine.models.layers import MLP, Linear
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import Shard, TensorParallel
 
 if TYPE_CHECKING:
     from engine.kernels.moe_workspace import MoeWorkspace
+
+
+def sparse_layers(config: ModelConfig) -> tuple[int, ...]:
+    """The layers whose MLP is the mixture of experts: layer i unless listed in
+    `mlp_only_layers`, and only when (i + 1) % decoder_sparse_step == 0 (transformers', vLLM's
+    and SGLang's rule for Qwen2-MoE and Qwen3-MoE)."""
+    if config.num_experts < 1:
+        return ()
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers)
+    return tuple(i for i in range(config.num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +165,11 @@ class SparseMoE(nn.Module):
         # flattened bucket of its packed names lies in the weights region as one span.
         self.experts = PackedExperts(E, config.hidden_size, config.moe_intermediate_size, tp)
         self.gate = Linear(config.hidden_size, E, bias=False, fused=fused)  # replicated on every rank
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size, False, fused, tp)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)  # replicated; one row: no GEMV kernel
         self.routed: RoutedExperts | None = None
 
     def reserve(self, max_tokens: int) -> MoeWorkspace:
@@ -163,6 +182,12 @@ class SparseMoE(nn.Module):
         return shared_workspace(max_tokens, e.num_experts, self.top_k, w.shape[1], w.shape[2], w.dtype, w.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        out = self._routed(x)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]: the experts' sum
         logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them
         if x.is_cuda:
             from engine.kernels.fused_moe import fused_moe
