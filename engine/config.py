@@ -81,6 +81,7 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
+        mixtral = arch == "MixtralForCausalLM"
         return cls(
             path=os.path.abspath(path),
             architecture=arch,
@@ -105,8 +106,9 @@ class ModelConfig:
             # transformers >= 5 saves Qwen3-MoE's num_experts as num_local_experts.
             num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
             num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            # Mixtral's experts are intermediate_size wide and always renormalise their top k.
+            moe_intermediate_size=int(hf.get("moe_intermediate_size") or (hf["intermediate_size"] if mixtral else 0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", mixtral)),
             decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
             mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),

@@ -17,6 +17,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -104,6 +106,16 @@ def _tiny_qwen2_moe() -> PreTrainedModel:
     return _randomized(Qwen2MoeForCausalLM, config, seed=13)
 
 
+def _tiny_mixtral(seed: int = 15) -> PreTrainedModel:
+    # Mixtral: Llama attention, every MLP 4 experts of intermediate_size, top-2 renormalised; saved
+    # with Mixtral's names (block_sparse_moe.experts.{e}.w1/w2/w3).
+    config = MixtralConfig(
+        **(TINY | {"intermediate_size": 32}), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+    )
+    return _randomized(MixtralForCausalLM, config, seed=seed)
+
+
 def _tiny_mistral() -> PreTrainedModel:
     # Mistral-shaped: Llama layers under another name, GQA, no rope scaling, a sliding window
     # no shorter than the context (so full attention is exact).
@@ -178,6 +190,16 @@ def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen2-MoE with its shared expert, per-expert names as saved by transformers."""
     return _save(_tiny_qwen2_moe(), str(tmp_path_factory.mktemp("qwen2_moe")))
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _save(_tiny_mixtral(), str(tmp_path_factory.mktemp("mixtral")))
+
+
+@pytest.fixture(scope="session")
+def mixtral_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _save(_tiny_mixtral(seed=16), str(tmp_path_factory.mktemp("mixtral_next")))
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,9 @@ def _model(path: str, device: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe_dir", "qwen2_moe_dir"])
+@pytest.mark.parametrize("family", ["qwen3_moe_dir", "qwen2_moe_dir", "mixtral_dir"])
 def test_cuda_forward_equals_the_reference(family: str, request: pytest.FixtureRequest) -> None:
-    """Qwen3-MoE, and Qwen2-MoE with its shared expert (a dense MLP on the fused path)."""
+    """Qwen3-MoE, Qwen2-MoE with its shared expert (a dense MLP on the fused path), Mixtral."""
     pytest.importorskip("engine.kernels.fused_moe")
     path = request.getfixturevalue(family)
     cpu, gpu = _model(path, "cpu"), _model(path, "cuda")

@@ -248,3 +248,32 @@ def test_qwen2_moe_matches_transformers(qwen2_moe_dir: str) -> None:
             ids, lps = _outputs(llm)
             assert ids == want, tp
             _assert_logprobs_close(lps, _hf_logprobs(qwen2_moe_dir, PROMPTS, ids))
+
+
+# ---- Mixtral: every layer sparse, its own checkpoint names ----------------------------------------
+
+
+def test_mixtral_matches_transformers_and_takes_both_namings(mixtral_dir: str, mixtral_next_dir: str) -> None:
+    """Mixtral's checkpoint names (`block_sparse_moe.experts.{e}.w1`) load, as do transformers 5's
+    (`mlp.experts.gate_up_proj`, what a trainer sends): logits, greedy tokens and logprobs as
+    transformers'; an update by either naming gives the updated model's tokens."""
+    from engine.weights.payload import serialize_named_tensors
+
+    names = [n for n, _ in iterate_checkpoint(mixtral_dir)]
+    assert any(".block_sparse_moe.experts.3.w2." in n for n in names)
+    runner = PagedRunner(build(mixtral_dir), block_size=8)
+    prompt = random_tokens(19, seed=6)
+    assert_close(runner.step({0: prompt})[0], hf_logits(mixtral_dir, prompt))
+    want = {"old": hf_greedy(mixtral_dir, PROMPTS, N), "new": hf_greedy(mixtral_next_dir, PROMPTS, N)}
+    assert want["old"] != want["new"]
+    with Engine(model=mixtral_dir, **KNOBS) as llm:
+        ids, lps = _outputs(llm)
+        assert ids == want["old"]
+        _assert_logprobs_close(lps, _hf_logprobs(mixtral_dir, PROMPTS, ids))
+        on_disk = [(n, t.clone()) for n, t in iterate_checkpoint(mixtral_next_dir)]
+        assert llm.update_weights_from_tensor([serialize_named_tensors(on_disk)])["success"]
+        assert _outputs(llm)[0] == want["new"]
+        packed = hf_named_parameters(mixtral_dir)
+        assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in packed)
+        assert llm.update_weights_from_tensor([serialize_named_tensors(packed)])["success"]
+        assert _outputs(llm)[0] == want["old"]

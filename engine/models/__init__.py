@@ -17,6 +17,7 @@ from engine.config import ConfigError
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",

@@ -11,7 +11,8 @@ Rules:
   `...self_attn.qkv_proj.weight`. Packed experts (`PackedExperts`) take Hugging Face's per-expert
   tensors (`...mlp.experts.3.up_proj.weight` fills expert 3's up rows of `...mlp.experts.gate_up_proj`),
   or transformers 5's packed ones (`...mlp.experts.gate_up_proj`), which stand for all of theirs
-  (`_Target.covers`). Ignored: rotary `inv_freq` buffers, and `lm_head.weight` when the model ties
+  (`_Target.covers`). A family's other names for a tensor (`checkpoint_aliases`: Mixtral's
+  `block_sparse_moe.experts.{e}.w1`) stand for it the same way. Ignored: rotary `inv_freq` buffers, and `lm_head.weight` when the model ties
   its embeddings.
 - Work per tensor is a few dictionary look-ups and one copy: a Qwen3-30B-A3B update names ~18,900
   tensors, and its validation and copy time must scale with bytes, not names.
@@ -115,6 +116,12 @@ def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
             else:
                 name = f"{module_name}.{param_name}" if module_name else param_name
                 targets[name] = _Target(None, param.data, getattr(module, "shards", {}).get(param_name))
+    # Another name a family's checkpoints give a tensor (Mixtral's `block_sparse_moe...w1`) stands
+    # for it as a packed name stands for its parts: one target, covering the model's name.
+    aliases = model.checkpoint_aliases(list(targets)) if hasattr(model, "checkpoint_aliases") else {}
+    for alias, name in aliases.items():
+        t = targets[name]
+        packed[alias] = _Target(t.rows, t.view, t.shard, covers=(name,))
     return targets | packed
 
 
