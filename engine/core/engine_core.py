@@ -108,9 +108,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             req = self.scheduler.get(rid)
             if req is None:
                 continue
-            routes = self._routes(req, req.num_known_tokens - 1)
+            routes = self._routes([req], [req.num_known_tokens - 1]) if req.sampling_params.return_routed_experts else {}
             self.scheduler.abort(rid)
-            deltas.append(_final_delta(req, routed_experts=routes))
+            deltas.append(_final_delta(req, routed_experts=routes.get(req)))
         return deltas
 
     def step(self) -> list[RequestDelta]:
@@ -148,8 +148,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             step.routes.commit()
         live = [(r, s) for r, s in zip(step.requests, results, strict=True) if not r.finished]
         # Routed experts up to the position this step's token came from (before its blocks may go).
-        routes = {r: self._routes(r, r.num_known_tokens if r.sampling_params.max_new_tokens else r.num_prompt_tokens - 1)
-                  for r, _ in live if r.sampling_params.return_routed_experts}
+        asking = [r for r, _ in live if r.sampling_params.return_routed_experts]
+        routes = self._routes(asking, [r.num_known_tokens if r.sampling_params.max_new_tokens else r.num_prompt_tokens - 1
+                                       for r in asking]) if asking else {}
         self.scheduler.resolve(step.batch, [(r, s.token_id) for r, s in live])
         deltas: list[RequestDelta] = []
         for req, s in live:
@@ -179,17 +180,18 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.load_stats.on_step(sum(len(d.new_token_ids) for d in deltas))
         return deltas
 
-    def _routes(self, req: Request, end: int) -> bytes | None:
-        """The routed experts of `req`'s positions routes_sent .. end - 1, marked sent; None when
-        it did not ask, or while those positions have no KV (preempted: they come once recomputed)."""
+    def _routes(self, requests: list[Request], ends: list[int]) -> dict[Request, bytes]:
+        """The routed experts of each request's positions routes_sent .. end - 1, marked sent;
+        none for a request whose positions have no KV now (preempted: they come once recomputed)."""
         log = self.runner.route_log
-        if not req.sampling_params.return_routed_experts or log is None:
-            return None
-        if end > min(req.num_computed_tokens, len(req.block_table) * log.block_size):
-            return None
-        rows = log.rows(req.block_table, req.routes_sent, end)
-        req.routes_sent = max(req.routes_sent, end)
-        return rows
+        if log is None:
+            return {}
+        ready = [(r, e) for r, e in zip(requests, ends, strict=True)
+                 if e <= min(r.num_computed_tokens, len(r.block_table) * log.block_size)]  # fmt: skip
+        rows = log.rows([(r.block_table, r.routes_sent, e) for r, e in ready])
+        for r, e in ready:
+            r.routes_sent = max(r.routes_sent, e)
+        return {r: data for (r, _), data in zip(ready, rows, strict=True)}
 
     def after_reply(self) -> None:
         """Run once a control call's reply is sent, on every rank: the host copy of weights an

@@ -77,13 +77,17 @@ class RouteLog:
         ready.record()
         return StagedRoutes(self, host, slots, ready)
 
-    def rows(self, block_table: list[int], start: int, end: int) -> bytes:
-        """The rows of positions [start, end) of a sequence whose KV is in `block_table`, as the
-        bytes of an int32 array [end - start, layers, k] (C order, little-endian on every
-        platform torch runs on)."""
-        if end <= start:
-            return b""
+    def rows(self, spans: list[tuple[list[int], int, int]]) -> list[bytes]:
+        """For each (block table, start, end): the rows of positions [start, end) of the sequence
+        whose KV is in that block table, as the bytes of an int32 array [end - start, layers, k]
+        (C order, little-endian on every platform torch runs on). One gather for all of them: a
+        decode step asks for one row per running request."""
         bs = self.block_size
-        pos = np.arange(start, end, dtype=np.int64)
-        slots = np.asarray(block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
-        return self.table[slots].tobytes()
+        slots = [t[p // bs] * bs + p % bs for t, start, end in spans for p in range(start, end)]
+        data = self.table[np.asarray(slots, dtype=np.int64)].tobytes() if slots else b""
+        out, at, row = [], 0, self.row_bytes
+        for _, start, end in spans:
+            n = max(end - start, 0) * row
+            out.append(data[at : at + n])
+            at += n
+        return out
