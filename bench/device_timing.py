@@ -1,6 +1,6 @@
 """Timing on the device, shared by the suites, the kernel benchmarks and the probes: syncs and
-frees, one timed copy, the copy bandwidth a roofline is measured against, and the median time of
-an op replayed from a CUDA graph."""
+frees, one timed copy, the copy bandwidth a roofline is measured against, the dense bf16 matmul
+rate a FLOP/s target is measured against, and the median time of an op replayed from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -100,3 +100,22 @@ def event_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> fl
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def matmul_tflops(m: int, k: int, n: int, device: torch.device, reps: int = 20) -> float:
+    """bf16 TFLOP/s (2 m k n per call) of one [m, k] x [k, n] matmul into one output (torch's
+    matmul: cuBLAS on a GPU): the median of `reps` replays of a CUDA graph of 20 calls on a GPU,
+    the best of `reps` calls (perf_counter) elsewhere."""
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    if device.type == "cuda":
+        us = time_graph(lambda: [torch.matmul(a, b, out=c) for _ in range(20)], 20, reps)
+    else:
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            torch.matmul(a, b, out=c)
+            times.append(time.perf_counter() - t)
+        us = min(times[1:]) * 1e6
+    return 2 * m * k * n / us / 1e6

@@ -1,5 +1,7 @@
 """bench_engine.py's section decode: the weight bytes a decode step reads, and the decode step
-time at one batch size against the roofline (the copy bandwidth is device_timing.copy_bandwidth)."""
+time at one batch size against the roofline (the copy bandwidth is device_timing.copy_bandwidth).
+A mixture of experts reads only the experts its tokens route to: `routes` (engine_experts.py)
+counts them after the timed steps and gives the step's weight bytes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import contextlib
 import random
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,7 +52,8 @@ def device_waits() -> Iterator[list[float]]:
 
 
 def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: random.Random,
-                 weight_bytes: int, kv_token_bytes: int, bandwidth: float | None, replays: list[int]) -> dict[str, Any]:
+                 weight_bytes: int, kv_token_bytes: int, bandwidth: float | None, replays: list[int],
+                 routes: Callable[[EngineCore, int], dict[str, Any]] | None = None) -> dict[str, Any]:
     if bs > core.config.max_num_seqs:
         raise RuntimeError(f"batch {bs} is more than the engine's max_num_seqs ({core.config.max_num_seqs})")
     vocab = core.model_config.vocab_size
@@ -92,6 +95,8 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
                 raise RuntimeError(f"a decode step at batch {bs} produced {len(deltas)} deltas")
     host_busy_s = (sum(times) - sum(waits)) / len(times)
     graph_steps = replays[0] - replays0
+    experts = routes(core, bs) if routes is not None else {}  # untimed steps of their own, after the timed ones
+    weight_bytes = experts.get("weight_bytes_read", weight_bytes)
     core.abort(None)
     mean_s = sum(times) / len(times)
     kv_bytes = kv_token_bytes * sum(kv_tokens) / len(kv_tokens)
@@ -106,8 +111,10 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
         "roofline_bandwidth_fraction": roofline_s / mean_s if roofline_s else None,
         "preemptions": core.scheduler.num_preemptions - preempt0,
         "host_busy_mean_s": host_busy_s,  # the step minus its waits for the device
-    }
+    } | experts
     roof = f"roofline {roofline_s * 1e3:.3f} ms, measured/roofline {out['measured_over_roofline']:.2f}, " if roofline_s else ""
+    if experts:
+        roof += f"{experts['distinct_experts_per_layer']:.1f} distinct experts per layer, "
     say(f"decode bs={bs}: step {mean_s * 1e3:.3f} ms (median {out['step_median_s'] * 1e3:.3f}), {roof}"
         f"{graph_steps}/{len(times)} steps from CUDA graphs, host busy {host_busy_s * 1e3:.3f} ms per step, "
         f"prefill {prefill_s:.2f} s in {prefill_steps} steps")

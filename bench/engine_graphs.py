@@ -20,12 +20,14 @@ from engine.runner.cuda_graph import CudaGraphRunner
 
 def graph_memory(args: argparse.Namespace) -> dict[str, Any]:
     """Capture the ladder, then the largest graph alone, each with a fresh backend, on an engine
-    that captured nothing itself; compare the memory of each capture's graph pool (`pool_bytes`)."""
+    that captured nothing itself; compare the memory of each capture's graph pool (`pool_bytes`).
+    The engine loads the checkpoint as bench_engine.py says (`args.engine_options`: an MoE shape's
+    random weights in place); the fused MoE workspace is the engine's, outside both pools."""
     core = EngineCore(EngineConfig(
         model=args.model_path, device=args.device, dtype="bfloat16", disable_cuda_graph=True,
         attention_backend=args.attention_backend,
         num_kv_blocks=args.graph_kv_blocks, max_num_seqs=args.graph_max_bs,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, **getattr(args, "engine_options", {}),
     ))
     runner = core.runner
     device = runner.device

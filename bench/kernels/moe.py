@@ -31,7 +31,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import copy_bandwidth, event_time, time_graph  # noqa: E402
+from device_timing import copy_bandwidth, event_time, matmul_tflops, time_graph  # noqa: E402
 from report import print_table  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -39,10 +39,7 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 
 def dense_tflops(rows: int, reps: int) -> float:
     """bf16 FLOP/s of one [rows, H] x [H, 3I] matmul (cuBLAS), in TFLOP/s."""
-    a = torch.randn(max(rows, 16), HIDDEN, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(HIDDEN, 3 * INTER, device="cuda", dtype=torch.bfloat16)
-    us = time_graph(lambda: [a @ b for _ in range(20)], 20, reps)
-    return 2 * a.shape[0] * HIDDEN * 3 * INTER / us / 1e6
+    return matmul_tflops(max(rows, 16), HIDDEN, 3 * INTER, torch.device("cuda"), reps)
 
 
 def bench_tokens(T: int, layers: list[tuple[torch.Tensor, torch.Tensor]], bandwidth: float, reps: int) -> dict[str, Any]:
