@@ -9,6 +9,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequest
 
@@ -64,6 +65,11 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     return_routed_experts: bool = False
+    # Grammar-constrained decoding (SGLang's names; at most one): a JSON schema (as JSON text), a
+    # regular expression, or an EBNF grammar (engine/runner/grammar.py).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for `stop`; store tuples so the object stays hashable.
@@ -109,6 +115,9 @@ class SamplingParams:
             raise bad(f"logit_bias values must be finite numbers (at most {FLOAT32_MAX:.4g} in size)")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id twice")
+        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise bad(f"give at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
 
     @property
     def greedy(self) -> bool:
@@ -172,6 +181,9 @@ class Request:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     # return_routed_experts: the positions whose routed experts were sent (0 .. routes_sent - 1).
     routes_sent: int = 0
+    # The request's grammar matcher (engine/runner/grammar.py `RequestGrammar`) when its params
+    # constrain it; the engine process's only.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

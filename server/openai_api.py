@@ -128,7 +128,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if max_new is None:
         max_new = _fill_context([prompt], client.info["max_context_length"])
     want_lp = bool(body.logprobs)
-    params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.top_logprobs or 0)
+    params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.top_logprobs or 0,
+                                  json_schema=body.json_schema())
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = make_jobs([prompt], params, body.n, client, [rid])
     kind = "chat.completion.chunk" if body.stream else "chat.completion"

@@ -7,13 +7,16 @@ Rules:
 - `model` is checked by the route against the served names (server/model_names.py).
 - A null field means its default, as OpenAI documents. Unknown fields are ignored (clients send
   extras), but known fields that would change the output and that we cannot honour
-  (logit_bias, suffix, best_of, tools, response_format) are refused, never silently dropped.
+  (logit_bias, suffix, best_of, tools) are refused, never silently dropped.
+- `response_format` `json_object` / `json_schema` constrain the output by grammar
+  (engine/runner/grammar.py), as the engine's `json_schema` sampling param.
 - Renamed fields (max_tokens, min_tokens, logprobs) are bounded here, so a 400 names the OpenAI
   field; the rest are checked by `engine.request.SamplingParams`, which names them the same.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,7 +70,8 @@ class OpenAISampling(BaseModel):
             raise InvalidRequest("logit_bias is not supported")
 
     def sampling_params(
-        self, max_new_tokens: int, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1
+        self, max_new_tokens: int, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1,
+        json_schema: str | None = None,
     ) -> SamplingParams:
         """The engine's params; raises `InvalidRequest` naming a bad value."""
 
@@ -92,6 +96,7 @@ class OpenAISampling(BaseModel):
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len,
             skip_special_tokens=self.skip_special_tokens,
+            json_schema=json_schema,
         )
 
 
@@ -186,10 +191,26 @@ class ChatCompletionRequest(OpenAISampling):
         super().check_supported()
         if self.tools or self.tool_choice not in (None, "none"):
             raise InvalidRequest("tools are not supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidRequest("response_format other than {'type': 'text'} is not supported")
+        self.json_schema()  # a bad response_format is a 400 before anything runs
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true")
+
+    def json_schema(self) -> str | None:
+        """The JSON schema `response_format` constrains the output to (engine/runner/grammar.py):
+        `json_object` any object, `json_schema` its `schema`; None for `text` or none."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return json.dumps({"type": "object"})
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object")
+            return json.dumps(schema)
+        raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -9,9 +9,9 @@ Rules:
   (slime sends `"stop": null, "stop_token_ids": null`).
 - `sampling_seed` is SGLang's name for `seed`: either may be given; both with different values is
   a 400. `custom_params` is accepted and has no effect (no custom logit processors here).
-- Constrained decoding (`json_schema`, `regex`, `ebnf`, `structural_tag`, `stop_regex`) is not
-  implemented: any non-null value is a 400 saying so. So are the top-level `image_data`,
-  `lora_path` and `custom_logit_processor`.
+- Constrained decoding by `json_schema`, `regex` or `ebnf` (engine/runner/grammar.py);
+  `structural_tag` and `stop_regex` are not implemented: any non-null value is a 400 saying so.
+  So are the top-level `image_data`, `lora_path` and `custom_logit_processor`.
 - `return_routed_experts: true` needs a server started with `--enable-return-routed-experts`
   (SGLang's flag), else a 400; `meta_info.routed_experts` is then the base64 of an int32 array
   [prompt + output - 1, num_layers, top_k] (SGLang's layout).
@@ -58,7 +58,7 @@ _JSON_TYPES: dict[str, Any] = {
 }
 _INT_TYPES: dict[Any, Any] = {int: Int64, int | None: Int64 | None}
 # SGLang's constrained decoding fields: not implemented here, so only null is accepted.
-UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+UNSUPPORTED_SAMPLING = ("structural_tag", "stop_regex")
 # sampling_params fields SGLang has and the engine does not: handled (or refused) here.
 _SERVER_ONLY: dict[str, Any] = {
     "n": (int, Field(default=1, le=MAX_N, description="samples per prompt")),

@@ -88,9 +88,10 @@ def test_slime_rollout_payloads(http: httpx.Client) -> None:
     assert http.post("/generate", json=slime_payload(sampling_seed=42, seed=42)).json()["output_ids"] == a["output_ids"]
     clash = http.post("/generate", json=slime_payload(sampling_seed=42, seed=7))
     assert clash.status_code == 400 and "sampling_seed" in clash.json()["error"]["message"]
-    # SGLang's other fields: constrained decoding is refused unless null; unknown fields stay a 400.
+    # SGLang's other fields: null is their default; structural tags are refused (constrained
+    # decoding by regex, json_schema and ebnf: tests/test_grammar.py); unknown fields stay a 400.
     assert http.post("/generate", json=slime_payload(regex=None, json_schema=None, logit_bias=None)).status_code == 200
-    refused = http.post("/generate", json=slime_payload(regex="a+"))
+    refused = http.post("/generate", json=slime_payload(structural_tag="{}"))
     assert refused.status_code == 400 and "not supported" in refused.json()["error"]["message"]
     assert http.post("/generate", json=slime_payload(bogus=1)).status_code == 400
     # logit_bias is applied: a large bias on one token makes greedy pick it every time.

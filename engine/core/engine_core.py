@@ -30,6 +30,7 @@ from engine.memory.kv_cache import BlockManager
 from engine.memory.regions import RELEASED, RESIDENT
 from engine.parallel import TensorParallel
 from engine.request import FINISH_ABORT, FINISH_ERROR, SAMPLE_SEP, Request
+from engine.runner.grammar import Grammars
 from engine.runner.launched_step import LaunchedStep
 
 log = logging.getLogger("siesta.engine")
@@ -71,6 +72,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.in_flight: LaunchedStep | None = None
         self.updater = self.rank.updater
         self.profiler = StepProfiler(self.runner.device)
+        self.grammars = Grammars(config.tokenizer or config.model, self.model_config.vocab_size)
         self.load_stats = LoadStats()
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
@@ -91,6 +93,8 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         error = prompt_error(req.prompt_token_ids, req.sampling_params, self.limits)
         if error is None and self.scheduler.has(req.request_id):  # another API server's request
             error = f"request id {req.request_id!r} is already running"
+        if error is None:
+            error = self.grammars.attach(req)
         if error is None and req.sampling_params.return_routed_experts and self.runner.route_log is None:
             error = "return_routed_experts needs the engine started with --enable-return-routed-experts (and a MoE model)"
         if error is not None:

@@ -18,6 +18,8 @@ process.
 - `graph_io.py`: what a decode graph reads from and writes to pinned host memory itself (the
   step's inputs, the greedy samples), with no copy engine between steps.
 - `pinned.py`: pinned host staging buffers for the step inputs.
+- `grammar.py`: grammar-constrained decoding (xgrammar): a request's matcher and each step's token
+  mask, applied by the sampler.
 - `route_log.py`: the routed experts of every KV slot's token on the host, for RL routing replay
   (`return_routed_experts`), staged behind each step and read per request through its blocks.
 

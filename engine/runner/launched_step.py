@@ -5,12 +5,15 @@ launched step k+1).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine.request import Batch, Request
 from engine.runner.route_log import StagedRoutes
 from engine.runner.sampler import SampledOnDevice
 from engine.runner.step_inputs import PendingTokens
+
+log = logging.getLogger("siesta.engine")
 
 
 @dataclass
@@ -34,10 +37,11 @@ class LaunchedStep:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether scheduling the next step needs this one's tokens on the host: penalties count
-        every output token of a request, so its pending one must be known."""
+        every output token of a request, and a grammar's mask follows them, so its pending one
+        must be known."""
         return any(
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            for p in (r.sampling_params for r in self.requests)
+            r.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+            for r, p in ((r, r.sampling_params) for r in self.requests)
         )
 
     def pending_tokens(self) -> PendingTokens | None:
@@ -51,5 +55,9 @@ class LaunchedStep:
         if self.samples is None:
             return []
         out = self.samples.wait()
+        for r, token in zip(self.requests, out.token_ids, strict=True):
+            if r.grammar is not None and not r.finished and not r.grammar.accept(token):
+                log.error("request %s: token %d sampled against its grammar's mask; unconstrained from here", r.request_id, token)
+                r.grammar = None
         tops = out.top_logprobs or [None] * len(out.token_ids)
         return [SampleResult(t, lp, top) for t, lp, top in zip(out.token_ids, out.logprobs, tops, strict=True)]

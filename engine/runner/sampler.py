@@ -9,7 +9,8 @@ looking at a tensor.
 
 Order, per row: penalties, then logit_bias (added, as SGLang), then the result held to
 |x| <= LOGIT_LIMIT (a huge penalty or bias overflows float32; held there, x / T stays finite for
-every T >= SAMPLING_EPS, so no logprob is NaN), then min_new_tokens masking, then logprobs =
+every T >= SAMPLING_EPS, so no logprob is NaN), then min_new_tokens masking, then the grammar's
+mask (engine/runner/grammar.py: a disallowed token is -inf), then logprobs =
 log_softmax(logits / T) (T below SAMPLING_EPS counts as 1; computed as x - logsumexp(x) for the
 tokens reported, never over the whole [B, V]: engine/kernels/lse_argmax.py on CUDA), then greedy
 rows take the argmax and the others divide by T, truncate (top-k, top-p, min-p) and sample with
@@ -57,6 +58,8 @@ class SamplingBatch:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    grammar_rows: torch.Tensor | None = None  # [G] int64: rows a grammar constrains ...
+    grammar_masks: torch.Tensor | None = None  # [G, ceil(V / 32)] int32: ... bit t set iff token t is allowed
 
     @classmethod
     def from_requests(
@@ -100,10 +103,18 @@ class SamplingBatch:
             use_top_k=plan.use_top_k,
             use_top_p=plan.use_top_p,
             use_min_p=plan.use_min_p,
+            grammar_rows=None if plan.grammar_rows is None else upload([plan.grammar_rows])[0],
+            grammar_masks=None if plan.grammar_masks is None else _masks(plan.grammar_masks, len(plan.grammar_rows or ()), device),
         )
 
     def __len__(self) -> int:
         return len(self.top_logprobs_nums)
+
+
+def _masks(data: bytes, rows: int, device: torch.device) -> torch.Tensor:
+    """Grammar masks as sent in a plan: [rows, words] int32 on `device`."""
+    host = torch.frombuffer(bytearray(data), dtype=torch.int32).view(rows, -1)
+    return host.to(device, non_blocking=device.type == "cuda") if host.numel() else host.to(device)
 
 
 @dataclass
@@ -239,7 +250,8 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Penalties, logit bias, then min_new_tokens masking: a new [B, V] float32 tensor, or
         `logits` itself (any dtype, left as it is) when no row has any of them."""
-        if batch.repetition_penalties is None and batch.output_pairs is None and batch.bias_pairs is None and batch.banned_pairs is None:
+        if (batch.repetition_penalties is None and batch.output_pairs is None and batch.bias_pairs is None
+                and batch.banned_pairs is None and batch.grammar_rows is None):  # fmt: skip
             return logits
         logits = logits.to(torch.float32, copy=True)
         batch_size, vocab_size = logits.shape
@@ -266,6 +278,11 @@ class Sampler:
         logits.clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
         if batch.banned_pairs is not None:
             logits[batch.banned_pairs[0], batch.banned_pairs[1]] = float("-inf")
+        if batch.grammar_rows is not None and batch.grammar_masks is not None:
+            bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+            allowed = ((batch.grammar_masks[:, :, None] >> bits) & 1).view(len(batch.grammar_rows), -1)[:, :vocab_size]
+            rows = logits[batch.grammar_rows]
+            logits[batch.grammar_rows] = rows.masked_fill(allowed == 0, float("-inf"))
         return logits
 
     def _truncate(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

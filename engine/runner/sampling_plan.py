@@ -46,11 +46,15 @@ class SamplingPlan(msgspec.Struct, array_like=True):
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    grammar_rows: list[int] | None = None  # rows constrained by a grammar (engine/runner/grammar.py) ...
+    grammar_masks: bytes | None = None  # ... and their masks: [rows, words] int32, little-endian
 
     @property
     def leaves_logits(self) -> bool:
-        """No penalty, bias or ban changes the logits (`Sampler.process_logits` returns them as they are)."""
-        return self.repetition is None and self.output_pairs is None and self.bias_pairs is None and self.banned_pairs is None
+        """No penalty, bias, ban or grammar changes the logits (`Sampler.process_logits` returns
+        them as they are)."""
+        return (self.repetition is None and self.output_pairs is None and self.bias_pairs is None
+                and self.banned_pairs is None and self.grammar_rows is None)  # fmt: skip
 
     @classmethod
     def from_requests(cls, requests: list[Request]) -> SamplingPlan:
@@ -95,6 +99,7 @@ class SamplingPlan(msgspec.Struct, array_like=True):
         bias_rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
         bias = [pair for p in params for pair in p.logit_bias]
         sampled = [g == 0.0 for g in greedy]
+        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         return cls(
             scalars=[*temps, *greedy, *top_k, *top_p, *min_p],  # top_k < 2**24 is exact in float32
             repetition=list(rep) if use_rep else None,
@@ -112,4 +117,6 @@ class SamplingPlan(msgspec.Struct, array_like=True):
             use_top_k=any(k > 1 and s for k, s in zip(top_k, sampled, strict=True)),
             use_top_p=any(p < 1.0 and s for p, s in zip(top_p, sampled, strict=True)),
             use_min_p=any(m > 0.0 and s for m, s in zip(min_p, sampled, strict=True)),
+            grammar_rows=grammar_rows or None,
+            grammar_masks=b"".join(requests[i].grammar.next_mask() for i in grammar_rows) if grammar_rows else None,
         )

@@ -1,0 +1,111 @@
+"""Grammar-constrained decoding (SGLang's `json_schema`, `regex` and `ebnf` sampling params; the
+OpenAI routes' `response_format` and forced tool calls), through xgrammar: `Grammars` compiles a
+request's grammar once (cached by its text) and gives the request a `RequestGrammar`, its matcher.
+
+    mask [V // 32 rounded up] int32: bit t of word t // 32 set iff token t may come next
+
+Rules:
+- The mask of a step is the matcher's state after every token the request has: the engine reads
+  a step that has a constrained row before it schedules the next (`LaunchedStep.needs_host_tokens`),
+  and `accept` takes each token as it is read, before anything else of the step is applied.
+- The stop tokens of a grammar are the request's (the model's EOS unless `ignore_eos`, plus its
+  `stop_token_ids`): once the grammar can end, a stop token is allowed, and sampling it finishes
+  the request as any stop does. A request that runs out of tokens first ends with `length`.
+- The vocabulary is the model's (its embedding rows), of which the tokenizer's tokens are the
+  first: rows past the tokenizer are never allowed.
+- JSON schemas allow whitespace between elements, as vLLM's and SGLang's defaults do, but at most
+  JSON_WHITESPACE characters in a row: a weak policy otherwise spends its tokens on whitespace
+  (the loop both projects' issues report) and never closes the object.
+- The tokenizer is loaded in the engine process on the first constrained request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import InvalidRequest
+from engine.request import Request
+
+# SamplingParams field -> the xgrammar compiler method that reads it, and its options.
+KINDS = {"json_schema": "compile_json_schema", "regex": "compile_regex", "ebnf": "compile_grammar"}
+JSON_WHITESPACE = 16
+_OPTIONS: dict[str, dict[str, Any]] = {"json_schema": {"any_whitespace": True, "max_whitespace_cnt": JSON_WHITESPACE}}
+
+
+class RequestGrammar:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any, words: int) -> None:
+        self.matcher = matcher
+        self.words = words
+
+    def next_mask(self) -> bytes:
+        """The tokens allowed next, as `words` int32 words (little-endian bytes)."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.words * 32)
+        self.matcher.fill_next_token_bitmask(mask, 0)
+        return mask[0, : self.words].numpy().tobytes()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False if the grammar does not allow it (or has ended)."""
+        return bool(self.matcher.accept_token(token_id))
+
+
+class Grammars:
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        self._compiled: dict[tuple[str, str], Any] = {}
+
+    @property
+    def words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    def attach(self, req: Request) -> str | None:
+        """Give `req` its matcher if its params name a grammar; the error (a 400's message) when
+        the grammar does not compile, else None."""
+        spec = constraint(req)
+        if spec is None:
+            return None
+        try:
+            compiled = self._compile(*spec)
+        except InvalidRequest as e:
+            return str(e)
+        import xgrammar as xgr
+
+        p = req.sampling_params
+        stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
+        req.grammar = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None), self.words)
+        return None
+
+    def _compile(self, kind: str, text: str) -> Any:
+        key = (kind, text)
+        if key not in self._compiled:
+            compiler = self._compiler_once()
+            try:
+                self._compiled[key] = getattr(compiler, KINDS[kind])(text, **_OPTIONS.get(kind, {}))
+            except Exception as e:  # xgrammar's parse errors name the position
+                raise InvalidRequest(f"sampling_params.{kind} does not compile: {type(e).__name__}: {e}") from None
+        return self._compiled[key]
+
+    def _compiler_once(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+
+def constraint(req: Request) -> tuple[str, str] | None:
+    """(kind, grammar text) of the request's constraint, or None."""
+    p = req.sampling_params
+    for kind in KINDS:
+        text = getattr(p, kind)
+        if text is not None:
+            return kind, text
+    return None
