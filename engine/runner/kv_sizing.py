@@ -80,7 +80,8 @@ def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     """One forward at the largest token budget over a scratch KV cache just big enough for it;
     torch's peak allocation, less that scratch cache, is what a step may need besides KV. The
     reserve: the decode graphs' static logits and the piecewise graphs' pool (at most that peak
-    plus their largest size's buffers), each with a margin."""
+    less what was resident before it, the weights above all, plus their largest size's buffers),
+    each with a margin."""
     config, mc, device, block_size = runner.config, runner.model_config, runner.device, runner.block_size
     max_len = runner.max_model_len
     budget = min(config.max_num_batched_tokens, config.max_num_seqs * max_len)
@@ -89,6 +90,7 @@ def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)  # the weights and what startup allocated so far
     scratch = torch.empty(
         (mc.num_layers, 2, sum(blocks), block_size, runner.num_kv_heads, mc.head_dim), dtype=runner.dtype, device=device
     )
@@ -112,6 +114,6 @@ def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     itemsize = torch.finfo(runner.dtype).bits // 8
     reserve = runner.graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if runner.graph_max_bs else 0
     pieces = runner.piecewise_sizes(budget)
-    if pieces:
-        reserve += peak + pieces[-1] * (runner.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
+    if pieces:  # the piecewise graphs' pool holds a forward's activations, not the weights again
+        reserve += peak - resident + pieces[-1] * (runner.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
     return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)
