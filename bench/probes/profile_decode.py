@@ -155,7 +155,8 @@ def main() -> None:
     ckpt = checkpoint(args.shape, args.model_dir, device, seed=0)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=2048,
-                                   max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size))
+                                   max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size,
+                                   load_format=ckpt.get("load_format", "auto"), weights_backup="none"))  # fmt: skip
     rng = random.Random(0)
     results = []
     for bs in sizes:
