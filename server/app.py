@@ -1,5 +1,5 @@
 """The FastAPI app: one engine client, its metrics, the error handlers, the API-key check, and the
-routers (SGLang-native and OpenAI-compatible)."""
+routers (SGLang-native, OpenAI-compatible and vLLM's RL dialect)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ ADMIN_ROUTES = frozenset({
     "/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
     "/destroy_weights_update_group", "/flush_cache", "/pause_generation", "/continue_generation",
     "/weights_checker", "/post_process_weights", "/start_profile", "/stop_profile",
+    # vLLM's dialect (server/vllm_api.py, server/vllm_weights_api.py)
+    "/sleep", "/wake_up", "/pause", "/resume", "/reset_prefix_cache", "/collective_rpc",
+    "/init_weight_transfer_engine", "/update_weights", "/start_weight_update", "/finish_weight_update",
+    "/init_broadcaster",
 })
 # After the engine process dies, /health answers 503 this long before the server exits (non-zero,
 # so that a supervisor restarts it).
@@ -69,6 +73,10 @@ def build_app(
     from server.native_api import router as native
     from server.openai_api import router as openai
     from server.profile_api import router as profile
+    from server.tokenize_api import router as tokenize
+    from server.vllm_api import router as vllm
+    from server.vllm_generate import router as vllm_generate
+    from server.vllm_weights_api import router as vllm_weights
     from server.weight_checks_api import router as weight_checks
     from server.weights_api import router as weights
 
@@ -79,6 +87,10 @@ def build_app(
     app.include_router(weight_checks)
     app.include_router(profile)
     app.include_router(openai)
+    app.include_router(tokenize)
+    app.include_router(vllm)
+    app.include_router(vllm_weights)
+    app.include_router(vllm_generate)
     return app
 
 

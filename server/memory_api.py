@@ -39,7 +39,11 @@ async def resume_memory_occupation(request: Request, body: ResumeMemoryIn | None
     the bytes needed and free; a later resume (or `wait_for_memory_s`) succeeds."""
     body = body or ResumeMemoryIn()
     reply = await _client(request).call(ResumeMemory(tags=body.tags, wait_for_memory_s=body.wait_for_memory_s))
-    answer = msgspec.to_builtins(reply)
+    return resume_answer(msgspec.to_builtins(reply))
+
+
+def resume_answer(answer: dict[str, Any]) -> JSONResponse:
+    """A resume's reply: 200, or 503 naming the tags the device had no room for."""
     if not answer["refused"]:
         return JSONResponse(answer)
     return JSONResponse(error_body(RuntimeError(not_enough_memory(answer["refused"])), "service_unavailable", 503) | answer,

@@ -65,8 +65,9 @@ def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None
     reason: dict[str, Any] = {"type": out.finish_reason, "matched": out.matched_stop}
     if out.finish_reason == "length":
         reason["length"] = len(out.output_ids)
-    if out.error is not None:
-        reason["message"] = out.error
+    message = out.error if out.error is not None else out.abort_message
+    if message is not None:  # a refusal says why, an abort what aborted it (SGLang's message)
+        reason["message"] = message
     meta: dict[str, Any] = {
         "id": out.request_id,
         "finish_reason": reason if out.finish_reason is not None else None,

@@ -21,7 +21,8 @@ from engine.request import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SamplingPara
 class GenerationOutput:
     """A request's result, or its state so far while it runs (`text` grows with the tokens, as
     SGLang streams it). `finish_reason` is "stop" | "length" | "abort"; a request the engine
-    refused is an "abort" with `error` saying why (as SGLang reports it)."""
+    refused is an "abort" with `error` saying why (as SGLang reports it); an aborted one has
+    `abort_message` saying what aborted it (SGLang's finish_reason.message)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -30,6 +31,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
+    abort_message: str | None = None
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     input_token_logprobs: list[tuple[float | None, int]] | None = None  # from logprob_start_len
@@ -136,7 +138,9 @@ class RequestState:
         if finished:
             text += self.detok.flush()
             reason = FINISH_ABORT if delta.finish_reason == FINISH_ERROR else delta.finish_reason
-            self._finish(reason, delta.stop_matched, delta.error)
+            aborted = delta.finish_reason == FINISH_ABORT  # delta.error says what aborted it
+            self._finish(reason, delta.stop_matched, None if aborted else delta.error)
+            self.output.abort_message = delta.error if aborted else None
             out.unavailable = delta.unavailable
             out.refused = delta.finish_reason == FINISH_ERROR and not delta.unavailable
         return StepUpdate(text=text, token_ids=new_ids, finished=finished)

@@ -6,11 +6,13 @@ Rules:
 - New requests are refused (HTTP 503, `EngineState.unavailable` says why) while a memory tag is
   released, while a release drains the running requests, or while the weights were released
   without a host copy and not updated since.
-- Waiting requests are admitted into the running batch (`admitting`) unless a weight update
-  waits for the running requests to finish; they queue meanwhile. A release that drains admits
+- Waiting requests are admitted into the running batch (`admitting`) unless a weight update or
+  a `wait` pause waits for the running requests to finish; they queue meanwhile. A release that drains admits
   them: it waits for every request it accepted before it, queued ones too.
-- No step runs (`can_step`) while paused or while any tag is released: one forward touches all
-  of them.
+- No step runs (`can_step`) while paused, while any tag is released (one forward touches all
+  of them), or while weights discarded by a level-2 sleep are not all written again.
+- Weights discarded (vLLM's sleep level 2) stay invalid until an update has written every
+  checkpoint tensor: the host copy is never read for them.
 - What the memory regions and the weight store know (tags mapped, pieces missing) is read from
   them, never copied here.
 """
@@ -45,6 +47,8 @@ class Availability:
         self.paused = False
         self.draining = False
         self.updating = False
+        self.pausing = False  # a `wait` pause waits for the running requests
+        self.weights_discarded = False  # a level-2 sleep: see `discarded`
         # Names the weights in use; RL weight updates set it (SGLang's default is "default").
         self.weight_version = "default"
 
@@ -52,14 +56,23 @@ class Availability:
     def weights_valid(self) -> bool:
         """Every weight is resident and current, or comes back from the host copy at the next
         forward."""
-        return self.weights.missing() == 0
+        return self.weights.missing() == 0 and not self.discarded()
+
+    def discarded(self) -> int:
+        """How many checkpoint tensors a level-2 sleep discarded that no update has written since."""
+        if not self.weights_discarded:
+            return 0
+        store = self.weights
+        left = sum(1 for i in store.stale if not store.pieces[i].computed)
+        self.weights_discarded = left > 0
+        return left
 
     @property
     def admitting(self) -> bool:
-        return not self.updating
+        return not self.updating and not self.pausing
 
     def can_step(self) -> bool:
-        return not self.paused and not self.memory.released
+        return not self.paused and not self.memory.released and not self.discarded()
 
     def unavailable(self) -> str | None:
         """Why no new request can run now, or None."""
@@ -67,6 +80,9 @@ class Availability:
             return f"memory is released ({', '.join(self.memory.released)}): resume_memory_occupation first"
         if self.draining:
             return "memory is being released"
+        if self.discarded():
+            return (f"weights were discarded by a level-2 sleep ({self.discarded()} tensors not written since): "
+                    "update the weights first")
         if not self.weights_valid:
             return "weights were released without a host copy (--weights-backup none): update the weights first"
         return None

@@ -131,7 +131,11 @@ class FlushCache(Call):
 
 
 class PauseGeneration(Call):
-    mode: str = "abort"  # abort | retract | in_place
+    """`abort` | `retract` | `in_place` (SGLang's) | `wait` (vLLM's: admit no more, answer once
+    the running requests finished). `clear_cache` (vLLM's) drops every prefix hash once paused."""
+
+    mode: str = "abort"
+    clear_cache: bool = False
     reply = PauseReply
 
 
@@ -150,9 +154,21 @@ class Abort(Call):
 
 
 class ReleaseMemory(Call):
+    """`discard_weights` (vLLM's sleep level 2): released weights come back only from a weight
+    update, never from the host copy; until one has written them, only `weights` may resume."""
+
     tags: list[str] | None = None  # None or []: all
     mode: str = "wait"  # wait | abort
+    discard_weights: bool = False
     reply = ReleaseReply
+
+
+class ResetPrefixCache(Call):
+    """vLLM's reset_prefix_cache: every prefix hash dropped (blocks in use keep their KV for their
+    requests); with `reset_running_requests`, every request holding KV recomputes it too."""
+
+    reset_running_requests: bool = False
+    reply = int  # requests set back to recompute
 
 
 class ResumeMemory(Call):
@@ -194,7 +210,9 @@ class UpdateWeightsFromDistributed(Call):
     dtypes: list[str]
     shapes: list[list[Int64]]
     group_name: str = DEFAULT_GROUP
-    load_format: str | None = None  # null: one broadcast per tensor | "flattened_bucket": one in all
+    # null: one broadcast per tensor | "flattened_bucket": one in all | "packed": vLLM's packed
+    # broadcast (its default 1 GiB buckets, engine/weights/updater.py)
+    load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: WeightVersion = None
@@ -239,7 +257,7 @@ class StopProfile(Call):
 
 ControlCall = (
     Ping | GetInfo | GetLoad | GetMemoryOccupation | FlushCache | PauseGeneration | ContinueGeneration | Abort
-    | ReleaseMemory | ResumeMemory | UpdateWeightsFromDisk | UpdateWeightsFromTensor | InitWeightsUpdateGroup
+    | ReleaseMemory | ResetPrefixCache | ResumeMemory | UpdateWeightsFromDisk | UpdateWeightsFromTensor | InitWeightsUpdateGroup
     | UpdateWeightsFromDistributed | DestroyWeightsUpdateGroup | UpdateWeightVersion | CheckWeights | StartProfile
     | StopProfile
 )

@@ -17,6 +17,7 @@ from engine.config import EngineConfig, ModelConfig, context_length
 from engine.core import calls
 from engine.core.availability import Availability
 from engine.core.checks import WeightCheckCalls
+from engine.core.deferred import Deferred
 from engine.core.load import LoadCalls, LoadStats
 from engine.core.memory_calls import MemoryCalls
 from engine.core.profiler import ProfileCalls, StepProfiler
@@ -34,6 +35,9 @@ from engine.runner.grammar import Grammars
 from engine.runner.launched_step import LaunchedStep
 
 log = logging.getLogger("siesta.engine")
+
+# pause_generation's modes: SGLang's three and vLLM's `wait` (vLLM's `keep` is `in_place`).
+PAUSE_MODES = ("abort", "retract", "in_place", "wait")
 
 
 class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
@@ -103,9 +107,10 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.scheduler.add(req)
         return None
 
-    def abort(self, request_ids: list[str] | None) -> list[RequestDelta]:
-        """Finish the named requests (None: all) with finish_reason abort: one final delta each,
-        with the routed experts of its known positions when asked (read before its blocks go)."""
+    def abort(self, request_ids: list[str] | None, message: str = "aborted by the client") -> list[RequestDelta]:
+        """Finish the named requests (None: all) with finish_reason abort and `message` (what
+        aborted them, SGLang's finish_reason.message): one final delta each, with the routed
+        experts of its known positions when asked (read before its blocks go)."""
         ids = request_ids if request_ids is not None else self.scheduler.request_ids()
         deltas = []
         for rid in ids:
@@ -113,7 +118,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             if req is None:
                 continue
             routes = self._routes([req], [req.num_known_tokens - 1]) if req.sampling_params.return_routed_experts else {}
-            self.scheduler.abort(rid)
+            self.scheduler.abort(rid, message)
             deltas.append(_final_delta(req, routed_experts=routes.get(req)))
         return deltas
 
@@ -230,20 +235,32 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         """The engine answers; says whether its memory is resident or released."""
         return RELEASED if self.memory.released else RESIDENT
 
-    def pause_generation(self, call: calls.PauseGeneration) -> calls.PauseReply:
+    def pause_generation(self, call: calls.PauseGeneration) -> calls.PauseReply | Deferred:
         """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
         running requests' KV and requeues them (they recompute on continue); `in_place` keeps
-        everything as it is. New requests queue until `continue_generation`."""
-        mode = call.mode
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"unknown pause mode {mode!r}; use abort, retract or in_place")
-        self.availability.paused = True
+        everything as it is (vLLM's `keep`: the requests continue where they stopped, across a
+        weight update too); `wait` admits no more requests and answers once the running ones
+        finished (those waiting stay queued). New requests queue until `continue_generation`.
+        `clear_cache` then drops every prefix hash (blocks in use keep their KV)."""
+        mode, availability = call.mode, self.availability
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; use {', '.join(PAUSE_MODES)}")
+
+        def paused() -> calls.PauseReply:
+            availability.paused, availability.pausing = True, False
+            if call.clear_cache:
+                self.block_manager.forget_prefixes()
+            return calls.PauseReply(paused=True, mode=mode, num_running=self.scheduler.num_running,
+                                    num_waiting=self.scheduler.num_waiting)
+
+        if mode == "wait" and availability.can_step():
+            availability.pausing = True
+            return Deferred(ready=lambda: self.scheduler.num_running == 0, run=paused)
         if mode == "abort":
-            self.pending += self.abort(None)
+            self.pending += self.abort(None, "aborted by pause_generation (mode abort)")
         elif mode == "retract":
             self.scheduler.retract_all()
-        return calls.PauseReply(paused=True, mode=mode, num_running=self.scheduler.num_running,
-                                num_waiting=self.scheduler.num_waiting)
+        return paused()
 
     def continue_generation(self, call: calls.ContinueGeneration) -> calls.PauseReply:
         self.availability.paused = False
@@ -256,7 +273,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         if ids is not None and call.samples:
             names, samples = set(ids), tuple(rid + SAMPLE_SEP for rid in ids)
             ids = [r for r in self.scheduler.request_ids() if r in names or r.startswith(samples)]
-        deltas = self.abort(ids)
+        deltas = self.abort(ids, "aborted by abort_request")
         self.pending += deltas
         return len(deltas)
 
@@ -313,6 +330,7 @@ _HANDLERS: dict[type, Callable[[EngineCore, Any], Any]] = {
     calls.ContinueGeneration: EngineCore.continue_generation,
     calls.Abort: EngineCore.abort_requests,
     calls.ReleaseMemory: EngineCore.release_memory_occupation,
+    calls.ResetPrefixCache: EngineCore.reset_prefix_cache,
     calls.ResumeMemory: EngineCore.resume_memory_occupation,
     calls.UpdateWeightsFromDisk: EngineCore.update_weights_from_disk,
     calls.UpdateWeightsFromTensor: EngineCore.update_weights_from_tensor,

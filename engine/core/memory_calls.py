@@ -34,16 +34,16 @@ class MemoryCalls:
         availability, scheduler = self.availability, self.scheduler
         availability.draining = True
         if mode == "abort":
-            self.pending += self.abort(None)
+            self.pending += self.abort(None, "aborted by a memory release (mode abort)")
         elif not availability.can_step():
             scheduler.retract_all()
 
         def ready() -> bool:
             return not scheduler.has_unfinished() if availability.can_step() else scheduler.num_running == 0
 
-        return Deferred(ready=ready, run=lambda: self._release(names))
+        return Deferred(ready=ready, run=lambda: self._release(names, call.discard_weights))
 
-    def _release(self, tags: list[str]) -> calls.ReleaseReply:
+    def _release(self, tags: list[str], discard_weights: bool = False) -> calls.ReleaseReply:
         """Every rank pauses the tags (`Rank.release`: the weights' host copy completed first);
         the answer counts the bytes every rank freed."""
         t0 = time.perf_counter()
@@ -51,6 +51,8 @@ class MemoryCalls:
         if "kv_cache" in tags:
             self.scheduler.drop_kv()  # the KV is about to be lost: nothing may read it again
         done = self.ranks.run(ReleaseTags(tags))
+        if discard_weights and "weights" in tags:
+            self.availability.weights_discarded = True  # every piece is stale now: see Availability
         changed, freed = done[0]["changed"], sum(r["bytes"] for r in done)
         seconds = time.perf_counter() - t0
         log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
@@ -65,6 +67,13 @@ class MemoryCalls:
         the bytes free; the others resume. With `wait_for_memory_s`, wait up to that long for
         every tag to fit before resuming (other calls are answered meanwhile)."""
         names, wait_for_memory_s = check_tags(call.tags), call.wait_for_memory_s
+        early = [t for t in names if t != "weights" and t in self.memory.released]
+        if early and self.availability.discarded():
+            raise ValueError(
+                f"cannot resume {early}: the weights were discarded by a level-2 sleep and "
+                f"{self.availability.discarded()} tensors have not been updated since; resume ['weights'] "
+                "(wake_up?tags=weights), update the weights, then resume the rest"
+            )
         if not 0.0 <= wait_for_memory_s <= MAX_WAIT_FOR_MEMORY_S:
             raise ValueError(f"wait_for_memory_s must be in [0, {MAX_WAIT_FOR_MEMORY_S:.0f}], got {wait_for_memory_s}")
         if wait_for_memory_s > 0 and self._no_room(names):
@@ -107,6 +116,14 @@ class MemoryCalls:
             **self._memory_answer(changed, done), success=not refused, refused=refused,
             bytes_restored=restored, seconds=seconds, seconds_by_tag=done[0]["seconds_by_tag"],
         )
+
+    def reset_prefix_cache(self, call: calls.ResetPrefixCache) -> int:
+        """Drop every prefix hash; with `reset_running_requests`, every request holding KV is set
+        back to recompute it (as after a kv_cache release). Returns how many were set back."""
+        if call.reset_running_requests:
+            return self.scheduler.drop_kv()
+        self.block_manager.forget_prefixes()
+        return 0
 
     def memory_occupation(self, call: calls.GetMemoryOccupation | None = None) -> dict[str, Any]:
         """Rank 0's regions at the top level (as at tp_size 1); with several ranks, each rank's

@@ -84,8 +84,9 @@ class Scheduler:
         self._requests[req.request_id] = req
         self.waiting.append(req)
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish one request with FINISH_ABORT and free its blocks; None if it is not here."""
+    def abort(self, request_id: str, message: str | None = None) -> Request | None:
+        """Finish one request with FINISH_ABORT (`message`: what aborted it) and free its blocks;
+        None if it is not here."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -94,7 +95,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.block_manager.free(req)
-        req.finish(FINISH_ABORT)
+        req.finish(FINISH_ABORT, error=message)
         return req
 
     def finish_all(self, reason: str = FINISH_ABORT, error: str | None = None) -> list[Request]:

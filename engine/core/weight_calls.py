@@ -1,6 +1,7 @@
 """The weight-update control calls of `EngineCore` (engine/weights/updater.py has the rules): from
 disk, from tensors and from a process group, each once no request runs (or at once while paused),
-then the prefix cache flushed when asked and the version bumped (the host copy of what was written
+then the prefix cache flushed when asked and the version set to the update's `weight_version`; an
+update that names none keeps the current one, as SGLang does (the host copy of what was written
 refreshes in the background: engine/weights/store.py)."""
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from engine.memory.regions import RESIDENT
 
 log = logging.getLogger("siesta.engine")
 
-# How a process-group update's tensors travel: one broadcast each, or SGLang's flattened bucket.
-DISTRIBUTED_FORMATS = (None, "flattened_bucket")
+# How a process-group update's tensors travel: one broadcast each, SGLang's flattened bucket, or
+# vLLM's packed buckets.
+DISTRIBUTED_FORMATS = (None, "flattened_bucket", "packed")
 
 
 class WeightUpdateCalls:
@@ -47,7 +49,7 @@ class WeightUpdateCalls:
 
     def update_weights_from_distributed(self, call: calls.UpdateWeightsFromDistributed) -> Deferred:
         if call.load_format not in DISTRIBUTED_FORMATS:  # refuse at once: the trainer must not broadcast
-            raise ValueError(f"unknown load_format {call.load_format!r}; valid: null, 'flattened_bucket'")
+            raise ValueError(f"unknown load_format {call.load_format!r}; valid: null, 'flattened_bucket', 'packed'")
 
         return self._update_when_idle(call, lambda: self._write(call), f"group {call.group_name!r}")
 
@@ -58,7 +60,7 @@ class WeightUpdateCalls:
     def update_weight_version(self, call: calls.UpdateWeightVersion) -> calls.VersionReply:
         """Outputs from here on carry `new_version`; requests aborted first when asked."""
         if call.abort_all_requests:
-            self.pending += self.abort(None)
+            self.pending += self.abort(None, "aborted by update_weight_version (abort_all_requests)")
         self.availability.weight_version = version = str(call.new_version)
         return calls.VersionReply(success=True, message=f"weight version updated to {version}", new_version=version)
 
@@ -88,7 +90,7 @@ class WeightUpdateCalls:
         if self.memory.state["weights"] != RESIDENT:
             raise ValueError("weights are released: resume_memory_occupation(['weights']) before updating them")
         if call.abort_all_requests:
-            self.pending += self.abort(None)
+            self.pending += self.abort(None, "aborted by a weight update (abort_all_requests)")
         availability = self.availability
         availability.updating = True
 
@@ -102,8 +104,8 @@ class WeightUpdateCalls:
                     # in_place pause keep theirs on purpose (SGLang's semantics).
                     self.scheduler.drop_kv(keep_running=availability.paused)
                 self.updater.phases["flush"] = time.perf_counter() - t1
-                version = call.weight_version
-                availability.weight_version = str(version) if version is not None else _next_version(availability.weight_version)
+                if call.weight_version is not None:
+                    availability.weight_version = str(call.weight_version)
             finally:
                 availability.updating = False
             seconds = time.perf_counter() - t0
@@ -122,7 +124,3 @@ class WeightUpdateCalls:
 
 WeightUpdate = calls.UpdateWeightsFromDisk | calls.UpdateWeightsFromTensor | calls.UpdateWeightsFromDistributed
 
-
-def _next_version(version: str) -> str:
-    """The version after `version` when an update names none: integers count up from 1."""
-    return str(int(version) + 1) if version.isdigit() else "1"

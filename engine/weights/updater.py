@@ -19,7 +19,8 @@ Rules:
   Without a host copy it receives into scratch tensors and copies only once all have arrived.
   A flattened bucket (one broadcast of all the tensors' bytes) is received the same way, in one
   piece, when its tensors lie back to back in the weights in its order (the weights are laid
-  out in Hugging Face's parameter order), else into one scratch tensor.
+  out in Hugging Face's parameter order), else into one scratch tensor. vLLM's packed broadcast
+  is a run of such buckets, cut where vLLM cuts them (PACKED_BUCKET_BYTES).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from engine.weights.loader import (
     validate_entries,
 )
 from engine.weights.store import WeightStore
+
+# vLLM's packed weight broadcast: a bucket closes once its bytes pass this (its
+# DEFAULT_PACKED_BUFFER_SIZE_BYTES; sender and receiver must agree).
+PACKED_BUCKET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,8 @@ class WeightUpdater:
         the same order (a trainer sending its model's parameters in order), else into scratch,
         then copied in one batch."""
         self._start()
+        if load_format == "packed":
+            return self._from_packed(group_name, names, dtypes, shapes)
         meta = self._meta(names, dtypes, shapes)
         if load_format == "flattened_bucket":
             return self._from_bucket(group_name, names, shapes, meta)
@@ -214,6 +221,32 @@ class WeightUpdater:
         self._copied()
         self.route = f"per tensor, {len(direct)} of {len(names)} in place"
         return self._done(written)
+
+    def _from_packed(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+        """vLLM's packed broadcast (its packed_tensor.py): the tensors in order, cut into buckets,
+        each closed by the first tensor that takes it past PACKED_BUCKET_BYTES; each bucket one
+        flattened broadcast. Every bucket is validated before the first is received."""
+        meta = self._meta(names, dtypes, shapes)  # the whole list, so nothing is received when any is bad
+        cuts, total = [0], 0
+        for i, size in enumerate(meta.nbytes):
+            total += size
+            if total > PACKED_BUCKET_BYTES:
+                cuts.append(i + 1)
+                total = 0
+        if cuts[-1] != len(names):
+            cuts.append(len(names))
+        buckets = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        written = done = 0  # names[:done] are written
+        try:
+            for a, b in buckets:
+                part = self._meta(names[a:b], dtypes[a:b], shapes[a:b])
+                written += self._from_bucket(group_name, names[a:b], shapes[a:b], part)
+                done = b
+        except BaseException:  # all or nothing: the buckets written go back to the old weights
+            self.store.invalidate(checkpoint_names(self.store.targets, names[:done]))
+            raise
+        self.route = f"packed, {len(buckets)} bucket(s)"
+        return written
 
     def _from_bucket(self, group_name: str, names: list[str], shapes: list[list[int]], meta: _Meta) -> int:
         self._phase("validate")

@@ -1,0 +1,153 @@
+"""vLLM's weight-transfer routes and prime-rl's, translated onto the engine's weight updates
+(engine/core/weight_calls.py), so an update through them is the same update as SGLang's.
+
+- `/init_weight_transfer_engine {init_info: {master_address, master_port, rank_offset,
+  world_size}}` (vLLM's NCCL backend) joins the trainer's group as `init_weights_update_group`
+  does (engine/weights/groups.py): NCCL on a GPU, gloo on a CPU, under the group name
+  VLLM_GROUP; a second init replaces the group (a trainer that restarts, SkyRL's
+  override_existing_receiver).
+- `/update_weights {update_info: {names, dtype_names, shapes, packed}}` receives the trainer's
+  broadcasts in that group: one per tensor, or `packed` (vLLM's packed_tensor.py buckets of its
+  default 1 GiB; another `packed_buffer_size_bytes` is a 400). `update_info` with CUDA-IPC handles
+  (vLLM's IPC backend) is a 400: use `/update_weights_from_tensor`.
+- `/update_weights {weight_dir}` (prime-rl's filesystem broadcast) loads that checkpoint
+  directory, as `/update_weights_from_disk`.
+- Neither names a weight version: the engine keeps its own. The prefix cache is flushed (its KV
+  is of the old weights); requests frozen by `/pause?mode=keep` keep theirs and continue.
+- `/start_weight_update` and `/finish_weight_update` (vLLM's newer lifecycle, TRL's client)
+  answer at once: every update above is whole by itself.
+- `/init_broadcaster` (prime-rl's own NCCL broadcaster) is a 400 naming what to use instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.client.async_client import AsyncEngineClient
+from engine.core import calls
+from engine.errors import InvalidRequest
+from server.schemas import Int64
+
+router = APIRouter()
+
+VLLM_GROUP = "vllm_weight_transfer"
+PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES (engine/weights/updater.py)
+
+
+class NcclInitInfo(BaseModel):
+    """vLLM's NCCLWeightTransferInitInfo (SkyRL: BroadcastInitInfo.to_api_payload)."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: Int64
+    rank_offset: Int64
+    world_size: Int64
+
+
+class InitIn(BaseModel):
+    init_info: NcclInitInfo
+
+
+class UpdateInfo(BaseModel):
+    """vLLM's NCCLWeightTransferUpdateInfo; `ipc_handles*` are its IPC backend's."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[Int64]]
+    packed: bool = False
+    packed_buffer_size_bytes: Int64 = PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: Int64 = Field(default=2, ge=1)
+    is_checkpoint_format: bool = True
+    ipc_handles: Any = None
+    ipc_handles_pickled: str | None = None
+
+
+class UpdateIn(BaseModel):
+    """vLLM's `{update_info}` or prime-rl's `{weight_dir}`: exactly one."""
+
+    model_config = ConfigDict(extra="forbid")
+    update_info: UpdateInfo | None = None
+    weight_dir: str | None = None
+
+
+class StartIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    is_checkpoint_format: bool = True
+
+
+def _client(request: Request) -> AsyncEngineClient:
+    return request.app.state.client
+
+
+async def _answer(request: Request, call: calls.Call) -> dict[str, Any]:
+    return msgspec.to_builtins(await _client(request).call(call))
+
+
+@router.post("/init_weight_transfer_engine", include_in_schema=False)
+async def init_weight_transfer_engine(body: InitIn, request: Request) -> dict[str, Any]:
+    """Blocks until the trainer has joined (its `trainer_init` runs beside this request)."""
+    info, client = body.init_info, _client(request)
+    backend = "nccl" if str(client.info.get("device", "cpu")).startswith("cuda") else "gloo"
+    try:
+        await client.call(calls.DestroyWeightsUpdateGroup(group_name=VLLM_GROUP))
+    except InvalidRequest:
+        pass  # none yet
+    join = calls.InitWeightsUpdateGroup(
+        master_address=info.master_address, master_port=info.master_port, rank_offset=info.rank_offset,
+        world_size=info.world_size, group_name=VLLM_GROUP, backend=backend,
+    )
+    return {"message": "Weight transfer initialized"} | await _answer(request, join)
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateIn, request: Request) -> dict[str, Any]:
+    if (body.update_info is None) == (body.weight_dir is None):
+        raise InvalidRequest("give exactly one of update_info (vLLM's weight transfer) and weight_dir (a checkpoint directory)")
+    if body.weight_dir is not None:
+        return {"message": "Weights updated"} | await _answer(request, calls.UpdateWeightsFromDisk(model_path=body.weight_dir))
+    info = body.update_info
+    if info.ipc_handles is not None or info.ipc_handles_pickled is not None:
+        raise InvalidRequest("update_info with CUDA-IPC handles (vLLM's IPC weight transfer) is not supported: "
+                             "send the tensors to /update_weights_from_tensor, or broadcast them (NCCL backend)")
+    if info.packed and info.packed_buffer_size_bytes != PACKED_BUFFER_SIZE_BYTES:
+        raise InvalidRequest(f"packed_buffer_size_bytes must be vLLM's default {PACKED_BUFFER_SIZE_BYTES}, "
+                             f"got {info.packed_buffer_size_bytes}")
+    update = calls.UpdateWeightsFromDistributed(
+        names=info.names, dtypes=info.dtype_names, shapes=info.shapes, group_name=VLLM_GROUP,
+        load_format="packed" if info.packed else None,
+    )
+    return {"message": "Weights updated"} | await _answer(request, update)
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> dict[str, str]:
+    await _parse(request, StartIn)
+    return {"message": "Weight update started"}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update() -> dict[str, str]:
+    return {"message": "Weight update finished"}
+
+
+@router.post("/init_broadcaster")
+async def init_broadcaster(request: Request) -> None:
+    """prime-rl's NCCL broadcaster (its own wire format, src/prime_rl/orchestrator/inference_admin.py)."""
+    raise InvalidRequest(
+        "prime-rl's NCCL weight broadcaster is not supported here: use its filesystem weight broadcast "
+        "(/update_weights {weight_dir}), or vLLM's /init_weight_transfer_engine"
+    )
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate(json.loads(raw)) if raw.strip() else model()
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"invalid request body: {e}") from None
