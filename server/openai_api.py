@@ -107,6 +107,8 @@ def chat_prompt(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
         raise InvalidRequest("the model's tokenizer has no chat template: use /v1/completions with a prompt")
     messages = body.template_messages()
     kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        kwargs["tools"] = body.tools
     kwargs |= {"add_generation_prompt": body.add_generation_prompt,
                "continue_final_message": body.continue_final_message, "tokenize": True}
     try:
@@ -129,12 +131,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         max_new = _fill_context([prompt], client.info["max_context_length"])
     want_lp = bool(body.logprobs)
     params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.top_logprobs or 0,
-                                  json_schema=body.json_schema())
+                                  constraint=body.constraint())
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = make_jobs([prompt], params, body.n, client, [rid])
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
     reply = Reply(rid, kind, request.app.state.model_name, client.tokenizer, jobs, body.n,
-                  logprobs=want_lp, include_usage=body.stream and body.include_usage)
+                  logprobs=want_lp, include_usage=body.stream and body.include_usage, tools=body.tool_choice_of())
     metrics = request.app.state.metrics
     if body.stream:
         return EventStream(client, metrics, jobs, _ChoiceEvents(reply, {}))

@@ -26,6 +26,7 @@ from engine.client.output import GenerationOutput
 from engine.errors import InvalidRequest
 from server.generation import Job
 from server.token_text import TokenText
+from server.tool_calls import Call, HermesStream, ToolChoice
 
 _MIN_LOGPROB = -9999.0
 
@@ -50,12 +51,16 @@ class Reply:
     logprobs: bool  # logprobs were asked for
     include_usage: bool = False  # streaming: end with a usage chunk
     prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead each choice's
+    tools: ToolChoice | None = None  # chat with tools: outputs parsed into calls (server/tool_calls.py)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: TokenText = field(init=False)
     _lp_sent: dict[int, int] = field(default_factory=dict)  # choice -> tokens whose logprobs went
     _prompt_lp_sent: set[int] = field(default_factory=set)  # choices whose prompt logprobs went
     _offset: dict[int, int] = field(default_factory=dict)  # choice -> text_offset of its next token
     _choice_of: dict[str, int] = field(init=False)
+    _tool_streams: dict[int, HermesStream] = field(default_factory=dict)  # auto: a streamed choice's parser
+    _tool_texts: dict[int, str] = field(default_factory=dict)  # forced: a streamed choice's text so far
+    _calls_sent: dict[int, int] = field(default_factory=dict)  # choice -> tool calls streamed
 
     def __post_init__(self) -> None:
         self._token_text = TokenText(self.tokenizer)
@@ -98,10 +103,17 @@ class Reply:
     def choice(self, index: int, text: str, out: GenerationOutput | None, finished: bool) -> Choice:
         """A choice (whole) or a delta of one (streaming): `text` is all of it, or what is new."""
         c: Choice = {"index": index}
+        calls: list[Call] = []
         if self.object == "chat.completion":
-            c["message"] = {"role": "assistant", "content": text}
+            content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
+            c["message"] = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         elif self.chat:
-            c["delta"] = {"content": text} if text else {}
+            content, calls = self._streamed_tools(index, text, finished) if self.tools is not None else (text, [])
+            c["delta"] = {"content": content} if content else {}
+            if calls:
+                first = self._calls_sent.get(index, 0)
+                c["delta"]["tool_calls"] = [{"index": first + k} | call for k, call in enumerate(calls)]
+                self._calls_sent[index] = first + len(calls)
         else:
             c["text"] = text
         c["logprobs"] = self._logprobs(index, out) if self.logprobs and out is not None else None
@@ -109,8 +121,27 @@ class Reply:
         if finished and out is not None:
             if out.error is not None:
                 raise InvalidRequest(f"the engine refused the request: {out.error}")
-            c |= {"finish_reason": out.finish_reason, "stop_reason": out.matched_stop}
+            reason = out.finish_reason
+            if self.tools is not None:
+                made = calls if self.object == "chat.completion" else [None] * self._calls_sent.get(index, 0)
+                reason = self.tools.finish_reason(reason, made)
+            c |= {"finish_reason": reason, "stop_reason": out.matched_stop}
         return c
+
+    def _streamed_tools(self, index: int, text: str, finished: bool) -> tuple[str | None, list[Call]]:
+        """A streamed choice's new (content, calls): `auto` parses as text arrives; a forced
+        choice is one JSON text, parsed when it ends."""
+        tools = self.tools
+        assert tools is not None
+        if tools.mode == "none":
+            return text, []
+        if tools.mode == "auto":
+            content, calls = self._tool_streams.setdefault(index, HermesStream()).feed(text, final=finished)
+            if not tools.parallel:
+                calls = calls[: max(0, 1 - self._calls_sent.get(index, 0))]
+            return content, calls
+        self._tool_texts[index] = self._tool_texts.get(index, "") + text
+        return tools.parse(self._tool_texts.pop(index)) if finished else (None, [])
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """A chat stream's first chunk of each choice."""

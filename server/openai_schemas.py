@@ -7,9 +7,10 @@ Rules:
 - `model` is checked by the route against the served names (server/model_names.py).
 - A null field means its default, as OpenAI documents. Unknown fields are ignored (clients send
   extras), but known fields that would change the output and that we cannot honour
-  (logit_bias, suffix, best_of, tools) are refused, never silently dropped.
-- `response_format` `json_object` / `json_schema` constrain the output by grammar
-  (engine/runner/grammar.py), as the engine's `json_schema` sampling param.
+  (logit_bias, suffix, best_of) are refused, never silently dropped.
+- `response_format` (`json_object`, `json_schema`), vLLM's structured outputs and a forced
+  `tool_choice` constrain the output by grammar (engine/runner/grammar.py); tools:
+  server/tool_calls.py.
 - Renamed fields (max_tokens, min_tokens, logprobs) are bounded here, so a 400 names the OpenAI
   field; the rest are checked by `engine.request.SamplingParams`, which names them the same.
 """
@@ -27,6 +28,7 @@ from engine.request import SamplingParams
 from server.generation import check_vocab
 from server.schemas import MAX_N, Int64
 from server.text_input import encode_text
+from server.tool_calls import ToolChoice
 
 # The most top logprobs a request may ask for (as vLLM's default max_logprobs).
 MAX_TOP_LOGPROBS = 20
@@ -71,7 +73,7 @@ class OpenAISampling(BaseModel):
 
     def sampling_params(
         self, max_new_tokens: int, logprobs: bool, top_logprobs_num: int, logprob_start_len: int = -1,
-        json_schema: str | None = None,
+        constraint: Mapping[str, str] | None = None,
     ) -> SamplingParams:
         """The engine's params; raises `InvalidRequest` naming a bad value."""
 
@@ -96,7 +98,7 @@ class OpenAISampling(BaseModel):
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len,
             skip_special_tokens=self.skip_special_tokens,
-            json_schema=json_schema,
+            **(constraint or {}),
         )
 
 
@@ -146,7 +148,9 @@ class CompletionRequest(OpenAISampling):
 
 
 class ChatMessage(BaseModel):
-    """One message; extra keys (name, tool_call_id, ...) go to the chat template unchanged."""
+    """One message; extra keys (name, tool_call_id, ...) go to the chat template unchanged, but
+    an assistant's `tool_calls` give the template their arguments as objects (vLLM's rule: the
+    templates write them with `tojson`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -169,7 +173,20 @@ class ChatMessage(BaseModel):
             msg["content"] = "\n".join(texts)
         elif self.content is None:
             msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            msg["tool_calls"] = [_with_object_arguments(c) for c in calls]
         return msg
+
+
+def _with_object_arguments(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        return call | {"function": fn | {"arguments": json.loads(fn["arguments"])}}
+    except json.JSONDecodeError:
+        return call
 
 
 class ChatCompletionRequest(OpenAISampling):
@@ -185,15 +202,51 @@ class ChatCompletionRequest(OpenAISampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs (`structured_outputs: {json | regex | grammar}`, and the older
+    # `guided_json`, `guided_regex`, `guided_grammar`): the engine's json_schema, regex, ebnf.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tools are not supported")
-        self.json_schema()  # a bad response_format is a 400 before anything runs
+        self.constraint()  # a bad response_format or tool_choice is a 400 before anything runs
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true")
+
+    def tool_choice_of(self) -> ToolChoice | None:
+        return ToolChoice.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> dict[str, str]:
+        """The engine's grammar param for this request ({} or one of json_schema, regex, ebnf):
+        from a forced tool choice, response_format or vLLM's structured outputs, at most one."""
+        found: dict[str, str] = {}
+        tools = self.tool_choice_of()
+        if tools is not None and tools.json_schema() is not None:
+            found["tool_choice"] = tools.json_schema() or ""
+        if self.json_schema() is not None:
+            found["response_format"] = self.json_schema() or ""
+        so = dict(self.structured_outputs or {})
+        so |= {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                 ("grammar", self.guided_grammar)) if v is not None}  # fmt: skip
+        for key in so:
+            if key not in ("json", "regex", "grammar"):
+                raise InvalidRequest(f"structured_outputs.{key} is not supported (json, regex or grammar)")
+        if len(found) + len(so) > 1:
+            raise InvalidRequest(f"give one output constraint, got {', '.join([*found, *so])}")
+        if found:
+            return {"json_schema": next(iter(found.values()))}
+        if "json" in so:
+            spec = so["json"]
+            return {"json_schema": spec if isinstance(spec, str) else json.dumps(spec)}
+        if "regex" in so:
+            return {"regex": str(so["regex"])}
+        if "grammar" in so:
+            return {"ebnf": str(so["grammar"])}
+        return {}
 
     def json_schema(self) -> str | None:
         """The JSON schema `response_format` constrains the output to (engine/runner/grammar.py):
