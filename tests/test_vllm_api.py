@@ -243,6 +243,24 @@ def test_level_2_sleep_needs_an_update_before_the_wake(http, model_name, models,
     assert _generate(http, model_name).json()["choices"][0]["token_ids"] == greedy(models["old"], PROMPT, N)
 
 
+def test_sleep_keep_freezes_requests_until_the_wake(http, server, model_name, models) -> None:
+    """vLLM's /sleep?mode=keep: the running request is neither aborted nor finished; after the
+    wake it continues (recomputing its KV) and ends as greedy decoding would have."""
+    body = {"sampling_params": {"temperature": 0.0, "max_tokens": LONG, "ignore_eos": True}, "model": model_name,
+            "token_ids": PROMPT}
+    worker, answers = _in_thread(lambda: httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=300))
+    _wait_running(http)
+    slept = http.post("/sleep", params={"level": "1", "mode": "keep"})
+    assert slept.status_code == 200 and slept.json()["mode"] == "keep", slept.text
+    assert http.get("/is_paused").json() == {"is_paused": False}  # the pause was the sleep's own
+    time.sleep(0.3)
+    assert worker.is_alive()
+    assert http.post("/wake_up").status_code == 200
+    worker.join(300)
+    choice = answers[0].json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["token_ids"] == greedy(models["old"], PROMPT, LONG)
+
+
 def test_pause_abort_and_wait(http, server, model_name) -> None:
     """/pause?mode=abort ends the running request (finish_reason abort; SGLang's meta_info says
     what aborted it); mode=wait answers once it finished and holds new ones until /resume."""
