@@ -108,7 +108,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     server = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, admin_api_key=args.admin_api_key,
         max_request_bytes=args.max_request_bytes, served_model_name=tuple(args.served_model_name or [args.model]),
-        log_level=args.log_level, api_server_count=args.api_server_count,
+        log_level=args.log_level, api_server_count=args.api_server_count, tool_call_parser=args.tool_call_parser,
     )
     if server.api_server_count < 1:
         raise ConfigError(f"--api-server-count must be >= 1, got {server.api_server_count}")
@@ -205,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-server-count", type=int, default=defaults.api_server_count,
                        help="HTTP processes in front of the one engine, sharing the port (as vLLM's; more admit "
                             "bursts of requests faster)")
+    serve.add_argument("--tool-call-parser", default=defaults.tool_call_parser, choices=["hermes", "qwen25"],
+                       help="how /v1/chat/completions reads tool calls from the output (vLLM's names; Qwen2.5 and Qwen3: hermes)")
     serve.add_argument("--log-level", default=defaults.log_level, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                        help="DEBUG, INFO, WARNING or ERROR")
     add_engine_flags(serve)

@@ -87,7 +87,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     jobs = make_jobs(prompts, params, body.n, client, _rids(rid, len(prompts)))
     reply = Reply(rid, "text_completion", request.app.state.model_name, client.tokenizer, jobs, body.n,
-                  logprobs=want_lp, include_usage=body.stream and body.include_usage, prompt_logprobs=score_prompt)
+                  logprobs=want_lp, include_usage=body.stream and body.include_usage, prompt_logprobs=score_prompt,
+                  return_token_ids=body.return_token_ids)
     prefix = {j.index: echo[j.index // body.n] for j in jobs} if echo is not None else {}
     metrics = request.app.state.metrics
     if body.stream:
@@ -136,7 +137,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     jobs = make_jobs([prompt], params, body.n, client, [rid])
     kind = "chat.completion.chunk" if body.stream else "chat.completion"
     reply = Reply(rid, kind, request.app.state.model_name, client.tokenizer, jobs, body.n,
-                  logprobs=want_lp, include_usage=body.stream and body.include_usage, tools=body.tool_choice_of())
+                  logprobs=want_lp, include_usage=body.stream and body.include_usage, tools=body.tool_choice_of(request.app.state.server_config.tool_call_parser),
+                  return_token_ids=body.return_token_ids)
     metrics = request.app.state.metrics
     if body.stream:
         return EventStream(client, metrics, jobs, _ChoiceEvents(reply, {}))

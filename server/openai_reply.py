@@ -11,6 +11,9 @@ Rules:
 - Logprob token strings are each token decoded alone, special tokens included; a logprob of
   -inf (or, should one ever come, NaN) is sent as -9999.0 (JSON has neither).
 - When streaming, each chunk carries the logprobs of the tokens that arrived since the last one.
+- `return_token_ids` (vLLM's): each choice (each chunk of a stream) carries `token_ids`, the ids
+  of its text; a completion's choice its `prompt_token_ids` once, a chat response (its first
+  chunk when streamed) the prompt's at the top level.
 - Completions with `echo` and `logprobs`: each choice's logprobs start with its prompt's tokens
   (the first with null logprob and alternatives, nothing predicting it), offsets from 0; the
   generated tokens' offsets start at the echoed prompt text's length.
@@ -52,6 +55,7 @@ class Reply:
     include_usage: bool = False  # streaming: end with a usage chunk
     prompt_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead each choice's
     tools: ToolChoice | None = None  # chat with tools: outputs parsed into calls (server/tool_calls.py)
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: TokenText = field(init=False)
     _lp_sent: dict[int, int] = field(default_factory=dict)  # choice -> tokens whose logprobs went
@@ -61,6 +65,7 @@ class Reply:
     _tool_streams: dict[int, HermesStream] = field(default_factory=dict)  # auto: a streamed choice's parser
     _tool_texts: dict[int, str] = field(default_factory=dict)  # forced: a streamed choice's text so far
     _calls_sent: dict[int, int] = field(default_factory=dict)  # choice -> tool calls streamed
+    _ids_sent: dict[int, int] = field(default_factory=dict)  # return_token_ids: choice -> token ids sent
 
     def __post_init__(self) -> None:
         self._token_text = TokenText(self.tokenizer)
@@ -98,7 +103,8 @@ class Reply:
 
     def full(self, choices: list[tuple[Choice, int]]) -> dict[str, Any]:
         """The non-streaming response from every job's `whole_choice`, in the jobs' order."""
-        return self.body([c for c, _ in choices], usage=self._usage(sum(n for _, n in choices)))
+        extra = {"prompt_token_ids": self.jobs[0].prompt_token_ids} if self.chat and self.return_token_ids else {}
+        return self.body([c for c, _ in choices], usage=self._usage(sum(n for _, n in choices)), **extra)
 
     def choice(self, index: int, text: str, out: GenerationOutput | None, finished: bool) -> Choice:
         """A choice (whole) or a delta of one (streaming): `text` is all of it, or what is new."""
@@ -117,6 +123,12 @@ class Reply:
         else:
             c["text"] = text
         c["logprobs"] = self._logprobs(index, out) if self.logprobs and out is not None else None
+        if self.return_token_ids and out is not None:
+            start = self._ids_sent.get(index, 0)
+            if start == 0 and not self.chat:  # a completion's choice: its prompt, first time only
+                c["prompt_token_ids"] = self.jobs[index].prompt_token_ids
+            c["token_ids"] = out.output_ids[start:]
+            self._ids_sent[index] = len(out.output_ids)
         c["finish_reason"] = None
         if finished and out is not None:
             if out.error is not None:
@@ -136,7 +148,7 @@ class Reply:
         if tools.mode == "none":
             return text, []
         if tools.mode == "auto":
-            content, calls = self._tool_streams.setdefault(index, HermesStream()).feed(text, final=finished)
+            content, calls = self._tool_streams.setdefault(index, tools.stream()).feed(text, final=finished)
             if not tools.parallel:
                 calls = calls[: max(0, 1 - self._calls_sent.get(index, 0))]
             return content, calls
@@ -146,7 +158,10 @@ class Reply:
     def role_chunk(self, index: int) -> dict[str, Any]:
         """A chat stream's first chunk of each choice."""
         delta = {"role": "assistant", "content": ""}
-        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        chunk = self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        if self.return_token_ids:
+            chunk["prompt_token_ids"] = self.jobs[index].prompt_token_ids
+        return chunk
 
     def echo_chunk(
         self, index: int, prompt_text: str, text: str = "", out: GenerationOutput | None = None, finished: bool = False

@@ -61,6 +61,7 @@ class OpenAISampling(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     user: str | None = None  # ignored
+    return_token_ids: bool = False  # vLLM's: the ids of the prompt and of each choice's text
     logit_bias: dict[str, float] | None = None  # refused unless empty
 
     @property
@@ -217,8 +218,8 @@ class ChatCompletionRequest(OpenAISampling):
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true")
 
-    def tool_choice_of(self) -> ToolChoice | None:
-        return ToolChoice.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_choice_of(self, parser: str = "hermes") -> ToolChoice | None:
+        return ToolChoice.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     def constraint(self) -> dict[str, str]:
         """The engine's grammar param for this request ({} or one of json_schema, regex, ebnf):

@@ -26,6 +26,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()
     log_level: str = "INFO"
     api_server_count: int = 1  # HTTP processes in front of the one engine (server/api_servers.py)
+    tool_call_parser: str = "hermes"  # how `auto` tool calls are read from the output (server/tool_calls.py)
 
     def public(self) -> dict[str, Any]:
         """Settings safe to show: keys are redacted."""

@@ -32,7 +32,6 @@ Call = dict[str, Any]  # {"id", "type": "function", "function": {"name", "argume
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(_OPEN) + r"(.*?)" + re.escape(_CLOSE), re.DOTALL)
-PARSERS = ("hermes", "qwen25")
 
 
 def make_call(name: str, arguments: Any) -> Call:
@@ -111,15 +110,20 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# --tool-call-parser names (vLLM's; SGLang's `qwen25` is the same format) -> (whole, streamed).
+PARSERS: dict[str, tuple[Any, Any]] = {"hermes": (parse_hermes, HermesStream), "qwen25": (parse_hermes, HermesStream)}
+
+
 @dataclass(frozen=True)
 class ToolChoice:
     mode: str  # "auto" | "none" | "required" | "named"
     functions: tuple[dict[str, Any], ...]  # each tool's "function": name, description, parameters
     name: str | None = None  # the named function
     parallel: bool = True
+    parser: str = "hermes"  # a PARSERS name
 
     @classmethod
-    def of(cls, tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> ToolChoice | None:
+    def of(cls, tools: list[Any] | None, tool_choice: Any, parallel: bool | None, parser: str = "hermes") -> ToolChoice | None:
         """The request's tool settings; None without tools. 400s name the bad field."""
         if not tools:
             if tool_choice not in (None, "none", "auto"):
@@ -134,13 +138,13 @@ class ToolChoice:
         names = [f["name"] for f in functions]
         par = True if parallel is None else parallel
         if tool_choice in (None, "auto", "none", "required"):
-            return cls(tool_choice or "auto", tuple(functions), None, par)
+            return cls(tool_choice or "auto", tuple(functions), None, par, parser)
         name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
         if name is None:
             raise InvalidRequest("tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}")
         if name not in names:
             raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
-        return cls("named", tuple(functions), name, par)
+        return cls("named", tuple(functions), name, par, parser)
 
     def json_schema(self) -> str | None:
         """The schema the output is constrained to (required, named), else None."""
@@ -169,8 +173,12 @@ class ToolChoice:
             except json.JSONDecodeError:
                 return text, []  # cut short by max_tokens: not an array yet
             return None, [make_call(c["name"], c["parameters"]) for c in items]
-        content, calls = parse_hermes(text)
+        content, calls = PARSERS[self.parser][0](text)
         return content, calls if self.parallel else calls[:1]
+
+    def stream(self) -> HermesStream:
+        """A streamed choice's parser (`auto`)."""
+        return PARSERS[self.parser][1]()
 
     def finish_reason(self, reason: str | None, calls: list[Call]) -> str | None:
         return "tool_calls" if calls and reason == "stop" and self.mode in ("auto", "required") else reason

@@ -274,3 +274,25 @@ def test_chat_template_problems_are_invalid_requests(tokenizer: Any) -> None:
     plain.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequest, match="roles must alternate"):
         chat_prompt(plain, body)
+
+
+def test_return_token_ids(oai: openai.OpenAI, model: str, tokenizer: Any) -> None:
+    """vLLM's `return_token_ids`: a completion choice carries its prompt's ids and its own, a chat
+    response the prompt's at the top; the ids decode to the text, and a stream's pieces join to
+    the whole response's."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    r = oai.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"return_token_ids": True, **NO_EOS})
+    choice = r.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 8
+    assert tokenizer.decode(choice["token_ids"]) == choice["text"]
+    chat = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       extra_body={"return_token_ids": True, **NO_EOS}).model_dump()
+    assert chat["prompt_token_ids"] == _chat_ids(tokenizer, MESSAGES)
+    assert tokenizer.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    stream = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0, stream=True,
+                                         extra_body={"return_token_ids": True, **NO_EOS})
+    chunks = [c.model_dump() for c in stream]
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []] == chat["choices"][0]["token_ids"]
+    plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=2).model_dump()
+    assert "token_ids" not in plain["choices"][0]
