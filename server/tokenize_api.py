@@ -3,6 +3,9 @@
 - tokenize `{prompt, add_special_tokens: true, return_token_strs: false}` (vLLM's; SGLang's also
   takes a list of prompts) -> `{tokens, count, max_model_len}` (+ `token_strs` when asked); a
   list of prompts answers lists. `text` is accepted as SGLang's older name of `prompt`.
+- tokenize `{messages, add_generation_prompt: true, continue_final_message, tools,
+  chat_template_kwargs}` (vLLM's chat form): the ids the chat template gives, as
+  /v1/chat/completions would prompt the model.
 - detokenize `{tokens}` (a list of ids, or SGLang's list of lists) -> `{prompt, text}`: vLLM reads
   `prompt`, SGLang `text` (a list for a list of lists). Ids outside the vocabulary are a 400.
 - `model`, when given, must be served (404 otherwise). Served at `/tokenize`, `/detokenize` and
@@ -33,6 +36,11 @@ class TokenizeIn(BaseModel):
     text: str | list[str] | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeIn(BaseModel):
@@ -46,15 +54,18 @@ class DetokenizeIn(BaseModel):
 async def tokenize(body: TokenizeIn, request: Request) -> dict[str, Any]:
     client = request.app.state.client
     request.app.state.model_names.check(body.model)
-    if (body.prompt is None) == (body.text is None):
-        raise InvalidRequest("give exactly one of `prompt` and `text`")
-    given = body.prompt if body.prompt is not None else body.text
-    prompts = [given] if isinstance(given, str) else given
-    if not 0 < len(prompts) <= MAX_ITEMS:
-        raise InvalidRequest(f"give 1 to {MAX_ITEMS} prompts, got {len(prompts)}")
+    if sum(x is not None for x in (body.prompt, body.text, body.messages)) != 1:
+        raise InvalidRequest("give exactly one of `prompt`, `text` and `messages`")
     tok = client.tokenizer
-    ids = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
-    one = isinstance(given, str)
+    if body.messages is not None:
+        ids, one = [_chat_ids(tok, body)], True
+    else:
+        given = body.prompt if body.prompt is not None else body.text
+        prompts = [given] if isinstance(given, str) else given
+        if not 0 < len(prompts) <= MAX_ITEMS:
+            raise InvalidRequest(f"give 1 to {MAX_ITEMS} prompts, got {len(prompts)}")
+        ids = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+        one = isinstance(given, str)
     answer: dict[str, Any] = {
         "tokens": ids[0] if one else ids, "count": len(ids[0]) if one else [len(i) for i in ids],
         "max_model_len": client.info["max_context_length"],
@@ -63,6 +74,21 @@ async def tokenize(body: TokenizeIn, request: Request) -> dict[str, Any]:
         strs = [tok.convert_ids_to_tokens(i) for i in ids]
         answer["token_strs"] = strs[0] if one else strs
     return answer
+
+
+def _chat_ids(tokenizer: Any, body: TokenizeIn) -> list[int]:
+    from pydantic import ValidationError
+
+    from server.openai_api import chat_prompt
+    from server.openai_schemas import ChatCompletionRequest
+
+    try:
+        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message,
+                                     chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
+    except ValidationError as e:
+        raise InvalidRequest(f"messages: {e.errors()[0]['msg']} at {e.errors()[0]['loc']}") from None
+    return chat_prompt(tokenizer, chat)
 
 
 @router.post("/detokenize")

@@ -300,6 +300,12 @@ def test_tokenize_detokenize_round_trip(http, model_name) -> None:
     assert batch[0] == ids["tokens"] and http.post("/v1/detokenize", json={"tokens": batch}).json()["text"] == [text, "jumps"]
     strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()["token_strs"]
     assert len(strs) == len(ids["tokens"])
+    # vLLM's chat form: the ids /v1/chat/completions prompts the model with (its usage counts them).
+    messages = [{"role": "user", "content": text}]
+    chat_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert len(chat_ids) == chat["usage"]["prompt_tokens"] and len(chat_ids) > len(ids["tokens"])
+    assert http.post("/tokenize", json={"messages": messages, "prompt": text}).status_code == 400
 
 
 BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
