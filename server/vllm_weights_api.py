@@ -8,8 +8,9 @@
   override_existing_receiver).
 - `/update_weights {update_info: {names, dtype_names, shapes, packed}}` receives the trainer's
   broadcasts in that group: one per tensor, or `packed` (vLLM's packed_tensor.py buckets of its
-  default 1 GiB; another `packed_buffer_size_bytes` is a 400). `update_info` with CUDA-IPC handles
-  (vLLM's IPC backend) is a 400: use `/update_weights_from_tensor`.
+  default 1 GiB; another `packed_buffer_size_bytes` is a 400). `update_info.ipc_handles_pickled`
+  (vLLM's CUDA-IPC backend over HTTP) is an update from tensors (engine/weights/payload.py
+  "vllm_ipc": each rank rebuilds its GPU's handles).
 - `/update_weights {weight_dir}` (prime-rl's filesystem broadcast) loads that checkpoint
   directory, as `/update_weights_from_disk`.
 - Neither names a weight version: the engine keeps its own. The prefix cache is flushed (its KV
@@ -112,9 +113,19 @@ async def update_weights(body: UpdateIn, request: Request) -> dict[str, Any]:
     if body.weight_dir is not None:
         return {"message": "Weights updated"} | await _answer(request, calls.UpdateWeightsFromDisk(model_path=body.weight_dir))
     info = body.update_info
-    if info.ipc_handles is not None or info.ipc_handles_pickled is not None:
-        raise InvalidRequest("update_info with CUDA-IPC handles (vLLM's IPC weight transfer) is not supported: "
-                             "send the tensors to /update_weights_from_tensor, or broadcast them (NCCL backend)")
+    if info.ipc_handles is not None:
+        raise InvalidRequest("update_info.ipc_handles travels over Ray only; over HTTP send ipc_handles_pickled")
+    if info.ipc_handles_pickled is not None:
+        if len(info.dtype_names) != len(info.names) or len(info.shapes) != len(info.names):
+            raise InvalidRequest("update_info: names, dtype_names and shapes must have one entry per tensor")
+        from engine.weights.payload import vllm_ipc_payload  # torch: imported when used
+
+        try:
+            payload = vllm_ipc_payload(info.names, info.ipc_handles_pickled)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        update = calls.UpdateWeightsFromTensor(serialized_named_tensors=[payload], load_format="vllm_ipc")
+        return {"message": "Weights updated"} | await _answer(request, update)
     if info.packed and info.packed_buffer_size_bytes != PACKED_BUFFER_SIZE_BYTES:
         raise InvalidRequest(f"packed_buffer_size_bytes must be vLLM's default {PACKED_BUFFER_SIZE_BYTES}, "
                              f"got {info.packed_buffer_size_bytes}")

@@ -34,3 +34,28 @@ def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
                          "--cuda-graph-max-bs", "8", log_path=log)  # fmt: skip
     yield proc
     proc.stop()
+
+
+def test_vllm_ipc_update(http, model_name, models, qwen3_next_dir: str) -> None:  # noqa: F811  (the fixtures above)
+    """vLLM's CUDA-IPC weight transfer over HTTP, as its trainer sends it
+    (vllm/distributed/weight_transfer/ipc_engine.py, IPCWeightTransferEngine.trainer_send_weights,
+    mode "http"): per tensor a {GPU UUID: reduce_tensor(weight)} handle, pickled and base64'd in
+    update_info.ipc_handles_pickled. The engine rebuilds them on its GPU: the new weights' tokens."""
+    import base64
+    import pickle
+
+    from oracle import hf_named_parameters
+    from test_vllm_api import _generate, greedy
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    weights = [(n, t.detach().to("cuda").contiguous()) for n, t in hf_named_parameters(qwen3_next_dir)]
+    info = {"names": [n for n, _ in weights], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in weights],
+            "shapes": [list(t.shape) for _, t in weights],
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps([{uuid: reduce_tensor(t)} for _, t in weights])).decode()}  # fmt: skip
+    r = http.post("/update_weights", json={"update_info": info})
+    assert r.status_code == 200, r.text
+    assert _generate(http, model_name).json()["choices"][0]["token_ids"] == greedy(models["new"], [5, 9, 13, 200, 7, 31, 64], 12)
+    wrong = [{"GPU-00000000": reduce_tensor(t)} for _, t in weights]
+    bad = http.post("/update_weights", json={"update_info": info | {"ipc_handles_pickled": base64.b64encode(pickle.dumps(wrong)).decode()}})
+    assert bad.status_code == 400 and "no IPC handle for this GPU" in bad.json()["error"]["message"]

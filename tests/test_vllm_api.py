@@ -319,7 +319,7 @@ BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("post", "/reset_prefix_cache", {"params": {"reset_running_requests": "maybe"}}, 400, "reset_running_requests"),
     ("post", "/update_weights", {"json": {}}, 400, "update_info"),
     ("post", "/update_weights", {"json": {"update_info": {"names": [], "dtype_names": [], "shapes": [],
-                                                          "ipc_handles_pickled": "x"}}}, 400, "IPC"),
+                                                          "ipc_handles_pickled": "x"}}}, 400, "ipc_handles_pickled"),
     ("post", "/update_weights", {"json": {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]],
                                                           "packed": True, "packed_buffer_size_bytes": 5}}}, 400, "packed_buffer_size_bytes"),
     ("post", "/update_weights", {"json": {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"],

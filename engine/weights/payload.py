@@ -16,6 +16,11 @@ Rules:
   so one bucket holds mixed dtypes and start_idx/end_idx are byte offsets; older SGLang
   concatenated tensors of one dtype (slime then sent one bucket per dtype) and the offsets count
   elements. Both are read.
+- load_format "vllm_ipc" (vLLM's CUDA-IPC weight transfer, its `update_info` over HTTP): the
+  payload is a pickle of {"names": [...], "ipc_handles": bytes}, where the bytes are vLLM's
+  `ipc_handles_pickled` decoded from base64: per tensor a {GPU UUID: (rebuild_cuda_tensor, args)}
+  dict. Each rank rebuilds the tensor its own GPU's UUID names, on its own device
+  (vllm/distributed/weight_transfer/ipc_engine.py, `receive_weights`).
 - CPU tensors are shared through torch's `file_system` strategy by default: a named shared-memory
   segment that any process of the same user can open. torch's Linux default, `file_descriptor`,
   passes descriptors through the sender's resource-sharer thread and authenticates with the
@@ -49,7 +54,7 @@ from torch.multiprocessing import reductions
 
 from engine.weights.loader import WeightLoadError
 
-LOAD_FORMATS: tuple[str | None, ...] = (None, "direct", "flattened_bucket")
+LOAD_FORMATS: tuple[str | None, ...] = (None, "direct", "flattened_bucket", "vllm_ipc")
 BUCKET_ALIGN = 16  # bytes; each tensor of a bucket we build starts on this boundary
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -264,7 +269,7 @@ def unflatten_bucket(obj: Any) -> NamedTensors:
 def decode_update(serialized_named_tensors: list[str], load_format: str | None, tp_rank: int = 0) -> NamedTensors:
     """The (name, tensor) pairs that `update_weights_from_tensor` carries for `tp_rank`."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {load_format!r}; valid: null, 'direct', 'flattened_bucket'")
+        raise ValueError(f"unknown load_format {load_format!r}; valid: null, 'direct', 'flattened_bucket', 'vllm_ipc'")
     payloads = serialized_named_tensors
     if not isinstance(payloads, (list, tuple)) or not payloads or (len(payloads) > 1 and not 0 <= tp_rank < len(payloads)):
         raise WeightPayloadError(
@@ -274,4 +279,40 @@ def decode_update(serialized_named_tensors: list[str], load_format: str | None, 
     obj = deserialize_payload(payloads[tp_rank if len(payloads) > 1 else 0])
     if load_format == "flattened_bucket":
         return unflatten_bucket(obj)
+    if load_format == "vllm_ipc":
+        return _vllm_ipc_pairs(obj)
     return _as_pairs(obj, "payload", tp_rank)
+
+
+def vllm_ipc_payload(names: list[str], ipc_handles_pickled: str) -> str:
+    """The one payload of a "vllm_ipc" update (what the HTTP route builds from vLLM's update_info)."""
+    try:
+        handles = base64.b64decode(ipc_handles_pickled, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise WeightPayloadError(f"ipc_handles_pickled is not valid base64: {e}") from e
+    return base64.b64encode(pickle.dumps({"names": list(names), "ipc_handles": handles})).decode()
+
+
+def _vllm_ipc_pairs(obj: Any) -> NamedTensors:
+    if not isinstance(obj, dict) or not isinstance(obj.get("names"), list) or not isinstance(obj.get("ipc_handles"), bytes):
+        raise WeightPayloadError("a vllm_ipc payload is {'names': [...], 'ipc_handles': bytes}")
+    handles = deserialize_payload(obj["ipc_handles"])
+    names = obj["names"]
+    if not isinstance(handles, list) or len(handles) != len(names):
+        raise WeightPayloadError(f"ipc_handles must be a list of one handle per name ({len(names)} names)")
+    if not torch.cuda.is_available():
+        raise WeightPayloadError("CUDA-IPC handles need a CUDA device")
+    device = torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    pairs: NamedTensors = []
+    for name, handle in zip(names, handles, strict=True):
+        if not isinstance(handle, dict) or uuid not in handle:
+            seen = list(handle) if isinstance(handle, dict) else type(handle).__name__
+            raise WeightPayloadError(f"{name}: no IPC handle for this GPU (UUID {uuid}); the handle names {seen}")
+        func, args = handle[uuid]
+        if func is not reductions.rebuild_cuda_tensor or not isinstance(args, tuple) or len(args) < 7:
+            raise WeightPayloadError(f"{name}: an IPC handle must be (rebuild_cuda_tensor, args)")
+        args = list(args)
+        args[6] = device  # the sender's device index means nothing here
+        pairs.append((name, func(*args)))
+    return pairs
