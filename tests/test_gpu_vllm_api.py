@@ -32,6 +32,7 @@ def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
     log = str(tmp_path_factory.mktemp("logs") / "gpu_vllm_api_server.log")
     proc = ServerProcess(None, "--model", qwen3_dir, "--device", "cuda", "--dtype", "float32", "--max-model-len", "512",
                          "--cuda-graph-max-bs", "8", log_path=log)  # fmt: skip
+    proc.long_request, proc.pause_after_s = 500, 0.02  # a token is well under a ms here
     yield proc
     proc.stop()
 

@@ -107,11 +107,14 @@ def _frozen_across(http: httpx.Client, server: ServerProcess, model_name: str, m
     finishes, its tokens before the pause the old model's, after it the new model's on the KV
     it kept."""
     version = http.get("/get_weight_version").json()["weight_version"]
-    body = {"sampling_params": {"temperature": 0.0, "max_tokens": LONG, "ignore_eos": True}, "model": model_name,
+    # A server whose tokens take well under a ms (a GPU: tests/test_gpu_vllm_api.py) says how long
+    # a request it must freeze half-way is, and how soon to pause it.
+    long, wait_s = getattr(server, "long_request", LONG), getattr(server, "pause_after_s", 0.1)
+    body = {"sampling_params": {"temperature": 0.0, "max_tokens": long, "ignore_eos": True}, "model": model_name,
             "token_ids": PROMPT}
     worker, answers = _in_thread(lambda: httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=300))
     _wait_running(http)
-    time.sleep(0.1)  # some tokens on the old weights (a token takes a few ms here)
+    time.sleep(wait_s)  # some tokens on the old weights (a token takes a few ms here)
     paused = http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
     assert paused.status_code == 200 and paused.json()["status"] == "paused", paused.text
     assert http.get("/is_paused").json() == {"is_paused": True}
@@ -123,10 +126,10 @@ def _frozen_across(http: httpx.Client, server: ServerProcess, model_name: str, m
     worker.join(300)
     choice = answers[0].json()["choices"][0]
     out = choice["token_ids"]
-    assert len(out) == LONG and choice["finish_reason"] == "length"
-    old = greedy(models["old"], PROMPT, LONG)
-    same = next((i for i, (a, b) in enumerate(zip(out, old, strict=True)) if a != b), LONG)
-    assert 0 < same < LONG, f"{same} of {LONG} tokens are the old model's"
+    assert len(out) == long and choice["finish_reason"] == "length"
+    old = greedy(models["old"], PROMPT, long)
+    same = next((i for i, (a, b) in enumerate(zip(out, old, strict=True)) if a != b), long)
+    assert 0 < same < long, f"{same} of {long} tokens are the old model's"
     # The first k tokens came before the pause (k <= same: a new token may equal the old one).
     k = next((k for k in range(same, 0, -1) if after_update(models, out, k) == out[k:]), None)
     assert k is not None, "no split of the output into old-model tokens, then new-model tokens on the kept KV"
