@@ -8,10 +8,12 @@ each section, so a run cut short still leaves what it measured. See bench/README
     python3 bench/bench_flip.py --shape 8b --out $OUT/flip.json                    # one GPU: bucket, tensor
     python3 bench/bench_flip.py --shape 8b --push distributed --out $OUT/flip.json # two GPUs: NCCL group
     python3 bench/bench_flip.py --shape 8b --tp-size 2 --out $OUT/flip_tp2.json    # server on two GPUs
+    python3 bench/bench_flip.py --shape 30b-a3b --out $OUT/flip.json               # MoE, config.json only
     python bench/bench_flip.py --tiny --out /tmp/flip.json                         # CPU smoke test
 
 This process is the trainer (as examples/rl_colocate.py): its new weights have the checkpoint's
-names, shapes and dtypes (safetensors headers), random values seeded per flip, made only after the
+names, shapes and dtypes (safetensors headers; without weights on disk, its config.json's model's
+with packed experts: flip_trainer.py), random values seeded per flip, made only after the
 release, on `--trainer-gpu` (default: the server's GPU, colocated), and freed (empty_cache) after
 the push, before kv_cache resumes. The server runs on `--server-gpu` (CUDA_VISIBLE_DEVICES);
 `distributed` puts the trainer on `--dist-gpu` (default: another GPU). Push modes (`--push`):
@@ -46,7 +48,7 @@ Sections, in this order:
      8 tokens), timed apart; every answer kept verbatim. `--verify every|last` checksums the
      server's weights after every flip (or each mode's last): every tensor must have changed.
   9. verify.restore: the checkpoint's own tensors pushed back (tensor mode); the checksum must
-     equal the initial one. `pushed_weights_taken` = every checked flip changed every tensor,
+     equal the initial one (without weights on disk: the last flip's, after a random refill). `pushed_weights_taken` = every checked flip changed every tensor,
      generate answered with the pushed weight_version, and the restore matched bit for bit.
 The server is stopped in `finally` (and on Ctrl-C / SIGTERM). No section starts after
 `--deadline-s`; the exit status is 1 when a section crashed (traceback in the JSON under `errors`).
@@ -115,7 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--verify",
         choices=("every", "last", "none"),
         help="checksum the server's weights after "
-        "every flip, after each mode's last, or never (default: every with --tiny, else last)",
+        "every flip, after each mode's last, or never (default: every with --tiny, else last; none for a "
+        "checkpoint without weights, whose checksums take minutes)",
     )
     p.add_argument(
         "--server-gpu", type=int, default=0,
@@ -158,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.shape = args.shape or ("tiny" if args.tiny else "8b")
     args.max_model_len = args.max_model_len or (256 if args.tiny else 1024)
-    args.verify = args.verify or ("every" if args.tiny else "last")
+    args.verify = args.verify or ("every" if args.tiny else None)  # None: flip_sections.run_all decides
     args.rollout_s = (0.0 if args.tiny else 1.0) if args.rollout_s is None else args.rollout_s
     return args
 

@@ -3,14 +3,17 @@ in-process `engine.Engine` on the same work. One run, one table of ratios; every
 to the JSON file named by `--out`, rewritten after each section. See bench/README.md.
 
     python bench/bench_serving.py --shape 0.6b --num-prompts 256,1024 --out $OUT/serving.json   # GPU
+    python bench/bench_serving.py --shape 30b-a3b --routed-experts --out $OUT/moe.json            # GPU, MoE
     python bench/bench_serving.py --tiny --out /tmp/s.json                                      # CPU smoke test
+    python bench/bench_serving.py --tiny --shape tiny-moe --routed-experts --out /tmp/m.json    # CPU, MoE paths
 
 Rules:
-- The checkpoint is built by serving_checkpoint.py (`--shape 0.6b|8b|DIR`, random bf16 weights)
-  in a child process, so this process never holds the GPU. The server needs a tokenizer: the
-  demo tokenizer (512 tokens) is written into a checkpoint built here, or into a directory of its
-  own passed as `--tokenizer` when DIR is someone else's, widened so that every id of the model
-  decodes to a word. Prompts are token ids.
+- The checkpoint is built by serving_checkpoint.py (`--shape 0.6b|8b|30b-a3b|DIR`, random bf16
+  weights; an MoE shape as its config.json alone, served with `--load-format dummy`) in a child
+  process, so this process never holds the GPU. The server needs a tokenizer: the demo tokenizer
+  (512 tokens) is written into a checkpoint built here, or into a directory of its own passed as
+  `--tokenizer` when DIR is someone else's, widened so that every id of the model decodes to a
+  word. Prompts are token ids.
 - Order: the in-process Engine first (all N), stopped; then the server (all N, then online),
   stopped. Never both at once. Each uses the engine flags of `--server-args`.
 - RL shape, for each N: (1) one `/generate` holding N prompts, (2) N concurrent single-prompt
@@ -22,6 +25,9 @@ Rules:
   section's wall time; each client process reports its own.
   A section with a client process above 90 % of a core is `invalid` (the load generator may have
   been the bottleneck: raise --client-procs).
+- `--routed-experts` (MoE only, serving_routes.py): after the server sections, a second server
+  with `--enable-return-routed-experts` runs batched, singles and n8 again, every request asking
+  for its routed experts; each mode against itself without.
 - `--rounds K`: each section (the Engine's too) runs K times, the modes interleaved (batched,
   singles, streams, n8, batched, ...), and the round with the median tok/s is reported, with every
   round's tok/s beside it (`rounds_tokens_per_s`): on a machine whose speed drifts by +-10 %
@@ -50,7 +56,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import elapsed, say, write_json  # noqa: E402
-from serving_checkpoint import build_checkpoint  # noqa: E402
+from serving_checkpoint import build_checkpoint, dummy_flags  # noqa: E402
 from serving_clients import (  # noqa: E402
     CLIENT_CPU_LIMIT_PCT,
     SAMPLES,
@@ -59,6 +65,7 @@ from serving_clients import (  # noqa: E402
     random_prompts,
     rl_specs,
 )
+from serving_routes import ROUTED_MODES, route_bytes  # noqa: E402
 from serving_server import Server, cpu_pct, cpu_s, py_spy, stop_py_spy  # noqa: E402
 from serving_summary import summarize  # noqa: E402
 from serving_table import print_table, table_rows  # noqa: E402
@@ -66,7 +73,7 @@ from serving_table import print_table, table_rows  # noqa: E402
 MODES = ("batched", "singles", "streams", "n8")
 FULL = dict(shape="0.6b", server_args="", num_prompts="64,256,1024", input_len=256, output_len=256,
             online_output_len=256, num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
-TINY = dict(shape="tiny", model_dir="/tmp/siesta-bench-serving-tiny", num_prompts="8", input_len=16,
+TINY = dict(shape="tiny", num_prompts="8", input_len=16,
             output_len=8, server_args="--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256",
             # streams long enough that a server starved of CPU (CI: 2 cores) cannot send one whole
             # in a single event, so they have inter-token gaps to measure
@@ -145,35 +152,39 @@ def median_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dict[int, list[list[int]]],
-               vocab: int, res: dict[str, Any]) -> None:
-    """The server: every mode at each N, then the online shape; stopped whatever happens."""
-    server = Server(model, flags, os.path.splitext(args.out)[0] + ".server.log")
+               vocab: int, res: dict[str, Any], routes: int = 0) -> None:
+    """The server: every mode at each N, then the online shape; stopped whatever happens. With
+    `routes` (bytes of routed experts per position) it records them and every request asks for
+    them: ROUTED_MODES only, into res["rl_routed"]."""
+    key, modes = ("rl_routed", ROUTED_MODES) if routes else ("rl", MODES)
+    flags = [*flags, "--enable-return-routed-experts"] if routes else flags
+    server = Server(model, flags, os.path.splitext(args.out)[0] + (".routed" if routes else "") + ".server.log")
     pool: ClientPool | None = None
     try:
-        res["server"] = server.wait_ready(args.startup_timeout_s)
-        say(f"server: ready at {server.url}, engine pid {server.engine_pid}, device {res['server'].get('device')}")
+        info = res["server_routed" if routes else "server"] = server.wait_ready(args.startup_timeout_s)
+        say(f"server: ready at {server.url}, engine pid {server.engine_pid}, device {info.get('device')}")
         pool = ClientPool(server.url, args.client_procs, args.request_timeout_s)
         sampling = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature}
         warm = rl_specs("batched", work[min(work)][:16], sampling | {"max_new_tokens": 4}, args.client_procs)
         http_section(server, pool, *warm)  # untimed: the first request's one-time costs
         for n, batched_prompts in work.items():
-            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
             for _, (i, mode) in itertools.product(range(args.rounds), enumerate(MODES)):
-                if mode in args.skip or (mode == "n8" and n < SAMPLES) or elapsed() > args.deadline_s:
+                if mode not in modes or mode in args.skip or (mode == "n8" and n < SAMPLES) or elapsed() > args.deadline_s:
                     continue
                 prompts = batched_prompts if mode == "batched" else random_prompts(
                     random.Random(args.seed * 7919 + n * 10 + i), n, args.input_len, vocab)
-                shares = rl_specs(mode, prompts, sampling, args.client_procs, SAMPLES)
+                shares = rl_specs(mode, prompts, sampling, args.client_procs, SAMPLES, routes)
                 profile = (args.py_spy, f"{os.path.splitext(args.out)[0]}.{mode}.{n}")
                 r = http_section(server, pool, *shares, profile=profile)
                 runs[mode].append(r)
-                res["rl"].setdefault(str(n), {})[mode] = median_section(runs[mode])
-                say(f"{mode} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
+                res[key].setdefault(str(n), {})[mode] = median_section(runs[mode])
+                say(f"{mode}{' routed' if routes else ''} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
                     f"{r['tokens_per_s']:.0f} tok/s; {r['failed']} failed; CPU server {r['server_cpu_pct'] or 0:.0f} % "
                     f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
                     f"engine {r['engine_cpu_pct'] or 0:.0f} %, clients {r['client_cpu_pct_max']:.0f} % max, {r['engine_steps']} steps")
                 write_json(args.out, res)
-        if "online" not in args.skip and elapsed() <= args.deadline_s:
+        if not routes and "online" not in args.skip and elapsed() <= args.deadline_s:
             shares = online_specs(random.Random(args.seed + 99), args.num_online, args.request_rate, args.input_len,
                                   args.online_output_len, args.random_range_ratio, vocab, sampling, args.client_procs)
             r = res["online"] = http_section(server, pool, *shares)
@@ -190,7 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON results file (the server's log goes beside it)")
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, tiny workloads: a smoke test")
-    p.add_argument("--shape", help="0.6b | 8b | DIR, as bench_engine.py takes it (default 0.6b)")
+    p.add_argument("--shape", help="0.6b | 8b | 30b-a3b | DIR, as bench_engine.py takes it (default 0.6b; "
+                   "with --tiny: tiny | tiny-moe)")
     p.add_argument("--model-dir", help="where a built checkpoint goes (default /tmp/siesta-bench-qwen3-<shape>)")
     p.add_argument("--server-args", help="engine and server flags of `siesta serve`, one string (also the Engine's knobs)")
     p.add_argument("--num-prompts", help="comma-separated N of the RL shape (default 64,256,1024)")
@@ -210,11 +222,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--py-spy", help="py-spy binary: sample the server and the engine during each RL section "
                    "(files beside --out: <out>.<mode>.<N>.<server|engine>.txt, collapsed stacks)")
+    p.add_argument("--routed-experts", action="store_true", help="MoE: the server sections again with "
+                   "--enable-return-routed-experts and return_routed_experts in every request; on / off tok/s")
     p.add_argument("--skip", default="", help="comma-separated: engine,serve (all server sections),batched,singles,streams,n8,online")
     args = p.parse_args(argv)
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.tiny and args.model_dir is None:  # one directory per tiny shape: tiny and tiny-moe never rebuild each other
+        args.model_dir = f"/tmp/siesta-bench-serving-{os.path.basename(args.shape.rstrip('/'))}"
     args.skip = {s for s in args.skip.split(",") if s}
     args.num_prompts = sorted({int(x) for x in args.num_prompts.split(",")})
     return args
@@ -229,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:  # 2 CPU cores shared by engine, server and clients: torch's spinning threads would thrash
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     res: dict[str, Any] = {"meta": {"out": args.out, "tiny": args.tiny, "python": platform.python_version(),
-                                    "args": vars(args) | {"skip": sorted(args.skip)}}, "rl": {}, "errors": {}}
+                                    "args": vars(args) | {"skip": sorted(args.skip)}}, "rl": {}, "rl_routed": {},
+                           "errors": {}}
     try:
         try:
             with mp.get_context("spawn").Pool(1) as child:  # bounded: an hour covers writing 16 GB
@@ -242,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = {"path": "", "shape": {"vocab_size": 1}, "tokenizer": None}
         model, vocab = ckpt["path"], ckpt["shape"]["vocab_size"]
         flags = shlex.split(args.server_args) + (["--tokenizer", ckpt["tokenizer"]] if ckpt["tokenizer"] else [])
+        flags += dummy_flags(ckpt.get("load_format", "auto"), flags)
         work = {n: random_prompts(random.Random(args.seed * 7919 + n), n, args.input_len, vocab) for n in args.num_prompts}
+        routed = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_bytes(ckpt["shape"])),
+                   ()),) if args.routed_experts and "serve" not in args.skip else ()
         for name, fn, a in (("engine", engine_runs, (args, model, flags, work, res)),
-                            ("serve", serve_runs, (args, model, flags, work, vocab, res))):
+                            ("serve", serve_runs, (args, model, flags, work, vocab, res)), *routed):
             if name in args.skip:
                 continue
             try:
@@ -260,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"]["total_s"] = elapsed()
     write_json(args.out, res)
     print_table(res)
-    failed = any(r.get("failed") for sec in res["rl"].values() for r in sec.values()) or (res.get("online") or {}).get("failed")
+    failed = any(r.get("failed") for rl in ("rl", "rl_routed") for sec in res[rl].values() for r in sec.values()) or (
+        res.get("online") or {}).get("failed")
     return 1 if res["errors"] or failed else 0
 
 

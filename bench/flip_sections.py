@@ -1,6 +1,7 @@
 """The sections of bench_flip.py, in its docstring's order: checkpoint, the references measured
 before the server starts, the server, the initial checksum, the driver's floor (while the
-server's memory is released), the flips of each push mode, and the restore check."""
+server's memory is released), the flips of each push mode, and the restore check (for a
+checkpoint without weights, served as load_format dummy: the last flip's tensors pushed again)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from flip_trainer import (
     nbytes,
 )
 from flip_verify import Verify
+from serving_checkpoint import dummy_flags
 
 MODE_INDEX = {"bucket": 0, "tensor": 1, "distributed": 2, "distributed_bucket": 3}
 NEW_TOKENS = 8
@@ -46,7 +48,7 @@ def prompts(seed: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, min(vocab, 512)) for _ in range(16)] for _ in range(4)]
 
 
-def server_flags(args: Any, tokenizer: str | None) -> list[str]:
+def server_flags(args: Any, tokenizer: str | None, load_format: str = "auto") -> list[str]:
     flags = ["--mem-fraction", str(args.mem_fraction), "--max-model-len", str(args.max_model_len)]
     if args.tiny:
         flags += ["--device", "cpu", "--num-kv-blocks", "256", "--dtype", "float32"]
@@ -54,7 +56,8 @@ def server_flags(args: Any, tokenizer: str | None) -> list[str]:
         flags += ["--weights-backup", args.weights_backup]
     if args.tp_size > 1:
         flags += ["--tp-size", str(args.tp_size)]
-    return flags + shlex.split(args.server_args) + (["--tokenizer", tokenizer] if tokenizer else [])
+    flags += shlex.split(args.server_args) + (["--tokenizer", tokenizer] if tokenizer else [])
+    return flags + dummy_flags(load_format, flags)
 
 
 @contextlib.contextmanager
@@ -189,6 +192,9 @@ def run_all(run: Any, modes: list[str]) -> None:
     if ckpt is None:
         return
     res["checkpoint"] = ckpt
+    dummy = ckpt["load_format"] == "dummy"  # no weights on disk: the trainer's tensors come from config.json
+    # A checksum hashes every byte on the host (about a minute at 30B-A3B): asked for, not the default.
+    args.verify = args.verify or ("none" if dummy else "last")
     specs = checkpoint_specs(ckpt["path"])
     model_bytes = nbytes(specs)
     res["meta"] |= {
@@ -246,7 +252,7 @@ def run_all(run: Any, modes: list[str]) -> None:
 
     log = os.path.splitext(args.out)[0] + ".server.log"
     with env_set({"CUDA_VISIBLE_DEVICES": gpus["server_visible"]} if cuda else {}):
-        server = Server(ckpt["path"], server_flags(args, ckpt.get("tokenizer")), log)
+        server = Server(ckpt["path"], server_flags(args, ckpt.get("tokenizer"), ckpt["load_format"]), log)
     http: Http | None = None
     try:
         info = run.section("server", server.wait_ready, args.startup_timeout_s)
@@ -282,7 +288,10 @@ def run_all(run: Any, modes: list[str]) -> None:
         if verify is not None:
             flips = [f for sec in res["push"].values() for f in sec["warmup"] + sec["flips"]]
             others = [torch.device("cuda", r) for r in range(1, args.tp_size)] if cuda else []
-            run.section("verify.restore", verify.restore, ckpt["path"], ipc_dev, flips, others)
+            if dummy:
+                run.section("verify.restore", verify.repush, specs, ipc_dev, flips, others)
+            else:
+                run.section("verify.restore", verify.restore, ckpt["path"], ipc_dev, flips, others)
     finally:
         if http is not None:
             http.close()

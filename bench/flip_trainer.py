@@ -1,9 +1,15 @@
 """The trainer side of bench_flip.py: the checkpoint's tensor list (names, shapes, dtypes read from
-the safetensors headers), "new weights" made in the freed memory, the three ways of pushing them
+the safetensors headers; for a checkpoint without weights, its config.json's model's), "new
+weights" made in the freed memory, the three ways of pushing them
 (a flattened bucket and per-tensor payloads over `update_weights_from_tensor`, a broadcast over a
 weight-update group) and one timed flip over HTTP (flip_http.py's calls).
 
 Rules:
+- A checkpoint without weights (engine_shapes' MoE shapes: config.json alone, served with
+  load_format dummy) lists the tensors of its Hugging Face model built on the meta device, in the
+  config's dtype; per-expert names (transformers 4: `mlp.experts.{e}.gate_proj.weight`) are
+  packed as transformers 5 names them (`mlp.experts.gate_up_proj` [E, 2I, hidden], gate rows
+  then up rows; `mlp.experts.down_proj` [E, hidden, I]): 531 tensors at 30B-A3B, not 18,867.
 - New weights are random (a generator seeded per flip, so every flip writes different values):
   normal(0, 0.02) for matrices, 1 + normal(0, 0.05) for 1-D tensors (norms), in the checkpoint's
   dtype, each tensor its own allocation. `checkpoint_weights` reads the checkpoint's own values.
@@ -14,6 +20,9 @@ Rules:
 from __future__ import annotations
 
 import gc
+import json
+import os
+import re
 import time
 from typing import Any
 
@@ -22,7 +31,7 @@ from bench_runtime import free_port
 from device_timing import sync
 from flip_http import Beside, Http, Poster
 
-from engine.weights.loader import checkpoint_entries, iterate_checkpoint
+from engine.weights.loader import INDEX_FILE, checkpoint_entries, iterate_checkpoint
 from engine.weights.payload import flatten_bucket, serialize_named_tensors, serialize_payload
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -30,6 +39,7 @@ Spec = tuple[str, tuple[int, ...], torch.dtype]
 GROUP = "bench_flip"
 # The broadcast push modes and the load_format each sends: a broadcast per tensor, or one in all.
 DIST_MODES = {"distributed": None, "distributed_bucket": "flattened_bucket"}
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def checkpoint_specs(path: str) -> list[Spec]:
@@ -38,13 +48,42 @@ def checkpoint_specs(path: str) -> list[Spec]:
     device from the checkpoint's config; the files list them alphabetically)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    if not any(n.endswith(".safetensors") or n == INDEX_FILE for n in os.listdir(path)):
+        return config_specs(path, model)
     specs = [(name, shape, DTYPES[dtype]) for name, shape, dtype in checkpoint_entries(path)]
     if not specs:
         raise RuntimeError(f"no safetensors tensors in {path}")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     return sorted(specs, key=lambda s: order.get(s[0], len(order)))
+
+
+def config_specs(path: str, model: Any) -> list[Spec]:
+    """A checkpoint without weights: its meta model's parameters, in the config's dtype, experts packed."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    dtype = getattr(torch, str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").removeprefix("torch."))
+    specs: list[Spec] = []
+    parts: dict[str, dict[str, tuple[int, ...]]] = {}  # experts prefix -> gate / up / down: one expert's shape
+    count: dict[str, int] = {}  # experts prefix -> experts
+    for name, p in model.named_parameters():
+        m = _EXPERT.match(name)
+        if m is None:
+            specs.append((name, tuple(p.shape), dtype))
+            continue
+        prefix = m.group(1)
+        if prefix not in parts:  # the packed pair takes the place of the first expert's tensors
+            parts[prefix] = {}
+            specs += [(f"{prefix}.gate_up_proj", (), dtype), (f"{prefix}.down_proj", (), dtype)]
+        parts[prefix][m.group(3)] = tuple(p.shape)
+        count[prefix] = max(count.get(prefix, 0), int(m.group(2)) + 1)
+    for i, (name, _, d) in enumerate(specs):
+        prefix, _, packed = name.rpartition(".")
+        if prefix in parts:
+            (inter, hidden), down = parts[prefix]["gate"], parts[prefix]["down"]
+            specs[i] = (name, (count[prefix], 2 * inter, hidden) if packed == "gate_up_proj" else (count[prefix], *down), d)
+    return specs
 
 
 def nbytes(specs: list[Spec]) -> int:

@@ -2,7 +2,9 @@
 checksums (a hash of every tensor of the server's model, on every tensor-parallel rank): the loaded weights first; after a flip,
 every tensor must differ from the last checksum (each flip pushes new random values); at the end
 the checkpoint's own tensors are pushed back and the checksum must equal the loaded one bit for
-bit. Costs a device-to-host copy and a hash of the model per checksum (tens of seconds at 8B)."""
+bit. A checkpoint without weights (load_format dummy) has none to push back: every tensor is
+refilled at random (`reset_tensors`), the last flip's tensors are made again (its seed) and pushed,
+and the checksum must equal the one the last flip left. Costs a device-to-host copy and a hash of the model per checksum (tens of seconds at 8B)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 
 from bench_runtime import say
 from flip_http import Http
-from flip_trainer import checkpoint_weights, free
+from flip_trainer import checkpoint_weights, free, new_weights
 
 
 class Verify:
@@ -21,6 +23,7 @@ class Verify:
     def __init__(self, res: dict[str, Any], http: Http) -> None:
         self.out, self.http = res["verify"], http
         self.prev: dict[str, str] | None = None
+        self.prev_total: str | None = None
 
     def checksum(self) -> tuple[dict[str, str], str, float]:
         """Every rank's tensors (`rank:name` at tp_size > 1), the engine's checksum, seconds."""
@@ -50,6 +53,7 @@ class Verify:
         if self.prev is None:
             return
         sums, total, seconds = self.checksum()
+        self.prev_total = total
         changed = [k for k, v in sums.items() if self.prev.get(k) != v]
         f["verify"] = {
             "changed": len(changed),
@@ -65,12 +69,32 @@ class Verify:
     def restore(self, path: str, device: Any, flips: list[dict[str, Any]], others: list[Any] = ()) -> None:
         """Push the checkpoint back (one payload per tensor-parallel rank: `others` are the GPUs
         of ranks 1..) and compare the checksum with the loaded one."""
+        self.out["restore_of"] = "the checkpoint"
+        self._push_back(lambda d: checkpoint_weights(path, d), device, flips, others, self.out.get("initial_checksum"))
+
+    def repush(self, specs: list[Any], device: Any, flips: list[dict[str, Any]], others: list[Any] = ()) -> None:
+        """A checkpoint without weights: the checksum the last flip left (taken now if that flip
+        was not checked), every tensor refilled at random, the last flip's tensors made again
+        from its seed and pushed; the checksum must equal the one before the refill, which must
+        have changed every tensor."""
+        if not flips:
+            raise RuntimeError("no flip to push again")
+        before, want = (self.prev, self.prev_total) if "verify" in flips[-1] else self.checksum()[:2]
+        self.http.post("/weights_checker", {"action": "reset_tensors"})
+        reset = self.checksum()[0]
+        self.out["restore_of"] = f"the last flip's tensors (seed {flips[-1]['seed']})"
+        self.out["reset_changed_all"] = all(reset.get(k) != v for k, v in before.items())
+        self.out["all_changed"] = self.out["all_changed"] and self.out["reset_changed_all"]
+        self._push_back(lambda d: new_weights(specs, d, flips[-1]["seed"]), device, flips, others, want)
+
+    def _push_back(self, make: Any, device: Any, flips: list[dict[str, Any]], others: list[Any], want: str | None) -> None:
+        """Push `make(device)`'s tensors (tensor mode) and compare the checksum with `want`."""
         from engine.weights.payload import serialize_named_tensors
 
-        # kv_cache released meanwhile, as in a flip: the checkpoint's copy fits beside the server.
+        # kv_cache released meanwhile, as in a flip: the trainer's copy fits beside the server.
         self.http.post("/release_memory_occupation", {"tags": ["kv_cache"]})
         try:
-            pairs = [checkpoint_weights(path, d) for d in [device, *others]]
+            pairs = [make(d) for d in [device, *others]]
             payload = [serialize_named_tensors(p) for p in pairs]
             body = {
                 "serialized_named_tensors": payload,
@@ -83,13 +107,12 @@ class Verify:
                 free(d)
         finally:
             self.http.post("/resume_memory_occupation", {"tags": ["kv_cache"]})
-        sums, total, _ = self.checksum()
-        initial = self.out.get("initial_checksum")
+        _, total, _ = self.checksum()
         self.out |= {
             "restore_push_wall_s": wall,
             "restore_answer": answer,
             "restored_checksum": total,
-            "restored_exactly": total == initial,
+            "restored_exactly": total == want,
             "versions_ok": bool(flips) and all(f["version_ok"] for f in flips),
         }
         self.out["pushed_weights_taken"] = bool(
@@ -99,7 +122,7 @@ class Verify:
             and self.out["versions_ok"]
         )
         say(
-            f"verify: checkpoint pushed back -> checksum {'equals' if total == initial else 'DIFFERS from'} the "
-            f"loaded one; {self.out['flips_checked']} flips checked, every tensor changed: {self.out['all_changed']}; "
+            f"verify: {self.out['restore_of']} pushed back -> checksum {'equals' if total == want else 'DIFFERS from'} "
+            f"the one they left; {self.out['flips_checked']} flips checked, every tensor changed: {self.out['all_changed']}; "
             f"pushed_weights_taken {self.out['pushed_weights_taken']}"
         )

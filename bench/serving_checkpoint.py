@@ -1,6 +1,11 @@
 """The checkpoint a server under test loads: engine_shapes' random checkpoint of a shape, with a
 tokenizer that decodes every id of the model (the server needs one; the prompts are ids).
-bench_serving.py, bench_replicas.py and bench_flip.py build theirs here, in a child process."""
+bench_serving.py, bench_replicas.py and bench_flip.py build theirs here, in a child process.
+
+A checkpoint without weights (config.json alone: engine_shapes' MoE shapes) is served with
+`--load-format dummy` (random weights of its shape made in place) and `--weights-backup none` (no
+pinned host copy of weights that a weight update replaces), unless the flags name either
+(`dummy_flags`)."""
 
 from __future__ import annotations
 
@@ -56,3 +61,12 @@ def widen_tokenizer(path: str, vocab_size: int) -> None:
             next_id += 1
     with open(file, "w", encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False)
+
+
+def dummy_flags(load_format: str, flags: list[str]) -> list[str]:
+    """The serve flags a checkpoint loaded as `load_format` needs beyond `flags`."""
+    if load_format != "dummy":
+        return []
+    named = lambda flag: any(a == flag or a.startswith(flag + "=") for a in flags)  # noqa: E731
+    return ([] if named("--load-format") else ["--load-format", "dummy"]) + (
+        [] if named("--weights-backup") else ["--weights-backup", "none"])

@@ -52,11 +52,12 @@ def random_prompts(rng: random.Random, count: int, length: int, vocab: int) -> l
 
 
 def spec(body: dict[str, Any], expect_tokens: int, expect_results: int = 1, at: float = 0.0,
-         gaps: bool = False) -> dict[str, Any]:
-    """One request: the encoded body, when to send it, what a correct answer holds."""
+         gaps: bool = False, routes: int = 0) -> dict[str, Any]:
+    """One request: the encoded body, when to send it, what a correct answer holds (`routes`:
+    the length of each result's base64 routed experts; 0: none asked)."""
     return {"payload": json.dumps(body).encode(), "stream": bool(body.get("stream")), "at": at,
             "expect_tokens": expect_tokens, "expect_results": expect_results,
-            "logprobs": bool(body.get("return_logprob")), "gaps": gaps}
+            "logprobs": bool(body.get("return_logprob")), "gaps": gaps, "routes": routes}
 
 
 def poisson_offsets(rng: random.Random, count: int, rate: float) -> list[float]:
@@ -77,20 +78,25 @@ def deal(items: list[Any], procs: int) -> list[list[Any]]:
 
 
 def rl_specs(mode: str, prompts: list[list[int]], sampling: dict[str, Any], procs: int,
-             samples: int = SAMPLES) -> tuple[list[list[dict[str, Any]]], int]:
+             samples: int = SAMPLES, route_bytes: int = 0) -> tuple[list[list[dict[str, Any]]], int]:
     """One RL-shape section's requests dealt to the client processes, and the output tokens it
     expects. batched: one request of all prompts; singles: one request each; streams: one stream
-    each, no logprobs; n8: the first len/samples prompts, `n: samples` each (as many samples)."""
+    each, no logprobs; n8: the first len/samples prompts, `n: samples` each (as many samples).
+    `route_bytes` > 0 (bytes of routes per position): every request asks for its routed experts."""
     out = sampling["max_new_tokens"]
+    top = {"return_logprob": True} | ({"return_routed_experts": True} if route_bytes else {})
+    b64 = 4 * -(-(len(prompts[0]) + out - 1) * route_bytes // 3) if route_bytes else 0  # same length prompts
     if mode == "batched":
-        body = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True}
-        return [[spec(body, out, len(prompts))]] + [[] for _ in range(procs - 1)], out * len(prompts)
+        body = {"input_ids": prompts, "sampling_params": sampling} | top
+        return [[spec(body, out, len(prompts), routes=b64)]] + [[] for _ in range(procs - 1)], out * len(prompts)
     if mode == "n8":
         group = prompts[: len(prompts) // samples]
-        body = {"sampling_params": sampling | {"n": samples}, "return_logprob": True}
-        return deal([spec(body | {"input_ids": p}, out, samples) for p in group], procs), out * samples * len(group)
-    extra = {"stream": True} if mode == "streams" else {"return_logprob": True}
-    specs = [spec({"input_ids": p, "sampling_params": sampling} | extra, out) for p in prompts]
+        body = {"sampling_params": sampling | {"n": samples}} | top
+        specs = [spec(body | {"input_ids": p}, out, samples, routes=b64) for p in group]
+        return deal(specs, procs), out * samples * len(group)
+    extra = {"stream": True} if mode == "streams" else top
+    specs = [spec({"input_ids": p, "sampling_params": sampling} | extra, out, routes=b64 * (mode != "streams"))
+             for p in prompts]
     return deal(specs, procs), out * len(prompts)
 
 
@@ -136,6 +142,8 @@ def _check(results: list[dict[str, Any]], s: dict[str, Any]) -> str | None:
             return f"finish {reason} after {meta.get('completion_tokens')} tokens, expected length after {s['expect_tokens']}"
         if s["logprobs"] and len(meta.get("output_token_logprobs") or []) != s["expect_tokens"]:
             return "output_token_logprobs missing or short"
+        if s["routes"] and len(meta.get("routed_experts") or "") != s["routes"]:
+            return f"routed_experts of {len(meta.get('routed_experts') or '')} base64 characters, expected {s['routes']}"
     return None
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from bench_runtime import elapsed
 from report import Rows, over, print_targets, run_footer
 from serving_clients import SAMPLES
+from serving_routes import routed_rows
 
 # A mode's tok/s over the batched request's; "engine": the batched request's over the Engine's.
 TARGETS = {"singles": 0.95, "streams": 0.85, "n8": 0.95, "engine": 0.95}
@@ -46,6 +47,7 @@ def table_rows(res: dict[str, Any]) -> Rows:
             if mode in sec:
                 row(f"N={n} {label}, tok/s; ref = batched", tps[mode], tps.get("batched"),
                     f">= {TARGETS[mode]}", TARGETS[mode], sec[mode])
+    routed_rows(res, row)
     on = res.get("online")
     if on:
         row(f"online {on['request_rate']} req/s x {on['num_requests']}: output tok/s; ref = req/s",

@@ -1,0 +1,41 @@
+"""The routed-experts run of bench_serving.py (`--routed-experts`, a mixture-of-experts
+checkpoint): the RL modes again against a server started with `--enable-return-routed-experts`,
+every request carrying `"return_routed_experts": true`, each mode's tok/s against the same mode
+without (issue 74: >= 0.95).
+
+Rules:
+- An answer's `meta_info.routed_experts` is the base64 of int32 [prompt + output - 1, layers,
+  top_k] (server/schemas.py): its length is checked, never decoded.
+- The routed run leaves out streams (an RL rollout does not stream, and every event would repeat
+  the routes so far) and the online shape; its prompts are the run without's (the same seeds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serving_clients import SAMPLES
+
+ROUTED_TARGET = 0.95  # a mode's tok/s with routed experts over the same mode's without
+ROUTED_MODES = ("batched", "singles", "n8")
+
+
+def route_bytes(shape: dict[str, Any]) -> int:
+    """Bytes of routes per position: int32 per decoder layer per chosen expert (a dense layer's
+    column is there too, as zeros)."""
+    if not shape.get("num_experts"):
+        raise ValueError("--routed-experts needs a mixture-of-experts checkpoint (--shape 30b-a3b, tiny-moe)")
+    return 4 * int(shape["num_hidden_layers"]) * int(shape["num_experts_per_tok"])
+
+
+def routed_rows(res: dict[str, Any], row: Any) -> None:
+    """Per N and mode: tok/s with routed experts against the same mode without (`row` is
+    serving_table's row builder)."""
+    for n, sec in sorted((res.get("rl_routed") or {}).items(), key=lambda kv: int(kv[0])):
+        off = res["rl"].get(n) or {}
+        for mode in ROUTED_MODES:
+            if mode in sec:
+                label = {"batched": "one batched /generate", "singles": "N concurrent singles",
+                         "n8": f"N/{SAMPLES} concurrent n:{SAMPLES}"}[mode]
+                row(f"N={n} {label} with return_routed_experts, tok/s; ref = without", sec[mode]["tokens_per_s"],
+                    (off.get(mode) or {}).get("tokens_per_s"), f">= {ROUTED_TARGET}", ROUTED_TARGET, sec[mode])
