@@ -279,10 +279,14 @@ class Sampler:
         if batch.banned_pairs is not None:
             logits[batch.banned_pairs[0], batch.banned_pairs[1]] = float("-inf")
         if batch.grammar_rows is not None and batch.grammar_masks is not None:
+            # The masks span the tokenizer, the first rows of the vocabulary: nothing past them is allowed.
             bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-            allowed = ((batch.grammar_masks[:, :, None] >> bits) & 1).view(len(batch.grammar_rows), -1)[:, :vocab_size]
+            unpacked = ((batch.grammar_masks[:, :, None] >> bits) & 1).view(len(batch.grammar_rows), -1)
+            n = min(unpacked.shape[1], vocab_size)
+            allowed = torch.zeros(len(batch.grammar_rows), vocab_size, dtype=torch.bool, device=logits.device)
+            allowed[:, :n] = unpacked[:, :n] != 0
             rows = logits[batch.grammar_rows]
-            logits[batch.grammar_rows] = rows.masked_fill(allowed == 0, float("-inf"))
+            logits[batch.grammar_rows] = rows.masked_fill(~allowed, float("-inf"))
         return logits
 
     def _truncate(self, scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -13,6 +13,7 @@ from collections import Counter
 import msgspec
 
 from engine.request import Request
+from engine.runner.grammar import fill_masks
 
 # A seeded row's noise at output step n comes from a generator seeded with
 # (seed * _SEED_STRIDE + n) & _SEED_MASK: the same for that (seed, n) whatever else is batched
@@ -118,5 +119,5 @@ class SamplingPlan(msgspec.Struct, array_like=True):
             use_top_p=any(p < 1.0 and s for p, s in zip(top_p, sampled, strict=True)),
             use_min_p=any(m > 0.0 and s for m, s in zip(min_p, sampled, strict=True)),
             grammar_rows=grammar_rows or None,
-            grammar_masks=b"".join(requests[i].grammar.next_mask() for i in grammar_rows) if grammar_rows else None,
+            grammar_masks=fill_masks([requests[i].grammar for i in grammar_rows]) if grammar_rows else None,
         )
