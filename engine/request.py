@@ -266,6 +266,8 @@ class Request:
             self.finish(FINISH_STOP, matched=token_id)
         elif n_out >= sp.max_new_tokens:
             self.finish(FINISH_LENGTH)
+        elif self.grammar is not None and self.grammar.ended:  # its grammar allows nothing more
+            self.finish(FINISH_STOP)
         if self.finished:
             del self.token_ids[index + 1 :]
             self.num_pending = 0

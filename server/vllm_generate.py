@@ -19,6 +19,7 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -38,7 +39,7 @@ router = APIRouter()
 # vLLM sampling fields this engine cannot honour: accepted only at their "off" value.
 _OFF: dict[str, Any] = {
     "bad_words": (None, []), "allowed_token_ids": (None, []), "logits_processors": (None, []),
-    "truncate_prompt_tokens": (None,), "structured_outputs": (None,), "guided_decoding": (None,),
+    "truncate_prompt_tokens": (None,), "guided_decoding": (None,),
     "best_of": (None, 1),
 }
 
@@ -98,7 +99,21 @@ class VllmSampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             no_stop_trim=self.include_stop_str_in_output, logit_bias=tuple((self.logit_bias or {}).items()),
+            **self._constraint(),
         )
+
+    def _constraint(self) -> dict[str, str]:
+        """vLLM's `structured_outputs` ({json | regex | grammar}, one) as the engine's grammar param."""
+        so = self.structured_outputs
+        if so is None:
+            return {}
+        given = {k: v for k, v in so.items() if v is not None} if isinstance(so, dict) else None
+        if not given or len(given) != 1 or next(iter(given)) not in ("json", "regex", "grammar"):
+            raise InvalidRequest("sampling_params.structured_outputs must give one of json, regex and grammar")
+        (kind, spec), = given.items()
+        if kind == "json":
+            return {"json_schema": spec if isinstance(spec, str) else json.dumps(spec)}
+        return {"regex" if kind == "regex" else "ebnf": str(spec)}
 
 
 class GenerateIn(BaseModel):

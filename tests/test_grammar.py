@@ -32,7 +32,8 @@ SAMPLES = 8
 def http(qwen3_dir: str):
     server = ServerProcess(qwen3_dir, "--max-model-len", "512")
     try:
-        with server.client() as client:
+        # Sampled outputs run their whole budget often: on a loaded machine a request takes longer than 60 s.
+        with httpx.Client(base_url=server.url, timeout=300.0) as client:
             yield client
     finally:
         server.stop()

@@ -10,7 +10,10 @@ Rules:
   and `accept` takes each token as it is read, before anything else of the step is applied.
 - The stop tokens of a grammar are the request's (the model's EOS unless `ignore_eos`, plus its
   `stop_token_ids`): once the grammar can end, a stop token is allowed, and sampling it finishes
-  the request as any stop does. A request that runs out of tokens first ends with `length`.
+  the request as any stop does. A request with none (`ignore_eos`, no stop ids) finishes with
+  `stop` as soon as its grammar can end (`RequestGrammar.ended`). A request that runs out of
+  tokens first ends with `length`.
+- A matcher's failure never stops the engine: a mask it cannot fill allows every token (logged).
 - Masks span the tokenizer's vocabulary, the first rows of the model's (its embedding rows, padded
   past the tokenizer): the sampler never allows a row past the mask. (xgrammar fills a mask 100x
   slower when told the padded size: 333 against 3 us a row at Qwen3's 151,936 over a 512-token
@@ -23,10 +26,13 @@ Rules:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from engine.errors import InvalidRequest
 from engine.request import Request
+
+log = logging.getLogger("siesta.engine")
 
 # SamplingParams field -> the xgrammar compiler method that reads it, and its options.
 KINDS = {"json_schema": "compile_json_schema", "regex": "compile_regex", "ebnf": "compile_grammar"}
@@ -40,10 +46,13 @@ class RequestGrammar:
     def __init__(self, matcher: Any, vocab: int) -> None:
         self.matcher = matcher
         self.vocab = vocab
+        self.ended = False  # nothing may follow: the request finishes (engine/request.py)
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id`; False if the grammar does not allow it (or has ended)."""
-        return bool(self.matcher.accept_token(token_id))
+        ok = bool(self.matcher.accept_token(token_id))
+        self.ended = bool(self.matcher.is_terminated())
+        return ok
 
 
 def fill_masks(grammars: list[RequestGrammar]) -> bytes:
@@ -53,7 +62,11 @@ def fill_masks(grammars: list[RequestGrammar]) -> bytes:
 
     masks = xgr.allocate_token_bitmask(len(grammars), grammars[0].vocab)
     for i, g in enumerate(grammars):
-        g.matcher.fill_next_token_bitmask(masks, i)
+        try:
+            g.matcher.fill_next_token_bitmask(masks, i)
+        except RuntimeError as e:  # xgrammar's checks: a bug of ours, not the engine's end
+            log.error("grammar mask failed (%s); this row is unconstrained for the step", e)
+            masks[i].fill_(-1)
     return masks.numpy().tobytes()
 
 
@@ -79,7 +92,9 @@ class Grammars:
 
         p = req.sampling_params
         stops = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids)))
-        req.grammar = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None), self._vocab)
+        matcher = (xgr.GrammarMatcher(compiled, override_stop_tokens=stops) if stops
+                   else xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))  # fmt: skip
+        req.grammar = RequestGrammar(matcher, self._vocab)
         return None
 
     def _compile(self, kind: str, text: str) -> Any:
