@@ -79,6 +79,11 @@ def test_bad_grammars_are_400s(http: httpx.Client) -> None:
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
     ok = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3, "regex": "abc"}})
     assert ok.status_code == 200 and ok.json()["text"] == "abc"  # the engine serves on
+    # No stop token at all (ignore_eos): the request ends where its grammar can, and the engine lives.
+    free = {"max_new_tokens": 20, "regex": "(ab){1,3}", "ignore_eos": True, "temperature": 1.0, "n": 4, "seed": 1}
+    for out in http.post("/generate", json={"text": "x", "sampling_params": free}).json():
+        assert out["text"] == "ab" and out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert http.get("/health").status_code == 200
 
 
 def test_openai_response_format(http: httpx.Client) -> None:
