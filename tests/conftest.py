@@ -9,6 +9,7 @@ and a wrong rope, mask, bias or norm shows in the logits.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -29,6 +30,15 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+# Two CPU cores shared by this process, the servers, their engines and the tensor-parallel ranks:
+# torch's OpenMP threads, spinning in each of them, thrash (one 400-token greedy request through a
+# demo server: 4-12 s with the default two threads while another process runs, 1-3 s with one;
+# bench/*.py --tiny set the same). Every server, engine and bench script started from here inherits
+# it; a value set outside wins, and a CUDA machine keeps torch's default.
+if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # Test files whose tools come with the dev extra only (the GPU machine lacks them): skipped there.
 collect_ignore = [
