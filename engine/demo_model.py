@@ -23,9 +23,9 @@ EOS_TOKEN_ID, PAD_TOKEN_ID = 2, 0
 # A directory holding all of these is a finished demo checkpoint.
 _CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
-# ChatML as Qwen writes it, without a default system message.
-# ChatML, with tools as Qwen's templates render them (a system turn listing them in <tools>, an
-# assistant's calls as <tool_call> blocks, their results in `tool` turns).
+# ChatML as Qwen writes it, without a default system message; tools as Qwen's templates render
+# them (a system turn listing them in <tools>, an assistant's calls as <tool_call> blocks, their
+# results in `tool` turns).
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n# Tools\\n<tools>\\n' }}"

@@ -80,8 +80,9 @@ class Availability:
             return f"memory is released ({', '.join(self.memory.released)}): resume_memory_occupation first"
         if self.draining:
             return "memory is being released"
-        if self.discarded():
-            return (f"weights were discarded by a level-2 sleep ({self.discarded()} tensors not written since): "
+        discarded = self.discarded()
+        if discarded:
+            return (f"weights were discarded by a level-2 sleep ({discarded} tensors not written since): "
                     "update the weights first")
         if not self.weights_valid:
             return "weights were released without a host copy (--weights-backup none): update the weights first"

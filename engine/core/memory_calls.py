@@ -68,10 +68,11 @@ class MemoryCalls:
         every tag to fit before resuming (other calls are answered meanwhile)."""
         names, wait_for_memory_s = check_tags(call.tags), call.wait_for_memory_s
         early = [t for t in names if t != "weights" and t in self.memory.released]
-        if early and self.availability.discarded():
+        discarded = self.availability.discarded() if early else 0
+        if discarded:
             raise ValueError(
                 f"cannot resume {early}: the weights were discarded by a level-2 sleep and "
-                f"{self.availability.discarded()} tensors have not been updated since; resume ['weights'] "
+                f"{discarded} tensors have not been updated since; resume ['weights'] "
                 "(wake_up?tags=weights), update the weights, then resume the rest"
             )
         if not 0.0 <= wait_for_memory_s <= MAX_WAIT_FOR_MEMORY_S:

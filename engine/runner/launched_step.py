@@ -40,8 +40,9 @@ class LaunchedStep:
         every output token of a request, and a grammar's mask follows them, so its pending one
         must be known."""
         return any(
-            r.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-            for r, p in ((r, r.sampling_params) for r in self.requests)
+            r.grammar is not None or r.sampling_params.repetition_penalty != 1.0
+            or r.sampling_params.frequency_penalty != 0.0 or r.sampling_params.presence_penalty != 0.0
+            for r in self.requests
         )
 
     def pending_tokens(self) -> PendingTokens | None:
