@@ -110,7 +110,8 @@ class ControlWalk:
             await self._check_occupation()
 
     async def _call(self, path: str, body: dict[str, Any] | None = None, expect: tuple[int, ...] = (200,)) -> httpx.Response:
-        self.log.append(f"{time.monotonic():.3f} {path} {json.dumps(body)[:120] if body else ''}")
+        shown = {k: ("..." if k == "serialized_named_tensors" else v) for k, v in (body or {}).items()}
+        self.log.append(f"{time.monotonic():.3f} {path} {json.dumps(shown) if body else ''}")
         try:
             r = await self.http.post(path, json=body)
         except httpx.TimeoutException:
@@ -354,6 +355,9 @@ class ControlWalk:
             await asyncio.sleep(0.1)
         if info["num_running"] or info["num_waiting"] or info["kv_blocks_free"] != info["kv_blocks_total"]:
             self._fail(f"idle server holds requests or blocks: {info}")
+        if self.contamination is not None:  # KV of the weights before a no-flush update, kept on purpose
+            await self._call("/flush_cache")
+            self._clean_kv()
         sp = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
         r = await self.http.post("/generate", json={"input_ids": self.setup.prompts, "sampling_params": sp})
         got = [d["output_ids"] for d in r.json()]
