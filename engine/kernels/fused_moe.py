@@ -14,12 +14,15 @@ where e = topk_ids[t, j], P = T * k. Rules:
   tokens route to, and a few-token step's grid does not grow with E (programs past the padded
   count return at once).
 - Few pairs (decode, `pair_tiles_apply`: P <= 32 and E >= 4P, e.g. T <= 4 at top-8 of 128): no
-  sort at all; tile m is pair m alone, its expert read from topk_ids. Three launches a layer.
+  sort at all; tile m is pair m alone, its expert read from topk_ids. Two launches a layer: the
+  down GEMM's program that finishes a token's k pairs of a column tile last (split_kv's
+  `last_to_arrive` on the workspace's `sum_counts`) sums them as the kernel below does.
 - gate_up's epilogue applies SiLU-and-mul with the rounding of the unfused ops (gate and up
   rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE division, rounded;
   times up, rounded: skinny_linear.py's `_silu_mul`); [P, 2I] is never written.
-- No atomics: y is written per pair and a second kernel sums a token's k rows in slot order in
-  fp32 with the fp32 routing weights, rounding once. The bits of a token's output depend on its
+- No atomic sums: y is written per pair and a second kernel (or, for few pairs, the last program
+  of the down GEMM to arrive) sums a token's k rows in slot order in fp32 with the fp32 routing
+  weights, rounding once. The bits of a token's output depend on its
   own x, ids and weights only, not on the other tokens of the batch, as long as the tiles'
   fp32 sums over K run in the same order (every config walks K in ascending BLOCK_K steps).
 - Configs by expected pairs per expert, T * k / E (vLLM's H200 table for E=128, I=768, with
@@ -47,7 +50,8 @@ from triton.language.extra import libdevice
 from engine.kernels.launcher import Launcher
 from engine.kernels.moe_align import max_blocks, moe_align
 from engine.kernels.moe_routing import topk_softmax
-from engine.kernels.moe_workspace import MoeWorkspace, shared_workspace
+from engine.kernels.moe_workspace import PAIR_TILE_PAIRS, MoeWorkspace, shared_workspace
+from engine.kernels.split_kv import last_to_arrive
 
 __all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_workspace", "topk_softmax"]
 
@@ -55,11 +59,6 @@ __all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_wo
 # multiplies the raw 16-bit patterns: there the operands go to fp32 first (bf16 products are exact
 # in fp32, so only the order of the sums differs from the GPU's).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Decode steps of at most this many (token, expert) pairs skip moe_align (one program, ~9 us on
-# an H200, a quarter of the batch-1 layer at the 30B-A3B shape): tile m holds pair m alone.
-PAIR_TILE_PAIRS = 32
 
 
 @dataclass(frozen=True)
@@ -125,9 +124,11 @@ def _grouped_gemm_kernel(
     w_ptr,  # [E, N_W, K] contiguous: w13 [E, 2N, K] (gate rows, then up) with SILU_MUL, else w2 [E, N, K]
     out_ptr,  # [P, N] by pair id, unit last stride
     sorted_ptr, expert_ids_ptr, num_padded_ptr,  # moe_align.py's outputs; PAIR_TILES: topk_ids [P] thrice
-    P, N, K, stride_am, stride_om,
+    sum_w_ptr, sum_out_ptr, count_ptr,  # SUM_K: routing weights [T, SUM_K], out [T, N], arrivals [T, grid n]
+    P, N, K, stride_am, stride_om, stride_so,
     TOP_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
-    PAIR_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share an expert's weight columns
     pid_n = tl.program_id(1)
@@ -178,6 +179,23 @@ def _grouped_gemm_kernel(
         acc = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32) * u
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(dtype), mask=valid[:, None] & (offs_n < N)[None, :])
+    if SUM_K > 0:  # PAIR_TILES: token t's pairs are tiles t * SUM_K .. + SUM_K - 1
+        t = pid_m // SUM_K
+        if last_to_arrive(count_ptr + t * tl.num_programs(1) + pid_n, SUM_K):
+            weighted_sum(out_ptr, sum_w_ptr, sum_out_ptr + t.to(tl.int64) * stride_so, t.to(tl.int64), offs_n,
+                         offs_n < N, N, SUM_K, BLOCK_N, ".cg")  # fmt: skip
+
+
+@triton.jit
+def weighted_sum(y_ptr, w_ptr, dst_ptr, t, offs, mask, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CACHE: tl.constexpr):  # fmt: skip
+    # dst[offs] = round(sum over j in slot order of w[t, j] * y[t * TOP_K + j, offs]), in fp32: the
+    # bits of a token's output depend on its own rows only.
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+        acc += w * tl.load(y_ptr + (t * TOP_K + j) * N + offs, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+    tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @Launcher
@@ -191,12 +209,7 @@ def _weighted_sum_kernel(
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order, fixed: the sum's bits do not depend on the batch
-        w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-        acc += w * tl.load(y_ptr + (t * TOP_K + j) * N + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    weighted_sum(y_ptr, w_ptr, out_ptr + t * stride_o, t, offs, offs < N, N, TOP_K, BLOCK_N, "")
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
@@ -250,15 +263,17 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, up.block_m, ws.align)
         blocks = max_blocks(P, E, up.block_m)
     inter, y = ws.inter[:P], ws.expert_out[:P]
-    gemms = ((up, x, w13, inter, inter_dim, H, k, True), (down, inter, w2, y, H, inter_dim, 1, False))
-    for cfg, a, w, dst, n, kdim, rows_per_token, silu_mul in gemms:
+    gemms = ((up, x, w13, inter, inter_dim, H, k, True, 0), (down, inter, w2, y, H, inter_dim, 1, False, k if pair_tiles else 0))
+    for cfg, a, w, dst, n, kdim, rows_per_token, silu_mul, sum_k in gemms:
         _grouped_gemm_kernel[(blocks, triton.cdiv(n, cfg.block_n))](
-            a, w, dst, sorted_ids, expert_ids, num_padded,
-            P, n, kdim, a.stride(0), dst.stride(0),
+            a, w, dst, sorted_ids, expert_ids, num_padded, weights, out, ws.sum_counts,
+            P, n, kdim, a.stride(0), dst.stride(0), out.stride(0),
             TOP_K=rows_per_token, SILU_MUL=silu_mul, EVEN_K=kdim % cfg.block_k == 0, INTERPRET=_INTERPRET,
-            PAIR_TILES=pair_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PAIR_TILES=pair_tiles, SUM_K=sum_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+    if pair_tiles:
+        return out
     block = min(1024, _pow2(H))
     _weighted_sum_kernel[(T, triton.cdiv(H, block))](
         y, weights, out, H, out.stride(0), TOP_K=k, BLOCK_N=block, num_warps=max(1, min(8, block // 256))

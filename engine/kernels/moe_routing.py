@@ -42,22 +42,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@Launcher
-@triton.jit(do_not_specialize=["T"])
-def _topk_softmax_kernel(
-    logits_ptr,  # [T, E], any float dtype, unit last stride
-    weights_ptr,  # [T, K] fp32, contiguous
-    ids_ptr,  # [T, K] int32, contiguous
-    T, E, stride_l,
+@triton.jit
+def topk_rows(
+    x,  # [BLOCK_T, BLOCK_E] the rows' logits, any float dtype (columns past E and rows past T: anything)
+    rows, row_ok, cols,  # [BLOCK_T] int64 row ids, [BLOCK_T] rows < T, [BLOCK_E] column ids
+    weights_ptr, ids_ptr, E,  # outputs [T, K] fp32 / int32, contiguous
     K: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
+    # Softmax in fp32, the top K largest first (ties to the lower column), renormalised: stored.
     valid = row_ok[:, None] & (cols[None, :] < E)
-    x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
+    x = tl.where(valid, x.to(tl.float32), float("-inf"))
     x = tl.where(row_ok[:, None], x, 0.0)  # rows past T: finite values, never stored
     shifted = x - tl.max(x, axis=1)[:, None]
     if LIBDEVICE_EXP:
@@ -84,6 +79,24 @@ def _topk_softmax_kernel(
     out_mask = row_ok[:, None] & (slots < K)
     tl.store(weights_ptr + rows[:, None] * K + slots, top_w, mask=out_mask)
     tl.store(ids_ptr + rows[:, None] * K + slots, top_i, mask=out_mask)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["T"])
+def _topk_softmax_kernel(
+    logits_ptr,  # [T, E], any float dtype, unit last stride
+    weights_ptr,  # [T, K] fp32, contiguous
+    ids_ptr,  # [T, K] int32, contiguous
+    T, E, stride_l,
+    K: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    valid = row_ok[:, None] & (cols[None, :] < E)
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=valid, other=float("-inf"))
+    topk_rows(x, rows, row_ok, cols, weights_ptr, ids_ptr, E, K, RENORMALIZE, LIBDEVICE_EXP, BLOCK_T, BLOCK_E, BLOCK_K)
 
 
 def topk_softmax(

@@ -5,6 +5,9 @@ layers run one after the other on one stream). Only CUDA code paths import this 
     align        AlignBuffers (moe_align.py): sorted pair ids, tile experts, counts
     inter        [max_tokens * k, I]   silu(gate) * up of each (token, expert) pair, by pair id
     expert_out   [max_tokens * k, H]   each pair's down projection, before the routing weight
+    router_logits [ROUTER_ROWS, E]     moe_router.py's logits, between its programs
+    router_count [1] int32             moe_router.py's arrivals
+    sum_counts   [PAIR_TILE_PAIRS * ceil(H / 16)] int32   fused_moe's arrivals per (token, column tile)
 
 Rules:
 - A call of T <= max_tokens tokens uses the fronts of the buffers: no allocation, so a graph
@@ -15,6 +18,8 @@ Rules:
   before capture does). Growth rounds up to a power of two. A workspace it outgrew is freed,
   unless a graph was captured on it (`captured`, set by fused_moe): that graph still writes its
   memory, so it stays referenced.
+- The counters are zero between calls (the last program to arrive zeroes its own), so a
+  workspace is zeroed when made and after a resume of the region holding it (`after_resume`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.moe_align import AlignBuffers
+
+# Decode steps of at most this many (token, expert) pairs skip the sort (fused_moe.py); a router
+# of at most ROUTER_ROWS rows runs in one launch (moe_router.py).
+PAIR_TILE_PAIRS = 32
+ROUTER_ROWS = 16
+_MIN_BLOCK_N = 16  # the narrowest column tile of fused_moe's down GEMM
 
 
 @dataclass
@@ -37,6 +48,9 @@ class MoeWorkspace:
     align: AlignBuffers
     inter: torch.Tensor  # [max_tokens * top_k, intermediate], dtype
     expert_out: torch.Tensor  # [max_tokens * top_k, hidden], dtype
+    router_logits: torch.Tensor  # [ROUTER_ROWS, num_experts], dtype
+    router_count: torch.Tensor  # [1] int32
+    sum_counts: torch.Tensor  # [PAIR_TILE_PAIRS * ceil(hidden / 16)] int32
     captured: bool = False  # a CUDA graph was captured writing these buffers
 
     @classmethod
@@ -50,7 +64,15 @@ class MoeWorkspace:
             AlignBuffers.allocate(pairs, num_experts, device),
             torch.empty((pairs, intermediate), dtype=dtype, device=device),
             torch.empty((pairs, hidden), dtype=dtype, device=device),
+            torch.empty((ROUTER_ROWS, num_experts), dtype=dtype, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(PAIR_TILE_PAIRS * -(-hidden // _MIN_BLOCK_N), dtype=torch.int32, device=device),
         )  # fmt: skip
+
+    def after_resume(self) -> None:
+        """The region holding the workspace came back with undefined contents: counters to zero."""
+        self.router_count.zero_()
+        self.sum_counts.zero_()
 
     @property
     def device(self) -> torch.device:
@@ -59,7 +81,8 @@ class MoeWorkspace:
     @property
     def nbytes(self) -> int:
         a = self.align
-        tensors = (a.sorted_ids, a.expert_ids, a.num_padded, a.chunk_base, self.inter, self.expert_out)
+        tensors = (a.sorted_ids, a.expert_ids, a.num_padded, a.chunk_base, self.inter, self.expert_out,
+                   self.router_logits, self.router_count, self.sum_counts)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def check(self, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:

@@ -22,7 +22,8 @@ expert as a dense MLP) and the whole router and shared gate, so every rank route
 RMSNorm after the layer all-reduces (`tp.defers_reduce`: there is no bias), as a dense MLP's.
 
 Devices: a CUDA forward runs the Triton kernels of engine/kernels/moe_routing.py (`topk_softmax`)
-and fused_moe.py (`fused_moe`), imported on first use, so a CPU forward never imports Triton; any
+and fused_moe.py (`fused_moe`), or for a decode step of few tokens in half precision the router's
+GEMV and top-k in one launch (moe_router.py `router_topk`), imported on first use, so a CPU forward never imports Triton; any
 other device runs this file's torch code, the reference the kernels are tested against.
 """
 
@@ -188,16 +189,22 @@ class SparseMoE(nn.Module):
         return out
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]: the experts' sum
-        logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them
         if x.is_cuda:
-            from engine.kernels.fused_moe import fused_moe
+            from engine.kernels import moe_router
+            from engine.kernels.fused_moe import fused_moe, pair_tiles_apply
             from engine.kernels.moe_routing import topk_softmax
 
-            weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
+            E, T = self.experts.num_experts, x.shape[0]
+            if self.gate.fused and moe_router.applies(x, E) and pair_tiles_apply(T * self.top_k, E):
+                ws = self.reserve(T)  # the shared workspace: its router scratch
+                weights, ids = moe_router.router_topk(x, self.gate.weight, self.top_k, self.renormalize, ws)
+            else:
+                logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them
+                weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
             if self.routed is not None:
                 self.routed.record(self.layer_id, ids)
             return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        weights, ids = route(logits, self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.routed is not None:
             self.routed.record(self.layer_id, ids)
         return self.experts(x, weights, ids)

@@ -181,8 +181,11 @@ class ModelRunner:
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the counters kept there
         (the attention's split merges, the graphs' replays, the persistent decode kernels' grid
-        barriers, the routed experts' columns of dense layers) start from zero again."""
+        barriers, the MoE kernels' arrivals, the routed experts' columns of dense layers) start
+        from zero again."""
         self.attn_backend.after_resume()
+        for ws in self.moe_workspaces:
+            ws.after_resume()
         if self.routed is not None:
             self.routed.reset()
         if self.graphs is not None:
