@@ -59,4 +59,7 @@ def not_enough_memory(refused: dict[str, dict[str, int]]) -> str:
 
 @router.get("/memory_occupation")
 async def memory_occupation(request: Request) -> dict[str, Any]:
+    """Every tag's state and bytes, per rank with several; `weights_backup` is the setting,
+    `weights_host_copy` / `weights_host_copy_bytes` what holds the weights' host copy now
+    (`discarded` and 0 after vLLM's level-2 sleep, until an update has written every tensor)."""
     return await _client(request).call(GetMemoryOccupation())

@@ -9,11 +9,14 @@ Rules:
   same names as a JSON body (`{"level": 2, "tags": [...]}`), which is read too. The query wins.
 - A bad value is a 400 naming it. Answers are vLLM's (`{"status": "paused"}`, `{"is_sleeping"}`),
   with the engine's reply beside them.
-- `/sleep` level 1 keeps the weights in the host copy (a release); level 2 discards them: they
-  come back only from a weight update, and until one arrives a wake of anything but `weights`
-  is a 400 (vLLM's order: wake weights, update, wake the rest). `mode` (vLLM's, default abort):
-  `abort` ends the requests in flight, `wait` lets them finish first, `keep` freezes them; they
-  continue after the wake.
+- `/sleep` level 1 keeps the weights in the host copy (a release); level 2 discards them and
+  frees the host copy too (its RAM goes back to the trainer: `host_bytes_freed` in the answer,
+  `weights_host_copy: discarded` in `/memory_occupation`). They come back only from weight
+  updates: until every tensor is written again a wake of anything but `weights` is a 400 (vLLM's
+  order: wake weights, update, wake the rest); once it is, the host copy is made again from the
+  device (engine/weights/store.py `refresh_host`), so a later level 1 restores without an
+  update. `mode` (vLLM's, default abort): `abort` ends the requests in flight, `wait` lets them
+  finish first, `keep` freezes them; they continue after the wake.
 - `/pause` modes: `abort`, `wait` (admit nothing new, answer once the running requests
   finished), `keep` (SGLang's in_place: frozen where they are, they continue after `/resume`,
   across a weight update too). `clear_cache` drops the prefix cache (vLLM's default: true).

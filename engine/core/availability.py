@@ -12,7 +12,9 @@ Rules:
 - No step runs (`can_step`) while paused, while any tag is released (one forward touches all
   of them), or while weights discarded by a level-2 sleep are not all written again.
 - Weights discarded (vLLM's sleep level 2) stay invalid until an update has written every
-  checkpoint tensor: the host copy is never read for them.
+  checkpoint tensor: their host copy was freed with them (engine/weights/store.py `drop_host`)
+  and is made again, from the device, only once they are all written. A release before that
+  (a level 1 after a partial update) keeps them discarded: nothing restores them.
 - What the memory regions and the weight store know (tags mapped, pieces missing) is read from
   them, never copied here.
 """
@@ -85,7 +87,9 @@ class Availability:
             return (f"weights were discarded by a level-2 sleep ({discarded} tensors not written since): "
                     "update the weights first")
         if not self.weights_valid:
-            return "weights were released without a host copy (--weights-backup none): update the weights first"
+            why = ("its host copy, dropped by a level-2 sleep, not made again" if self.weights.host_copy_kind == "discarded"
+                   else "--weights-backup none")
+            return f"weights were released without a host copy ({why}): update the weights first"
         return None
 
     def state(self) -> EngineState:

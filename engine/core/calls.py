@@ -59,14 +59,18 @@ class MemoryReply(Reply):
     memory_saver: bool
     weights_valid: bool
     weights_stale_bytes: int
+    weights_host_copy: str  # pinned | pageable | discarded (a level-2 release) | none
+    weights_host_copy_bytes: int  # rank 0's, as /memory_occupation
     seconds: float
     seconds_by_tag: dict[str, float]
-    # With several tensor-parallel ranks: what each did ({tp_rank, bytes, changed}).
+    # With several tensor-parallel ranks: what each did ({tp_rank, bytes, changed}, a release's
+    # host_bytes_freed).
     ranks: list[dict[str, Any]] | None = None
 
 
 class ReleaseReply(MemoryReply, kw_only=True):
-    bytes_freed: int
+    bytes_freed: int  # device bytes, every rank's
+    host_bytes_freed: int  # the weights' host copy freed by a level-2 release, every rank's
     host_copy_wait_seconds: float
 
 

@@ -44,20 +44,24 @@ class MemoryCalls:
         return Deferred(ready=ready, run=lambda: self._release(names, call.discard_weights))
 
     def _release(self, tags: list[str], discard_weights: bool = False) -> calls.ReleaseReply:
-        """Every rank pauses the tags (`Rank.release`: the weights' host copy completed first);
-        the answer counts the bytes every rank freed."""
+        """Every rank pauses the tags (`Rank.release`: the weights' host copy completed first, or
+        with `discard_weights` (a level-2 release) freed); the answer counts the device bytes and
+        the host bytes every rank freed."""
         t0 = time.perf_counter()
         self.availability.draining = False
         if "kv_cache" in tags:
             self.scheduler.drop_kv()  # the KV is about to be lost: nothing may read it again
-        done = self.ranks.run(ReleaseTags(tags))
-        if discard_weights and "weights" in tags:
+        discard = discard_weights and "weights" in tags
+        done = self.ranks.run(ReleaseTags(tags, drop_host=discard))
+        if discard:
             self.availability.weights_discarded = True  # every piece is stale now: see Availability
         changed, freed = done[0]["changed"], sum(r["bytes"] for r in done)
+        host_freed = sum(r["host_bytes_freed"] for r in done)
         seconds = time.perf_counter() - t0
-        log.info("released %s: %.1f MiB freed in %.1f ms", changed or "nothing", freed / (1 << 20), seconds * 1e3)
+        log.info("released %s: %.1f MiB freed in %.1f ms%s", changed or "nothing", freed / (1 << 20), seconds * 1e3,
+                 f", host copy of the weights dropped ({host_freed / (1 << 20):.1f} MiB)" if discard else "")
         return calls.ReleaseReply(
-            **self._memory_answer(changed, done), bytes_freed=freed, seconds=seconds,
+            **self._memory_answer(changed, done), bytes_freed=freed, host_bytes_freed=host_freed, seconds=seconds,
             seconds_by_tag=done[0]["seconds_by_tag"], host_copy_wait_seconds=max(r["host_copy_wait_seconds"] for r in done),
         )
 
@@ -128,7 +132,9 @@ class MemoryCalls:
 
     def memory_occupation(self, call: calls.GetMemoryOccupation | None = None) -> dict[str, Any]:
         """Rank 0's regions at the top level (as at tp_size 1); with several ranks, each rank's
-        under `ranks`."""
+        under `ranks`. `weights_backup` is the setting (host or none); `weights_host_copy` and
+        `weights_host_copy_bytes` what holds the copy now (`discarded`, 0 bytes, from a level-2
+        release until an update has written every tensor)."""
         ranks = self.ranks.run(DescribeMemory())
         answer = {k: v for k, v in ranks[0].items() if k not in ("tp_rank", "device")} | {
             "weights_backup": self.config.weights_backup,
@@ -137,11 +143,15 @@ class MemoryCalls:
         return answer | ({"ranks": ranks} if self.ranks.size > 1 else {})
 
     def _memory_answer(self, changed: list[str], done: list[dict[str, Any]]) -> dict[str, Any]:
-        per_rank = [{"tp_rank": i, "bytes": r["bytes"], "changed": r["changed"]} for i, r in enumerate(done)]
+        per_rank = [{"tp_rank": i, "bytes": r["bytes"], "changed": r["changed"]}
+                    | ({"host_bytes_freed": r["host_bytes_freed"]} if "host_bytes_freed" in r else {})
+                    for i, r in enumerate(done)]
         return {
             "tags": dict(self.memory.state),
             "changed": changed,
             "memory_saver": self.memory.enabled,
             "weights_valid": self.availability.weights_valid,
             "weights_stale_bytes": self.runner.weights.stale_bytes,
+            "weights_host_copy": self.runner.weights.host_copy_kind,
+            "weights_host_copy_bytes": self.runner.weights.host_bytes,
         } | ({"ranks": per_rank} if len(done) > 1 else {})

@@ -45,14 +45,18 @@ class Rank:
     # ---- memory ---------------------------------------------------------------------------------
 
     def release(self, msg: rp.ReleaseTags) -> dict[str, Any]:
-        """Pause the tags; with `weights`, the host copy is completed first and every piece goes
-        stale (the first forward after a resume restores what no update wrote)."""
-        host_wait = 0.0
+        """Pause the tags; with `weights`, the host copy is completed first (or freed, with
+        `drop_host`) and every piece goes stale (the first forward after a resume restores what no
+        update wrote)."""
+        host_wait, host_before = 0.0, self.weights.host_bytes
+        drop = msg.drop_host and "weights" in msg.tags
         if "weights" in msg.tags and self.memory.state["weights"] == RESIDENT:  # lost everywhere (a CPU poisons)
-            host_wait = self.weights.released()
+            host_wait = self.weights.released(drop_host=drop)
+        elif drop:  # released before: every piece is stale already
+            host_wait = self.weights.drop_host()
         change = self.memory.release(msg.tags)
         return {"changed": change.changed, "bytes": change.bytes, "seconds_by_tag": change.seconds_by_tag,
-                "host_copy_wait_seconds": host_wait}
+                "host_copy_wait_seconds": host_wait, "host_bytes_freed": host_before - self.weights.host_bytes}
 
     def plan_resume(self, msg: rp.PlanResume) -> dict[str, dict[str, int]]:
         return self.memory.plan_resume(msg.tags)[1]

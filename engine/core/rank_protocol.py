@@ -26,9 +26,11 @@ class RunStep(msgspec.Struct, tag=True):
 
 
 class ReleaseTags(msgspec.Struct, tag=True):
-    """Pause these regions (the weights made stale first, their host copy complete)."""
+    """Pause these regions (the weights made stale first, their host copy complete); with
+    `drop_host` and `weights` (a level-2 release) the weights' host copy is freed instead."""
 
     tags: list[str]
+    drop_host: bool = False
 
 
 class PlanResume(msgspec.Struct, tag=True):

@@ -3,7 +3,9 @@ trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
 
 - `loader.py`: checkpoint and named tensors into the built model, in place, all or nothing.
 - `store.py`: `WeightStore`, every parameter a view into one allocation of the `weights` region,
-  in Hugging Face's parameter order; which pieces are stale after a release; the host copy.
+  in Hugging Face's parameter order; which pieces are stale after a release; when the host copy
+  is kept, dropped (a level-2 release) and made again.
+- `host_copy.py`: `HostCopy`, the host copy's memory and its device <-> host copies.
 - `updater.py`: `WeightUpdater`, the three RL updates (from disk, from tensors, from a process group).
 - `checker.py`: `WeightChecker`, one rank's part of `/weights_checker` (snapshot, reset, compare, checksum).
 - `payload.py`: the wire format of `update_weights_from_tensor` (CUDA IPC / shared memory pickles).

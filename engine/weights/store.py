@@ -4,8 +4,8 @@ it hold the current weights.
 
 Pieces: one per checkpoint tensor (a packed parameter's q, k and v rows are three pieces, a
 packed experts tensor one per expert) and one per computed buffer (the rotary cache); callers
-name pieces by checkpoint name (loader.checkpoint_names expands a packed name). A piece is current when its device bytes hold the weights
-of the engine's current version; else it is stale.
+name pieces by checkpoint name (loader.checkpoint_names expands a packed name). A piece is
+current when its device bytes hold the weights of the engine's current version; else it is stale.
 
 Rules:
 - One allocation: a release or resume of `weights` maps or unmaps one handle, not ~300, and a
@@ -17,13 +17,17 @@ Rules:
 - A weights release makes every piece stale (`released`); resume maps pages and copies nothing,
   so nothing a weight update will overwrite is ever restored.
 - An update makes the pieces it wrote current (`written`); once its answer is sent their host
-  copy is refreshed on a side stream (`refresh_host`), device to host by a few SM programs
-  (engine/kernels/host_copy.py), beside generation. A release starts any refresh still pending and waits
-  for it; the next write waits for a running one on the device.
+  copy is refreshed beside generation (`refresh_host`; engine/weights/host_copy.py does the
+  copies). A release starts any refresh still pending and waits for it; the next write waits for
+  a running one on the device.
 - No forward and no read of the weights sees a stale piece: `ensure_current()` runs first and
   copies the stale pieces back from the host copy in one launch (buffers with no host copy are
-  recomputed). With no host copy (`--weights-backup none`) a stale checkpoint tensor cannot come
-  back: `missing()` counts them and the engine refuses to generate until an update writes them.
+  recomputed). With no host copy a stale checkpoint tensor cannot come back: `missing()` counts
+  them and the engine refuses to generate until an update writes them.
+- The host copy is kept (`keep_host_copy`, --weights-backup host) or not (none). A kept copy is
+  dropped by a level-2 release (`drop_host`: its host RAM goes back) and made again, whole, by
+  the first `refresh_host` after every checkpoint tensor is current again (after the reply of the
+  update that wrote the last of them, whatever the route); a partial update leaves it dropped.
 - A write that failed half-way (a broadcast cut off) makes its pieces stale again (`invalidate`):
   they come back from the host copy, i.e. the old weights.
 """
@@ -34,23 +38,16 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from engine.weights.host_copy import HostCopy
 from engine.weights.loader import checkpoint_targets
-
-if TYPE_CHECKING:
-    from engine.kernels.host_copy import HostCopyPlan
 
 log = logging.getLogger("siesta.engine")
 
 ALIGN = 256  # bytes; every view starts on this boundary
-# The host-copy refresh: SM programs writing device bytes into the pinned copy over PCIe, beside
-# generation (a copy engine would hold every step's small copies behind it), in 256 KiB chunks.
-REFRESH_PROGRAMS = 8
-REFRESH_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -116,17 +113,9 @@ class WeightStore:
             raise RuntimeError(f"weight pieces cover {covered} of the model's {held} bytes")
         self.index = {p.name: i for i, p in enumerate(self.pieces)}
         self.stale: set[int] = set()
-        self.host: torch.Tensor | None = None
-        self._host_dirty: set[int] = set()
-        self._refreshed: torch.cuda.Event | None = None  # the last host refresh, on the side stream
-        # The chunk tables of refreshes queued since the last wait: the kernels read them from
-        # pinned memory, so none may be freed (and reused) before the side stream has passed it.
-        self._refresh_tables: list[torch.Tensor] = []
-        self._full_refresh_table: torch.Tensor | None = None
-        self._refresh_timing: tuple[torch.cuda.Event, int] | None = None  # (start event, bytes)
-        self.last_refresh: dict[str, float] = {"bytes": 0, "seconds": 0.0}  # the last one waited for
-        self._side: torch.cuda.Stream | None = None
-        self._full_plan: HostCopyPlan | None = None  # every piece, host -> device (CUDA)
+        self.backup = HostCopy(self.flat, self.nbytes)
+        self.keeps_host = False  # --weights-backup host: `keep_host_copy` was called
+        self._host_dirty: set[int] = set()  # pieces written since the host copy's last refresh
         self.last_restore: dict[str, float] = {"bytes": 0, "seconds": 0.0}
 
     def _pieces(self) -> list[Piece]:
@@ -144,81 +133,90 @@ class WeightStore:
     # ---- the host copy ------------------------------------------------------------------------
 
     @property
+    def host(self) -> torch.Tensor | None:
+        """The host copy's bytes (the allocation's layout), or None."""
+        return self.backup.tensor
+
+    @property
     def host_copy_kind(self) -> str:
         """What holds the host copy: `pinned` memory (on CUDA), `pageable` memory (on a CPU, where
-        nothing is pinned), or `none` (--weights-backup none)."""
-        if self.host is None:
-            return "none"
-        return "pinned" if self.host.is_pinned() else "pageable"
-
-    def keep_host_copy(self) -> None:
-        """Allocate the host copy (pinned on CUDA) in the same layout and fill it."""
-        self.host = torch.empty(self.flat.numel(), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        self._host_dirty = set(range(len(self.pieces)))
-        self.refresh_host()
-        self.wait_host()
+        nothing is pinned), `discarded` (dropped by a level-2 release, made again once an update
+        has written every checkpoint tensor) or `none` (--weights-backup none)."""
+        if self.keeps_host and self.host is None:
+            return "discarded"
+        return self.backup.kind
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self.host is None else self.nbytes
+        return self.backup.nbytes_held
+
+    @property
+    def last_refresh(self) -> dict[str, float]:
+        return self.backup.last_refresh
+
+    def keep_host_copy(self) -> None:
+        """Keep a host copy from now on (--weights-backup host): allocate it and fill it."""
+        self.keeps_host = True
+        self._fill_host()
+        self.wait_host()
+
+    def drop_host(self) -> float:
+        """Free the host copy (a level-2 release: the host RAM goes back to the trainer). Until an
+        update has written every checkpoint tensor a stale one cannot come back (`missing`);
+        then `refresh_host` makes the copy again. Returns the seconds spent waiting for a refresh
+        still running."""
+        self._host_dirty.clear()
+        return self.backup.drop()
+
+    def _fill_host(self) -> None:
+        """Allocate the host copy and queue the copy of every piece into it."""
+        self.backup.make()
+        self._host_dirty = set(range(len(self.pieces)))
+        self.refresh_host()
 
     def refresh_host(self) -> None:
-        """Device -> host copies of the pieces written since the last refresh: on a side stream
-        (after the work queued so far) on CUDA, so the caller does not wait; at once on a CPU. The
-        engine calls it after each control call's reply; a release calls it before it waits."""
+        """Device -> host copies of the pieces written since the last refresh: on a side stream on
+        CUDA, so the caller does not wait; at once on a CPU. The engine calls it after each control
+        call's reply; a release calls it before it waits. The one rule that makes a dropped copy
+        again lives here: once no checkpoint tensor is stale (an update wrote them all), the copy
+        is allocated and filled whole; never earlier, so it never holds a byte of garbage."""
+        if self.host is None and self.keeps_host and not self.missing():
+            self.ensure_current()  # only computed buffers can be stale: recomputed
+            try:
+                self._fill_host()
+            except RuntimeError as e:  # out of host memory: the weights stay valid on the device
+                log.warning("host copy of the weights not made again (%s): until it is, a release loses them", e)
+                return
+            log.info("host copy of the weights made again (%s, %.1f MiB)", self.host_copy_kind, self.nbytes / (1 << 20))
+            return
         if self.host is None or not self._host_dirty:
             return
         spans = merge_spans(self.pieces[i] for i in self._host_dirty)
         self._host_dirty.clear()
-        if self.device.type != "cuda":
-            for o, n in spans:
-                self.host[o : o + n].copy_(self.flat[o : o + n])
-            return
-        from engine.kernels.host_copy import launch_chunks
-
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        rows = [(self.flat.data_ptr() + o, self.host.data_ptr() + o, -(-n // 16) * 16) for o, n in spans]
-        with torch.cuda.stream(self._side):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self._side)
-            full = len(spans) == 1 and spans[0] == (0, self.nbytes)
-            table = self._full_refresh_table if full else None
-            table = launch_chunks(rows, self.device, REFRESH_STEPS, programs=REFRESH_PROGRAMS, table=table)
-            self._refresh_tables.append(table)
-            if full:
-                self._full_refresh_table = table  # a full update's: made once
-            self._refreshed = torch.cuda.Event(enable_timing=True)
-            self._refreshed.record(self._side)
-        self._refresh_timing = (start, sum(n for _, _, n in rows))
+        self.backup.refresh(spans)
 
     def wait_host(self) -> float:
         """Block until the host copy holds every written piece; returns the seconds waited."""
-        t0 = time.perf_counter()
-        if self._refreshed is not None:
-            self._refreshed.synchronize()
-            start, nbytes = self._refresh_timing
-            self.last_refresh = {"bytes": nbytes, "seconds": start.elapsed_time(self._refreshed) / 1e3}
-            self._refreshed = None
-            self._refresh_tables.clear()
-        return time.perf_counter() - t0
+        return self.backup.wait()
 
     # ---- what the engine tells the store ------------------------------------------------------
 
-    def released(self) -> float:
+    def released(self, drop_host: bool = False) -> float:
         """The weights' pages are about to go: every piece will be stale. Call before pausing.
-        Returns the seconds spent waiting for a host-copy refresh still running (an update less
-        than ~0.3 s ago at 8B)."""
-        self.refresh_host()  # anything written and not yet refreshed goes first
-        waited = self.wait_host()
+        With `drop_host` (a level-2 release) the host copy goes too, unrefreshed. Returns the
+        seconds spent waiting for a host-copy refresh still running (an update less than ~0.3 s
+        ago at 8B)."""
+        if drop_host:
+            waited = self.drop_host()
+        else:
+            self.refresh_host()  # anything written and not yet refreshed goes first
+            waited = self.wait_host()
         self.stale = set(range(len(self.pieces)))
         return waited
 
     def before_write(self) -> None:
         """Call before writing weights: the device waits for a host refresh still reading them."""
-        if self._refreshed is not None and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(self._refreshed)
+        self.backup.before_write()
 
     def written(self, names: Iterable[str]) -> None:
         """Checkpoint tensors `names` now hold the current weights (queued on the current stream);
@@ -274,30 +272,10 @@ class WeightStore:
         nbytes = self.stale_bytes
         if self.host is None:  # only computed buffers are stale
             self.model.init_buffers()
-        elif self.device.type == "cuda":
-            self._plan().run()
-            # A partial plan's table must outlive its kernel; the current stream alone, so as not
-            # to wait for a host-copy refresh running beside it.
-            torch.cuda.current_stream(self.device).synchronize()
         else:
-            for o, n in merge_spans(self.pieces[i] for i in self.stale):
-                self.flat[o : o + n].copy_(self.host[o : o + n])
+            spans = merge_spans(self.pieces[i] for i in self.stale)
+            self.backup.restore(spans, full=len(self.stale) == len(self.pieces))
         self.stale.clear()
         seconds = time.perf_counter() - t0
         self.last_restore = {"bytes": nbytes, "seconds": seconds}
         log.info("weights restored from the host copy: %.1f MiB in %.1f ms", nbytes / (1 << 20), seconds * 1e3)
-
-    def _plan(self) -> HostCopyPlan:
-        """One launch copying the stale pieces back (engine/kernels/host_copy.py); the plan of every
-        piece, the common case after a resume, is made once."""
-        from engine.kernels.host_copy import HostCopyPlan, device_alias
-
-        full = len(self.stale) == len(self.pieces)
-        if full and self._full_plan is not None:
-            return self._full_plan
-        spans = merge_spans(self.pieces[i] for i in self.stale)
-        alias = device_alias(self.host, self.device)  # type: ignore[arg-type]
-        plan = HostCopyPlan(alias, [o for o, _ in spans], [self.flat[o : o + n] for o, n in spans])
-        if full:
-            self._full_plan = plan
-        return plan
