@@ -85,7 +85,9 @@ def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None
         meta["input_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, name(tok)] for tok, lp in row] for row in out.output_top_logprobs]
-    if out.routed_experts is not None:
+    if out.routed_experts_base64 is not None:  # encoded as the rows arrived: a JSON string as is
+        meta["routed_experts"] = msgspec.Raw(b'"' + out.routed_experts_base64.value() + b'"')
+    elif out.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(out.routed_experts).decode("ascii")
     if out.input_top_logprobs is not None:
         meta["input_top_logprobs"] = [None if row is None else [[lp, tok, name(tok)] for tok, lp in row]
@@ -111,8 +113,16 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, intervals, text))
     # Each job's JSON as it ends; the body is the parts joined (a list for a batch or n > 1).
     parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, version, text)))
-    body = b"[" + b",".join(parts) + b"]" if is_batch or len(parts) > 1 else parts[0]
+    body = _json_array(parts) if is_batch or len(parts) > 1 else parts[0]
     return Response(body, media_type="application/json")
+
+
+def _json_array(parts: list[bytes]) -> bytes:
+    """The JSON array of encoded values in one copy of them (with routed experts a 256-answer
+    batch is ~270 MB): the brackets join the first and last parts."""
+    if len(parts) == 1:
+        return b"[" + parts[0] + b"]"
+    return b",".join([b"[" + parts[0], *parts[1:-1], parts[-1] + b"]"])
 
 
 class _NativeEvents:

@@ -13,11 +13,14 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from server_util import ServerProcess
 from test_models import random_tokens
 from test_moe import hf_router_ids
 
 from engine import Engine, SamplingParams
+from engine.client.output import Base64Stream
 from engine.errors import EngineDeadError
 
 LAYERS, TOP_K = 3, 2  # the tiny checkpoint: sparse, dense, sparse; top-2 of 8
@@ -115,6 +118,12 @@ def test_over_http_as_slime_reads_them(qwen3_moe_dir: str) -> None:
             output = http.post("/generate", json=body).json()
             tokens = prompt + [t for _, t, _ in output["meta_info"]["output_token_logprobs"]]
             assert torch.equal(torch.from_numpy(_slime_routes(output, tokens).copy()), want(qwen3_moe_dir, tokens[:-1]))
+            # A batch: each answer its own rows (the answers joined into one array).
+            other = random_tokens(9, seed=9)
+            both = http.post("/generate", json={**body, "input_ids": [prompt, other]}).json()
+            assert both[0]["meta_info"]["routed_experts"] == output["meta_info"]["routed_experts"]
+            ids = [t for _, t, _ in both[1]["meta_info"]["output_token_logprobs"]]
+            assert torch.equal(torch.from_numpy(_slime_routes(both[1], other + ids).copy()), want(qwen3_moe_dir, (other + ids)[:-1]))
             # Streamed: the last event carries them.
             with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
@@ -123,3 +132,11 @@ def test_over_http_as_slime_reads_them(qwen3_moe_dir: str) -> None:
             assert _slime_routes(last, tokens).tobytes() == _slime_routes(output, tokens).tobytes()
     finally:
         server.stop()
+
+
+@given(st.lists(st.binary(max_size=40), max_size=8))
+def test_base64_as_the_rows_arrive_is_the_base64_of_them_all(pieces: list[bytes]) -> None:
+    stream = Base64Stream()
+    for piece in pieces:
+        stream.add(piece)
+    assert stream.value() == base64.b64encode(b"".join(pieces))

@@ -6,6 +6,7 @@ requests in flight (`LiveRequest`) and their consumers (`Consumer`, `Waker`) are
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ class GenerationOutput:
     input_token_logprobs: list[tuple[float | None, int]] | None = None  # from logprob_start_len
     # With top_logprobs_num > 0 too: each of those positions' top (token id, logprob) pairs.
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    # return_routed_experts: int32 [prompt + output - 1, num_layers, top_k] as bytes (SGLang's layout).
+    # return_routed_experts: int32 [prompt + output - 1, num_layers, top_k] as bytes (SGLang's layout),
+    # and their base64 as it arrives (the server's answer: no encoding left for the end).
     routed_experts: bytearray | None = None
+    routed_experts_base64: Base64Stream | None = None
     cached_tokens: int = 0
     e2e_latency: float = 0.0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released)
@@ -56,6 +59,29 @@ class GenerationOutput:
         if self.refused:
             return InvalidRequest(self.error or "the engine refused the request")
         return None
+
+
+class Base64Stream:
+    """The base64 of bytes that arrive in pieces, encoded as they arrive: whole 3-byte groups at
+    once, the rest carried into the next piece. The base64 of a concatenation is the concatenation
+    of its pieces' base64 when every piece but the last is a multiple of 3 bytes long."""
+
+    __slots__ = ("_parts", "_rest")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._rest = b""
+
+    def add(self, data: bytes) -> None:
+        buf = self._rest + data if self._rest else data
+        cut = len(buf) - len(buf) % 3
+        if cut:
+            self._parts.append(base64.b64encode(memoryview(buf)[:cut]))
+        self._rest = bytes(buf[cut:])
+
+    def value(self) -> bytes:
+        """The base64 text (ASCII) of every byte added so far."""
+        return b"".join([*self._parts, base64.b64encode(self._rest)])
 
 
 @dataclass(slots=True)
@@ -94,6 +120,7 @@ class RequestState:
             output_token_logprobs=[] if params.logprobs else None,
             output_top_logprobs=[] if params.top_logprobs_num > 0 else None,
             routed_experts=bytearray() if params.return_routed_experts else None,
+            routed_experts_base64=Base64Stream() if params.return_routed_experts else None,
         )
 
     def apply(self, delta: RequestDelta) -> StepUpdate:
@@ -109,6 +136,7 @@ class RequestState:
             out.output_top_logprobs += [[(int(t), float(lp)) for t, lp in row] for row in delta.new_top_logprobs]
         if delta.routed_experts is not None and out.routed_experts is not None:
             out.routed_experts += delta.routed_experts
+            out.routed_experts_base64.add(delta.routed_experts)
         if delta.input_logprobs is not None:
             start = self.params.logprob_start_len
             out.input_token_logprobs = list(zip(delta.input_logprobs, out.prompt_token_ids[start:], strict=True))
