@@ -39,9 +39,11 @@ from engine.request import SamplingParams  # noqa: E402
 
 
 def start_decodes(core: EngineCore, bs: int, context: int, steps: int, rng: random.Random) -> None:
-    """bs requests of `context` random prompt tokens, run until every one decodes, then 5 steps."""
+    """bs requests of `context` random prompt tokens, run until every one decodes, then 5 steps
+    (each asking for its routed experts when the engine records them)."""
     vocab = core.model_config.vocab_size
-    params = SamplingParams(max_new_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True)
+    routes = core.config.enable_return_routed_experts
+    params = SamplingParams(max_new_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True, return_routed_experts=routes)
     for i in range(bs):
         prompt = [rng.randrange(vocab) for _ in range(context)]
         assert core.add_request(AddRequest(request_id=f"p{bs}-{i}", prompt_token_ids=prompt, sampling_params=params)) is None
@@ -149,6 +151,7 @@ def main() -> None:
     p.add_argument("--tp-size", type=int, default=1, help="profiles rank 0's kernels")
     p.add_argument("--host", action="store_true", help="cProfile the host's side of the steps instead")
     p.add_argument("--mixed", type=int, default=0, help="C: each step also prefills a fresh C-token prompt")
+    p.add_argument("--routed-experts", action="store_true", help="record routed experts; every request asks for them")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -156,7 +159,8 @@ def main() -> None:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=2048,
                                    max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size,
-                                   load_format=ckpt.get("load_format", "auto"), weights_backup="none"))  # fmt: skip
+                                   load_format=ckpt.get("load_format", "auto"), weights_backup="none",
+                                   enable_return_routed_experts=args.routed_experts))  # fmt: skip
     rng = random.Random(0)
     results = []
     for bs in sizes:
