@@ -17,6 +17,8 @@ from engine.errors import InvalidRequest
 SAMPLING_EPS = 1e-6
 # Every float of a request is used in float32 on the device: it must be finite there too.
 FLOAT32_MAX = 3.4028234663852886e38
+# SamplingParams' grammar fields (engine/runner/grammar.py KINDS): a request names at most one.
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _finite32(x: float) -> bool:
@@ -65,11 +67,13 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     return_routed_experts: bool = False
-    # Grammar-constrained decoding (SGLang's names; at most one): a JSON schema (as JSON text), a
-    # regular expression, or an EBNF grammar (engine/runner/grammar.py).
+    # Grammar-constrained decoding (engine/runner/grammar.py; SGLang's names; at most one): a JSON
+    # schema (as JSON text), a regular expression, an EBNF grammar, or a structural tag (JSON text:
+    # free text with constrained tags, engine/runner/structural_tag.py).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (JSON) and a bare string for `stop`; store tuples so the object stays hashable.
@@ -115,9 +119,9 @@ class SamplingParams:
             raise bad(f"logit_bias values must be finite numbers (at most {FLOAT32_MAX:.4g} in size)")
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise bad("logit_bias names a token id twice")
-        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(grammars) > 1:
-            raise bad(f"give at most one of json_schema, regex and ebnf, got {' and '.join(grammars)}")
+            raise bad(f"give at most one of json_schema, regex, ebnf and structural_tag, got {' and '.join(grammars)}")
 
     @property
     def greedy(self) -> bool:

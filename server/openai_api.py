@@ -83,7 +83,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     # echo with logprobs scores the prompt too: its tokens' logprobs and top alternatives from position 0.
     score_prompt = want_lp and echo is not None
     params = body.sampling_params(max_new, logprobs=want_lp, top_logprobs_num=body.logprobs or 0,
-                                  logprob_start_len=0 if score_prompt else -1)
+                                  logprob_start_len=0 if score_prompt else -1, constraint=body.constraint())
     rid = f"cmpl-{uuid.uuid4().hex}"
     jobs = make_jobs(prompts, params, body.n, client, _rids(rid, len(prompts)))
     reply = Reply(rid, "text_completion", request.app.state.model_name, client.tokenizer, jobs, body.n,

@@ -8,9 +8,9 @@ Rules:
 - A null field means its default, as OpenAI documents. Unknown fields are ignored (clients send
   extras), but known fields that would change the output and that we cannot honour
   (logit_bias, suffix, best_of) are refused, never silently dropped.
-- `response_format` (`json_object`, `json_schema`), vLLM's structured outputs and a forced
-  `tool_choice` constrain the output by grammar (engine/runner/grammar.py); tools:
-  server/tool_calls.py.
+- `response_format` (`json_object`, `json_schema`, `structural_tag`) and vLLM's structured
+  outputs (server/output_constraints.py), or a chat's forced `tool_choice`, constrain the output
+  by grammar (engine/runner/grammar.py); tools: server/tool_calls.py.
 - Renamed fields (max_tokens, min_tokens, logprobs) are bounded here, so a 400 names the OpenAI
   field; the rest are checked by `engine.request.SamplingParams`, which names them the same.
 """
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.errors import InvalidRequest
 from engine.request import SamplingParams
 from server.generation import check_vocab
+from server.output_constraints import OutputConstraints
 from server.schemas import MAX_N, Int64
 from server.text_input import encode_text
 from server.tool_calls import ToolChoice
@@ -38,7 +39,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class OpenAISampling(BaseModel):
+class OpenAISampling(OutputConstraints):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(allow_inf_nan=False)
@@ -116,6 +117,7 @@ class CompletionRequest(OpenAISampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.constraint()  # a bad response_format is a 400 before anything runs
         if self.suffix:
             raise InvalidRequest("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -204,13 +206,6 @@ class ChatCompletionRequest(OpenAISampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
-    # vLLM's structured outputs (`structured_outputs: {json | regex | grammar}`, and the older
-    # `guided_json`, `guided_regex`, `guided_grammar`): the engine's json_schema, regex, ebnf.
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -221,50 +216,13 @@ class ChatCompletionRequest(OpenAISampling):
     def tool_choice_of(self, parser: str = "hermes") -> ToolChoice | None:
         return ToolChoice.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
-    def constraint(self) -> dict[str, str]:
-        """The engine's grammar param for this request ({} or one of json_schema, regex, ebnf):
-        from a forced tool choice, response_format or vLLM's structured outputs, at most one."""
-        found: dict[str, str] = {}
+    def constraint(self, forced: dict[str, tuple[str, str]] | None = None) -> dict[str, str]:
+        """The engine's grammar param: a forced tool choice's schema counts as one constraint
+        beside response_format and the structured outputs (server/output_constraints.py)."""
         tools = self.tool_choice_of()
-        if tools is not None and tools.json_schema() is not None:
-            found["tool_choice"] = tools.json_schema() or ""
-        if self.json_schema() is not None:
-            found["response_format"] = self.json_schema() or ""
-        so = dict(self.structured_outputs or {})
-        so |= {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
-                                 ("grammar", self.guided_grammar)) if v is not None}  # fmt: skip
-        for key in so:
-            if key not in ("json", "regex", "grammar"):
-                raise InvalidRequest(f"structured_outputs.{key} is not supported (json, regex or grammar)")
-        if len(found) + len(so) > 1:
-            raise InvalidRequest(f"give one output constraint, got {', '.join([*found, *so])}")
-        if found:
-            return {"json_schema": next(iter(found.values()))}
-        if "json" in so:
-            spec = so["json"]
-            return {"json_schema": spec if isinstance(spec, str) else json.dumps(spec)}
-        if "regex" in so:
-            return {"regex": str(so["regex"])}
-        if "grammar" in so:
-            return {"ebnf": str(so["grammar"])}
-        return {}
-
-    def json_schema(self) -> str | None:
-        """The JSON schema `response_format` constrains the output to (engine/runner/grammar.py):
-        `json_object` any object, `json_schema` its `schema`; None for `text` or none."""
-        fmt = self.response_format
-        kind = None if fmt is None else fmt.get("type")
-        if kind in (None, "text"):
-            return None
-        if kind == "json_object":
-            return json.dumps({"type": "object"})
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object")
-            return json.dumps(schema)
-        raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        schema = None if tools is None else tools.json_schema()
+        own = {"tool_choice": ("json_schema", schema)} if schema is not None else {}
+        return super().constraint({**own, **(forced or {})})
 
     @property
     def max_new_tokens(self) -> int | None:

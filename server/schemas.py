@@ -9,8 +9,9 @@ Rules:
   (slime sends `"stop": null, "stop_token_ids": null`).
 - `sampling_seed` is SGLang's name for `seed`: either may be given; both with different values is
   a 400. `custom_params` is accepted and has no effect (no custom logit processors here).
-- Constrained decoding by `json_schema`, `regex` or `ebnf` (engine/runner/grammar.py);
-  `structural_tag` and `stop_regex` are not implemented: any non-null value is a 400 saying so.
+- Constrained decoding by `json_schema`, `regex`, `ebnf` or `structural_tag` (a JSON string:
+  engine/runner/grammar.py, engine/runner/structural_tag.py; a malformed tag is a 400 here);
+  `stop_regex` is not implemented: any non-null value is a 400 saying so.
   So are the top-level `image_data`, `lora_path` and `custom_logit_processor`.
 - `return_routed_experts: true` needs a server started with `--enable-return-routed-experts`
   (SGLang's flag), else a 400; `meta_info.routed_experts` is then the base64 of an int32 array
@@ -45,6 +46,7 @@ from pydantic import (
 
 from engine.errors import InvalidRequest
 from engine.request import SamplingParams
+from engine.runner.structural_tag import xgrammar_tag
 
 # Set from the request's top level (`return_logprob`, `top_logprobs_num`), not sampling_params.
 _TOP_LEVEL = frozenset({"logprobs", "top_logprobs_num", "logprob_start_len", "return_routed_experts"})
@@ -57,15 +59,15 @@ _JSON_TYPES: dict[str, Any] = {
     "stop": str | list[str] | None, "stop_token_ids": list[Int64] | None, "logit_bias": dict[str, float] | None,
 }
 _INT_TYPES: dict[Any, Any] = {int: Int64, int | None: Int64 | None}
-# SGLang's constrained decoding fields: not implemented here, so only null is accepted.
-UNSUPPORTED_SAMPLING = ("structural_tag", "stop_regex")
+# SGLang's sampling fields not implemented here: only null is accepted.
+UNSUPPORTED_SAMPLING = ("stop_regex",)
 # sampling_params fields SGLang has and the engine does not: handled (or refused) here.
 _SERVER_ONLY: dict[str, Any] = {
     "n": (int, Field(default=1, le=MAX_N, description="samples per prompt")),
     "sampling_seed": (Int64 | None, Field(default=None, description="SGLang's name for `seed`")),
     "custom_params": (dict[str, Any] | None, Field(default=None, description="accepted; no effect here")),
     "stream_interval": (Int64 | None, Field(default=None, ge=1, description="tokens per streamed event")),
-    **{name: (Any, Field(default=None, description="constrained decoding: not supported, null only"))
+    **{name: (Any, Field(default=None, description="not supported, null only"))
        for name in UNSUPPORTED_SAMPLING},
 }
 
@@ -111,8 +113,10 @@ class _SamplingBase(BaseModel):
         server_only = self.model_dump(include=set(_SERVER_ONLY))
         unsupported = [name for name in UNSUPPORTED_SAMPLING if server_only[name] is not None]
         if unsupported:
-            raise InvalidRequest(f"sampling_params.{unsupported[0]}: constrained decoding is not supported here")
+            raise InvalidRequest(f"sampling_params.{unsupported[0]} is not supported here")
         fields = self.model_dump(exclude=set(_SERVER_ONLY))
+        if fields["structural_tag"] is not None:  # its shape checked now; the engine compiles it
+            xgrammar_tag(fields["structural_tag"], where="sampling_params.structural_tag")
         seed, alias = fields["seed"], server_only["sampling_seed"]
         if seed is not None and alias is not None and seed != alias:
             raise InvalidRequest(f"sampling_params: seed ({seed}) and sampling_seed ({alias}) differ; give one")

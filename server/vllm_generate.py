@@ -1,38 +1,38 @@
 """vLLM's tokens-in, tokens-out route, `/inference/v1/generate` (its serve/disagg: GenerateRequest,
-GenerateResponse), as SkyRL's and prime-rl's rollouts call it.
+GenerateResponse, GenerateStreamResponse), as SkyRL's and prime-rl's rollouts call it.
 
 Rules:
 - In: `token_ids` and `sampling_params` in vLLM's names (max_tokens, min_tokens, temperature,
   top_p, top_k (0 or -1: all), min_p, seed, n, stop, stop_token_ids, ignore_eos, penalties,
-  logprobs, prompt_logprobs, logit_bias, skip_special_tokens, ...). max_tokens null or absent
-  fills the context, as vLLM's server does. A field vLLM has and this engine cannot honour
-  (bad_words, allowed_token_ids, structured outputs, logits processors, truncation, full-vocab
-  logprobs) is a 400 when set; an unknown field is a 400 naming it. `model`, when given, must be
-  served (404 otherwise). `stream` is not served here (400).
-- Out: `choices[i]` with `token_ids`, `finish_reason` ("stop" | "length" | "abort") and, with
-  `logprobs` k, `logprobs.content[j]` = {token: "token_id:N", logprob, bytes: null,
-  top_logprobs: the sampled token then the top k, k at most (at least one)}; `prompt_logprobs`
-  (with `prompt_logprobs` k): None for the first prompt token, then per token {id: {logprob,
-  rank, decoded_token}} for the token itself and the top k (rank 1-based among the top k, null
-  when the token is not among them); `usage`.
+  logprobs, prompt_logprobs, logit_bias, skip_special_tokens, structured_outputs ({json | regex |
+  grammar | structural_tag}, one), ...). max_tokens null or absent fills the context, as vLLM's
+  server does. A field vLLM has and this engine cannot honour (bad_words, allowed_token_ids,
+  logits processors, truncation, full-vocab logprobs) is a 400 when set; an unknown field is a
+  400 naming it. `model`, when given, must be served (404 otherwise).
+- `stream: true` answers server-sent events as vLLM streams them; `stream_options`
+  {include_usage (true when the object is given), continuous_usage_stats} as vLLM reads them.
+  A client that goes away mid-stream aborts its jobs in the engine.
+- Out: server/vllm_generate_reply.py (choices, logprobs, prompt logprobs, stream chunks).
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.client.output import GenerationOutput
 from engine.errors import InvalidRequest
 from engine.request import SamplingParams
+from server.event_stream import EventStream
 from server.generation import make_jobs, run_jobs
 from server.openai_schemas import MAX_TOP_LOGPROBS
+from server.output_constraints import structured_output
 from server.schemas import MAX_N, Int64
+from server.vllm_generate_reply import TokenChunks, prompt_logprobs, usage, whole_choice
 
 router = APIRouter()
 
@@ -81,7 +81,9 @@ class VllmSampling(BaseModel):
     guided_decoding: Any = None
     best_of: Any = None
 
-    def to_engine(self, context_left: int) -> SamplingParams:
+    def to_engine(self, context_left: int, score_prompt: bool = True) -> SamplingParams:
+        """The engine's params; `score_prompt` False leaves prompt_logprobs uncomputed (a stream
+        sends none)."""
         for name, off in _OFF.items():
             if getattr(self, name) not in off:
                 raise InvalidRequest(f"sampling_params.{name} is not supported")
@@ -95,7 +97,7 @@ class VllmSampling(BaseModel):
             repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty, ignore_eos=self.ignore_eos, stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=self.logprobs is not None,
-            top_logprobs_num=top, logprob_start_len=0 if self.prompt_logprobs is not None else -1,
+            top_logprobs_num=top, logprob_start_len=0 if score_prompt and self.prompt_logprobs is not None else -1,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             no_stop_trim=self.include_stop_str_in_output, logit_bias=tuple((self.logit_bias or {}).items()),
@@ -103,17 +105,21 @@ class VllmSampling(BaseModel):
         )
 
     def _constraint(self) -> dict[str, str]:
-        """vLLM's `structured_outputs` ({json | regex | grammar}, one) as the engine's grammar param."""
-        so = self.structured_outputs
-        if so is None:
+        """vLLM's `structured_outputs` as the engine's grammar param (server/output_constraints.py)."""
+        if self.structured_outputs is None:
             return {}
-        given = {k: v for k, v in so.items() if v is not None} if isinstance(so, dict) else None
-        if not given or len(given) != 1 or next(iter(given)) not in ("json", "regex", "grammar"):
-            raise InvalidRequest("sampling_params.structured_outputs must give one of json, regex and grammar")
-        (kind, spec), = given.items()
-        if kind == "json":
-            return {"json_schema": spec if isinstance(spec, str) else json.dumps(spec)}
-        return {"regex" if kind == "regex" else "ebnf": str(spec)}
+        where = "sampling_params.structured_outputs"
+        found = structured_output(self.structured_outputs, where)
+        if len(found) != 1:
+            raise InvalidRequest(f"{where} must give one of json, regex, grammar and structural_tag")
+        return found
+
+
+class StreamOptions(BaseModel):
+    """vLLM's StreamOptions (include_usage is true when the object is given)."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
 
 
 class GenerateIn(BaseModel):
@@ -125,64 +131,35 @@ class GenerateIn(BaseModel):
     token_ids: list[Int64] = Field(min_length=1)
     sampling_params: VllmSampling = Field(default_factory=VllmSampling)
     model: str | None = None
-    stream: bool = False
-    stream_options: Any = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     features: Any = None
 
 
-@router.post("/inference/v1/generate")
-async def generate(body: GenerateIn, request: Request) -> dict[str, Any]:
+@router.post("/inference/v1/generate", response_model=None)
+async def generate(body: GenerateIn, request: Request) -> Response:
     client = request.app.state.client
     request.app.state.model_names.check(body.model)
-    if body.stream:
-        raise InvalidRequest("stream is not supported on /inference/v1/generate")
     if body.features is not None or body.priority != 0:
         raise InvalidRequest("multimodal features and priority are not supported")
     sp, prompt = body.sampling_params, list(body.token_ids)
-    params = sp.to_engine(max(client.info["max_context_length"] - len(prompt), 1))
+    params = sp.to_engine(max(client.info["max_context_length"] - len(prompt), 1), score_prompt=not body.stream)
     rid = body.request_id or uuid.uuid4().hex
     jobs = make_jobs([prompt], params, sp.n, client, [rid])
-    outs = await run_jobs(client, request.app.state.metrics, jobs, request)
-    tokenizer = client.tokenizer
-    choices = [_choice(i, out, sp.logprobs) for i, out in enumerate(outs)]
+    metrics = request.app.state.metrics
+    if body.stream:
+        opts = body.stream_options
+        include = bool(opts is not None and opts.include_usage)
+        chunks = TokenChunks(rid, len(prompt), sp.logprobs, include, include and bool(opts and opts.continuous_usage_stats))
+        return EventStream(client, metrics, jobs, chunks)
+    outs = await run_jobs(client, metrics, jobs, request)
     completion = sum(len(o.output_ids) for o in outs)
-    return {
+    return JSONResponse({
         "request_id": rid, "id": rid, "object": "generate", "created": int(time.time()),
-        "model": request.app.state.model_name, "choices": choices,
-        "prompt_logprobs": _prompt_logprobs(outs[0], prompt, sp.prompt_logprobs, tokenizer),
-        "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion},
-        "kv_transfer_params": None,
-    }
-
-
-def _choice(index: int, out: GenerationOutput, k: int | None) -> dict[str, Any]:
-    logprobs = None
-    if k is not None and out.output_token_logprobs is not None:
-        tops = out.output_top_logprobs or [[] for _ in out.output_token_logprobs]
-        content = []
-        for (lp, tok), top in zip(out.output_token_logprobs, tops, strict=True):
-            row = [(tok, lp)] + [(t, v) for t, v in top if t != tok]
-            content.append({"token": f"token_id:{tok}", "logprob": max(lp, -9999.0), "bytes": None,
-                            "top_logprobs": [{"token": f"token_id:{t}", "logprob": max(v, -9999.0), "bytes": None}
-                                             for t, v in row[: max(k, 1)]]})
-        logprobs = {"content": content}
-    return {"index": index, "token_ids": out.output_ids, "finish_reason": out.finish_reason or "stop",
-            "logprobs": logprobs}
-
-
-def _prompt_logprobs(out: GenerationOutput, prompt: list[int], k: int | None, tokenizer: Any) -> list[Any] | None:
-    if k is None or out.input_token_logprobs is None:
-        return None
-    tops = out.input_top_logprobs or [None] * len(prompt)
-    rows: list[Any] = [None]
-    for (lp, tok), top in zip(out.input_token_logprobs[1:], tops[1:], strict=True):
-        ranked = [t for t, _ in (top or [])[:k]]
-        entry = {tok: (lp, ranked.index(tok) + 1 if tok in ranked else None)}
-        for rank, (t, v) in enumerate((top or [])[:k], 1):
-            entry.setdefault(t, (v, rank))
-        rows.append({str(t): {"logprob": max(v, -9999.0), "rank": r, "decoded_token": tokenizer.decode([t])}
-                     for t, (v, r) in entry.items()})
-    return rows
+        "model": request.app.state.model_name, "choices": [whole_choice(i, o, sp.logprobs) for i, o in enumerate(outs)],
+        "prompt_logprobs": prompt_logprobs(outs[0], prompt, sp.prompt_logprobs, client.tokenizer),
+        "usage": usage(len(prompt), completion), "kv_transfer_params": None,
+    })

@@ -88,11 +88,14 @@ def test_slime_rollout_payloads(http: httpx.Client) -> None:
     assert http.post("/generate", json=slime_payload(sampling_seed=42, seed=42)).json()["output_ids"] == a["output_ids"]
     clash = http.post("/generate", json=slime_payload(sampling_seed=42, seed=7))
     assert clash.status_code == 400 and "sampling_seed" in clash.json()["error"]["message"]
-    # SGLang's other fields: null is their default; structural tags are refused (constrained
-    # decoding by regex, json_schema and ebnf: tests/test_grammar.py); unknown fields stay a 400.
+    # SGLang's other fields: null is their default; stop_regex is refused, a malformed structural
+    # tag is a 400 naming what it lacks (constrained decoding: tests/test_grammar.py,
+    # tests/test_structural_tags.py); unknown fields stay a 400.
     assert http.post("/generate", json=slime_payload(regex=None, json_schema=None, logit_bias=None)).status_code == 200
-    refused = http.post("/generate", json=slime_payload(structural_tag="{}"))
+    refused = http.post("/generate", json=slime_payload(stop_regex="x"))
     assert refused.status_code == 400 and "not supported" in refused.json()["error"]["message"]
+    malformed = http.post("/generate", json=slime_payload(structural_tag="{}"))
+    assert malformed.status_code == 400 and "structures" in malformed.json()["error"]["message"]
     assert http.post("/generate", json=slime_payload(bogus=1)).status_code == 400
     # logit_bias is applied: a large bias on one token makes greedy pick it every time.
     biased = http.post("/generate", json=GREEDY | {"sampling_params": GREEDY["sampling_params"] | {"logit_bias": {"77": 100.0}}})

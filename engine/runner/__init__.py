@@ -20,6 +20,8 @@ process.
 - `pinned.py`: pinned host staging buffers for the step inputs.
 - `grammar.py`: grammar-constrained decoding (xgrammar): a request's matcher and each step's token
   mask, applied by the sampler.
+- `structural_tag.py`: a client's structural tag (SGLang's and vLLM's shapes) as xgrammar's
+  format; pure Python, so the server checks it too.
 - `route_log.py`: the routed experts of every KV slot's token on the host, for RL routing replay
   (`return_routed_experts`), staged behind each step and read per request through its blocks.
 
