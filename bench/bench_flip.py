@@ -1,14 +1,17 @@
 """Flip benchmark: what an RL framework pays between two rollout phases, over HTTP against the real
 server (`python -m server.cli serve`, i.e. `siesta serve`): release kv_cache + weights -> (the
 trainer trains in the freed memory) -> resume weights -> push the new weights -> resume kv_cache
-(and cuda_graph if released) -> generate. Each phase against a reference measured in the same run;
-one table of ratios; every number also goes to the JSON file named by `--out`, rewritten after
-each section, so a run cut short still leaves what it measured. See bench/README.md.
+(and cuda_graph if released) -> generate, in SGLang's dialect (release/resume_memory_occupation,
+update_weights_*) and in vLLM's (`--push vllm_ipc`: /sleep, /wake_up, /update_weights) against the
+same server. Each phase against a reference measured in the same run; one table of ratios; every
+number also goes to the JSON file named by `--out`, rewritten after each section, so a run cut
+short still leaves what it measured. See bench/README.md.
 
     python3 bench/bench_flip.py --shape 8b --out $OUT/flip.json                    # one GPU: bucket, tensor
     python3 bench/bench_flip.py --shape 8b --push distributed --out $OUT/flip.json # two GPUs: NCCL group
     python3 bench/bench_flip.py --shape 8b --tp-size 2 --out $OUT/flip_tp2.json    # server on two GPUs
     python3 bench/bench_flip.py --shape 30b-a3b --out $OUT/flip.json               # MoE, config.json only
+    python3 bench/bench_flip.py --shape 8b --push tensor,vllm_ipc --flips 5 --out $OUT/flip.json  # both dialects
     python bench/bench_flip.py --tiny --out /tmp/flip.json                         # CPU smoke test
 
 This process is the trainer (as examples/rl_colocate.py): its new weights have the checkpoint's
@@ -26,6 +29,13 @@ the push, before kv_cache resumes. The server runs on `--server-gpu` (CUDA_VISIB
     goes out from a child process (`--post-from`), as slime's engine actors post it.
   - distributed_bucket: the same with load_format "flattened_bucket": the tensors' bytes back to
     back in ONE broadcast (SGLang's FlattenedTensorBucket).
+  - vllm_ipc: vLLM's dialect, as SkyRL drives a colocated vLLM server (flip_vllm.py cites it):
+    /sleep?level=1&tags=kv_cache&tags=weights -> new weights -> /wake_up?tags=weights ->
+    /update_weights {update_info: names, dtype_names, shapes, ipc_handles_pickled} (vLLM's CUDA-IPC
+    backend: one handle per tensor, as `tensor`) -> /wake_up?tags=kv_cache. `--vllm-sleep-level 2`
+    sleeps as SkyRL does. On a CPU (no CUDA IPC) the update is vLLM's broadcast backend over gloo
+    (/init_weight_transfer_engine once, then /update_weights {names, dtype_names, shapes}).
+    The table holds its flip total against `tensor`'s (the same per-tensor CUDA IPC): <= 1.05.
 
 Sections, in this order:
   1. checkpoint: serving_checkpoint.py's `build_checkpoint` (a random bf16 checkpoint of
@@ -44,12 +54,14 @@ Sections, in this order:
      `/memory_occupation`; memory_driver.py through memory_children.py), then resume.
   8. push.<mode>, per mode: `--warmup-flips` untimed flips, then `--flips` timed ones. Each: the
      wall time around every call from this client and the server's `seconds`; flip total =
-     release + resume weights + push + resume kv (wall); then one greedy `/generate` (4 prompts,
+     release + resume weights + push + resume kv (wall; vllm_ipc: sleep + wake weights +
+     update_weights + wake kv); then one greedy `/generate` (4 prompts,
      8 tokens), timed apart; every answer kept verbatim. `--verify every|last` checksums the
      server's weights after every flip (or each mode's last): every tensor must have changed.
   9. verify.restore: the checkpoint's own tensors pushed back (tensor mode); the checksum must
      equal the initial one (without weights on disk: the last flip's, after a random refill). `pushed_weights_taken` = every checked flip changed every tensor,
-     generate answered with the pushed weight_version, and the restore matched bit for bit.
+     generate answered with the pushed weight_version (vllm_ipc: the engine's own, which vLLM's
+     update keeps), and the restore matched bit for bit.
 The server is stopped in `finally` (and on Ctrl-C / SIGTERM). No section starts after
 `--deadline-s`; the exit status is 1 when a section crashed (traceback in the JSON under `errors`).
 """
@@ -60,7 +72,6 @@ import argparse
 import os
 import platform
 import signal
-import subprocess
 import sys
 import traceback
 from typing import Any
@@ -70,9 +81,10 @@ ROOT = os.path.dirname(BENCH)
 sys.path[:0] = [p for p in (ROOT, BENCH) if p not in sys.path]
 
 from bench_runtime import elapsed, say, write_json  # noqa: E402
+from flip_gpus import plan_gpus  # noqa: E402
 from flip_table import print_table, summarize, table_rows  # noqa: E402
 
-MODES = ("bucket", "tensor", "distributed", "distributed_bucket")
+MODES = ("bucket", "tensor", "distributed", "distributed_bucket", "vllm_ipc")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,8 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--push",
-        help="comma list of bucket,tensor,distributed,distributed_bucket (default bucket,tensor; "
+        help="comma list of bucket,tensor,distributed,distributed_bucket,vllm_ipc (default bucket,tensor; "
         "+distributed,distributed_bucket on CUDA with >= 2 GPUs)",
+    )
+    p.add_argument(
+        "--vllm-sleep-level", type=int, choices=(1, 2), default=1,
+        help="vllm_ipc's /sleep level: 1 keeps the host copy, as SGLang's release (default); 2 drops it, as SkyRL",
     )
     p.add_argument("--flips", type=int, default=3, help="timed flips per push mode")
     p.add_argument("--warmup-flips", type=int, default=1, help="untimed flips first, per push mode")
@@ -164,56 +180,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.verify = args.verify or ("every" if args.tiny else None)  # None: flip_sections.run_all decides
     args.rollout_s = (0.0 if args.tiny else 1.0) if args.rollout_s is None else args.rollout_s
     return args
-
-
-def nvidia_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (without a CUDA context)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [x.strip() for x in visible.split(",") if x.strip()]
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [x.strip() for x in out.stdout.splitlines() if x.strip()] if out.returncode == 0 else []
-
-
-def plan_gpus(args: argparse.Namespace) -> dict[str, Any]:
-    """This process sees the server's GPU as cuda:0 (then the trainer's): CUDA IPC handles name a
-    device by index, and the server (CUDA_VISIBLE_DEVICES = its GPU, + the trainer's if apart)
-    reads the same index. Call before CUDA is initialized."""
-    ids = [] if args.tiny else nvidia_gpus()
-    if not ids:
-        return {"cuda": False, "gpus": 0}
-    n, server = len(ids), args.server_gpu
-    ranks = list(range(server, server + args.tp_size))  # the server's GPUs, rank order
-    trainer = server if args.trainer_gpu is None else args.trainer_gpu
-    dist = (
-        args.dist_gpu
-        if args.dist_gpu is not None
-        else next((i for i in range(n) if i not in ranks), None)
-    )
-    for name, i in (("--server-gpu", ranks[-1]), ("--trainer-gpu", trainer), ("--dist-gpu", dist)):
-        if i is not None and not 0 <= i < n:
-            raise ValueError(f"{name} {i}: only {n} GPUs")
-    order = list(dict.fromkeys([*ranks, trainer, *([dist] if dist is not None else []), *range(n)]))
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in order)
-    server_ids = [ids[i] for i in ranks] + ([ids[trainer]] if trainer not in ranks else [])
-    return {
-        "cuda": True,
-        "gpus": n,
-        "ids": ids,
-        "this_process_order": [ids[i] for i in order],
-        "server_visible": ",".join(server_ids),
-        "server_only": ids[server],
-        "trainer_local": order.index(trainer),
-        "dist_local": order.index(dist) if dist is not None else None,
-    }
 
 
 class Run:

@@ -17,18 +17,13 @@ from typing import Any
 from bench_runtime import MIB, say, write_json
 from flip_http import Http, Poster
 from flip_refs import broadcast_reference, control_round_trip, d2d_copy, driver_refs, h2d
-from flip_trainer import (
-    DIST_MODES,
-    checkpoint_specs,
-    flip,
-    join_group,
-    leave_group,
-    nbytes,
-)
+from flip_trainer import DIST_MODES, GROUP, checkpoint_specs, flip, join_group, leave_group, nbytes
 from flip_verify import Verify
+from flip_vllm import VLLM_GROUP, VLLM_MODES, vllm_flip
+from flip_vllm import setup as vllm_setup
 from serving_checkpoint import dummy_flags
 
-MODE_INDEX = {"bucket": 0, "tensor": 1, "distributed": 2, "distributed_bucket": 3}
+MODE_INDEX = {"bucket": 0, "tensor": 1, "distributed": 2, "distributed_bucket": 3, "vllm_ipc": 4}
 NEW_TOKENS = 8
 
 
@@ -106,6 +101,10 @@ def push_mode(
             f"push.{mode}: an update naming no group, validated and refused: {sec['control_round_trip_s'] * 1e3:.2f} "
             "ms round trip (median of 20)"
         )
+    if mode in VLLM_MODES:  # a broadcast group on a CPU (no CUDA IPC there), none on a GPU
+        group, info = vllm_setup(http, device, args.tp_size)
+        sec |= info
+        say(f"push.{mode}: {info['transport']}")
     total = args.warmup_flips + args.flips
     # Tensor-parallel ranks 1.. get their own payload on their own GPU (this process sees the
     # server's GPUs first, in rank order); on a CPU every rank reads the one payload.
@@ -116,30 +115,20 @@ def push_mode(
             if run.late():
                 res["skipped"].append(f"push.{mode} flips {i + 1}..{total}")
                 break
-            version = f"{mode}-{i}"
+            seed = args.seed * 1000 + 100 * MODE_INDEX[mode] + i + 1
             try:
-                f = flip(
-                    http,
-                    mode,
-                    specs,
-                    device,
-                    args.seed * 1000 + 100 * MODE_INDEX[mode] + i + 1,
-                    version,
-                    args.release_graphs,
-                    probe,
-                    NEW_TOKENS,
-                    group,
-                    poster,
-                    others,
-                )
+                if mode in VLLM_MODES:
+                    f = vllm_flip(http, specs, device, seed, args.vllm_sleep_level, args.release_graphs, probe,
+                                  NEW_TOKENS, group, others)
+                else:
+                    f = flip(http, mode, specs, device, seed, f"{mode}-{i}", args.release_graphs, probe,
+                             NEW_TOKENS, group, poster, others)
             except BaseException:
                 with contextlib.suppress(Exception):  # leave the server usable for the next mode
                     http.post("/resume_memory_occupation", {"tags": None})
                 raise
-            f["version_ok"] = (
-                f["generate_weight_version"] == [version]
-                and f["push_answer"].get("weight_version") == version
-            )
+            version = f["weight_version"]  # pushed, or (vLLM's update names none) the engine's own
+            f["version_ok"] = f["generate_weight_version"] == [version] and f["push_answer"].get("weight_version") == version
             if verify is not None and (args.verify == "every" or i == total - 1):
                 verify.after_flip(f)
             time.sleep(args.rollout_s)  # the rollout phase: the host copy refreshes meanwhile
@@ -151,7 +140,7 @@ def push_mode(
     finally:
         if group is not None:
             with contextlib.suppress(Exception):
-                sec["destroy_answer"] = leave_group(http, group)
+                sec["destroy_answer"] = leave_group(http, group, VLLM_GROUP if mode in VLLM_MODES else GROUP)
         if poster is not None:
             poster.close()
 
@@ -231,7 +220,7 @@ def run_all(run: Any, modes: list[str]) -> None:
 
         return run.section(f"refs.{name}", go)
 
-    if {"bucket", "tensor"} & set(modes):
+    if {"bucket", "tensor", *VLLM_MODES} & set(modes):
         ref("d2d", d2d_copy, model_bytes, ipc_dev, args.ref_iters)
     if cuda:
         ref("h2d", h2d, args.h2d_mib * MIB, 2 * args.ref_iters, child_env)

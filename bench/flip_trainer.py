@@ -144,11 +144,11 @@ def join_group(
     return group, {"seconds": time.perf_counter() - t, "answer": answer, "body": body}
 
 
-def leave_group(http: Http, group: Any) -> dict[str, Any]:
-    """The server leaves the group (destroy_weights_update_group), then this process drops its
-    side (NCCL communicators aborted now, as the engine does, rather than at garbage collection)."""
+def leave_group(http: Http, group: Any, name: str = GROUP) -> dict[str, Any]:
+    """The server leaves the group `name` (destroy_weights_update_group), then this process drops
+    its side (NCCL communicators aborted now, as the engine does, rather than at garbage collection)."""
     try:
-        return http.post("/destroy_weights_update_group", {"group_name": GROUP})[0]
+        return http.post("/destroy_weights_update_group", {"group_name": name})[0]
     finally:
         backend = group.group.backend
         abort = getattr(backend, "abort", None)
@@ -228,18 +228,9 @@ def push(
 
 
 def flip(
-    http: Http,
-    mode: str,
-    specs: list[Spec],
-    device: torch.device,
-    seed: int,
-    version: str,
-    release_graphs: bool,
-    prompts: list[list[int]],
-    new_tokens: int,
-    group: Any = None,
-    poster: Poster | None = None,
-    others: list[torch.device] = (),
+    http: Http, mode: str, specs: list[Spec], device: torch.device, seed: int, version: str,
+    release_graphs: bool, prompts: list[list[int]], new_tokens: int, group: Any = None,
+    poster: Poster | None = None, others: list[torch.device] = (),
 ) -> dict[str, Any]:
     """One flip: release -> new weights in the freed memory (+ packing) -> resume weights -> push
     -> free -> resume kv_cache (+ cuda_graph) -> greedy generate (timed apart). `others`: the
@@ -262,23 +253,32 @@ def flip(
         "/resume_memory_occupation", {"tags": ["weights"]}
     )
     pushed, out["push_wall_s"] = push(http, mode, body, alive, group, out, poster)
-    t = time.perf_counter()
     del body, alive
     pairs = []
-    for d in [device, *others]:
-        free(d)
-    out["trainer_free_s"] = time.perf_counter() - t
-    if device.type == "cuda":  # CUDA IPC memory the server still holds would not come back
-        out["trainer_device_free_bytes"] = torch.cuda.mem_get_info(device)[0]
+    settle(out, [device, *others])
     resk, out["resume_kv_wall_s"] = http.post(
         "/resume_memory_occupation", {"tags": ["kv_cache", *graphs]}
     )
-    out["flip_total_s"] = (
-        out["release_wall_s"]
-        + out["resume_weights_wall_s"]
-        + out["push_wall_s"]
-        + out["resume_kv_wall_s"]
-    )
+    return conclude(http, out, (rel, resw, pushed, resk), prompts, new_tokens)
+
+
+def settle(out: dict[str, Any], devices: list[torch.device]) -> None:
+    """The trainer frees what it made (the caller dropped its references), before kv_cache resumes."""
+    t = time.perf_counter()
+    for d in devices:
+        free(d)
+    out["trainer_free_s"] = time.perf_counter() - t
+    if devices[0].type == "cuda":  # CUDA IPC memory the server still holds would not come back
+        out["trainer_device_free_bytes"] = torch.cuda.mem_get_info(devices[0])[0]
+
+
+def conclude(
+    http: Http, out: dict[str, Any], answers: tuple[dict[str, Any], ...], prompts: list[list[int]], new_tokens: int
+) -> dict[str, Any]:
+    """A flip's total (release, resume weights, push, resume kv: the walls of `answers`' calls),
+    then one greedy `/generate`, timed apart; every answer kept verbatim."""
+    phases = ("release_wall_s", "resume_weights_wall_s", "push_wall_s", "resume_kv_wall_s")
+    out["flip_total_s"] = sum(out[k] for k in phases)
     gen_body = {
         "input_ids": prompts,
         "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
@@ -287,12 +287,7 @@ def flip(
     out["generated_tokens"] = sum(len(g["output_ids"]) for g in gen)
     out["generate_weight_version"] = sorted({g["meta_info"].get("weight_version") for g in gen})
     out["output_ids"] = [g["output_ids"] for g in gen]
-    for key, answer in (
-        ("release", rel),
-        ("resume_weights", resw),
-        ("push", pushed),
-        ("resume_kv", resk),
-    ):
+    for key, answer in zip(("release", "resume_weights", "push", "resume_kv"), answers, strict=True):
         out[f"{key}_s"] = answer.get("seconds")  # the server's own time, where it says
         out[f"{key}_answer"] = answer  # verbatim: seconds_by_tag, seconds_by_phase, host_copy_wait_seconds, ...
     out["memory_occupation_after_generate"] = http.get("/memory_occupation")

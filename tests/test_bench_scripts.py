@@ -261,16 +261,17 @@ def test_bench_replicas_tiny_runs_every_section(tmp_path: str) -> None:
 
 def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
     """Every push mode a CPU has (shared memory for bucket and tensor, gloo for both distributed
-    ones), two timed flips each, and the bench's own proof that the server took the pushed weights."""
+    ones and for vLLM's dialect, whose CUDA-IPC update becomes vLLM's broadcast backend), two timed
+    flips each, and the bench's own proof that the server took the pushed weights."""
     out = os.path.join(tmp_path, "flip.json")
     args = ["--tiny", "--flips", "2", "--out", out, "--model-dir", os.path.join(tmp_path, "ckpt")]
-    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket")
+    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket,vllm_ipc")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
     assert res["errors"] == {} and res["skipped"] == []
     assert res["meta"]["model_bytes"] > 0 and res["meta"]["num_tensors"] > 0
-    for mode in ("bucket", "tensor", "distributed", "distributed_bucket"):
+    for mode in ("bucket", "tensor", "distributed", "distributed_bucket", "vllm_ipc"):
         sec = res["push"][mode]
         assert len(sec["flips"]) == 2 and len(sec["warmup"]) == 1, mode
         for flip in sec["flips"]:
@@ -285,7 +286,7 @@ def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
         assert summary["flips"] == 2 and summary["flip_total_s_median"] > 0
         assert summary["push_bandwidth_bytes_per_s"] > 0
     verify = res["verify"]
-    assert verify["flips_checked"] == 12 and verify["restored_exactly"]
+    assert verify["flips_checked"] == 15 and verify["restored_exactly"]
     for mode in ("distributed", "distributed_bucket"):  # the HTTP + dispatch floor, measured
         assert res["push"][mode]["control_round_trip_s"] > 0
     assert res["push"]["distributed_bucket"]["flips"][0]["push_answer"]["receive_route"] == "bucket via scratch"
@@ -296,6 +297,17 @@ def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
     assert any(m.startswith("bucket: push") for m in metrics)
     assert any("took the pushed" in m for m in metrics)
     assert "| tensor: flip total" in p.stdout
+    # vLLM's dialect on the same server: /sleep (level 1, the SGLang flip's tags), /wake_up weights,
+    # /update_weights (no version named: the engine keeps the last SGLang flip's), /wake_up kv_cache.
+    vllm = res["push"]["vllm_ipc"]
+    assert vllm["transport"].startswith("gloo") and vllm["group"]["answer"]["success"] and vllm["destroy_answer"]["success"]
+    for flip in vllm["warmup"] + vllm["flips"]:
+        assert flip["release_answer"]["status"] == "sleeping" and flip["release_answer"]["level"] == 1
+        assert sorted(flip["release_answer"]["changed"]) == ["kv_cache", "weights"]
+        assert flip["resume_weights_answer"]["changed"] == ["weights"] and flip["resume_kv_answer"]["changed"] == ["kv_cache"]
+        assert "'vllm_weight_transfer'" in flip["push_answer"]["message"] and flip["weight_version"] == "distributed_bucket-2"
+    dialects = next(r for r in res["table"] if r["metric"].startswith("vLLM dialect / SGLang dialect"))
+    assert dialects["ratio"] > 0 and "/ tensor" in dialects["metric"] and dialects["ok"] is None and "CPU" in dialects["note"]
 
 
 def test_bench_flip_tiny_at_tp_size_2(tmp_path: str) -> None:
