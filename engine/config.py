@@ -237,6 +237,12 @@ class EngineConfig:
         default=False,
         metadata={"help": "record every MoE layer's top-k experts per token, so requests may ask for them (return_routed_experts: RL routing replay)"},
     )
+    deterministic: bool = field(
+        default=False,
+        metadata={"help": "bitwise-reproducible tokens and logprobs whatever the batch, chunking or prefix cache "
+                          "(batch-invariant ops; a CPU only so far)",
+                  "aliases": ("--enable-deterministic-inference",)},
+    )
     # Kernel choices on CUDA (docs/KERNELS.md): each on by default; off runs the path it replaces.
     fused_ops: bool = field(default=True, metadata={"help": "Triton norms, rope, SiLU-mul and few-rows GEMVs (off: torch ops)"})
     fused_decode: bool = field(default=True, metadata={"help": "decode steps of 1-4 rows as one kernel per layer"})

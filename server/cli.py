@@ -60,10 +60,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         scalar, _ = _flag_type(hints[f.name])
         help_text = f.metadata.get("help", "")
+        flags = (flag, *f.metadata.get("aliases", ()))  # SGLang's or vLLM's name for the same switch
         if scalar is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=scalar, default=f.default, help=help_text)
+            group.add_argument(*flags, dest=f.name, type=scalar, default=f.default, help=help_text)
 
 
 def engine_config_from(args: argparse.Namespace) -> EngineConfig:

@@ -6,7 +6,9 @@ between steps, in the order they arrive, with no step in flight (read-only ones 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -45,6 +47,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         """`client_addrs`: where a dead tensor-parallel worker is reported (engine/core/ranks.py)."""
         t0 = time.perf_counter()
         self.config = config
+        self._seeds = random.Random(config.seed) if config.deterministic else None  # seeds of unseeded requests
         self.model_config = ModelConfig.from_hf(config.model)
         self.max_model_len = context_length(config, self.model_config)
         # Tensor parallelism: the other ranks' workers start, every rank joins the group, then
@@ -83,11 +86,16 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> RequestDelta | None:
-        """Queue a request, or refuse it at once with an error delta naming the problem."""
+        """Queue a request, or refuse it at once with an error delta naming the problem. With
+        `--deterministic` a request without a seed gets one here: each row then samples from its
+        own generator (seeded by seed and position), never from one shared with its batch."""
+        params = msg.sampling_params
+        if self._seeds is not None and params.seed is None:
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(31))
         req = Request(
             request_id=msg.request_id,
             prompt_token_ids=list(msg.prompt_token_ids),
-            sampling_params=msg.sampling_params,
+            sampling_params=params,
             eos_token_ids=self.model_config.eos_token_ids,
         )
         unavailable = self.availability.unavailable()

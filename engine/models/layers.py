@@ -85,12 +85,14 @@ class Linear(nn.Module):
     # Whether the skinny kernel prefetches this weight while the kernel before it runs (see
     # engine/kernels/pdl.py): the packed linears, which always follow a norm.
     prefetch = False
+    # The matmul of every other call: torch's, or models/invariant.py's (`--deterministic`).
+    linear_fn = staticmethod(F.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skinny = skinny_for(x) if self.fused else None
         if skinny is not None:
             return skinny.skinny_linear(x, self.weight, self.bias, prefetch=self.prefetch)
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_fn(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -115,7 +117,7 @@ class RowParallelLinear(Linear):
                 return splitk.splitk_parts(x, self.weight)
             return super().forward(x)
         skinny = skinny_for(x) if self.fused else None
-        y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else F.linear(x, self.weight)
+        y = skinny.skinny_linear(x, self.weight, None) if skinny is not None else self.linear_fn(x, self.weight)
         if self.defers:
             return y
         y = self.tp.all_reduce(y)

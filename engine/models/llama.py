@@ -162,6 +162,11 @@ class LlamaForCausalLM(nn.Module):
     logits = model.compute_logits(hidden[rows]) -> [n, vocab] in the model dtype
     """
 
+    # The lm_head's matmul where no kernel of ours runs it: torch's, or models/invariant.py's
+    # (`--deterministic`); `linear_fn` at tensor parallelism, `logits_fn` on one rank.
+    linear_fn = staticmethod(F.linear)
+    logits_fn = staticmethod(lambda hidden, weight, out: torch.matmul(hidden, weight.T, out=out))
+
     def __init__(
         self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None, logits_pieces: bool = True
     ) -> None:
@@ -211,8 +216,8 @@ class LlamaForCausalLM(nn.Module):
             skinny = skinny_for(hidden) if self.model.fused and weight.is_contiguous() else None
             if skinny is not None:  # few rows (decode): the weight prefetched behind the final norm
                 return skinny.skinny_linear(hidden, weight, out=out, prefetch=True, **skinny.LOGITS_CONFIG)
-            return torch.matmul(hidden, weight.T, out=out)
-        logits = self.tp.all_gather_last(F.linear(hidden, weight))[:, : self.config.vocab_size]
+            return self.logits_fn(hidden, weight, out)
+        logits = self.tp.all_gather_last(self.linear_fn(hidden, weight))[:, : self.config.vocab_size]
         return logits if out is None else out.copy_(logits)
 
     def logits_pieces(self, rows: int) -> int:

@@ -29,6 +29,7 @@ other device runs this file's torch code, the reference the kernels are tested a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,7 +70,8 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
 
 
 def reference_moe(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights / ids [T, k] ->
     [T, hidden]. Each expert that any token routes to runs once, on its tokens; the weighted
@@ -87,8 +89,8 @@ def reference_moe(
         pairs = order[start : start + n]
         start += n
         tokens = pairs // k
-        gate, up = F.linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
-        out.index_add_(0, tokens, F.linear(F.silu(gate) * up, down[e]) * w[pairs])
+        gate, up = linear(x[tokens], gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, tokens, linear(F.silu(gate) * up, down[e]) * w[pairs])
     return out
 
 
@@ -140,9 +142,11 @@ class PackedExperts(nn.Module):
         down = ExpertSlot("down_proj", (), Shard(2, s.start, part, s.total))
         return {"gate_up_proj": (gate, up), "down_proj": (down,)}
 
+    linear_fn = staticmethod(F.linear)  # torch's, or models/invariant.py's (`--deterministic`)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch reference (`reference_moe`) over these experts."""
-        return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.linear_fn)
 
 
 class SparseMoE(nn.Module):

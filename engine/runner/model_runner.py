@@ -25,7 +25,7 @@ from engine.kernels import configure as configure_kernels
 from engine.memory.kv_budget import make_kv_cache
 from engine.memory.poison import tensors_of
 from engine.memory.regions import MemoryRegions
-from engine.models import get_model_class
+from engine.models import get_model_class, invariant
 from engine.models.hooks import DecodeStepPath
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
@@ -94,7 +94,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # [S] the tokens of the last step run
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
-        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type)
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device.type, config.deterministic)
         self.graph_max_bs = self._graph_max_bs()
         self.upload = Uploader(self.device)
         self.memory = MemoryRegions(self.device, enabled=config.memory_saver, poison_on_resume=config.debug_poison_on_resume)
@@ -261,6 +261,8 @@ class ModelRunner:
                             logits_pieces=self.config.logits_pieces)
         finally:
             torch.set_default_dtype(default_dtype)
+        if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
+            invariant.install(model)
         return model.eval()
 
     @torch.inference_mode()

@@ -4,7 +4,7 @@ prompt part of an OpenAI completion's echo with logprobs).
 
 Rules:
 - Prompt token q is scored by the logits of token row q - 1 of the step: log p(token q | < q),
-  the log-softmax in float32.
+  x - logsumexp(x) in float32, the formula of the sampler's reported logprobs.
 - The rows are scored in slices of `ROWS_PER_SLICE`, so a long prefill chunk's [rows, vocab]
   logits never exist whole (8192 rows of a 152k vocabulary would be 5 GB in float32).
 - Top alternatives are the `top_k` largest logprobs of the row, best first (ties: torch.topk's
@@ -46,9 +46,12 @@ class PromptLogprobs:
         for begin in range(0, len(rows), ROWS_PER_SLICE):
             index = torch.tensor(rows[begin : begin + ROWS_PER_SLICE], device=hidden.device)
             target = torch.tensor(targets[begin : begin + ROWS_PER_SLICE], device=hidden.device)
-            log_probs = torch.log_softmax(compute_logits(hidden[index]).float(), dim=-1)  # [n, vocab]
-            logprobs += log_probs.gather(1, target[:, None])[:, 0].tolist()
+            # x - logsumexp(x), as the sampler reports a generated token's (at temperature 1): a
+            # completion re-scored gives the logprobs its generation reported.
+            logits = compute_logits(hidden[index]).float()  # [n, vocab]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+            logprobs += (logits.gather(1, target[:, None]) - lse)[:, 0].tolist()
             if tops is not None:
-                values, ids = torch.topk(log_probs, min(top_k, log_probs.shape[-1]), dim=-1)  # [n, k]
-                tops += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+                values, ids = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)  # [n, k]
+                tops += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), (values - lse).tolist(), strict=True)]
         return PromptLogprobs(logprobs, tops)

@@ -1,0 +1,110 @@
+"""`--deterministic` (EngineConfig.deterministic, SGLang's --enable-deterministic-inference) on a
+CPU: a request's tokens and every logprob it reports are bit for bit the same alone and inside
+batches of random companions arriving before and after it, with and without a shared prefix
+(prefix-cache hits), across chunked-prefill boundaries, overlap scheduling on and off, and a
+release/resume between runs; and re-scoring the generated completion teacher-forced
+(`max_new_tokens` 0, `logprob_start_len` at the completion) reports the same logprobs.
+
+What holds on the CPU: all of the above, in float32 and bfloat16, with engine/models/invariant.py's
+matmuls and the row-wise attention (engine/attention/sdpa_rows.py). On CUDA the mode is refused
+until its kernels exist (issue 76); that refusal is checked here too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_models import random_tokens
+
+from engine import Engine, SamplingParams
+from engine.config import ConfigError, EngineConfig
+from engine.models import invariant
+
+KNOBS = dict(device="cpu", max_model_len=512, block_size=8, max_num_seqs=16, deterministic=True)
+NEW = 40
+
+
+def target(seed: int = 11) -> SamplingParams:
+    return SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=0.95, seed=seed, logprobs=True, ignore_eos=True)
+
+
+def companions(rng: random.Random, prompt: list[int], n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n random requests: greedy or sampled, some sharing the target's first 16 tokens."""
+    prompts, params = [], []
+    for i in range(n):
+        own = random_tokens(rng.randint(3, 60), seed=rng.randrange(1 << 30))
+        prompts.append(prompt[:16] + own if i % 2 else own)
+        params.append(SamplingParams(max_new_tokens=rng.randint(1, NEW + 8), temperature=rng.choice([0.0, 0.7, 1.0]),
+                                     seed=rng.randrange(1000) if rng.random() < 0.5 else None, ignore_eos=True))
+    return prompts, params
+
+
+def result(out) -> tuple[list[int], list[float]]:
+    return out.output_ids, [lp for lp, _ in out.output_token_logprobs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype: str) -> None:
+    prompt = random_tokens(37, seed=3)
+    rng = random.Random(dtype)
+    with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=24, **KNOBS) as llm:
+        alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
+        assert len(alone[0]) == NEW
+        for n in (1, 3, 8):
+            others, params = companions(rng, prompt, n)
+            for at in (0, n // 2, n):  # the target first, among them, last
+                outs = llm.generate(input_ids=others[:at] + [prompt] + others[at:],
+                                    sampling_params=params[:at] + [target()] + params[at:])  # fmt: skip
+                assert result(outs[at]) == alone, (n, at)
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        assert result(llm.generate(input_ids=[prompt], sampling_params=target())[0]) == alone
+    # Another engine: other prefill chunks, overlap scheduling off.
+    with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=64, disable_overlap_schedule=True, **KNOBS) as llm:
+        others, params = companions(rng, prompt, 5)
+        outs = llm.generate(input_ids=[*others, prompt], sampling_params=[*params, target()])
+        assert result(outs[-1]) == alone
+
+
+def test_scoring_equals_generation(qwen3_dir: str) -> None:
+    prompt = random_tokens(29, seed=4)
+    with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=16, **KNOBS) as llm:
+        ids, logprobs = result(llm.generate(input_ids=[prompt], sampling_params=target(seed=5))[0])
+        score = SamplingParams(max_new_tokens=0, temperature=1.0, logprobs=True, logprob_start_len=len(prompt))
+        scored = llm.generate(input_ids=[prompt + ids], sampling_params=score)[0]
+        assert [t for _, t in scored.input_token_logprobs] == ids
+        assert [lp for lp, _ in scored.input_token_logprobs] == logprobs
+
+
+def test_unseeded_requests_get_their_own_generators(qwen3_dir: str) -> None:
+    """Without a seed each sampled request is seeded at arrival: two runs of the same prompt in
+    one batch differ (their own randomness), and each is what it would be alone with that seed."""
+    prompt = random_tokens(20, seed=6)
+    free = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    with Engine(model=qwen3_dir, dtype="float32", **KNOBS) as llm:
+        a, b = llm.generate(input_ids=[prompt, prompt], sampling_params=[free, free])
+        assert a.output_ids != b.output_ids
+
+
+def test_the_invariant_linear_is_the_same_for_any_rows() -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(70, 64, generator=g)
+    full = invariant.linear(x, w, b)
+    for rows in (1, 2, 3, 5, 16, 17, 33):
+        assert torch.equal(invariant.linear(x[:rows], w, b), full[:rows]), rows
+    assert torch.equal(invariant.linear(x[3:4], w, b), full[3:4])
+
+
+def test_refused_where_its_kernels_do_not_exist_yet(qwen3_dir: str) -> None:
+    from engine.attention import resolve_backend_name
+
+    with pytest.raises(ConfigError, match="CPU"):
+        resolve_backend_name("auto", "cuda", deterministic=True)
+    with pytest.raises(ConfigError, match="triton"):
+        resolve_backend_name("triton", "cpu", deterministic=True)
+    assert resolve_backend_name("auto", "cpu", deterministic=True) == "sdpa_rows"
+    assert EngineConfig(model=qwen3_dir, deterministic=True).deterministic
