@@ -1,12 +1,12 @@
 """The benchmark scripts run on the device machine only, so CI checks what it can of them: every
 suite, kernel benchmark and probe parses its arguments (`--help`) without a GPU; bench_memory.py
 without a GPU exits 2 with a JSON file that says why; bench_engine.py, bench_serving.py,
-bench_flip.py (every push mode a CPU has), bench_replicas.py (where smg is installed) and
-control_storm.py run every code path of theirs in `--tiny` mode on the CPU (numbers meaningless,
-fields checked); kernels/occupancy.py compiles the decode path's Triton kernels for Hopper without
-a GPU and the occupancy they are built on is checked here. The suite's shape is held too: one
-report helper prints every table, RESULTS.md is the current state (a row per target naming its
-device, date and command), and nothing imports a probe."""
+bench_flip.py (every push mode a CPU has), bench_replicas.py (where smg is installed),
+control_storm.py and probes/grammar_fill.py run every code path of theirs in `--tiny` mode on the
+CPU (numbers meaningless, fields checked); kernels/occupancy.py compiles the decode path's Triton
+kernels for Hopper without a GPU and the occupancy they are built on is checked here. The suite's
+shape is held too: one report helper prints every table, RESULTS.md is the current state (a row
+per target naming its device, date and command), and nothing imports a probe."""
 
 from __future__ import annotations
 
@@ -388,3 +388,23 @@ def test_control_storm_tiny_runs_its_trials(tmp_path: str) -> None:
         res = json.load(f)
     assert res["trials_passed"] == 2 and res["memory_saver"] is False
     assert all(sum(n for k, n in t["statuses"].items() if k.startswith("release")) == 10 for t in res["trials"])
+
+
+def test_grammar_fill_tiny_measures_both_backends(tmp_path: str) -> None:
+    """bench/probes/grammar_fill.py on a ~2k-token BPE it trains: every backend compiles every
+    grammar, every mask it fills allows the document's next token, and the one table prints."""
+    out = os.path.join(tmp_path, "fill.json")
+    p = _run(os.path.join("bench", "probes", "grammar_fill.py"), "--tiny", "--batch", "8", "--max-steps", "16",
+             "--cache-dir", os.path.join(tmp_path, "cache"), "--out", out)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["tokenizer"]["vocab"] == 2048 and res["tokenizer"]["trained"]
+    assert set(res["backends"]) == {"xgrammar", "llguidance"}
+    for name, backend in res["backends"].items():
+        assert backend["tokenizer_info_s"] > 0 and set(backend["grammars"]) == {"json_schema", "json_object", "regex", "regex_words"}
+        for kind, g in backend["grammars"].items():
+            assert g["compile_s"] > 0 and g["batch1"]["tokens"] > 10 and g["batch1"]["fill_s_p50"] > 0, (name, kind)
+            assert g["sequential"]["steps"] == g["parallel"]["steps"] == 16, (name, kind)
+            assert g["batch1"]["refused"] == g["sequential"]["refused"] == g["parallel"]["refused"] == 0, (name, kind)
+    assert len(res["table"]) == 8 and "## grammar mask fill, 2048-token BPE" in p.stdout
