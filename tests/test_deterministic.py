@@ -1,8 +1,8 @@
 """`--deterministic` (EngineConfig.deterministic, SGLang's --enable-deterministic-inference) on a
 CPU: a request's tokens and every logprob it reports are bit for bit the same alone and inside
 batches of random companions arriving before and after it, with and without a shared prefix
-(prefix-cache hits), across chunked-prefill boundaries, overlap scheduling on and off, and a
-release/resume between runs; and re-scoring the generated completion teacher-forced
+(prefix-cache hits), across chunked-prefill boundaries, overlap scheduling on and off (a second
+engine, bfloat16), and a release/resume between runs; and re-scoring the generated completion teacher-forced
 (`max_new_tokens` 0, `logprob_start_len` at the completion) reports the same logprobs.
 
 What holds on the CPU: all of the above, in float32 and bfloat16, with engine/models/invariant.py's
@@ -22,7 +22,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.models import invariant
 
 KNOBS = dict(device="cpu", max_model_len=512, block_size=8, max_num_seqs=16, deterministic=True)
-NEW = 40
+NEW = 24
 
 
 def target(seed: int = 11) -> SamplingParams:
@@ -51,7 +51,7 @@ def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype:
     with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=24, **KNOBS) as llm:
         alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
         assert len(alone[0]) == NEW
-        for n in (1, 3, 8):
+        for n in (1, 8):
             others, params = companions(rng, prompt, n)
             for at in (0, n // 2, n):  # the target first, among them, last
                 outs = llm.generate(input_ids=others[:at] + [prompt] + others[at:],
@@ -60,6 +60,8 @@ def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype:
         llm.release_memory_occupation()
         llm.resume_memory_occupation()
         assert result(llm.generate(input_ids=[prompt], sampling_params=target())[0]) == alone
+    if dtype == "float32":
+        return
     # Another engine: other prefill chunks, overlap scheduling off.
     with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=64, disable_overlap_schedule=True, **KNOBS) as llm:
         others, params = companions(rng, prompt, 5)

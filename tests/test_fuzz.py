@@ -42,7 +42,7 @@ from server_util import ServerProcess
 # Per operation and generation mode; the cases are derandomized, so a run with more (say
 # SIESTA_FUZZ_EXAMPLES=600, ~5 minutes) sends others. 150 found the NaN logprobs and the engine
 # killed by an out-of-vocabulary stop token id (now tests/test_bad_input.py's).
-MAX_EXAMPLES = int(os.environ.get("SIESTA_FUZZ_EXAMPLES", "25"))
+MAX_EXAMPLES = int(os.environ.get("SIESTA_FUZZ_EXAMPLES", "15"))
 CALL_TIMEOUT_S = 30.0  # a case that takes longer is a hang
 MAX_GEN_TOKENS = 64
 MAX_FUZZ_N = 4
