@@ -253,6 +253,17 @@ def demo_server(demo_dir: str, tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def qwen3_server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """One real server on the tiny Qwen3 (`--max-model-len 512`), shared by the modules that only
+    generate on it (constrained decoding, structural tags)."""
+    from server_util import ServerProcess
+
+    server = ServerProcess(qwen3_dir, "--max-model-len", "512", log_path=str(tmp_path_factory.mktemp("logs") / "qwen3_server.log"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def expected(request: pytest.FixtureRequest, qwen3_dir: str, qwen3_next_dir: str) -> dict[str, list[list[int]]]:
     """transformers' greedy continuations of the test module's PROMPTS (N new tokens each) on

@@ -29,14 +29,10 @@ SAMPLES = 8
 
 
 @pytest.fixture(scope="module")
-def http(qwen3_dir: str):
-    server = ServerProcess(qwen3_dir, "--max-model-len", "512")
-    try:
-        # Sampled outputs run their whole budget often: on a loaded machine a request takes longer than 60 s.
-        with httpx.Client(base_url=server.url, timeout=300.0) as client:
-            yield client
-    finally:
-        server.stop()
+def http(qwen3_server: ServerProcess):
+    # Sampled outputs run their whole budget often: on a loaded machine a request takes longer than 60 s.
+    with httpx.Client(base_url=qwen3_server.url, timeout=300.0) as client:
+        yield client
 
 
 def _matches(value: object) -> bool:

@@ -14,10 +14,9 @@ import pytest
 import torch
 from oracle import hf_greedy, hf_named_parameters
 from server_util import ServerProcess
+from test_weight_store import cpu_store
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from engine.config import ModelConfig
-from engine.models import get_model_class
 from engine.weights.loader import load_checkpoint, load_named_tensors
 from engine.weights.payload import serialize_named_tensors
 from engine.weights.store import WeightStore
@@ -73,17 +72,6 @@ def _wake_refused(http: httpx.Client) -> None:
 # ---- the store alone ------------------------------------------------------------------------------
 
 
-def _store(path: str, host_copy: bool = True) -> WeightStore:
-    config = ModelConfig.from_hf(path)
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(config)
-    store = WeightStore(model.eval(), torch.device("cpu"))
-    store.written(load_checkpoint(model, path))
-    if host_copy:
-        store.keep_host_copy()
-    return store
-
-
 def _release(store: WeightStore, drop_host: bool) -> None:
     store.released(drop_host=drop_host)
     store.flat.fill_(0xFF)  # what lost pages hold, as far as any reader may know: NaN
@@ -95,7 +83,7 @@ def _same(store: WeightStore, got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def test_the_store_drops_its_host_copy_and_makes_it_again_once_all_is_written(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     want = store.flat.clone()
     checkpoint = [p.name for p in store.pieces if not p.computed]
     _release(store, drop_host=True)
@@ -123,7 +111,7 @@ def test_the_store_drops_its_host_copy_and_makes_it_again_once_all_is_written(qw
 
 
 def test_without_a_kept_copy_a_level_2_release_drops_nothing(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir, host_copy=False)  # --weights-backup none
+    store = cpu_store(qwen3_dir, host_copy=False)  # --weights-backup none
     _release(store, drop_host=True)
     store.written(load_checkpoint(store.model, qwen3_dir))
     store.refresh_host()

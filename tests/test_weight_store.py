@@ -24,7 +24,8 @@ from engine.weights.loader import (
 from engine.weights.store import ALIGN, WeightStore, merge_spans
 
 
-def _store(path: str, host_copy: bool = True) -> WeightStore:
+def cpu_store(path: str, host_copy: bool = True) -> WeightStore:
+    """The checkpoint at `path` loaded into a WeightStore on the CPU (with its host copy, unless not)."""
     config = ModelConfig.from_hf(path)
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config)
@@ -61,7 +62,7 @@ def _new_values(store: WeightStore, names: list[str]) -> list[tuple[str, torch.T
 
 
 def test_every_parameter_and_buffer_is_a_view_of_one_allocation(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     base, end = store.flat.data_ptr(), store.flat.data_ptr() + store.flat.numel()
     tensors = [*store.model.parameters(), *store.model.buffers()]
     assert len(tensors) > 10
@@ -76,7 +77,7 @@ def test_every_parameter_and_buffer_is_a_view_of_one_allocation(qwen3_dir: str) 
 
 
 def test_resume_restores_everything_from_the_host_copy_at_first_use(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     want = _state(store)
     _release(store)
     assert store.stale_bytes == store.nbytes - _padding(store) and store.missing() == 0
@@ -88,7 +89,7 @@ def test_resume_restores_everything_from_the_host_copy_at_first_use(qwen3_dir: s
 
 
 def test_a_full_update_after_resume_restores_only_the_computed_buffers(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     rotary = dict(store.model.named_buffers())["model.rotary_emb.cos_sin_cache"].clone()
     _release(store)
     pairs = _new_values(store, list(checkpoint_targets(store.model)))
@@ -103,7 +104,7 @@ def test_a_full_update_after_resume_restores_only_the_computed_buffers(qwen3_dir
 
 
 def test_a_partial_update_keeps_its_tensors_and_restores_the_others(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     before = _state(store)
     _release(store)
     names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
@@ -127,7 +128,7 @@ def test_a_partial_update_keeps_its_tensors_and_restores_the_others(qwen3_dir: s
 
 
 def test_without_a_host_copy_stale_tensors_are_missing_until_updated(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir, host_copy=False)
+    store = cpu_store(qwen3_dir, host_copy=False)
     want = _state(store)
     _release(store)
     total = len(checkpoint_targets(store.model))
@@ -144,7 +145,7 @@ def test_without_a_host_copy_stale_tensors_are_missing_until_updated(qwen3_dir: 
 
 
 def test_a_write_that_failed_half_way_comes_back_as_the_old_weights(qwen3_dir: str) -> None:
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     want = _state(store)
     name = "model.layers.1.self_attn.o_proj.weight"
     checkpoint_targets(store.model)[name].view.fill_(3.0)  # a broadcast cut off after these bytes
@@ -172,7 +173,7 @@ def test_a_broadcast_cut_off_half_way_leaves_the_old_weights(qwen3_dir: str) -> 
     from engine.config import EngineConfig
     from engine.weights.updater import WeightUpdater
 
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     want = _state(store)
     updater = WeightUpdater(store, EngineConfig(model=qwen3_dir, device="cpu"))
     port = _free_port()
@@ -205,7 +206,7 @@ def _free_port() -> int:
 def test_the_host_copy_refreshes_when_asked_or_at_the_latest_before_a_release(qwen3_dir: str) -> None:
     """An update's answer does not wait for the host copy: `written` only marks, the engine calls
     `refresh_host` after the reply, and a release refreshes whatever is still pending first."""
-    store = _store(qwen3_dir)
+    store = cpu_store(qwen3_dir)
     name = "model.layers.0.mlp.down_proj.weight"
     piece = store.pieces[store.index[name]]
     old = store.host[piece.offset : piece.offset + piece.nbytes].clone()
@@ -231,12 +232,12 @@ def test_a_checkpoint_in_model_order_lies_back_to_back(qwen3_aligned_dir: str, q
 
     hf = AutoModelForCausalLM.from_pretrained(qwen3_aligned_dir, dtype=torch.float32)
     names = [n for n, _ in hf.named_parameters()]
-    store = _store(qwen3_aligned_dir)
+    store = cpu_store(qwen3_aligned_dir)
     views = [store.targets[n].view for n in names]
     total = sum(v.numel() * v.element_size() for v in views)
     assert store.span(views) == slice(0, total)
     assert store.span(views[1:3]) == slice(views[1].data_ptr() - store.flat.data_ptr(), views[3].data_ptr() - store.flat.data_ptr())
     assert store.span(views[::-1]) is None and store.span([views[0], views[2]]) is None
-    unaligned = _store(qwen3_dir)
+    unaligned = cpu_store(qwen3_dir)
     hf3 = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
     assert unaligned.span([unaligned.targets[n].view for n, _ in hf3.named_parameters() if n in unaligned.targets]) is None

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launcher import Launcher
-from engine.kernels.moe_routing import MAX_EXPERTS, topk_rows
+from engine.kernels.moe_routing import MAX_EXPERTS, topk_outputs, topk_rows
 from engine.kernels.moe_workspace import ROUTER_ROWS, MoeWorkspace
 from engine.kernels.split_kv import last_to_arrive
 
@@ -106,11 +106,7 @@ def router_topk(
         raise ValueError(f"router_topk: k {k} of {E} experts, workspace for {tuple(workspace.router_logits.shape)} "
                          f"{workspace.router_logits.dtype}")  # fmt: skip
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if out is None:
-        weights = torch.empty((T, k), dtype=torch.float32, device=x.device)
-        ids = torch.empty((T, k), dtype=torch.int32, device=x.device)
-    else:
-        weights, ids = out
+    weights, ids = topk_outputs(T, k, x.device, out)
     block_k = BLOCK_K if H >= BLOCK_K else max(16, _next_pow2(H))
     _router_topk_kernel[(triton.cdiv(E, TILE_E),)](
         x, gate, workspace.router_logits, weights, ids, workspace.router_count,

@@ -99,6 +99,20 @@ def _topk_softmax_kernel(
     topk_rows(x, rows, row_ok, cols, weights_ptr, ids_ptr, E, K, RENORMALIZE, LIBDEVICE_EXP, BLOCK_T, BLOCK_E, BLOCK_K)
 
 
+def topk_outputs(
+    T: int, k: int, device: torch.device, out: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] fp32, [T, k] int32)
+    """The caller's `out` checked, or new tensors: where a top-k of T rows writes."""
+    if out is None:
+        return torch.empty((T, k), dtype=torch.float32, device=device), torch.empty((T, k), dtype=torch.int32, device=device)
+    weights, ids = out
+    if weights.shape != (T, k) or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"top-k: out weights {tuple(weights.shape)} {weights.dtype}, want [{T}, {k}] fp32")
+    if ids.shape != (T, k) or ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"top-k: out ids {tuple(ids.shape)} {ids.dtype}, want [{T}, {k}] int32")
+    return weights, ids
+
+
 def topk_softmax(
     router_logits: torch.Tensor,  # [T, E] (any float dtype)
     k: int,
@@ -111,15 +125,7 @@ def topk_softmax(
     if not 0 < k <= E or E > MAX_EXPERTS:
         raise ValueError(f"topk_softmax: need 0 < k ({k}) <= E ({E}) <= {MAX_EXPERTS}")
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    if out is None:
-        weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
-        ids = torch.empty((T, k), dtype=torch.int32, device=logits.device)
-    else:
-        weights, ids = out
-        if weights.shape != (T, k) or weights.dtype != torch.float32 or not weights.is_contiguous():
-            raise ValueError(f"topk_softmax: out weights {tuple(weights.shape)} {weights.dtype}, want [{T}, {k}] fp32")
-        if ids.shape != (T, k) or ids.dtype != torch.int32 or not ids.is_contiguous():
-            raise ValueError(f"topk_softmax: out ids {tuple(ids.shape)} {ids.dtype}, want [{T}, {k}] int32")
+    weights, ids = topk_outputs(T, k, logits.device, out)
     if T == 0:
         return weights, ids
     block_e = _next_pow2(E)
