@@ -15,12 +15,7 @@ within 1.5x the error of the model-dtype torch reference (engine/models/moe.py's
 the workspace reused across T without an allocation, in CUDA graphs too; a token's output bit
 for bit the same whatever the other tokens of its batch and the batch size (every config, and
 the unsorted few-token path against the sorted one, whose last-arriving program sums a token's
-pairs).
-
-The few-token router (engine/kernels/moe_router.py): on the CPU its top-k equals the reference's
-on the logits it computed, and those are the fp32 GEMV's rounded; on the GPU its logits, weights
-and ids equal the router Linear's skinny GEMV then `topk_softmax`, bit for bit, eagerly and in a
-CUDA graph; every arrival counter is zero after each call.
+pairs). The router's one-launch path: tests/test_moe_router.py.
 """
 
 from __future__ import annotations
@@ -161,27 +156,6 @@ def check_fused_moe(device: str, cases: list[tuple[int, int, int, int, int]], dt
             assert err <= max(1.5 * torch_err, tol), (T, E, k, err, torch_err)
 
 
-def check_router(device: str, cases: list[tuple[int, int, int, int]], dtype: torch.dtype) -> None:
-    """router_topk: the logits it kept in the workspace are x @ gate.T rounded (fp32 sums), its
-    weights and ids the reference top-k of those logits; the counter is zero after each call."""
-    from engine.kernels.moe_router import router_topk
-    from engine.kernels.moe_workspace import MoeWorkspace
-
-    for T, E, k, H in cases:
-        g = torch.Generator(device=device).manual_seed(T * E + k)
-        x = torch.randn(T, H, generator=g, device=device).to(dtype)
-        gate = (torch.randn(E, H, generator=g, device=device) * H**-0.5).to(dtype)
-        ws = MoeWorkspace.allocate(T, E, k, H, 32, dtype, device)
-        for renorm in (True, False):
-            weights, ids = router_topk(x, gate, k, renorm, ws)
-            logits = ws.router_logits[:T]
-            torch.testing.assert_close(logits.float(), (x.float() @ gate.float().T).to(dtype).float(), rtol=1e-2, atol=1e-2)
-            rw, rids = ref_route(logits, k, renorm)
-            assert torch.equal(ids.long(), rids), (T, E, k, renorm)
-            torch.testing.assert_close(weights, rw, rtol=2e-6, atol=1e-7)
-            assert ws.router_count.item() == 0
-
-
 # ---- CPU: Triton's interpreter, one subprocess a test -----------------------------------------------
 
 PATCH_INTERPRETER = """
@@ -218,10 +192,6 @@ def test_fused_moe_interpreted() -> None:
     # T=1 of E=8 and of E=128: one tile a pair, no sort (fused_moe.pair_tiles_apply); the rest sorted
     cases = "[(1, 8, 2, 64, 32), (1, 128, 8, 32, 16), (7, 8, 2, 64, 32), (40, 16, 4, 32, 48)]"
     interpret(f"check_fused_moe('cpu', {cases}, torch.float32, 1e-5)\ncheck_fused_moe('cpu', {cases}, torch.float16, 2e-3)")
-
-
-def test_router_interpreted() -> None:
-    interpret("check_router('cpu', [(1, 128, 8, 256), (4, 60, 4, 200), (16, 8, 2, 128)], torch.float16)")
 
 
 def test_a_few_tokens_grid_does_not_grow_with_the_experts() -> None:
@@ -345,38 +315,3 @@ def test_the_workspace_is_shared_across_sizes_and_graphs_without_allocating() ->
         outs[T].zero_()
         graphs[T].replay()
         assert torch.equal(outs[T], fused_moe(*fresh)), T
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
-    """router_topk against the router Linear's own decode path (skinny_linear, then topk_softmax),
-    bit for bit at the sizes it takes, eagerly and replayed from a graph; counters back at zero."""
-    from engine.kernels.fused_moe import fused_moe, topk_softmax
-    from engine.kernels.moe_router import router_topk
-    from engine.kernels.moe_workspace import MoeWorkspace
-    from engine.kernels.skinny_linear import skinny_linear
-
-    check_router("cuda", [(1, 128, 8, 2048), (4, 128, 8, 2048), (3, 60, 4, 1000)], torch.bfloat16)
-    ws = MoeWorkspace.allocate(4, 128, 8, 2048, 768, torch.bfloat16, "cuda")
-    for T in (1, 2, 4):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        x = torch.randn(T, 2048, generator=g, device="cuda").to(torch.bfloat16)
-        gate = (torch.randn(128, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
-        want = topk_softmax(skinny_linear(x, gate), 8, True)
-        out = (torch.empty(T, 8, device="cuda"), torch.empty(T, 8, dtype=torch.int32, device="cuda"))
-        got = router_topk(x, gate, 8, True, ws, out=out)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), T
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            router_topk(x, gate, 8, True, ws, out=out)
-        for seed in range(3):
-            x.copy_(torch.randn(T, 2048, device="cuda").to(torch.bfloat16))
-            graph.replay()
-            want = topk_softmax(skinny_linear(x, gate), 8, True)
-            assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), (T, seed)
-        w13 = (torch.randn(128, 2 * 768, 2048, device="cuda") * 2048**-0.5).to(torch.bfloat16)
-        w2 = (torch.randn(128, 2048, 768, device="cuda") * 768**-0.5).to(torch.bfloat16)
-        fused_moe(x, w13, w2, *out, workspace=ws)  # one tile a pair: the down GEMM sums
-        torch.cuda.synchronize()
-        assert ws.router_count.item() == 0 and int(ws.sum_counts.abs().sum()) == 0, T
