@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -33,6 +34,18 @@ GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True, logp
 SCORED = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True, logprobs=True,
                         logprob_start_len=0, top_logprobs_num=3)
 KNOBS = dict(device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture
+def private_tmp(monkeypatch: pytest.MonkeyPatch):
+    """A temporary directory of this test's own for every process it starts (TMPDIR, and this
+    process's tempfile): another suite on the machine makes its ranks' socket directories
+    elsewhere, so they never count as this server's. Short: a socket path has ~107 bytes."""
+    path = tempfile.mkdtemp(prefix="st-")
+    monkeypatch.setenv("TMPDIR", path)
+    monkeypatch.setattr(tempfile, "tempdir", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _rank_socket_dirs() -> set[str]:
@@ -247,7 +260,7 @@ def test_weights_checker_checks_every_rank(server: ServerProcess, qwen3_dir: str
         assert http.post("/update_weights_from_disk", json={"model_path": qwen3_dir}).status_code == 200
 
 
-def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
+def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str, private_tmp: str) -> None:
     before = _rank_socket_dirs()
     server = ServerProcess(qwen3_dir, "--max-model-len", "512", "--tp-size", "2")
     try:
@@ -271,13 +284,13 @@ def test_a_killed_rank_takes_the_engine_down(qwen3_dir: str) -> None:
         assert server.proc.returncode not in (0, None)
         assert not os.path.exists(f"/proc/{engine}") or "Z" in open(f"/proc/{engine}/stat").read().split()[2]
         # Rank 0 died without closing its sockets: the server removed them with its own (only
-        # this server's are judged: other processes on the machine may hold their own).
+        # this server's are judged: its TMPDIR is the test's own).
         assert not ours & _rank_socket_dirs(), ours & _rank_socket_dirs()
     finally:
         server.stop()
 
 
-def test_engine_api_raises_when_a_rank_dies(qwen3_dir: str) -> None:
+def test_engine_api_raises_when_a_rank_dies(qwen3_dir: str, private_tmp: str) -> None:
     before = _rank_socket_dirs()
     with Engine(model=qwen3_dir, tp_size=2, **KNOBS) as llm:
         ours = _rank_socket_dirs() - before
