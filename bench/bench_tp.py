@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict[int, dict[int, float]] = {}
     for tp in (int(t) for t in args.tp_sizes.split(",")):
         core = EngineCore(EngineConfig(
-            model=ckpt["path"], device="cuda", dtype="bfloat16", max_model_len=args.max_model_len, tp_size=tp,
+            model=ckpt["path"], load_format=ckpt["load_format"], device="cuda", dtype="bfloat16",
+            max_model_len=args.max_model_len, tp_size=tp,
             max_num_seqs=max(batch_sizes), cuda_graph_max_bs=max(batch_sizes), mem_fraction=args.mem_fraction,
         ))
         try:

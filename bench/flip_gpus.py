@@ -54,6 +54,7 @@ def plan_gpus(args: argparse.Namespace) -> dict[str, Any]:
         "this_process_order": [ids[i] for i in order],
         "server_visible": ",".join(server_ids),
         "server_only": ids[server],
+        "server_ranks": [ids[i] for i in ranks],  # one GPU per tensor-parallel rank
         "trainer_local": order.index(trainer),
         "dist_local": order.index(dist) if dist is not None else None,
     }

@@ -2,13 +2,14 @@
 model's bytes (the floor of a CUDA IPC push), a pinned host-to-device copy and the CUDA driver's
 own unmap/release and create/map of a region's bytes (memory_children.py's children, each a fresh
 process on the server's GPU), and a plain `torch.distributed.broadcast` of the model's bytes
-between the trainer's GPU and the server's (the floor of `update_weights_from_distributed`).
+from the trainer's GPU to every GPU of the server (the floor of `update_weights_from_distributed`).
 `driver_refs` takes the driver's floor while the server's regions are released, and
 `control_round_trip` the HTTP, dispatch and validation an update pays besides its bytes.
 
-The broadcast reference runs this process as rank 0 and a child (`python bench/flip_refs.py
-broadcast`, with the server's CUDA_VISIBLE_DEVICES, as the server would see its GPU) as rank 1;
-the child reads its job as one JSON line on stdin and prints its timings as one JSON line.
+The broadcast reference runs this process as rank 0 and one child per server rank (`python
+bench/flip_refs.py broadcast`, CUDA_VISIBLE_DEVICES = that rank's GPU, as the server's rank sees
+it) as ranks 1..n, the group a TP=n server joins; each child reads its job as one JSON line on
+stdin and prints its timings as one JSON line.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def driver(nbytes: int, iters: int, wait_s: float, env: dict[str, str]) -> dict[
 
 
 def _broadcast_rank(rank: int, job: dict[str, Any], device: Any) -> dict[str, Any]:
-    """Both ranks: join the group, broadcast (a) one flat uint8 tensor of the model's bytes and
+    """Every rank: join the group of 1 + len(receivers), broadcast (a) one flat uint8 tensor of the model's bytes and
     (b) the model's tensors one by one, from rank 0; a warm-up, then `iters` timed runs each
     (barrier, sync, broadcast, sync)."""
     import torch
@@ -85,7 +86,7 @@ def _broadcast_rank(rank: int, job: dict[str, Any], device: Any) -> dict[str, An
         backend,
         init_method=f"tcp://127.0.0.1:{job['port']}",
         rank=rank,
-        world_size=2,
+        world_size=job["world_size"],
         timeout=timedelta(seconds=job.get("timeout_s", 120)),
         **kwargs,
     )
@@ -114,7 +115,7 @@ def _broadcast_rank(rank: int, job: dict[str, Any], device: Any) -> dict[str, An
     try:
         flat = [torch.empty(job["nbytes"], dtype=torch.uint8, device=device).fill_(rank)]
         out["flat_s"] = timed(flat)
-        if rank == 1 and int(flat[0].max()) != 0:  # rank 0 sent zeros
+        if rank and int(flat[0].max()) != 0:  # rank 0 sent zeros
             raise RuntimeError("the flat broadcast did not arrive")
         del flat
         if device.type == "cuda":
@@ -137,12 +138,13 @@ def broadcast_reference(
     nbytes: int,
     backend: str,
     device: Any,
-    child_env: dict[str, str],
+    child_envs: list[dict[str, str]],
     iters: int,
     timeout_s: float = 300,
 ) -> dict[str, Any]:
-    """This process as rank 0 on `device`, a child as rank 1 (on its cuda:0, or the CPU); GB/s of
-    the flat tensor and of the tensor list from the receiver's medians."""
+    """This process as rank 0 on `device`, one child per env in `child_envs` as ranks 1.. (each on
+    its cuda:0, or the CPU). A run ends when its last receiver has the bytes: per run the slowest
+    receiver's time, then the median; GB/s of the flat tensor and of the tensor list."""
     from bench_runtime import free_port
 
     for _, dtype in specs:
@@ -151,43 +153,46 @@ def broadcast_reference(
     job = {
         "backend": backend,
         "port": free_port(),
+        "world_size": 1 + len(child_envs),
         "nbytes": nbytes,
         "specs": specs,
         "iters": iters,
         "device": "cuda" if device.type == "cuda" else "cpu",
     }
-    child = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "broadcast"],
-        cwd=ROOT,
-        env=child_env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None
-    child.stdin.write(json.dumps(job) + "\n")
-    child.stdin.flush()
+    children = []
+    for rank, env in enumerate(child_envs, start=1):
+        child = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "broadcast"],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert child.stdin is not None
+        child.stdin.write(json.dumps(job | {"rank": rank}) + "\n")
+        child.stdin.flush()
+        children.append(child)
+    theirs = []
     try:
         mine = _broadcast_rank(0, job, device)
-        stdout, stderr = child.communicate(timeout=timeout_s)
+        for child in children:
+            stdout, stderr = child.communicate(timeout=timeout_s)
+            if child.returncode != 0:
+                raise RuntimeError(f"broadcast child exited with {child.returncode}:\n{stderr[-4000:]}")
+            theirs.append(json.loads(stdout.strip().splitlines()[-1]))
     except BaseException:
-        child.kill()
-        child.communicate()
+        for child in children:
+            child.kill()
+            child.communicate()
         raise
-    if child.returncode != 0:
-        raise RuntimeError(f"broadcast child exited with {child.returncode}:\n{stderr[-4000:]}")
-    theirs = json.loads(stdout.strip().splitlines()[-1])
     out: dict[str, Any] = {
         "bytes": nbytes,
         "tensors": len(specs),
         "backend": backend,
         "iters": iters,
+        "world_size": job["world_size"],
         "sender": mine,
-        "receiver": theirs,
+        "receivers": theirs,
     }
     for key in ("flat", "list"):
-        med = statistics.median(theirs[f"{key}_s"])
+        med = statistics.median(max(runs) for runs in zip(*(r[f"{key}_s"] for r in theirs), strict=True))
         out[f"{key}_median_s"] = med
         out[f"{key}_bandwidth_bytes_per_s"] = nbytes / med
     out["best_bandwidth_bytes_per_s"] = max(
@@ -203,15 +208,8 @@ def _child_main() -> int:
     device = torch.device("cuda", 0) if job["device"] == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    print(json.dumps(_broadcast_rank(1, job, device)), flush=True)
+    print(json.dumps(_broadcast_rank(job["rank"], job, device)), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["broadcast"]:
-        print("usage: flip_refs.py broadcast  (job as one JSON line on stdin)", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(_child_main())
 
 
 def driver_refs(run: Any, http: Http, env: dict[str, str]) -> dict[str, Any] | None:
@@ -272,3 +270,10 @@ def control_round_trip(http: Http, specs: list[Any]) -> float:
         if r.status_code != 400:
             raise RuntimeError(f"an update naming no group answered {r.status_code}: {r.text[:500]}")
     return sorted(walls)[len(walls) // 2]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["broadcast"]:
+        print("usage: flip_refs.py broadcast  (job as one JSON line on stdin)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_child_main())

@@ -233,7 +233,7 @@ def run_all(run: Any, modes: list[str]) -> None:
             model_bytes,
             "nccl" if cuda else "gloo",
             dist_dev,
-            child_env,
+            [run.env(g) for g in gpus["server_ranks"]] if cuda else [child_env] * args.tp_size,
             args.ref_iters,
         )
 

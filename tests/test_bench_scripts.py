@@ -323,6 +323,7 @@ def test_bench_flip_tiny_at_tp_size_2(tmp_path: str) -> None:
         res = json.load(f)
     assert res["errors"] == {} and res["server"]["tp_size"] == 2
     assert res["push"]["distributed"]["group"]["body"]["world_size"] == 3
+    assert res["refs"]["broadcast"]["world_size"] == 3  # the plain broadcast reaches both ranks too
     assert res["verify"]["ranks"] == 2  # both ranks' shards checksummed, each flip and at the end
     for mode in ("bucket", "distributed"):
         flip = res["push"][mode]["flips"][0]

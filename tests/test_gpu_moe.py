@@ -94,3 +94,29 @@ def test_served_with_graphs_routes_releases_and_resumes(qwen3_moe_dir: str) -> N
                 if held is not None and idle is not None:
                     assert held - idle <= RESIDUAL_OVER_IDLE, (held, idle)
             llm.resume_memory_occupation()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("family", ["qwen3_moe_dir", "qwen2_moe_dir"])
+def test_two_ranks_with_graphs_equal_transformers_and_route_alike(family: str, request: pytest.FixtureRequest) -> None:
+    """TP=2 on two GPUs: each rank holds a slice of every expert's intermediate dimension (and of
+    Qwen2-MoE's shared expert), the partial sums meet in the layer's all-reduce, captured in the
+    decode graphs. Greedy tokens are transformers', and the routed experts both ranks record are
+    transformers' router's (Qwen3-MoE's layout)."""
+    pytest.importorskip("engine.kernels.fused_moe")
+    from test_routed_experts import rows, want
+
+    from engine import Engine, SamplingParams
+
+    path = request.getfixturevalue(family)
+    prompts = [random_tokens(n, seed=30 + n) for n in (3, 17, 40)]
+    expected = hf_greedy(path, prompts, 12)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    with Engine(model=path, device="cuda", dtype="float32", tp_size=2, max_model_len=512, num_kv_blocks=256,
+                max_num_seqs=16, cuda_graph_max_bs=8, enable_return_routed_experts=True) as llm:  # fmt: skip
+        assert llm.get_server_info()["tp_size"] == 2 and llm.info["cuda_graph_batch_sizes"]
+        outs = llm.generate(input_ids=prompts, sampling_params=params)
+        assert [o.output_ids for o in outs] == expected
+        for p, o in zip(prompts, outs, strict=True):
+            if family == "qwen3_moe_dir":
+                assert torch.equal(rows(o.routed_experts), want(path, (p + o.output_ids)[:-1]))
