@@ -256,6 +256,47 @@ def test_group_receives_what_the_trainer_broadcasts() -> None:
         groups.destroy("policy")
 
 
+def _ring_trainer(port: int, stop: mp.Event) -> None:
+    handle = trainer_group("127.0.0.1", port, 2, "ring", "gloo", timeout_s=120)
+    broadcast_from_trainer(handle, _ring_tensors())
+    stop.wait(120)
+
+
+def _ring_tensors() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(f"t{i}", torch.randn(n, generator=gen)) for i, n in enumerate([5, 64, 3, 40, 64, 1])]
+
+
+def test_landed_callbacks_let_two_slots_carry_every_tensor() -> None:
+    """The updater's scratch ring (engine/weights/updater.py): six broadcasts through two slots,
+    each tensor copied out by its `landed` callback before a later broadcast reuses its slot."""
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    proc = ctx.Process(target=_ring_trainer, args=(port, stop))
+    proc.start()
+    groups = WeightUpdateGroups()
+    try:
+        groups.init("127.0.0.1", port, 1, 2, "ring", "gloo", torch.device("cpu"), timeout_s=120)
+        want = _ring_tensors()
+        slots = [torch.full((64,), float("nan")) for _ in range(2)]
+        buffers = [slots[i % 2][: t.numel()] for i, (_, t) in enumerate(want)]
+        out = [torch.zeros_like(t) for _, t in want]
+        order: list[int] = []
+
+        def land(i: int) -> None:
+            order.append(i)
+            out[i].copy_(buffers[i])
+
+        groups.receive_into("ring", buffers, {i: (lambda i=i: land(i)) for i in range(len(want))})
+        assert order == list(range(len(want)))
+        _assert_same(list(zip([n for n, _ in want], out, strict=True)), want)
+        groups.destroy("ring")
+    finally:
+        stop.set()
+        proc.join(60)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

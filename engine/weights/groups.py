@@ -22,6 +22,7 @@ Rules:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -94,19 +95,39 @@ def _check_common(world_size: int, backend: str, device: torch.device) -> None:
         raise ValueError(f"backend 'nccl' needs a CUDA device, got {device}")
 
 
-def _broadcast(group: _Group, tensors: list[torch.Tensor]) -> list[Any]:
+def _broadcast(
+    group: _Group, tensors: list[torch.Tensor], landed: dict[int, Callable[[], None]] | None = None
+) -> list[Any]:
     """Rank 0 sends, the others receive, each tensor in order; returns once all have arrived (with
     the finished works: see `WeightUpdateGroups.drop_finished`), or raises once the timeout has
-    passed.
+    passed. `landed[i]`, where given, runs once tensor i is there for the current stream: it is
+    called after broadcast i + 1 is launched (so its work on the current stream overlaps that
+    broadcast), and a later broadcast into tensor i's buffer waits for it (a collective's stream
+    waits for the current stream at its launch).
 
     NCCL: one communicator runs its collectives in order on one stream, so the current stream
     waits for the last, and an event after it is polled every POLL_S (a `wait(timeout)` per
     work sleeps in 1 ms steps: up to 1 ms late at the end). The last work's own bounded wait then
     raises what NCCL reported (an aborted or timed-out communicator). Gloo: each work's wait."""
-    works = [group.backend.broadcast([t], dist.BroadcastOptions()) for t in tensors]  # root 0
+    cuda = group.device.type == "cuda"
+    landed = landed or {}
+    works: list[Any] = []
+    pending: int | None = None
+
+    def land(i: int) -> None:
+        works[i].wait() if cuda else works[i].wait(group.timeout)  # CUDA: the current stream waits
+        landed[i]()
+
+    for i, t in enumerate(tensors):
+        works.append(group.backend.broadcast([t], dist.BroadcastOptions()))  # root 0
+        if pending is not None:
+            land(pending)
+        pending = i if i in landed else None
+    if pending is not None:
+        land(pending)
     if not works:
         return works
-    if group.device.type == "cuda":
+    if cuda:
         works[-1].wait()  # the current stream waits; the host does not
         arrived = torch.cuda.Event()
         arrived.record(torch.cuda.current_stream(group.device))
@@ -188,10 +209,13 @@ class WeightUpdateGroups:
         self.receive_into(group_name, tensors)
         return list(zip(names, tensors, strict=True))
 
-    def receive_into(self, group_name: str, buffers: list[torch.Tensor]) -> None:
+    def receive_into(
+        self, group_name: str, buffers: list[torch.Tensor], landed: dict[int, Callable[[], None]] | None = None
+    ) -> None:
         """Join the trainer's broadcasts into `buffers`, which the caller has checked against
-        what the trainer sends (contiguous, its shapes and dtypes, in its order)."""
-        self._finished = _broadcast(self._get(group_name), buffers)
+        what the trainer sends (contiguous, its shapes and dtypes, in its order); `landed` as
+        `_broadcast`'s."""
+        self._finished = _broadcast(self._get(group_name), buffers, landed)
 
     def destroy(self, group_name: str) -> None:
         """Leave the group; its name may then be reused."""
