@@ -47,6 +47,19 @@ collect_ignore = [
     if importlib.util.find_spec(module) is None
 ]
 
+MAX_WORKERS = 4  # each worker starts servers, engines and ranks of its own
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per core on a CPU, at most MAX_WORKERS; GPU
+    tests (`-m gpu`) in this process alone, since every worker would share the one device. A test
+    runs single-threaded (OMP_NUM_THREADS above) and waits on its servers much of the time, so a
+    second core would otherwise sit idle. `-n 0` runs everything here."""
+    if "gpu" in (config.getoption("markexpr") or "").replace("not gpu", ""):
+        return 0
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
 TINY = dict(
     vocab_size=512,
     hidden_size=64,

@@ -7,6 +7,8 @@ trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
   is kept, dropped (a level-2 release) and made again.
 - `host_copy.py`: `HostCopy`, the host copy's memory and its device <-> host copies.
 - `updater.py`: `WeightUpdater`, the three RL updates (from disk, from tensors, from a process group).
+- `group_updates.py`: `GroupUpdates`, the process-group route of `WeightUpdater`: per tensor (in
+  place, or a TP rank's slices through two scratch slots) or one flattened bucket.
 - `checker.py`: `WeightChecker`, one rank's part of `/weights_checker` (snapshot, reset, compare, checksum).
 - `payload.py`: the wire format of `update_weights_from_tensor` (CUDA IPC / shared memory pickles).
 - `groups.py`: weight-update process groups (`init_weights_update_group`, NCCL or gloo broadcasts).
