@@ -1,0 +1,153 @@
+"""The batch-invariant GEMM (engine/kernels/invariant_matmul.py) against cuBLAS (F.linear) at the
+linear shapes of Qwen3-0.6B and Qwen3-8B (qkv, o, gate_up, down, lm_head), bf16, M = 1..1024 rows:
+what a row's batch-independent bits cost.
+
+Each op is timed inside a CUDA graph of many calls cycling through as many distinct weight copies
+as make 512 MiB (each call reads its weight from HBM, as consecutive layers do), median of
+`--reps` replays (CUDA events). Columns: microseconds per call of each, the ratio ours / cuBLAS
+(above 1: the invariant kernel is slower), our TFLOP/s, whether the last row of the batch has the
+bits it has alone (ours: it must; cuBLAS: often not) and the largest error against fp32 math on
+the same bf16 inputs, relative to the largest output.
+
+`--sweep` also times a grid of tile configs at every (shape, M) and prints, per shape, the rule's
+config and the config with the best geometric mean of ours / cuBLAS over all the rows asked: a
+config is chosen per weight shape for every M at once, never per M (the kernel's invariance).
+
+    python3 bench/kernels/invariant_matmul.py --out $OUT/invariant_matmul.json [--rows 1,16,64,256,1024] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import say, write_json  # noqa: E402
+from device_timing import time_graph  # noqa: E402
+from report import print_table  # noqa: E402
+
+SHAPES = {  # name -> (N, K): N output features (q | k | v and gate | up packed), K input
+    "0.6b qkv": (4096, 1024),
+    "0.6b o": (1024, 2048),
+    "0.6b gate_up": (6144, 1024),
+    "0.6b down": (1024, 3072),
+    "0.6b lm_head": (151936, 1024),
+    "8b qkv": (6144, 4096),
+    "8b o": (4096, 4096),
+    "8b gate_up": (24576, 4096),
+    "8b down": (4096, 12288),
+    "8b lm_head": (151936, 4096),
+}
+ROTATE_BYTES = 512 << 20
+# (block_m, block_n, block_k, warps, stages) the sweep times beside the rule's.
+GRID = [(64, 32, 64, 4, 5), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3),
+        (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]  # fmt: skip
+
+
+def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
+    from engine.kernels.invariant_matmul import Config, config, invariant_matmul
+
+    n, k = SHAPES[name]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(m * 7 + n)
+    copies = max(1, rotate_bytes // (n * k * 2))  # 1: the same weight every call
+    ws = [(torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    flops = 2 * m * n * k
+    calls = max(copies, 64 if flops < 1e11 else 8)  # enough calls that the graph's launch is not in the time
+    ws = [ws[i % copies] for i in range(calls)]
+    x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+
+    def cublas() -> None:
+        for w in ws:
+            F.linear(x, w)
+
+    def ours(cfg: Config | None = None) -> Callable[[], None]:
+        def run() -> None:
+            for w in ws:
+                invariant_matmul(x, w, out=out, cfg=cfg)
+        return run
+
+    # Correctness first: fp32 math on the same inputs, and the last row's bits alone and in the batch.
+    ref = F.linear(x.float(), ws[0].float())
+    got = invariant_matmul(x, ws[0])
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    invariant = torch.equal(got[-1], invariant_matmul(x[-1:], ws[0])[0])
+    cublas_invariant = torch.equal(F.linear(x, ws[0])[-1], F.linear(x[-1:], ws[0])[0])
+    del ref, got
+
+    t_cublas = time_graph(cublas, len(ws), reps)
+    t_ours = time_graph(ours(), len(ws), reps)
+    row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "config": list(config(n, k)), "cublas_us": t_cublas,
+                           "ours_us": t_ours, "ratio": t_ours / t_cublas, "ours_tflops": flops / t_ours / 1e6,
+                           "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err}
+    if sweep:
+        row["sweep"] = {}
+        for c in GRID:
+            try:
+                row["sweep"][str(c)] = time_graph(ours(Config(*c)), len(ws), reps) / t_cublas
+            except Exception as e:  # out of shared memory and the like
+                say(f"{name} m={m} {c}: {type(e).__name__}")
+    ws.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """Per shape: the rule's config and geometric mean of ours / cuBLAS over the rows timed, and the
+    grid's best config by the same mean (only configs that ran at every M count)."""
+
+    def geomean(xs: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in xs) / len(xs))
+
+    table = []
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == name]
+        means = {c: geomean([r["sweep"][c] for r in mine]) for c in mine[0]["sweep"] if all(c in r["sweep"] for r in mine)}
+        best = min(means, key=means.get) if means else None
+        table.append([name, str(tuple(mine[0]["config"])), geomean([r["ratio"] for r in mine]), best,
+                      means[best] if best else None])
+    return table
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--rows", default="1,16,64,256,1024")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--sweep", action="store_true", help="also time GRID's tile configs and print the best per shape")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rotate-mib", type=int, default=ROTATE_BYTES >> 20,
+                   help="distinct weight copies cycled through (0: one copy, which may stay in L2)")
+    args = p.parse_args()
+    rows = []
+    for name in args.shapes.split(","):
+        for m in (int(r) for r in args.rows.split(",")):
+            r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
+            rows.append(r)
+            say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, invariant {r['ours_us']:.2f} us ({r['ratio']:.2f}x)")
+    device = torch.cuda.get_device_name()
+    if args.out:
+        write_json(args.out, {"device": device, "rows": rows})
+    print_table(f"batch-invariant GEMM against cuBLAS, bf16, CUDA graphs: {device}",
+                ["shape", "M", "cuBLAS us", "invariant us", "invariant / cuBLAS", "invariant TFLOP/s",
+                 "row bits alone = in batch", "cuBLAS: same", "max rel err"],
+                [[r["shape"], r["m"], r["cublas_us"], r["ours_us"], r["ratio"], r["ours_tflops"], r["invariant"],
+                  r["cublas_invariant"], r["max_rel_err"]] for r in rows])  # fmt: skip
+    if args.sweep:
+        print_table(f"tile configs per weight shape, geometric mean of invariant / cuBLAS over M = {args.rows}",
+                    ["shape", "rule's config (bm, bn, bk, warps, stages)", "rule", "best of the grid", "best"],
+                    sweep_table(rows))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
