@@ -71,7 +71,7 @@ def _sender(queue: mp.Queue, stop: mp.Event, bucket: bool) -> None:
     pairs = _tensors()
     payload = serialize_payload(flatten_bucket(pairs)) if bucket else serialize_payload(pairs)
     queue.put(payload)
-    stop.wait(20)  # the tensors must outlive the receiver's rebuild
+    stop.wait(180)  # the tensors must outlive the receiver's rebuild
 
 
 @pytest.mark.parametrize("load_format", [None, "direct", "flattened_bucket"])
@@ -81,14 +81,14 @@ def test_tensors_cross_processes_through_shared_memory(load_format: str | None) 
     proc = ctx.Process(target=_sender, args=(queue, stop, load_format == "flattened_bucket"))
     proc.start()
     try:
-        payload = queue.get(timeout=20)
+        payload = queue.get(timeout=120)  # a spawned child imports torch: slow on a loaded machine
         assert isinstance(payload, str) and len(payload) < 4096  # handles, not data
         pairs = decode_update([payload], load_format)
         _assert_same(pairs, _tensors())
         assert all(t.is_shared() for _, t in pairs)
     finally:
         stop.set()
-        _join(proc, 10)
+        _join(proc, 60)
     assert proc.exitcode == 0
 
 
@@ -248,7 +248,7 @@ def test_group_receives_what_the_trainer_broadcasts() -> None:
         assert groups.names() == []
     finally:
         stop.set()
-        _join(proc, 10)
+        _join(proc, 60)
     assert proc.exitcode == 0
     with pytest.raises(ValueError, match="unknown weight update group"):
         groups.receive("policy", [], [], [])

@@ -13,8 +13,10 @@ Rules:
   arrives in scratch before the first copy: all or nothing.
 - A flattened bucket (SGLang's: one broadcast of all the tensors' bytes back to back) is received
   in place when its tensors lie back to back in the weights in its order (the weights are laid
-  out in Hugging Face's parameter order), else into one scratch tensor. vLLM's packed broadcast
-  is a run of such buckets, cut where vLLM cuts them (PACKED_BUCKET_BYTES).
+  out in Hugging Face's parameter order), else into one scratch tensor whose copies out (a TP
+  rank's slices) are queued while the broadcast runs. vLLM's packed broadcast is a run of such
+  buckets, cut where vLLM cuts them (PACKED_BUCKET_BYTES).
+- Scratch is freed after the answer (`after_reply`), before the next call (a KV resume) runs.
 """
 
 from __future__ import annotations
@@ -59,9 +61,14 @@ class GroupUpdates:
         return self._groups
 
     def after_reply(self) -> None:
-        """Work the answer does not wait for: the last receive's finished works are freed."""
+        """Work the answer does not wait for: the last receive's finished works and its scratch
+        are freed, the scratch back to the driver (the KV cache may resume next)."""
         if self._groups is not None:
             self._groups.drop_finished()
+        if self._leftover:
+            self._leftover = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def init_group(self, rank_offset: int, **kwargs: Any) -> None:
         """Join the trainer's group as rank `rank_offset` + this tensor-parallel rank (SGLang's)."""
@@ -126,10 +133,8 @@ class GroupUpdates:
             raise
         self._phase("receive")
         self._copied()
-        del buffers, slots, landed
-        if through and self.device.type == "cuda":  # the slots go back to the driver (the KV cache may resume next)
-            torch.cuda.empty_cache()
-            self._phase("free")
+        del buffers, landed
+        self._leftover = slots  # freed after the answer (`after_reply`), before the next call
         self.route = f"per tensor, {len(names) - through} of {len(names)} in place" + (
             f", {through} through two scratch slots" if through else "")
         return self._done(written)
@@ -174,22 +179,36 @@ class GroupUpdates:
             self.route = "bucket in place"
             return self._done(written)
         flat = torch.empty(sum(meta.nbytes), dtype=torch.uint8, device=self.device)
-        self.groups.receive_into(group_name, [flat])
-        self._phase("receive")
-        pairs, offset = [], 0
-        for name, shape, dtype, size in zip(names, shapes, meta.dtypes, meta.nbytes, strict=True):
-            piece = flat[offset : offset + size]
-            if offset % dtype.itemsize:  # back to back after an odd-sized tensor of a smaller dtype
-                piece = piece.clone()
-            pairs.append((name, piece.view(dtype).view(shape)))
-            offset += size
-        written = load_named_tensors(self.model, pairs, require_all=False, targets=self.store.targets)
+        offsets = [sum(meta.nbytes[:i]) for i in range(len(names))]
+        if self.store.host is not None and all(o % d.itemsize == 0 for o, d in zip(offsets, meta.dtypes, strict=True)):
+            # The copies out of the scratch are queued while the broadcast runs (the current
+            # stream waits for it); cut off half-way, they wrote garbage: the pieces go stale.
+            views = [(n, flat[o : o + b].view(d).view(tuple(s)))
+                     for n, s, d, o, b in zip(names, shapes, meta.dtypes, offsets, meta.nbytes, strict=True)]
+            kept = [(n, t) for n, t in views if not ignored(self.model, n)]
+            copies = [c for n, t in kept for c in self.store.targets[n].copies(t)]
+            written = checkpoint_names(self.store.targets, (n for n, _ in kept))
+            try:
+                self.groups.receive_into(group_name, [flat], {0: lambda: [dst.copy_(src) for dst, src in copies]})
+            except BaseException:
+                self.store.invalidate(written)
+                raise
+            self._phase("receive")
+            del views, kept, copies
+        else:  # no host copy to undo a cut-off broadcast: all of it arrives before the first copy
+            self.groups.receive_into(group_name, [flat])
+            self._phase("receive")
+            pairs = []
+            for name, shape, dtype, offset, size in zip(names, shapes, meta.dtypes, offsets, meta.nbytes, strict=True):
+                piece = flat[offset : offset + size]
+                if offset % dtype.itemsize:  # back to back after an odd-sized tensor of a smaller dtype
+                    piece = piece.clone()
+                pairs.append((name, piece.view(dtype).view(shape)))
+            written = load_named_tensors(self.model, pairs, require_all=False, targets=self.store.targets)
+            del pairs
         self._copied()
         self.route = "bucket via scratch"
-        del pairs, flat
-        if self.device.type == "cuda":  # the scratch goes back to the driver (the KV cache may resume next)
-            torch.cuda.empty_cache()
-            self._phase("free")
+        self._leftover = [flat]  # freed after the answer (`after_reply`), before the next call
         return self._done(written)
 
     def _meta(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> _Meta:

@@ -57,6 +57,7 @@ class WeightUpdater(GroupUpdates):
         # into the parameters, to the device's completion), answered with it.
         self.phases: dict[str, float] = {}
         self._last_meta: _Meta | None = None  # the last process-group update's list, validated
+        self._leftover: list[torch.Tensor] = []  # the last process-group update's scratch
         self.route = ""  # how the last process-group update's bytes arrived, answered with it
 
     def check_path(self, model_path: str) -> str:
