@@ -49,8 +49,8 @@ SHAPES = {  # name -> (N, K): N output features (q | k | v and gate | up packed)
 }
 ROTATE_BYTES = 512 << 20
 # (block_m, block_n, block_k, warps, stages) the sweep times beside the rule's.
-GRID = [(64, 32, 64, 4, 5), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3),
-        (64, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]  # fmt: skip
+GRID = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3)]  # fmt: skip
 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
