@@ -36,6 +36,8 @@ the push, before kv_cache resumes. The server runs on `--server-gpu` (CUDA_VISIB
     sleeps as SkyRL does. On a CPU (no CUDA IPC) the update is vLLM's broadcast backend over gloo
     (/init_weight_transfer_engine once, then /update_weights {names, dtype_names, shapes}).
     The table holds its flip total against `tensor`'s (the same per-tensor CUDA IPC): <= 1.05.
+  A mode named again runs another round where it stands in the list (`tensor,vllm_ipc,tensor,
+  vllm_ipc` interleaves two rounds); each round's flips join the earlier rounds' (pooled medians).
 
 Sections, in this order:
   1. checkpoint: serving_checkpoint.py's `build_checkpoint` (a random bf16 checkpoint of

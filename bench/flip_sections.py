@@ -84,7 +84,10 @@ def push_mode(
     args, res = run.args, run.res
     if device is None:
         raise RuntimeError("distributed needs a second GPU for the trainer (--dist-gpu)")
-    sec = res["push"][mode] = {"device": str(device), "warmup": [], "flips": []}
+    # A mode named again in --push runs another round: its flips join the earlier rounds' (the
+    # table's medians pool them), each flip marked with its round.
+    sec = res["push"].setdefault(mode, {"device": str(device), "warmup": [], "flips": [], "rounds": 0})
+    sec["rounds"] += 1
     group = poster = None
     if mode in DIST_MODES:
         group, sec["group"] = join_group(
@@ -115,7 +118,7 @@ def push_mode(
             if run.late():
                 res["skipped"].append(f"push.{mode} flips {i + 1}..{total}")
                 break
-            seed = args.seed * 1000 + 100 * MODE_INDEX[mode] + i + 1
+            seed = args.seed * 1000 + 100 * MODE_INDEX[mode] + i + 1 + 100_000 * (sec["rounds"] - 1)
             try:
                 if mode in VLLM_MODES:
                     f = vllm_flip(http, specs, device, seed, args.vllm_sleep_level, args.release_graphs, probe,
@@ -134,6 +137,7 @@ def push_mode(
             time.sleep(args.rollout_s)  # the rollout phase: the host copy refreshes meanwhile
             warm = i < args.warmup_flips
             f["host_copy_wait_s"] = f["release_answer"].get("host_copy_wait_seconds")
+            f["round"] = sec["rounds"]
             sec["warmup" if warm else "flips"].append(f)
             say(flip_line(mode, i, total, warm, f))
             write_json(args.out, res)

@@ -262,10 +262,11 @@ def test_bench_replicas_tiny_runs_every_section(tmp_path: str) -> None:
 def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
     """Every push mode a CPU has (shared memory for bucket and tensor, gloo for both distributed
     ones and for vLLM's dialect, whose CUDA-IPC update becomes vLLM's broadcast backend), two timed
-    flips each, and the bench's own proof that the server took the pushed weights."""
+    flips each (tensor twice: a second round pools its flips with the first's), and the bench's own
+    proof that the server took the pushed weights."""
     out = os.path.join(tmp_path, "flip.json")
     args = ["--tiny", "--flips", "2", "--out", out, "--model-dir", os.path.join(tmp_path, "ckpt")]
-    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket,vllm_ipc")
+    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket,vllm_ipc,tensor")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
@@ -273,7 +274,9 @@ def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
     assert res["meta"]["model_bytes"] > 0 and res["meta"]["num_tensors"] > 0
     for mode in ("bucket", "tensor", "distributed", "distributed_bucket", "vllm_ipc"):
         sec = res["push"][mode]
-        assert len(sec["flips"]) == 2 and len(sec["warmup"]) == 1, mode
+        rounds = 2 if mode == "tensor" else 1
+        assert sec["rounds"] == rounds and [f["round"] for f in sec["flips"]] == [r + 1 for r in range(rounds) for _ in "ab"]
+        assert len(sec["flips"]) == 2 * rounds and len(sec["warmup"]) == rounds, mode
         for flip in sec["flips"]:
             for key in ("release_wall_s", "resume_weights_wall_s", "push_wall_s"):
                 assert flip[key] > 0 and flip["resume_kv_wall_s"] > 0, (mode, key)
@@ -283,10 +286,10 @@ def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
             assert flip["generated_tokens"] == 4 * 8 and flip["generate_wall_s"] > 0
             assert flip["version_ok"] and flip["verify"]["all_changed"], (mode, flip.get("verify"))
         summary = sec["summary"]
-        assert summary["flips"] == 2 and summary["flip_total_s_median"] > 0
+        assert summary["flips"] == 2 * rounds and summary["flip_total_s_median"] > 0
         assert summary["push_bandwidth_bytes_per_s"] > 0
     verify = res["verify"]
-    assert verify["flips_checked"] == 15 and verify["restored_exactly"]
+    assert verify["flips_checked"] == 18 and verify["restored_exactly"]
     for mode in ("distributed", "distributed_bucket"):  # the HTTP + dispatch floor, measured
         assert res["push"][mode]["control_round_trip_s"] > 0
     assert res["push"]["distributed_bucket"]["flips"][0]["push_answer"]["receive_route"] == "bucket via scratch"
