@@ -29,7 +29,7 @@ from engine_shapes import SHAPES  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.models import get_model_class  # noqa: E402
 from engine.parallel import TensorParallel  # noqa: E402
-from engine.weights.loader import _validate, load_named_tensors  # noqa: E402
+from engine.weights.loader import load_named_tensors, validate_entries  # noqa: E402
 from engine.weights.store import WeightStore  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def main() -> int:
         flat, pairs = bucket()
         sync(device)
         t1 = time.perf_counter()
-        _validate(model, store.targets, ((n, tuple(t.shape), "BF16") for n, t in pairs), False)
+        validate_entries(model, ((n, tuple(t.shape), t.dtype) for n, t in pairs), store.targets)
         t2 = time.perf_counter()
         load_named_tensors(model, pairs, require_all=False, targets=store.targets)
         t3 = time.perf_counter()
