@@ -4,10 +4,11 @@ rate a FLOP/s target is measured against, and the median time of an op replayed 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -119,3 +120,25 @@ def matmul_tflops(m: int, k: int, n: int, device: torch.device, reps: int = 20) 
             times.append(time.perf_counter() - t)
         us = min(times[1:]) * 1e6
     return 2 * m * k * n / us / 1e6
+
+
+def linear_rows_args(doc: str, rows: str, shapes: list[str], rotate_mib: int, rotate_help: str,
+                     sweep_help: str | None = None) -> argparse.Namespace:
+    """The command line of a per-weight-shape linear benchmark (bench/kernels/linear.py and its
+    kind): `--rows` per `--shapes` name, `--sweep` over tile configs, `--reps` graph replays,
+    `--rotate-mib` of distinct weight copies cycled through, `--out` JSON."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--rows", default=rows)
+    p.add_argument("--shapes", default=",".join(shapes))
+    p.add_argument("--sweep", action="store_true", help=sweep_help)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rotate-mib", type=int, default=rotate_mib, help=rotate_help)
+    return p.parse_args()
+
+
+def shape_rows(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """(shape name, rows) for every `--shapes` name and every `--rows` count, in that order."""
+    for name in args.shapes.split(","):
+        for m in (int(r) for r in args.rows.split(",")):
+            yield name, m

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import multiprocessing as mp
 import pickle
 import socket
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -221,15 +224,26 @@ def _trainer(port: int, stop: mp.Event) -> None:
     stop.wait(120)
 
 
-def test_group_receives_what_the_trainer_broadcasts() -> None:
+@contextlib.contextmanager
+def _joined(trainer: Callable[[int, Any], None], group_name: str) -> Iterator[tuple[WeightUpdateGroups, int, Any]]:
+    """A spawned trainer process running `trainer(port, stop)` as rank 0 of a gloo group of two,
+    this process's groups joined to it as rank 1; the trainer is told to stop and joined after."""
     port = _free_port()
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    proc = ctx.Process(target=_trainer, args=(port, stop))
+    proc = ctx.Process(target=trainer, args=(port, stop))
     proc.start()
     groups = WeightUpdateGroups()
     try:
-        groups.init("127.0.0.1", port, 1, 2, "policy", "gloo", torch.device("cpu"), timeout_s=120)
+        groups.init("127.0.0.1", port, 1, 2, group_name, "gloo", torch.device("cpu"), timeout_s=120)
+        yield groups, port, proc
+    finally:
+        stop.set()
+        _join(proc, 60)
+
+
+def test_group_receives_what_the_trainer_broadcasts() -> None:
+    with _joined(_trainer, "policy") as (groups, port, proc):
         with pytest.raises(ValueError, match="already exists"):
             groups.init("127.0.0.1", port, 1, 2, "policy", "gloo", torch.device("cpu"))
         want = _tensors()[:3]
@@ -246,9 +260,6 @@ def test_group_receives_what_the_trainer_broadcasts() -> None:
         _assert_same(got, want)
         groups.destroy("policy")
         assert groups.names() == []
-    finally:
-        stop.set()
-        _join(proc, 60)
     assert proc.exitcode == 0
     with pytest.raises(ValueError, match="unknown weight update group"):
         groups.receive("policy", [], [], [])
@@ -268,16 +279,9 @@ def _ring_tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def test_landed_callbacks_let_two_slots_carry_every_tensor() -> None:
-    """The updater's scratch ring (engine/weights/updater.py): six broadcasts through two slots,
-    each tensor copied out by its `landed` callback before a later broadcast reuses its slot."""
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    proc = ctx.Process(target=_ring_trainer, args=(port, stop))
-    proc.start()
-    groups = WeightUpdateGroups()
-    try:
-        groups.init("127.0.0.1", port, 1, 2, "ring", "gloo", torch.device("cpu"), timeout_s=120)
+    """The updater's scratch slots (engine/weights/group_updates.py): six broadcasts through two
+    slots, each tensor copied out by its `landed` callback before a later broadcast reuses its slot."""
+    with _joined(_ring_trainer, "ring") as (groups, _, proc):
         want = _ring_tensors()
         slots = [torch.full((64,), float("nan")) for _ in range(2)]
         buffers = [slots[i % 2][: t.numel()] for i, (_, t) in enumerate(want)]
@@ -292,9 +296,7 @@ def test_landed_callbacks_let_two_slots_carry_every_tensor() -> None:
         assert order == list(range(len(want)))
         _assert_same(list(zip([n for n, _ in want], out, strict=True)), want)
         groups.destroy("ring")
-    finally:
-        stop.set()
-        proc.join(60)
+    assert proc.exitcode == 0
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ config is chosen per weight shape for every M at once, never per M (the kernel's
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -32,7 +31,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import time_graph  # noqa: E402
+from device_timing import linear_rows_args, shape_rows, time_graph  # noqa: E402
 from report import print_table  # noqa: E402
 
 SHAPES = {  # name -> (N, K): N output features (q | k | v and gate | up packed), K input
@@ -120,21 +119,14 @@ def sweep_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None)
-    p.add_argument("--rows", default="1,16,64,256,1024")
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--sweep", action="store_true", help="also time GRID's tile configs and print the best per shape")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rotate-mib", type=int, default=ROTATE_BYTES >> 20,
-                   help="distinct weight copies cycled through (0: one copy, which may stay in L2)")
-    args = p.parse_args()
+    args = linear_rows_args(__doc__, "1,16,64,256,1024", list(SHAPES), ROTATE_BYTES >> 20,
+                            "distinct weight copies cycled through (0: one copy, which may stay in L2)",
+                            "also time GRID's tile configs and print the best per shape")
     rows = []
-    for name in args.shapes.split(","):
-        for m in (int(r) for r in args.rows.split(",")):
-            r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
-            rows.append(r)
-            say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, invariant {r['ours_us']:.2f} us ({r['ratio']:.2f}x)")
+    for name, m in shape_rows(args):
+        r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
+        rows.append(r)
+        say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, invariant {r['ours_us']:.2f} us ({r['ratio']:.2f}x)")
     device = torch.cuda.get_device_name()
     if args.out:
         write_json(args.out, {"device": device, "rows": rows})

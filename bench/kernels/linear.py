@@ -13,7 +13,6 @@ warps, stages) of a small grid is timed too, and the best is printed beside the 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -27,7 +26,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import time_graph  # noqa: E402
+from device_timing import linear_rows_args, shape_rows, time_graph  # noqa: E402
 from report import print_table  # noqa: E402
 
 SHAPES = {  # name -> (N, K, silu_mul): N output features (2I packed for gate_up), K input
@@ -105,21 +104,13 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None)
-    p.add_argument("--rows", default="1,8,32,64")
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--sweep", action="store_true")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rotate-mib", type=int, default=ROTATE_BYTES >> 20,
-                   help="distinct weight copies cycled through (0: one copy, which stays in L2: the bound of any prefetch)")
-    args = p.parse_args()
+    args = linear_rows_args(__doc__, "1,8,32,64", list(SHAPES), ROTATE_BYTES >> 20,
+                            "distinct weight copies cycled through (0: one copy, which stays in L2: the bound of any prefetch)")
     rows = []
-    for name in args.shapes.split(","):
-        for m in (int(r) for r in args.rows.split(",")):
-            r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
-            rows.append(r)
-            say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, skinny {r['skinny_us']:.2f} us")
+    for name, m in shape_rows(args):
+        r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
+        rows.append(r)
+        say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, skinny {r['skinny_us']:.2f} us")
     if args.out:
         write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
     print_table(f"decode linears, bf16, CUDA graphs: {torch.cuda.get_device_name()}",
