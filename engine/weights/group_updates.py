@@ -21,6 +21,7 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,7 +180,7 @@ class GroupUpdates:
             self.route = "bucket in place"
             return self._done(written)
         flat = torch.empty(sum(meta.nbytes), dtype=torch.uint8, device=self.device)
-        offsets = [sum(meta.nbytes[:i]) for i in range(len(names))]
+        offsets = [0, *itertools.accumulate(meta.nbytes)][:-1]  # each tensor's start in the bucket
         if self.store.host is not None and all(o % d.itemsize == 0 for o, d in zip(offsets, meta.dtypes, strict=True)):
             # The copies out of the scratch are queued while the broadcast runs (the current
             # stream waits for it); cut off half-way, they wrote garbage: the pieces go stale.
