@@ -2,10 +2,11 @@
 (engine/core/weight_calls.py), so an update through them is the same update as SGLang's.
 
 - `/init_weight_transfer_engine {init_info: {master_address, master_port, rank_offset,
-  world_size}}` (vLLM's NCCL backend) joins the trainer's group as `init_weights_update_group`
-  does (engine/weights/groups.py): NCCL on a GPU, gloo on a CPU, under the group name
-  VLLM_GROUP; a second init replaces the group (a trainer that restarts, SkyRL's
-  override_existing_receiver).
+  world_size}}` (vLLM's NCCL backend) joins the trainer's group under the group name VLLM_GROUP:
+  on a GPU by vLLM's own wire (StatelessProcessGroup's store, PyNccl's unique id:
+  engine/weights/vllm_nccl.py), so a trainer running vLLM's `trainer_init` finds it; on a CPU
+  (no NCCL) over gloo as `init_weights_update_group` does (engine/weights/groups.py). A second
+  init replaces the group (a trainer that restarts, SkyRL's override_existing_receiver).
 - `/update_weights {update_info: {names, dtype_names, shapes, packed}}` receives the trainer's
   broadcasts in that group: one per tensor, or `packed` (vLLM's packed_tensor.py buckets of its
   default 1 GiB; another `packed_buffer_size_bytes` is a 400). `update_info.ipc_handles_pickled`
@@ -94,7 +95,7 @@ async def _answer(request: Request, call: calls.Call) -> dict[str, Any]:
 async def init_weight_transfer_engine(body: InitIn, request: Request) -> dict[str, Any]:
     """Blocks until the trainer has joined (its `trainer_init` runs beside this request)."""
     info, client = body.init_info, _client(request)
-    backend = "nccl" if str(client.info.get("device", "cpu")).startswith("cuda") else "gloo"
+    backend = "vllm_nccl" if str(client.info.get("device", "cpu")).startswith("cuda") else "gloo"
     try:
         await client.call(calls.DestroyWeightsUpdateGroup(group_name=VLLM_GROUP))
     except InvalidRequest:

@@ -2,8 +2,8 @@
 server on CUDA (float32, so greedy tokens are transformers'; decode and piecewise graphs, overlap
 scheduling, memory regions): prime-rl's pause keep -> disk update -> resume, where the frozen
 request's graph state must carry across the update; sleep and wake as releases; a sleep that
-keeps requests frozen; tokens-in generate. (SkyRL's NCCL broadcast needs a trainer GPU of its own:
-the two-GPU kinds.)"""
+keeps requests frozen; tokens-in generate; vLLM's CUDA-IPC update; and, with a second GPU for the
+trainer, SkyRL's update over vLLM's NCCL backend, the trainer speaking vLLM's own wire."""
 
 from __future__ import annotations
 
@@ -35,6 +35,43 @@ def server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
     proc.long_request, proc.pause_after_s = 500, 0.02  # a token is well under a ms here
     yield proc
     proc.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one")
+def test_skyrl_nccl_update_from_vllms_own_trainer(http, model_name, models, qwen3_dir: str, qwen3_next_dir: str) -> None:  # noqa: F811
+    """SkyRL's weight sync over vLLM's NCCL backend (broadcast_strategy.py::_send_chunks_vllm_native):
+    /init_weight_transfer_engine with BroadcastInitInfo's payload while the trainer, on GPU 1,
+    runs vLLM's NCCLWeightTransferEngine.trainer_init (tests/vllm_trainer.py: the
+    StatelessProcessGroup store, the pickled ncclUniqueId, PyNccl's warm-up all-reduce); then
+    /update_weights {update_info} while it runs trainer_send_weights, per tensor and packed.
+    Each update's greedy tokens are transformers' on the pushed weights."""
+    from oracle import hf_named_parameters
+    from server_util import free_port
+    from test_vllm_api import PROMPT, N, _generate, _in_thread, greedy
+    from vllm_trainer import trainer_init, trainer_send_weights
+
+    from server.vllm_weights_api import VLLM_GROUP
+
+    gpu = torch.device("cuda", 1)
+    world_size = http.get("/get_world_size").json()["world_size"]
+    port = free_port()
+    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world_size + 1}
+    joiner, joined = _in_thread(lambda: http.post("/init_weight_transfer_engine", json={"init_info": init_info}))
+    trainer = trainer_init("127.0.0.1", port, world_size + 1, gpu)
+    joiner.join(120)
+    assert joined and joined[0].status_code == 200, joined and joined[0].text
+    for model_dir, key, packed in ((qwen3_next_dir, "new", False), (qwen3_dir, "old", True),
+                                   (qwen3_next_dir, "new", True), (qwen3_dir, "old", False)):
+        pairs = [(n, t.to(gpu)) for n, t in hf_named_parameters(model_dir)]
+        info = {"names": [n for n, _ in pairs], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in pairs],
+                "shapes": [list(t.shape) for _, t in pairs], "packed": packed}
+        sender, sent = _in_thread(lambda info=info: http.post("/update_weights", json={"update_info": info}))
+        trainer_send_weights(trainer, pairs, packed)
+        sender.join(120)
+        assert sent and sent[0].status_code == 200, sent and sent[0].text
+        assert sent[0].json()["receive_route"].startswith("packed") == packed
+        assert _generate(http, model_name).json()["choices"][0]["token_ids"] == greedy(models[key], PROMPT, N), (key, packed)
+    assert http.post("/destroy_weights_update_group", json={"group_name": VLLM_GROUP}).status_code == 200
 
 
 def test_vllm_ipc_update(http, model_name, models, qwen3_next_dir: str) -> None:  # noqa: F811  (the fixtures above)

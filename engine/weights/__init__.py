@@ -12,6 +12,8 @@ trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
 - `checker.py`: `WeightChecker`, one rank's part of `/weights_checker` (snapshot, reset, compare, checksum).
 - `payload.py`: the wire format of `update_weights_from_tensor` (CUDA IPC / shared memory pickles).
 - `groups.py`: weight-update process groups (`init_weights_update_group`, NCCL or gloo broadcasts).
+- `vllm_nccl.py`: the receiving side of vLLM's NCCL weight transfer (its store rendezvous, its
+  pickled NCCL unique id, its communicator), a backend of `groups.py`.
 - `model_dir.py`: where `--model` points (a checkpoint directory or a Hugging Face repo id in the
   Hub cache); it runs in the process that starts the engine, before the engine process exists.
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "vllm_nccl")  # vllm_nccl: vLLM's wire (engine/weights/vllm_nccl.py)
 POLL_S = 5e-5  # how often the host looks whether a broadcast has arrived
 
 
@@ -71,7 +71,13 @@ def _connect(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
     backend: str, device: torch.device, timeout: timedelta,
 ) -> _Group:
-    """Join (rank 0: host) the store, then build the backend under the shared key layout."""
+    """Join (rank 0: host) the store, then build the backend under the shared key layout; or
+    join a vLLM trainer's communicator (engine/weights/vllm_nccl.py)."""
+    if backend == "vllm_nccl":
+        from engine.weights import vllm_nccl
+
+        comm, store = vllm_nccl.connect(master_address, master_port, rank, world_size, device, timeout)
+        return _Group(comm, store, rank, world_size, device, timeout)
     store = dist.TCPStore(
         master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
         multi_tenant=rank == 0,  # every rank counts itself in; rank 0 waits for all
@@ -91,8 +97,8 @@ def _check_common(world_size: int, backend: str, device: torch.device) -> None:
         raise ValueError(f"world_size must be at least 2 (the trainer and this engine), got {world_size}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend == "nccl" and torch.device(device).type != "cuda":
-        raise ValueError(f"backend 'nccl' needs a CUDA device, got {device}")
+    if backend != "gloo" and torch.device(device).type != "cuda":
+        raise ValueError(f"backend {backend!r} needs a CUDA device, got {device}")
 
 
 def _broadcast(
@@ -222,7 +228,7 @@ class WeightUpdateGroups:
         group = self._get(group_name)
         del self._groups[group_name]
         abort = getattr(group.backend, "abort", None)  # NCCL: free communicators now
-        if group.backend.__class__.__name__ == "ProcessGroupNCCL" and callable(abort):
+        if group.backend.__class__.__name__ in ("ProcessGroupNCCL", "VllmNcclComm") and callable(abort):
             abort()
 
 
