@@ -3,7 +3,8 @@ have no vLLM: `NCCLWeightTransferEngine.trainer_init` and `trainer_send_weights`
 (vllm/distributed/weight_transfer/nccl_engine.py), with what they call:
 `StatelessProcessGroup.create` and `broadcast_obj` (vllm/distributed/utils.py),
 `PyNcclCommunicator.__init__` (vllm/distributed/device_communicators/pynccl.py: the unique id
-through the store, ncclCommInitRank, a warm-up all-reduce) and `packed_nccl_broadcast_producer`
+through the store, ncclCommInitRank, a warm-up all-reduce; NCCL through
+engine/weights/nccl_lib.py, as PyNccl goes through its ctypes wrapper) and `packed_nccl_broadcast_producer`
 (vllm/distributed/weight_transfer/packed_tensor.py: buckets that close once past 1 GiB).
 
 The unique id is pickled as vLLM pickles it: its ncclUniqueId struct is registered under
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.weights import nccl_lib
 
 PYNCCL_WRAPPER = "vllm.distributed.device_communicators.pynccl_wrapper"
 PACKED_BUFFER_SIZE_BYTES = 1 << 30  # DEFAULT_PACKED_BUFFER_SIZE_BYTES
@@ -79,11 +82,11 @@ def trainer_init(master_address: str, master_port: int, world_size: int, device:
     broadcast_obj does (key "broadcast_from/0/0"), joins the communicator, warms it up."""
     store = stateless_store(master_address, master_port, world_size)
     with torch.cuda.device(device):
-        raw = torch.cuda.nccl.unique_id()
+        raw = nccl_lib.unique_id()
         store.set("broadcast_from/0/0", pickled_unique_id(raw))
-        comm = torch.cuda.nccl.init_rank(world_size, raw, 0)
+        comm = nccl_lib.init_rank(world_size, raw, 0, device)
         warm = torch.zeros(1, device=device)
-        torch.cuda.nccl.all_reduce([warm], comms=[comm])
+        nccl_lib.all_reduce(comm, warm, torch.cuda.current_stream(device))
         torch.cuda.current_stream(device).synchronize()
     return VllmTrainer(comm, store, device)
 
@@ -109,5 +112,5 @@ def trainer_send_weights(trainer: VllmTrainer, pairs: list[tuple[str, torch.Tens
     with torch.cuda.device(trainer.device):
         sends = _packed(pairs, buffer_size_bytes) if packed else (t.contiguous() for _, t in pairs)
         for t in sends:
-            torch.cuda.nccl.broadcast([t], root=0, comms=[trainer.comm])
+            nccl_lib.broadcast(trainer.comm, t, 0, torch.cuda.current_stream(trainer.device))
         torch.cuda.current_stream(trainer.device).synchronize()

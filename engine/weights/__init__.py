@@ -14,6 +14,7 @@ trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
 - `groups.py`: weight-update process groups (`init_weights_update_group`, NCCL or gloo broadcasts).
 - `vllm_nccl.py`: the receiving side of vLLM's NCCL weight transfer (its store rendezvous, its
   pickled NCCL unique id, its communicator), a backend of `groups.py`.
+- `nccl_lib.py`: the NCCL calls that communicator makes, through ctypes on torch's libnccl.
 - `model_dir.py`: where `--model` points (a checkpoint directory or a Hugging Face repo id in the
   Hub cache); it runs in the process that starts the engine, before the engine process exists.
 

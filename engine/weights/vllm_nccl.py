@@ -16,12 +16,12 @@ The wire, as vLLM's trainer builds it (`StatelessProcessGroup.create`, then `PyN
 Rules:
 - The id is unpickled by an unpickler that knows two globals, ctypes' `_unpickle` and the
   ncclUniqueId struct (vLLM's or SGLang's module): any other global is refused before it runs.
-- The communicator is torch's own NCCL (torch.cuda.nccl). Each broadcast runs on the group's
-  stream, which first waits for the current stream (so a receive buffer is ready, as with
-  ProcessGroupNCCL); the host then polls its event before the current stream may wait on it.
-  A trainer that stops sending costs the engine `timeout`, then an error, and never blocks the
-  engine's stream. Such a communicator is kept forever with its buffers (ncclCommDestroy, or
-  reusing the memory, would wait on or race the stuck broadcast): see `_STUCK`.
+- The communicator is NCCL's own, through engine/weights/nccl_lib.py (the libnccl torch loads).
+  Each broadcast runs on the group's stream, which first waits for the current stream (so a
+  receive buffer is ready, as with ProcessGroupNCCL); the host then polls its event before the
+  current stream may wait on it. A trainer that stops sending costs the engine `timeout`, then
+  an error, and never blocks the engine's stream: the communicator is aborted, and the buffers
+  it was writing are kept (`_STUCK`), never reused.
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.weights import nccl_lib
+
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first key from rank 0
 UNIQUE_ID_MODULES = (
     "vllm.distributed.device_communicators.pynccl_wrapper",
     "sglang.srt.distributed.device_communicators.pynccl_wrapper",
 )
 POLL_S = 5e-5  # how often the host looks whether a broadcast has arrived
-_STUCK: list[Any] = []  # communicators (and their buffers) whose broadcast never arrived
+_STUCK: list[list[torch.Tensor]] = []  # receive buffers of aborted broadcasts
 
 
 class NcclUniqueId(ctypes.Structure):
@@ -103,20 +105,22 @@ class VllmNcclComm:
     def __init__(self, uid: bytes, rank: int, world_size: int, device: torch.device, timeout: timedelta) -> None:
         self.rank, self.world_size, self.device, self.timeout = rank, world_size, device, timeout
         self._in_flight: list[torch.Tensor] = []  # receive buffers of broadcasts not yet seen to arrive
-        with torch.cuda.device(device):
-            self._comm = torch.cuda.nccl.init_rank(world_size, uid, rank)
-            self._stream = torch.cuda.Stream(device)
-            warm = torch.zeros(1, dtype=torch.float32, device=device)  # PyNcclCommunicator's warm-up all-reduce
-            self._stream.wait_stream(torch.cuda.current_stream(device))
-            torch.cuda.nccl.all_reduce([warm], streams=[self._stream], comms=[self._comm])
-            self._launched().wait()
+        self._comm: nccl_lib.Comm | None = nccl_lib.init_rank(world_size, uid, rank, device)
+        self._stream = torch.cuda.Stream(device)
+        warm = torch.zeros(1, dtype=torch.float32, device=device)  # PyNcclCommunicator's warm-up all-reduce
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        nccl_lib.all_reduce(self._comm, warm, self._stream)
+        self._in_flight.append(warm)
+        self._launched().wait()
 
     def broadcast(self, tensors: list[torch.Tensor], _options: Any = None) -> _Work:
         """Receive tensors[0] from rank 0 (the trainer) on the group's stream."""
         (t,) = tensors
+        if self._comm is None:
+            raise RuntimeError("vLLM weight transfer: the group was aborted; init it again")
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._in_flight.append(t)
-        torch.cuda.nccl.broadcast([t], root=0, streams=[self._stream], comms=[self._comm])
+        nccl_lib.broadcast(self._comm, t, 0, self._stream)
         return self._launched()
 
     def _launched(self) -> _Work:
@@ -126,19 +130,27 @@ class VllmNcclComm:
 
     def arrived(self) -> None:
         """A broadcast has arrived: those before it too (one stream), so their buffers are free."""
-        if not self._stream.query():
-            return  # later ones still run: keep their buffers referenced
-        self._in_flight = []
+        if self._stream.query():
+            self._in_flight = []
 
     def stuck(self) -> None:
-        _STUCK.append((self._comm, self._stream, self._in_flight))
-        self._comm = None
+        """A broadcast did not arrive in time: abort the communicator (which ends its kernels)
+        and keep its buffers, which those kernels may have written until they ended."""
+        if self._comm is not None:
+            nccl_lib.abort(self._comm)
+            self._comm = None
+        _STUCK.append(self._in_flight)
+        self._in_flight = []
 
     def abort(self) -> None:
-        """Leave the group: the communicator is destroyed once nothing runs on it."""
-        if self._comm is not None and not self._stream.query():
+        """Leave the group: destroyed if nothing runs on it, else aborted."""
+        if self._comm is None:
+            return
+        if self._stream.query():
+            nccl_lib.destroy(self._comm)
+            self._comm = None
+        else:
             self.stuck()
-        self._comm = None
 
 
 def connect(master_address: str, master_port: int, rank: int, world_size: int, device: torch.device,
