@@ -7,6 +7,8 @@ trainer, SkyRL's update over vLLM's NCCL backend, the trainer speaking vLLM's ow
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from server_util import ServerProcess
@@ -54,23 +56,32 @@ def test_skyrl_nccl_update_from_vllms_own_trainer(http, model_name, models, qwen
 
     gpu = torch.device("cuda", 1)
     world_size = http.get("/get_world_size").json()["world_size"]
-    port = free_port()
-    init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world_size + 1}
-    joiner, joined = _in_thread(lambda: http.post("/init_weight_transfer_engine", json={"init_info": init_info}))
-    trainer = trainer_init("127.0.0.1", port, world_size + 1, gpu)
-    joiner.join(120)
-    assert joined and joined[0].status_code == 200, joined and joined[0].text
-    for model_dir, key, packed in ((qwen3_next_dir, "new", False), (qwen3_dir, "old", True),
-                                   (qwen3_next_dir, "new", True), (qwen3_dir, "old", False)):
+
+    def init() -> Any:
+        port = free_port()
+        init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world_size + 1}
+        joiner, joined = _in_thread(lambda: http.post("/init_weight_transfer_engine", json={"init_info": init_info}))
+        trainer = trainer_init("127.0.0.1", port, world_size + 1, gpu)
+        joiner.join(120)
+        assert joined and joined[0].status_code == 200, joined and joined[0].text
+        return trainer
+
+    def update(trainer: Any, model_dir: str, key: str, packed: bool) -> None:
         pairs = [(n, t.to(gpu)) for n, t in hf_named_parameters(model_dir)]
         info = {"names": [n for n, _ in pairs], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in pairs],
                 "shapes": [list(t.shape) for _, t in pairs], "packed": packed}
-        sender, sent = _in_thread(lambda info=info: http.post("/update_weights", json={"update_info": info}))
+        sender, sent = _in_thread(lambda: http.post("/update_weights", json={"update_info": info}))
         trainer_send_weights(trainer, pairs, packed)
         sender.join(120)
         assert sent and sent[0].status_code == 200, sent and sent[0].text
         assert sent[0].json()["receive_route"].startswith("packed") == packed
         assert _generate(http, model_name).json()["choices"][0]["token_ids"] == greedy(models[key], PROMPT, N), (key, packed)
+
+    trainer = init()
+    for model_dir, key, packed in ((qwen3_next_dir, "new", False), (qwen3_dir, "old", True),
+                                   (qwen3_next_dir, "new", True), (qwen3_dir, "old", False)):
+        update(trainer, model_dir, key, packed)
+    update(init(), qwen3_next_dir, "new", False)  # a restarted trainer: the second init replaces the group
     assert http.post("/destroy_weights_update_group", json={"group_name": VLLM_GROUP}).status_code == 200
 
 

@@ -40,7 +40,6 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ncclAllReduce": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                      ctypes.c_int, Comm, ctypes.c_void_p]),
     "ncclCommAbort": (ctypes.c_int, [Comm]),
-    "ncclCommDestroy": (ctypes.c_int, [Comm]),
 }
 _lib: ctypes.CDLL | None = None
 
@@ -106,10 +105,6 @@ def all_reduce(comm: Comm, t: torch.Tensor, stream: torch.cuda.Stream) -> None:
 
 
 def abort(comm: Comm) -> None:
-    """Free the communicator now, ending whatever of it is still running on the GPU."""
+    """Free the communicator now, ending whatever of it is still running on the GPU; local to
+    this rank (ncclCommDestroy finalizes, which waits for the others)."""
     _check(_library().ncclCommAbort(comm))
-
-
-def destroy(comm: Comm) -> None:
-    """Free the communicator once its enqueued work is done."""
-    _check(_library().ncclCommDestroy(comm))

@@ -143,14 +143,16 @@ class VllmNcclComm:
         self._in_flight = []
 
     def abort(self) -> None:
-        """Leave the group: destroyed if nothing runs on it, else aborted."""
+        """Leave the group. ncclCommAbort, not ncclCommDestroy: destroy finalizes, which waits
+        for the other ranks (a trainer that keeps its communicator would hold this rank forever)."""
         if self._comm is None:
             return
-        if self._stream.query():
-            nccl_lib.destroy(self._comm)
-            self._comm = None
-        else:
-            self.stuck()
+        idle = self._stream.query()
+        nccl_lib.abort(self._comm)
+        self._comm = None
+        if not idle:
+            _STUCK.append(self._in_flight)
+        self._in_flight = []
 
 
 def connect(master_address: str, master_port: int, rank: int, world_size: int, device: torch.device,
