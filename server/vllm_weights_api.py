@@ -18,12 +18,22 @@
   is of the old weights); requests frozen by `/pause?mode=keep` keep theirs and continue.
 - `/start_weight_update` and `/finish_weight_update` (vLLM's newer lifecycle, TRL's client)
   answer at once: every update above is whole by itself.
-- `/init_broadcaster` (prime-rl's own NCCL broadcaster) is a 400 naming what to use instead.
+- `/init_broadcaster {host, port, rank_offset, inference_world_size, timeout}` (prime-rl's NCCL
+  broadcaster: its trainer runs vLLM's `trainer_init`) joins that group as rank rank_offset + 1
+  (+ the tensor-parallel rank; rank 0 is the trainer) of inference_world_size + 1, under
+  PRIME_GROUP. From then on `/update_weights {weight_dir}` receives over it, as prime-rl's
+  trainer sends (NCCLWeightBroadcastSender._broadcast_native_weights): it waits for
+  `weight_dir/NCCL_MANIFEST.json` ({"num_chunks"}), then for each chunk's
+  `NCCL_CHUNK_{i}.json` ({names, dtype_names, shapes}, written just before that chunk's
+  per-tensor broadcasts) and receives the chunk; each wait is bounded by `timeout`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -38,6 +48,9 @@ from server.schemas import Int64
 router = APIRouter()
 
 VLLM_GROUP = "vllm_weight_transfer"
+PRIME_GROUP = "prime_rl_broadcaster"
+PRIME_MANIFEST, PRIME_CHUNK = "NCCL_MANIFEST.json", "NCCL_CHUNK_{}.json"  # prime_rl/utils/client.py
+MANIFEST_POLL_S = 0.02
 PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES (engine/weights/updater.py)
 
 
@@ -71,11 +84,25 @@ class UpdateInfo(BaseModel):
 
 
 class UpdateIn(BaseModel):
-    """vLLM's `{update_info}` or prime-rl's `{weight_dir}`: exactly one."""
+    """vLLM's `{update_info}` or prime-rl's `{weight_dir, mode}`: exactly one."""
 
     model_config = ConfigDict(extra="forbid")
     update_info: UpdateInfo | None = None
     weight_dir: str | None = None
+    mode: str = "full"  # prime-rl's; "delta" (its sparse updates) is not taken
+
+
+class PrimeBroadcasterIn(BaseModel):
+    """prime-rl's `/init_broadcaster` body (AdminPlane.initialize_nccl)."""
+
+    model_config = ConfigDict(extra="forbid")
+    host: str
+    port: Int64
+    rank_offset: Int64 = 0
+    inference_world_size: Int64
+    timeout: float = Field(default=1200.0, gt=0)
+    quantize_in_weight_transfer: bool = False
+    engine_world_size: Int64 | None = None
 
 
 class StartIn(BaseModel):
@@ -91,27 +118,47 @@ async def _answer(request: Request, call: calls.Call) -> dict[str, Any]:
     return msgspec.to_builtins(await _client(request).call(call))
 
 
+def _group_timeouts(request: Request) -> dict[str, float]:
+    """Groups joined here whose updates arrive through `/update_weights {weight_dir}`, with
+    their timeouts; `/destroy_weights_update_group` takes a group out."""
+    if not hasattr(request.app.state, "group_timeouts"):
+        request.app.state.group_timeouts = {}
+    return request.app.state.group_timeouts
+
+
+def _backend(client: AsyncEngineClient) -> str:
+    """vLLM's own wire on a GPU; gloo (torch.distributed's layout) on a CPU, which has no NCCL."""
+    return "vllm_nccl" if str(client.info.get("device", "cpu")).startswith("cuda") else "gloo"
+
+
+async def _join(request: Request, group_name: str, **join: Any) -> dict[str, Any]:
+    """Join `group_name`, replacing a group of that name (a trainer that restarts)."""
+    client = _client(request)
+    try:
+        await client.call(calls.DestroyWeightsUpdateGroup(group_name=group_name))
+    except InvalidRequest:
+        pass  # none yet
+    return await _answer(request, calls.InitWeightsUpdateGroup(group_name=group_name, backend=_backend(client), **join))
+
+
 @router.post("/init_weight_transfer_engine", include_in_schema=False)
 async def init_weight_transfer_engine(body: InitIn, request: Request) -> dict[str, Any]:
     """Blocks until the trainer has joined (its `trainer_init` runs beside this request)."""
-    info, client = body.init_info, _client(request)
-    backend = "vllm_nccl" if str(client.info.get("device", "cpu")).startswith("cuda") else "gloo"
-    try:
-        await client.call(calls.DestroyWeightsUpdateGroup(group_name=VLLM_GROUP))
-    except InvalidRequest:
-        pass  # none yet
-    join = calls.InitWeightsUpdateGroup(
-        master_address=info.master_address, master_port=info.master_port, rank_offset=info.rank_offset,
-        world_size=info.world_size, group_name=VLLM_GROUP, backend=backend,
-    )
-    return {"message": "Weight transfer initialized"} | await _answer(request, join)
+    info = body.init_info
+    joined = await _join(request, VLLM_GROUP, master_address=info.master_address, master_port=info.master_port,
+                         rank_offset=info.rank_offset, world_size=info.world_size)
+    return {"message": "Weight transfer initialized"} | joined
 
 
 @router.post("/update_weights")
 async def update_weights(body: UpdateIn, request: Request) -> dict[str, Any]:
     if (body.update_info is None) == (body.weight_dir is None):
         raise InvalidRequest("give exactly one of update_info (vLLM's weight transfer) and weight_dir (a checkpoint directory)")
+    if body.mode != "full":
+        raise InvalidRequest(f"mode {body.mode!r} is not supported: only 'full' (every weight, in checkpoint format)")
     if body.weight_dir is not None:
+        if PRIME_GROUP in _group_timeouts(request):
+            return await _receive_prime_chunks(request, Path(body.weight_dir), _group_timeouts(request)[PRIME_GROUP])
         return {"message": "Weights updated"} | await _answer(request, calls.UpdateWeightsFromDisk(model_path=body.weight_dir))
     info = body.update_info
     if info.ipc_handles is not None:
@@ -149,12 +196,46 @@ async def finish_weight_update() -> dict[str, str]:
 
 
 @router.post("/init_broadcaster")
-async def init_broadcaster(request: Request) -> None:
-    """prime-rl's NCCL broadcaster (its own wire format, src/prime_rl/orchestrator/inference_admin.py)."""
-    raise InvalidRequest(
-        "prime-rl's NCCL weight broadcaster is not supported here: use its filesystem weight broadcast "
-        "(/update_weights {weight_dir}), or vLLM's /init_weight_transfer_engine"
-    )
+async def init_broadcaster(body: PrimeBroadcasterIn, request: Request) -> dict[str, Any]:
+    """prime-rl's NCCL broadcaster; blocks until its trainer has joined."""
+    if body.quantize_in_weight_transfer:
+        raise InvalidRequest("quantize_in_weight_transfer is not supported: weights arrive in their checkpoint dtype")
+    joined = await _join(request, PRIME_GROUP, master_address=body.host, master_port=body.port,
+                         rank_offset=body.rank_offset + 1, world_size=body.inference_world_size + 1,
+                         timeout_s=body.timeout)
+    _group_timeouts(request)[PRIME_GROUP] = body.timeout
+    return {"message": "Broadcaster initialized"} | joined
+
+
+async def _receive_prime_chunks(request: Request, weight_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """prime-rl's NCCL update: the chunk count, then each chunk's metadata and its broadcasts."""
+    deadline = time.monotonic() + timeout_s
+    manifest = await _wait_json(weight_dir / PRIME_MANIFEST, deadline)
+    chunks = manifest.get("num_chunks") if isinstance(manifest, dict) else None
+    if not isinstance(chunks, int) or chunks < 1:
+        raise InvalidRequest(f"{weight_dir / PRIME_MANIFEST}: num_chunks must be a positive int, got {chunks!r}")
+    answer: dict[str, Any] = {}
+    for i in range(chunks):
+        chunk = await _wait_json(weight_dir / PRIME_CHUNK.format(i), deadline)
+        try:
+            update = calls.UpdateWeightsFromDistributed(
+                names=chunk["names"], dtypes=chunk["dtype_names"], shapes=chunk["shapes"], group_name=PRIME_GROUP)
+        except (KeyError, TypeError) as e:
+            raise InvalidRequest(f"{weight_dir / PRIME_CHUNK.format(i)}: needs names, dtype_names and shapes: {e}") from None
+        answer = await _answer(request, update)
+    return {"message": "Weights updated", "chunks": chunks} | answer
+
+
+async def _wait_json(path: Path, deadline: float) -> Any:
+    """The JSON in `path` once it exists (prime-rl writes it whole, by a rename)."""
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise InvalidRequest(f"{path} did not appear within the broadcaster's timeout")
+        await asyncio.sleep(MANIFEST_POLL_S)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"{path}: not JSON: {e}") from None
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:

@@ -95,4 +95,6 @@ async def update_weight_version(request: Request) -> Response:
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request, body: DestroyGroupIn | None = None) -> Response:
-    return await _answer(request, calls.DestroyWeightsUpdateGroup(**(body or DestroyGroupIn()).model_dump()))
+    call = calls.DestroyWeightsUpdateGroup(**(body or DestroyGroupIn()).model_dump())
+    getattr(request.app.state, "group_timeouts", {}).pop(call.group_name, None)  # see server/vllm_weights_api.py
+    return await _answer(request, call)

@@ -41,8 +41,9 @@ def test_every_call_has_one_handler_and_a_reply_type() -> None:
     assert {c for c in union if c.read_only} == {calls.Ping, calls.GetInfo, calls.GetLoad, calls.GetMemoryOccupation}
 
 
-# Call fields only vLLM's routes set (server/vllm_api.py: /pause's clear_cache, /sleep's level 2).
-VLLM_ONLY = {"clear_cache", "discard_weights"}
+# Call fields only vLLM's routes set (server/vllm_api.py: /pause's clear_cache, /sleep's level 2;
+# server/vllm_weights_api.py: prime-rl's /init_broadcaster timeout).
+VLLM_ONLY = {"clear_cache", "discard_weights", "timeout_s"}
 
 
 @pytest.mark.parametrize(("body", "call"), [

@@ -85,6 +85,35 @@ def test_skyrl_nccl_update_from_vllms_own_trainer(http, model_name, models, qwen
     assert http.post("/destroy_weights_update_group", json={"group_name": VLLM_GROUP}).status_code == 200
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs: NCCL refuses two ranks on one")
+def test_prime_rl_nccl_broadcaster_from_vllms_own_trainer(http, model_name, models, qwen3_next_dir: str, tmp_path) -> None:  # noqa: F811
+    """prime-rl's NCCL broadcast (tests/test_vllm_api.py's test of it, here over NCCL): its
+    trainer on GPU 1 joins with vLLM's trainer_init (tests/vllm_trainer.py) while
+    /init_broadcaster runs, then sends its chunks per tensor while /update_weights {weight_dir}
+    reads their manifests. Greedy tokens are transformers' on the pushed weights."""
+    from oracle import hf_named_parameters
+    from server_util import free_port
+    from test_vllm_api import PROMPT, N, _generate, _in_thread, greedy, prime_rl_nccl_update
+    from vllm_trainer import trainer_init, trainer_send_weights
+
+    from server.vllm_weights_api import PRIME_GROUP
+
+    gpu = torch.device("cuda", 1)
+    port = free_port()
+    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 120,
+            "quantize_in_weight_transfer": False}
+    joiner, joined = _in_thread(lambda: http.post("/init_broadcaster", json=body))
+    trainer = trainer_init("127.0.0.1", port, 2, gpu)
+    joiner.join(120)
+    assert joined and joined[0].status_code == 200, joined and joined[0].text
+    pairs = [(n, t.to(gpu)) for n, t in hf_named_parameters(qwen3_next_dir)]
+    try:
+        prime_rl_nccl_update(http, pairs, lambda chunk: trainer_send_weights(trainer, chunk), tmp_path / "step_1")
+        assert _generate(http, model_name).json()["choices"][0]["token_ids"] == greedy(models["new"], PROMPT, N)
+    finally:
+        assert http.post("/destroy_weights_update_group", json={"group_name": PRIME_GROUP}).status_code == 200
+
+
 def test_vllm_ipc_update(http, model_name, models, qwen3_next_dir: str) -> None:  # noqa: F811  (the fixtures above)
     """vLLM's CUDA-IPC weight transfer over HTTP, as its trainer sends it
     (vllm/distributed/weight_transfer/ipc_engine.py, IPCWeightTransferEngine.trainer_send_weights,

@@ -11,8 +11,10 @@ on the old weights.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -162,6 +164,67 @@ def test_skyrl_pause_keep_broadcast_update_resume(http, server, model_name, mode
     _frozen_across(http, server, model_name, models, update)
     # The trainer is gone: its group goes too (vLLM's one group; a later init replaces it anyway).
     assert http.post("/destroy_weights_update_group", json={"group_name": VLLM_GROUP}).status_code == 200
+
+
+def _prime_rl_trainer(send: Any, pairs: list[tuple[str, torch.Tensor]], step_dir: Path) -> None:
+    """prime-rl's NCCLWeightBroadcast.broadcast_weights on rank 0: wait for the orchestrator's
+    NCCL_READY marker, write NCCL_MANIFEST.json ({"num_chunks"}), then per chunk (the weights
+    outside the layers, then each layer: filter_state_dict_by_layers) write NCCL_CHUNK_{i}.json
+    ({names, dtype_names, shapes}) by a rename and broadcast the chunk's tensors one by one."""
+    deadline = time.monotonic() + 120
+    while not (step_dir / "NCCL_READY").exists():
+        assert time.monotonic() < deadline, "the orchestrator never wrote NCCL_READY"
+        time.sleep(0.01)
+    layers = sorted({int(n.split(".")[2]) for n, _ in pairs if n.startswith("model.layers.")})
+    chunks = [[(n, t) for n, t in pairs if not n.startswith("model.layers.")]]
+    chunks += [[(n, t) for n, t in pairs if n.startswith(f"model.layers.{i}.")] for i in layers]
+
+    def write(name: str, payload: dict) -> None:
+        (step_dir / f"{name}.tmp").write_text(json.dumps(payload))
+        (step_dir / f"{name}.tmp").replace(step_dir / name)
+
+    write("NCCL_MANIFEST.json", {"num_chunks": len(chunks)})
+    for i, chunk in enumerate(chunks):
+        write(f"NCCL_CHUNK_{i}.json", {"names": [n for n, _ in chunk], "shapes": [list(t.shape) for _, t in chunk],
+                                       "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk]})
+        send(chunk)  # NCCLWeightTransferEngine.trainer_send_weights: one broadcast per tensor
+
+
+def prime_rl_nccl_update(http: httpx.Client, pairs: list[tuple[str, torch.Tensor]], send: Any, step_dir: Path) -> None:
+    """The orchestrator's update_weights with the trainer sending beside it: the NCCL_READY marker,
+    then /update_weights {weight_dir, mode} (the pause and resume around it: `_frozen_across`)."""
+    step_dir.mkdir()
+    sender = threading.Thread(target=_prime_rl_trainer, args=(send, pairs, step_dir), daemon=True)
+    sender.start()
+    (step_dir / "NCCL_READY").touch()
+    r = http.post("/update_weights", json={"weight_dir": str(step_dir), "mode": "full"})
+    sender.join(120)
+    layers = {n.split(".")[2] for n, _ in pairs if n.startswith("model.layers.")}
+    assert r.status_code == 200 and r.json()["chunks"] == 1 + len(layers), r.text
+
+
+def test_prime_rl_nccl_broadcaster_pause_keep_update_resume(http, server, model_name, models, qwen3_next_dir, tmp_path) -> None:
+    """prime-rl's NCCL weight broadcast: /init_broadcaster (AdminPlane.initialize_nccl's body)
+    while its trainer joins (NCCLWeightBroadcastSender: vLLM's trainer_init; here gloo, a CPU has
+    no NCCL), then the orchestrator's update_weights (prime_rl/utils/client.py): /pause keep,
+    the NCCL_READY marker, /update_weights {weight_dir, mode}, /resume, while the trainer sends
+    (`_prime_rl_trainer`). Afterwards /update_weights {weight_dir} loads from disk again once the
+    group is destroyed."""
+    from server.vllm_weights_api import PRIME_GROUP
+
+    port = free_port()
+    body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 120,
+            "quantize_in_weight_transfer": False}
+    joiner, joined = _in_thread(lambda: http.post("/init_broadcaster", json=body))
+    trainer = trainer_group("127.0.0.1", port, 2, PRIME_GROUP, "gloo", timeout_s=120)
+    joiner.join(120)
+    assert joined and joined[0].status_code == 200, joined and joined[0].text
+    pairs = hf_named_parameters(qwen3_next_dir)
+    send = lambda chunk: broadcast_from_trainer(trainer, chunk, None)  # noqa: E731
+    try:
+        _frozen_across(http, server, model_name, models, lambda: prime_rl_nccl_update(http, pairs, send, tmp_path / "step_1"))
+    finally:
+        assert http.post("/destroy_weights_update_group", json={"group_name": PRIME_GROUP}).status_code == 200
 
 
 def test_prime_rl_pause_keep_disk_update_resume(http, server, model_name, models, qwen3_next_dir) -> None:
@@ -334,9 +397,10 @@ BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
      400, "'a'"),
     ("post", "/init_weight_transfer_engine", {"json": {"init_info": {}}}, 400, "master_address"),
     ("post", "/collective_rpc", {"json": {"method": "reload_weights"}}, 400, "reload_weights"),
-    # prime-rl's InferenceAdmin.init_nccl_broadcaster body.
+    # prime-rl's AdminPlane.initialize_nccl body, asking for its fp8 refit.
     ("post", "/init_broadcaster", {"json": {"host": "trainer", "port": 29501, "rank_offset": 0, "inference_world_size": 1,
-                                            "timeout": 1200, "quantize_in_weight_transfer": False}}, 400, "filesystem"),
+                                            "timeout": 1200, "quantize_in_weight_transfer": True}}, 400, "quantize_in_weight_transfer"),
+    ("post", "/update_weights", {"json": {"weight_dir": "/tmp", "mode": "delta"}}, 400, "delta"),
     ("post", "/inference/v1/generate", {"json": {"token_ids": PROMPT, "sampling_params": {"bogus": 1}}}, 400, "bogus"),
     ("post", "/inference/v1/generate", {"json": {"token_ids": PROMPT, "sampling_params": {"bad_words": ["x"]}}}, 400, "bad_words"),
     ("post", "/inference/v1/generate", {"json": {"token_ids": [5, 512]}}, 400, "512"),

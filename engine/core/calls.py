@@ -206,6 +206,7 @@ class InitWeightsUpdateGroup(Call):
     world_size: Int64
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
+    timeout_s: float = 60.0  # each wait of the join and of every later broadcast in the group
     reply = GroupReply
 
 

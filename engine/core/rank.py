@@ -116,7 +116,7 @@ class Rank:
         c = msg.call
         self.updater.init_group(
             master_address=c.master_address, master_port=c.master_port, rank_offset=c.rank_offset,
-            world_size=c.world_size, group_name=c.group_name, backend=c.backend,
+            world_size=c.world_size, group_name=c.group_name, backend=c.backend, timeout_s=c.timeout_s,
         )
 
     def leave_group(self, msg: rp.LeaveGroup) -> None:
