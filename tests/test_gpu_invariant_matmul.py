@@ -5,7 +5,10 @@
   that is a slice of a larger one (rows, or the first K columns) too;
 - the output equals F.linear in fp32 on the same bf16 inputs within bf16 rounding;
 - a launch into a preallocated `out` captures in a CUDA graph and replays to the eager bits, new
-  inputs included.
+  inputs included;
+- K split into chunks (the 8B's o_proj and down): few rows run a program per chunk and a chunk-
+  order sum, many rows one program per tile walking the chunks; both give a row the same bits
+  (the batches above cross from one to the other).
 GPU only: every test skips without CUDA.
 """
 
@@ -96,6 +99,17 @@ def test_a_preallocated_out_captures_and_replays_to_the_eager_bits() -> None:
         assert torch.equal(out, invariant_matmul(x, w)), step
         assert torch.equal(out[m // 2], invariant_matmul(x[m // 2 : m // 2 + 1], w)[0]), step
     _close_to_fp32(out, x, w)
+
+
+def test_the_8b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:
+    from engine.kernels.invariant_matmul import TARGET_PROGRAMS, chunking, config
+
+    for n, k in ((4096, 4096), (4096, 12288)):  # the 8B's o_proj and down
+        c = config(n, k)
+        chunk_k, chunks = chunking(k, c)
+        assert chunks > 1 and chunk_k % c.block_k == 0 and (chunks - 1) * chunk_k < k
+        tiles_n = -(-n // c.block_n)
+        assert tiles_n < TARGET_PROGRAMS <= -(-max(ROWS) // c.block_m) * tiles_n, "ROWS must cross from split programs to one per tile"
 
 
 def test_bad_arguments_are_refused_and_empty_batches_return() -> None:

@@ -47,9 +47,10 @@ SHAPES = {  # name -> (N, K): N output features (q | k | v and gate | up packed)
     "8b lm_head": (151936, 4096),
 }
 ROTATE_BYTES = 512 << 20
-# (block_m, block_n, block_k, warps, stages) the sweep times beside the rule's.
-GRID = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3)]  # fmt: skip
+# (block_m, block_n, block_k, warps, stages, split_k) the sweep times beside the rule's.
+GRID = [(16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 3, 2), (32, 64, 128, 4, 4, 4),
+        (64, 64, 64, 4, 4, 1), (64, 64, 64, 4, 4, 2), (64, 64, 64, 4, 4, 8), (64, 128, 64, 4, 4, 1),
+        (128, 128, 64, 8, 3, 1)]  # fmt: skip
 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:

@@ -10,10 +10,16 @@ came in (issue 76). Rules that make this kernel invariant:
 - One tile configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per weight shape (N, K):
   `config(n, k)`, a rule on N and K alone, never on M; no autotuning. So one compiled variant
   serves every M (M is not specialized: `do_not_specialize`), with one MMA instruction sequence.
-- No split-K: each program owns one [BLOCK_M, BLOCK_N] output tile and walks all of K in
-  ascending BLOCK_K steps into one fp32 accumulator (tensor-core dots, bf16/fp16 products exact
-  in fp32), then rounds once to x's dtype. An output element is sum over k of x[r, k] w[n, k]:
-  the MMA never mixes rows, so the other rows of a tile change nothing of row r's bits.
+- K is cut into SPLIT_K chunks fixed by (N, K) (`config`), each a whole number of BLOCK_K steps.
+  A chunk's partial sum starts from zero and walks its K in ascending BLOCK_K steps (tensor-core
+  dots into fp32; bf16/fp16 products are exact in fp32); the output is
+  ((p_0 + p_1) + p_2) + ... in fp32, rounded once to x's dtype. The MMA never mixes rows, so the
+  other rows of a tile change nothing of row r's bits.
+- Where that arithmetic runs may follow M, the bits may not: with few row tiles each chunk is a
+  program of its own, writing its fp32 partial to a workspace [SPLIT_K, M, N] that a second
+  kernel sums in chunk order (`SPLIT_PROGRAMS`: K's parallelism for a GEMV); with many, one
+  program walks every chunk of its tile and sums the same way. The same partials, added in the
+  same order, give the same bits either way.
 - Rows past M and columns past N read row M-1 / N-1 (no mask on those loads) and are never
   stored; a K that BLOCK_K does not divide masks its last step's columns to zero (fixed by K).
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
@@ -28,11 +34,12 @@ configs per weight shape over all M at once, the only way a config may be chosen
   still compute one whole row tile, so a larger BLOCK_M only multiplies an M = 1 GEMV's
   tensor-core work (128 rows: 4.3 GFLOP for the 8B o_proj on the 32-64 SMs its column tiles
   occupy, about the time its 32 MiB weight takes to stream).
-- Up to 64 rows the grid is cdiv(N, BLOCK_N) programs (no split-K to add more), so BLOCK_N
-  trades M = 1 bandwidth (programs to stream the weight) against large-M intensity (MACs per
-  loaded element): 128 columns where N >= WIDE_N (>= 64 column tiles; the 8B's gate_up and
-  every lm_head have 192 and more), else 64 (the 8B's o_proj / down: 64 programs, the 0.6B's
-  qkv 64, its o_proj / down 16: their weights are 2-6 MB).
+- BLOCK_N trades M = 1 bandwidth (programs to stream the weight) against large-M intensity
+  (MACs per loaded element): 128 columns where N >= WIDE_N (>= 64 column tiles; the 8B's gate_up
+  and every lm_head have 192 and more), else 64.
+- SPLIT_K brings a few-rows GEMM's programs to about TARGET_PROGRAMS (two an SM), with chunks of
+  at least MIN_CHUNK_STEPS BLOCK_K steps: the 8B's o_proj (64 column tiles, K 4096) takes 5
+  chunks of 832, its down (K 12288) 5 of 2496, its gate_up (192 column tiles) 2, the lm_heads 1.
 - BLOCK_K = 64 and 4 stages: 24 KB of shared memory a stage at 64 x 128, two programs an SM.
   K < 64 (tiny test models) takes one step of K rounded up to a power of two (>= 16).
 """
@@ -50,6 +57,9 @@ from engine.kernels.launcher import Launcher
 BLOCK_M = 64  # rows of a tile: one warp group's wgmma M
 WIDE_N = 8192  # N from which a tile is 128 columns wide, below it 64
 GROUP_M = 8  # row tiles visited together: their programs share the weight's column tiles in L2
+TARGET_PROGRAMS = 264  # two an SM of an H100 / H200 (132 SMs)
+MIN_CHUNK_STEPS = 8  # BLOCK_K steps a chunk of K walks at least
+REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
 
 
 class Config(NamedTuple):
@@ -58,13 +68,44 @@ class Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # chunks of K (fewer where K has fewer whole BLOCK_K steps)
 
 
 def config(n: int, k: int) -> Config:
-    """The one tile configuration of a weight [N = n, K = k], whatever the rows: the rule above."""
+    """The one configuration of a weight [N = n, K = k], whatever the rows: the rules above."""
     block_n = min(128 if n >= WIDE_N else 64, max(16, triton.next_power_of_2(n)))
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    return Config(BLOCK_M, block_n, block_k, num_warps=4, num_stages=4)
+    tiles_n = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles_n), triton.cdiv(k, block_k) // MIN_CHUNK_STEPS))
+    return Config(BLOCK_M, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
+
+
+def chunking(k: int, cfg: Config) -> tuple[int, int]:
+    """(chunk_k, chunks): K cut into chunks of whole BLOCK_K steps, none empty."""
+    chunk_k = triton.cdiv(triton.cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    return chunk_k, triton.cdiv(k, chunk_k)
+
+
+@triton.jit
+def _chunk_sum(x_ptrs, w_ptrs, k_start, k_end, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """One chunk's fp32 partial [BLOCK_M, BLOCK_N]: from zero, K ascending in BLOCK_K steps."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs += k_start
+    w_ptrs += k_start
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k0 + offs_k)[None, :] < K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
 
 
 @Launcher
@@ -72,10 +113,10 @@ def config(n: int, k: int) -> Config:
 def _invariant_matmul_kernel(
     x_ptr,  # [M, K], unit last stride
     w_ptr,  # [N, K], contiguous
-    out_ptr,  # [M, N], unit last stride
-    M, N, K, stride_xm, stride_om,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    out_ptr,  # [M, N], unit last stride; SPLIT_PROGRAMS: fp32 [CHUNKS, M, N], contiguous
+    M, N, K, stride_xm, stride_om, CHUNK_K,
+    CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -92,20 +133,34 @@ def _invariant_matmul_kernel(
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N read row N - 1, never stored
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + rows_w[:, None] * K + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending, whatever M: the one order of every row's sums
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = (k0 + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT_PROGRAMS:  # this program: chunk program_id(1) of the tile, its fp32 partial to the workspace
+        chunk = tl.program_id(1)
+        k_start = chunk * CHUNK_K
+        acc = _chunk_sum(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + CHUNK_K, K), K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        ws_ptrs = out_ptr + (chunk * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=mask)
+    else:  # every chunk here, summed in chunk order
+        acc = _chunk_sum(x_ptrs, w_ptrs, 0, tl.minimum(CHUNK_K, K), K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        for chunk in range(1, CHUNKS):
+            k_start = chunk * CHUNK_K
+            acc += _chunk_sum(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + CHUNK_K, K), K, EVEN_K,
+                              BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["M"])
+def _chunk_order_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """out [M, N] = ((ws[0] + ws[1]) + ws[2]) + ..., fp32 rounded once: the fused path's order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for chunk in range(1, CHUNKS):
+        acc += tl.load(ws_ptr + chunk * M * N + offs, mask=ok, other=0.0)
+    row, col = offs // N, offs % N
+    tl.store(out_ptr + row * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def invariant_matmul(
@@ -131,10 +186,16 @@ def invariant_matmul(
     if x.stride(-1) != 1:
         x = x.contiguous()
     c = cfg or config(n, k)
-    grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
-    _invariant_matmul_kernel[grid](
-        x, w, out, m, n, k, x.stride(0), out.stride(0),
-        EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+    chunk_k, chunks = chunking(k, c)
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    split = chunks > 1 and tiles < TARGET_PROGRAMS  # where it runs, never what it computes
+    target = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
+    _invariant_matmul_kernel[(tiles, chunks if split else 1)](
+        x, w, target, m, n, k, x.stride(0), out.stride(0), chunk_k,
+        CHUNKS=chunks, SPLIT_PROGRAMS=split, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, GROUP_M=GROUP_M, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
+    if split:
+        _chunk_order_sum_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, out, m, n, out.stride(0), CHUNKS=chunks, BLOCK=REDUCE_BLOCK, num_warps=4)
     return out
