@@ -102,14 +102,14 @@ def test_a_preallocated_out_captures_and_replays_to_the_eager_bits() -> None:
 
 
 def test_the_8b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:
-    from engine.kernels.invariant_matmul import TARGET_PROGRAMS, chunking, config
+    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES, chunking, config
 
     for n, k in ((4096, 4096), (4096, 12288)):  # the 8B's o_proj and down
         c = config(n, k)
         chunk_k, chunks = chunking(k, c)
         assert chunks > 1 and chunk_k % c.block_k == 0 and (chunks - 1) * chunk_k < k
         tiles_n = -(-n // c.block_n)
-        assert tiles_n < TARGET_PROGRAMS <= -(-max(ROWS) // c.block_m) * tiles_n, "ROWS must cross from split programs to one per tile"
+        assert tiles_n < SPLIT_BELOW_TILES <= -(-max(ROWS) // c.block_m) * tiles_n, "ROWS must cross from split programs to one per tile"
 
 
 def test_bad_arguments_are_refused_and_empty_batches_return() -> None:

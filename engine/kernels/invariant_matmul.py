@@ -15,8 +15,8 @@ came in (issue 76). Rules that make this kernel invariant:
   dots into fp32; bf16/fp16 products are exact in fp32); the output is
   ((p_0 + p_1) + p_2) + ... in fp32, rounded once to x's dtype. The MMA never mixes rows, so the
   other rows of a tile change nothing of row r's bits.
-- Where that arithmetic runs may follow M, the bits may not: with few row tiles each chunk is a
-  program of its own, writing its fp32 partial to a workspace [SPLIT_K, M, N] that a second
+- Where that arithmetic runs may follow M, the bits may not: with fewer output tiles than SMs
+  (SPLIT_BELOW_TILES) each chunk is a program of its own, writing its fp32 partial to a workspace [SPLIT_K, M, N] that a second
   kernel sums in chunk order (`SPLIT_PROGRAMS`: K's parallelism for a GEMV); with many, one
   program walks every chunk of its tile and sums the same way. The same partials, added in the
   same order, give the same bits either way.
@@ -60,6 +60,7 @@ GROUP_M = 8  # row tiles visited together: their programs share the weight's col
 TARGET_PROGRAMS = 264  # two an SM of an H100 / H200 (132 SMs)
 MIN_CHUNK_STEPS = 8  # BLOCK_K steps a chunk of K walks at least
 REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
+SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (more: one per tile)
 
 
 class Config(NamedTuple):
@@ -188,7 +189,7 @@ def invariant_matmul(
     c = cfg or config(n, k)
     chunk_k, chunks = chunking(k, c)
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    split = chunks > 1 and tiles < TARGET_PROGRAMS  # where it runs, never what it computes
+    split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes
     target = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
         x, w, target, m, n, k, x.stride(0), out.stride(0), chunk_k,
