@@ -240,7 +240,7 @@ class EngineConfig:
     deterministic: bool = field(
         default=False,
         metadata={"help": "bitwise-reproducible tokens and logprobs whatever the batch, chunking or prefix cache "
-                          "(batch-invariant ops; a CPU only so far)",
+                          "(batch-invariant ops; on CUDA: eager, one GPU, dense models)",
                   "aliases": ("--enable-deterministic-inference",)},
     )
     # Kernel choices on CUDA (docs/KERNELS.md): each on by default; off runs the path it replaces.

@@ -5,9 +5,9 @@ batches of random companions arriving before and after it, with and without a sh
 engine, bfloat16), and a release/resume between runs; and re-scoring the generated completion teacher-forced
 (`max_new_tokens` 0, `logprob_start_len` at the completion) reports the same logprobs.
 
-What holds on the CPU: all of the above, in float32 and bfloat16, with engine/models/invariant.py's
-matmuls and the row-wise attention (engine/attention/sdpa_rows.py). On CUDA the mode is refused
-until its kernels exist (issue 76); that refusal is checked here too.
+What holds: all of the above, in float32 and bfloat16, with engine/models/invariant.py's matmuls
+and the row-wise attention (engine/attention/sdpa_rows.py), on a CPU here and on CUDA through
+tests/test_gpu_deterministic.py (the same tests, `device` "cuda": invariant_matmul, eager).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine import Engine, SamplingParams
 from engine.config import ConfigError, EngineConfig
 from engine.models import invariant
 
-KNOBS = dict(device="cpu", max_model_len=512, block_size=8, max_num_seqs=16, deterministic=True)
+KNOBS = dict(max_model_len=512, block_size=8, max_num_seqs=16, deterministic=True)
 NEW = 24
 
 
@@ -40,15 +40,20 @@ def companions(rng: random.Random, prompt: list[int], n: int) -> tuple[list[list
     return prompts, params
 
 
+@pytest.fixture
+def device() -> str:
+    return "cpu"
+
+
 def result(out) -> tuple[list[int], list[float]]:
     return out.output_ids, [lp for lp, _ in out.output_token_logprobs]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype: str) -> None:
+def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype: str, device: str) -> None:
     prompt = random_tokens(37, seed=3)
     rng = random.Random(dtype)
-    with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=24, **KNOBS) as llm:
+    with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=24, device=device, **KNOBS) as llm:
         alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
         assert len(alone[0]) == NEW
         for n in (1, 8):
@@ -63,15 +68,15 @@ def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype:
     if dtype == "float32":
         return
     # Another engine: other prefill chunks, overlap scheduling off.
-    with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=64, disable_overlap_schedule=True, **KNOBS) as llm:
+    with Engine(model=qwen3_dir, dtype=dtype, max_num_batched_tokens=64, disable_overlap_schedule=True, device=device, **KNOBS) as llm:
         others, params = companions(rng, prompt, 5)
         outs = llm.generate(input_ids=[*others, prompt], sampling_params=[*params, target()])
         assert result(outs[-1]) == alone
 
 
-def test_scoring_equals_generation(qwen3_dir: str) -> None:
+def test_scoring_equals_generation(qwen3_dir: str, device: str) -> None:
     prompt = random_tokens(29, seed=4)
-    with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=16, **KNOBS) as llm:
+    with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=16, device=device, **KNOBS) as llm:
         ids, logprobs = result(llm.generate(input_ids=[prompt], sampling_params=target(seed=5))[0])
         score = SamplingParams(max_new_tokens=0, temperature=1.0, logprobs=True, logprob_start_len=len(prompt))
         scored = llm.generate(input_ids=[prompt + ids], sampling_params=score)[0]
@@ -79,12 +84,12 @@ def test_scoring_equals_generation(qwen3_dir: str) -> None:
         assert [lp for lp, _ in scored.input_token_logprobs] == logprobs
 
 
-def test_unseeded_requests_get_their_own_generators(qwen3_dir: str) -> None:
+def test_unseeded_requests_get_their_own_generators(qwen3_dir: str, device: str) -> None:
     """Without a seed each sampled request is seeded at arrival: two runs of the same prompt in
     one batch differ (their own randomness), and each is what it would be alone with that seed."""
     prompt = random_tokens(20, seed=6)
     free = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
-    with Engine(model=qwen3_dir, dtype="float32", **KNOBS) as llm:
+    with Engine(model=qwen3_dir, dtype="float32", device=device, **KNOBS) as llm:
         a, b = llm.generate(input_ids=[prompt, prompt], sampling_params=[free, free])
         assert a.output_ids != b.output_ids
 
@@ -101,12 +106,11 @@ def test_the_invariant_linear_is_the_same_for_any_rows() -> None:
     assert torch.equal(invariant.linear(x[3:4], w, b), full[3:4])
 
 
-def test_refused_where_its_kernels_do_not_exist_yet(qwen3_dir: str) -> None:
+def test_the_row_wise_attention_on_every_device_and_no_other(qwen3_dir: str) -> None:
     from engine.attention import resolve_backend_name
 
-    with pytest.raises(ConfigError, match="CPU"):
-        resolve_backend_name("auto", "cuda", deterministic=True)
-    with pytest.raises(ConfigError, match="triton"):
-        resolve_backend_name("triton", "cpu", deterministic=True)
-    assert resolve_backend_name("auto", "cpu", deterministic=True) == "sdpa_rows"
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ConfigError, match="triton"):
+            resolve_backend_name("triton", device, deterministic=True)
+        assert resolve_backend_name("auto", device, deterministic=True) == "sdpa_rows"
     assert EngineConfig(model=qwen3_dir, deterministic=True).deterministic

@@ -9,20 +9,21 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardCo
 # name -> "module:Class"
 _BACKENDS: dict[str, str] = {
     "sdpa": "engine.attention.sdpa:SdpaBackend",
-    "sdpa_rows": "engine.attention.sdpa_rows:RowwiseSdpaBackend",  # --deterministic on a CPU
+    "sdpa_rows": "engine.attention.sdpa_rows:RowwiseSdpaBackend",  # --deterministic
     "triton": "engine.attention.triton:TritonBackend",
 }
 
 
 def resolve_backend_name(name: str, device_type: str, deterministic: bool = False) -> str:
     """`auto` picks the fastest backend for the device: triton on CUDA once it exists, else sdpa.
-    `deterministic` (`--deterministic`): the row-wise sdpa, on a CPU only (ConfigError else)."""
+    `deterministic` (`--deterministic`): the row-wise sdpa, on any device (ConfigError for a
+    backend named otherwise)."""
     from engine.config import ConfigError
 
     if deterministic:
-        if device_type != "cpu" or name not in ("auto", "sdpa", "sdpa_rows"):
-            raise ConfigError("--deterministic runs on a CPU with the sdpa attention backend: the batch-invariant "
-                              f"CUDA kernels do not exist yet (device {device_type}, attention backend {name})")
+        if name not in ("auto", "sdpa", "sdpa_rows"):
+            raise ConfigError(f"--deterministic attends row by row (sdpa_rows): the attention backend {name!r} "
+                              "reduces in an order that follows the batch")
         return "sdpa_rows"
     if name == "auto":
         return "triton" if device_type == "cuda" and "triton" in _BACKENDS else "sdpa"

@@ -1,5 +1,5 @@
 """`RowwiseSdpaBackend`: `SdpaBackend` with each query row attending alone, for `--deterministic`
-on a CPU (engine/models/invariant.py holds the rule for the matmuls).
+(engine/models/invariant.py holds the rule for the matmuls).
 
     out[j] = softmax(q[j] K[:p+1].T * scale) V[:p+1]      p = the row's position in its sequence
 
@@ -8,7 +8,8 @@ keys and values [1, Hkv, p + 1, D], no mask), so its bits do not depend on how m
 its step: a prefill chunk of any length, a decode step, a prefix-cache hit (the cached KV was
 computed the same way) or a teacher-forced re-scoring all give the same result. SDPA's kernels
 for many query rows and a causal mask reduce in another order; one row at a time costs
-O(rows) calls, fine for the CPU runs this serves.
+O(rows) calls (on CUDA, one kernel launch a row and layer: the mode's correctness, not its
+speed: a fixed-split Triton kernel is issue 76's next piece).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Batch-invariant ops for `--deterministic` (EngineConfig.deterministic) on a CPU: a token's
-result depends on its own inputs only, never on how many other rows share its matmuls.
+"""Batch-invariant ops for `--deterministic` (EngineConfig.deterministic): a token's result
+depends on its own inputs only, never on how many other rows share its matmuls.
 
     linear(x [T, K], weight [N, K], bias [N]) -> [T, N]     F.linear on ROW_BLOCK-row blocks
     logits(hidden [T, H], weight [V, H], out) -> [T, V]     the same, into `out` when given
+    cuda_linear / cuda_logits                               on CUDA in bf16 / fp16: engine/kernels/invariant_matmul.py
 
 Rules:
 - A GEMM's reduction order over K is chosen by its shape (BLAS kernels block M, N and K by the
@@ -10,11 +11,14 @@ Rules:
   rows inside a larger one). Every product here has one shape, [ROW_BLOCK, K] x [K, N]: the
   rows are cut into blocks of ROW_BLOCK, the last padded with zeros, so a row's bits are the same
   alone, in a batch, in a prefill chunk or in a decode step.
-- `install(model)` switches every linear of a built model to these, once, at startup: the
-  default mode's forward keeps its own code (no branch per call).
-- Attention is the backend's (engine/attention/sdpa_rows.py); norms, rotary, activations and
-  the sampler's row-wise ops are invariant as they are (each row alone). The CUDA kernels'
-  invariant variants do not exist yet: the engine refuses `--deterministic` on CUDA.
+- On CUDA a half-precision matmul is invariant_matmul's (one tile and K-chunk order per weight
+  shape, any rows); fp32 keeps the blocks (cuBLAS picks one kernel for one shape).
+- `install(model, device)` switches every linear of a built model to these, once, at startup,
+  and turns off the few-row kernels that bypass them (the skinny and split-K linears, the skinny
+  lm_head): the default mode's forward keeps its own code (no branch per call).
+- Attention is the backend's (engine/attention/sdpa_rows.py); norms (one row a program on
+  CUDA), rotary, activations and the sampler's row-wise ops are invariant as they are. On CUDA
+  the mode runs eagerly (the row-wise attention has no graphs), on one rank, dense models only.
 """
 
 from __future__ import annotations
@@ -44,15 +48,39 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return result if out is None else out.copy_(result)
 
 
-def install(model: nn.Module) -> int:
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` on CUDA: half precision through invariant_matmul, fp32 in blocks."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return linear(x, weight, bias)
+    from engine.kernels.invariant_matmul import invariant_matmul
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    out = invariant_matmul(x.reshape(-1, k), weight).reshape(*lead, weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def cuda_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        return logits(hidden, weight, out)
+    from engine.kernels.invariant_matmul import invariant_matmul
+
+    return invariant_matmul(hidden, weight, out=out)
+
+
+def install(model: nn.Module, device: torch.device) -> int:
     """Point every module's matmul hook (`linear_fn`, `logits_fn`: the class defaults are torch's
-    own) at this file's ops; returns how many modules changed."""
+    own) at this file's ops for `device`, and turn off the few-row paths that bypass the hooks;
+    returns how many modules changed."""
+    cuda = torch.device(device).type == "cuda"
     changed = 0
     for module in model.modules():
         if hasattr(type(module), "linear_fn"):
-            module.linear_fn = linear
+            module.linear_fn = cuda_linear if cuda else linear
+            if hasattr(module, "fused") and hasattr(module, "weight"):
+                module.fused = False  # a Linear: no skinny or split-K kernel
             changed += 1
         if hasattr(type(module), "logits_fn"):
-            module.logits_fn = logits
+            module.logits_fn = cuda_logits if cuda else logits
+            module.skinny_logits = False
             changed += 1
     return changed

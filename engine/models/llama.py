@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
     # (`--deterministic`); `linear_fn` at tensor parallelism, `logits_fn` on one rank.
     linear_fn = staticmethod(F.linear)
     logits_fn = staticmethod(lambda hidden, weight, out: torch.matmul(hidden, weight.T, out=out))
+    skinny_logits = True  # few rows through skinny_linear (models/invariant.py turns it off)
 
     def __init__(
         self, config: ModelConfig, fused: bool | None = None, tp: TensorParallel | None = None, logits_pieces: bool = True
@@ -213,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
 
                 assert out is not None
                 return logits_linear.logits_linear(hidden, weight, out, lse)
-            skinny = skinny_for(hidden) if self.model.fused and weight.is_contiguous() else None
+            skinny = skinny_for(hidden) if self.model.fused and self.skinny_logits and weight.is_contiguous() else None
             if skinny is not None:  # few rows (decode): the weight prefetched behind the final norm
                 return skinny.skinny_linear(hidden, weight, out=out, prefetch=True, **skinny.LOGITS_CONFIG)
             return self.logits_fn(hidden, weight, out)

@@ -235,8 +235,8 @@ class ModelRunner:
     def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
         """The token counts of the piecewise graphs for steps with prefill: none on CPU or by flag."""
         limit = self.config.piecewise_cuda_graph_max_tokens
-        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
-            return []
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0 or self.config.deterministic:
+            return []  # deterministic: eager (its row-wise attention has no graphs)
         cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
         return piecewise_token_sizes(cap, kv_capacity_tokens)
 
@@ -262,7 +262,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
-            invariant.install(model)
+            if self.device.type == "cuda" and (self.tp.enabled or self.model_config.num_experts > 0):
+                raise ConfigError("--deterministic on CUDA serves dense models on one GPU for now "
+                                  "(the fused MoE and the all-reduce have no batch-invariant variant yet)")
+            invariant.install(model, self.device)
         return model.eval()
 
     @torch.inference_mode()
