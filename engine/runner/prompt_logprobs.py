@@ -49,9 +49,23 @@ class PromptLogprobs:
             # x - logsumexp(x), as the sampler reports a generated token's (at temperature 1): a
             # completion re-scored gives the logprobs its generation reported.
             logits = compute_logits(hidden[index]).float()  # [n, vocab]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+            lse = _logsumexp(logits)  # [n, 1]
             logprobs += (logits.gather(1, target[:, None]) - lse)[:, 0].tolist()
             if tops is not None:
                 values, ids = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)  # [n, k]
                 tops += [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), (values - lse).tolist(), strict=True)]
         return PromptLogprobs(logprobs, tops)
+
+
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] fp32 -> [n, 1]: on CUDA the sampler's own kernel (engine/kernels/lse_argmax.py,
+    temperature 1), so a re-scored token's logprob is its generation's bit for bit; else torch's,
+    the CPU sampler's."""
+    if not logits.is_cuda:
+        return torch.logsumexp(logits, dim=-1, keepdim=True)
+    from engine.kernels.lse_argmax import lse_argmax
+
+    n = logits.shape[0]
+    ones = torch.ones(n, dtype=torch.float32, device=logits.device)
+    lse, _, _ = lse_argmax(logits, ones, torch.zeros(n, dtype=torch.int32, device=logits.device))
+    return lse[:, None]
