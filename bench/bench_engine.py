@@ -23,7 +23,7 @@ Sections, in this order (cheapest first, each engine freed before the next is bu
   1. checkpoint: a checkpoint of the chosen shape with random bf16 weights, made here (no download).
   2. copy: device-to-device copy bandwidth; the roofline's bandwidth.
   3. graph_memory: the ladder of decode graphs captured into one pool vs the largest graph alone.
-  4. decode: one engine with CUDA graphs; step time at each batch size vs
+  4. decode: one engine with CUDA graphs; step time at each context and batch size vs
      (weight bytes + KV bytes the step reads) / copy bandwidth; MoE: only the distinct experts read.
   4b. prefill (MoE shapes): on the same engine, N x L-token prompts prefilled; TFLOP/s vs the
      dense bf16 matmul rate (engine_prefill.py).
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from bench_runtime import GIB, MIB, elapsed, run_section, say, write_json
 from device_timing import copy_bandwidth, free_memory
-from engine_decode import decode_steps, decode_weight_bytes
+from engine_decode import decode_new_tokens, decode_steps, decode_weight_bytes
 from engine_experts import ExpertBytes
 from engine_graphs import count_graph_replays, graph_memory
 from engine_mixed import mixed_steps
@@ -71,7 +71,7 @@ from engine.memory.kv_budget import kv_block_bytes
 FULL_DEFAULTS = dict(  # model_dir: the 0.6B shape's, for bench_memory.py; this script's is per shape
     shape="0.6b", model_dir="/tmp/siesta-bench-qwen3-0.6b", device="cuda", max_model_len=2048, mem_fraction=0.8,
     copy_mib=1024, copy_iters=20, graph_max_bs=256, graph_kv_blocks=2048,
-    decode_batch_sizes="1,8,64,256", decode_context=512, decode_steps=30, decode_warmup=3,
+    decode_batch_sizes="1,4,8,64,256", decode_contexts="512,8192,32768", decode_steps=30, decode_warmup=3,
     tp_requests=256, tp_min_len=100, tp_max_len=1024, hf_requests=16, hf_max_new_tokens=256,
     kv_cache_memory_gb=1.0, mixed_batch=64, mixed_chunk=512, mixed_reps=10, mixed_warmup=2, mixed_steps_per_rep=4,
     moe_route_steps=8, prefill_seqs=64, prefill_len=2048,
@@ -79,7 +79,7 @@ FULL_DEFAULTS = dict(  # model_dir: the 0.6B shape's, for bench_memory.py; this 
 TINY_DEFAULTS = dict(
     shape="tiny", model_dir="/tmp/siesta-bench-tiny", device="cpu", max_model_len=256, mem_fraction=0.8,
     copy_mib=64, copy_iters=5, graph_max_bs=16, graph_kv_blocks=256,
-    decode_batch_sizes="1,4,8", decode_context=32, decode_steps=5, decode_warmup=1,
+    decode_batch_sizes="1,4,8", decode_contexts="32,128", decode_steps=5, decode_warmup=1,
     tp_requests=16, tp_min_len=8, tp_max_len=64, hf_requests=4, hf_max_new_tokens=16,
     kv_cache_memory_gb=0.05, mixed_batch=4, mixed_chunk=32, mixed_reps=3, mixed_warmup=1, mixed_steps_per_rep=2,
     moe_route_steps=2, prefill_seqs=4, prefill_len=64,
@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-max-bs", type=int, help="largest decode graph (graph memory and decode engine)")
     p.add_argument("--graph-kv-blocks", type=int, help="KV blocks of the graph-memory engine")
     p.add_argument("--decode-batch-sizes", help="comma-separated")
-    p.add_argument("--decode-context", type=int, help="prompt tokens of each decode sequence")
+    p.add_argument("--decode-contexts", help="comma-separated prompt tokens of each decode sequence: every batch "
+                   "size is measured at each (a point whose KV does not fit the cache is skipped)")
     p.add_argument("--decode-steps", type=int, help="timed decode steps per batch size")
     p.add_argument("--decode-warmup", type=int, help="untimed decode steps before them")
     p.add_argument("--moe-route-steps", type=int, help="MoE: untimed decode steps after the timed ones whose routed "
@@ -171,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     args.engine_options = dict(load_format=ckpt["load_format"], weights_backup="none" if dummy else "host")
     if moe and "prefill" not in args.skip:  # a prompt and its one token fit, rounded up to 256 tokens
         args.max_model_len = max(args.max_model_len, -(-(args.prefill_len + 1) // 256) * 256)
+    contexts = [int(c) for c in args.decode_contexts.split(",")]
+    args.decode_context = contexts[0]  # the mixed section's decodes
+    if "decode" not in args.skip:  # the longest context and its new tokens fit, rounded up to 256 tokens
+        args.max_model_len = max(args.max_model_len, -(-(max(contexts) + decode_new_tokens(args)) // 256) * 256)
     res["meta"]["max_model_len"] = args.max_model_len
     copy = section("copy", copy_bandwidth, device, args.copy_mib, args.copy_iters)
     if device.type == "cuda":
@@ -210,13 +215,19 @@ def main(argv: list[str] | None = None) -> int:
             if experts:
                 res["decode"]["moe"] = experts.summary()
             if "decode" not in args.skip:
-                for bs in [int(b) for b in args.decode_batch_sizes.split(",")]:
+                capacity = info["kv_blocks_total"] * core.config.block_size  # KV tokens the cache holds
+                for context, bs in [(c, int(b)) for c in contexts for b in args.decode_batch_sizes.split(",")]:
+                    if bs * (context + decode_new_tokens(args) + core.config.block_size) > capacity:
+                        say(f"decode bs={bs} context={context}: skipped (needs more KV than the cache's {capacity} tokens)")
+                        res["decode"].setdefault("skipped", []).append({"batch_size": bs, "context": context})
+                        continue
                     try:
                         res["decode"]["batches"].append(decode_steps(
-                            core, args, bs, rng, weight_bytes, kv_token_bytes, bandwidth, replays, routes))
+                            core, args, bs, rng, weight_bytes, kv_token_bytes, bandwidth, replays, routes, context))
                     except Exception:
-                        res["errors"][f"decode_bs{bs}"] = traceback.format_exc()
-                        say(f"decode bs={bs}: FAILED\n{res['errors'][f'decode_bs{bs}']}")
+                        key = f"decode_bs{bs}" + (f"_ctx{context}" if len(contexts) > 1 else "")
+                        res["errors"][key] = traceback.format_exc()
+                        say(f"decode bs={bs} context={context}: FAILED\n{res['errors'][key]}")
                         core.abort(None)
                     write_json(args.out, res)
             if moe:

@@ -51,16 +51,24 @@ def device_waits() -> Iterator[list[float]]:
         torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
 
 
+def decode_new_tokens(args: argparse.Namespace) -> int:
+    """Tokens each decode sequence may generate: the warm-up and timed steps, with room to spare."""
+    return 4 * (args.decode_steps + args.decode_warmup) + 64
+
+
 def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: random.Random,
                  weight_bytes: int, kv_token_bytes: int, bandwidth: float | None, replays: list[int],
-                 routes: Callable[[EngineCore, int], dict[str, Any]] | None = None) -> dict[str, Any]:
+                 routes: Callable[[EngineCore, int], dict[str, Any]] | None = None, context: int | None = None,
+                 ) -> dict[str, Any]:  # fmt: skip
+    """Step time of `bs` sequences decoding after `context` prompt tokens each (args.decode_context)."""
     if bs > core.config.max_num_seqs:
         raise RuntimeError(f"batch {bs} is more than the engine's max_num_seqs ({core.config.max_num_seqs})")
+    context = args.decode_context if context is None else context
     vocab = core.model_config.vocab_size
-    new_tokens = min(args.max_model_len - args.decode_context, 4 * (args.decode_steps + args.decode_warmup) + 64)
+    new_tokens = min(args.max_model_len - context, decode_new_tokens(args))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(bs):
-        prompt = [rng.randrange(vocab) for _ in range(args.decode_context)]
+        prompt = [rng.randrange(vocab) for _ in range(context)]
         err = core.add_request(AddRequest(request_id=f"decode-{bs}-{i}", prompt_token_ids=prompt, sampling_params=params))
         if err is not None:
             raise RuntimeError(f"request refused: {err.error}")
@@ -75,7 +83,7 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
             if d.new_token_ids:
                 started.add(d.request_id)
         prefill_steps += 1
-        if prefill_steps > 10 * bs * args.decode_context:
+        if prefill_steps > 10 * bs * context:
             raise RuntimeError("prefill does not finish")
     prefill_s = time.perf_counter() - t
     for _ in range(args.decode_warmup):
@@ -102,7 +110,7 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
     kv_bytes = kv_token_bytes * sum(kv_tokens) / len(kv_tokens)
     roofline_s = (weight_bytes + kv_bytes) / bandwidth if bandwidth else None  # None: no roofline asked for
     out = {
-        "batch_size": bs, "context": args.decode_context, "prefill_steps": prefill_steps, "prefill_s": prefill_s,
+        "batch_size": bs, "context": context, "prefill_steps": prefill_steps, "prefill_s": prefill_s,
         "steps": len(times), "step_mean_s": mean_s, "step_median_s": statistics.median(times),
         "step_min_s": min(times), "step_max_s": max(times), "graph_replayed_steps": graph_steps,
         "mean_kv_tokens_read": sum(kv_tokens) / len(kv_tokens), "kv_bytes_read": kv_bytes,
@@ -115,7 +123,7 @@ def decode_steps(core: EngineCore, args: argparse.Namespace, bs: int, rng: rando
     roof = f"roofline {roofline_s * 1e3:.3f} ms, measured/roofline {out['measured_over_roofline']:.2f}, " if roofline_s else ""
     if experts:
         roof += f"{experts['distinct_experts_per_layer']:.1f} distinct experts per layer, "
-    say(f"decode bs={bs}: step {mean_s * 1e3:.3f} ms (median {out['step_median_s'] * 1e3:.3f}), {roof}"
+    say(f"decode bs={bs} context={context}: step {mean_s * 1e3:.3f} ms (median {out['step_median_s'] * 1e3:.3f}), {roof}"
         f"{graph_steps}/{len(times)} steps from CUDA graphs, host busy {host_busy_s * 1e3:.3f} ms per step, "
         f"prefill {prefill_s:.2f} s in {prefill_steps} steps")
     return out

@@ -1,5 +1,5 @@
 """The mixed step of bench_engine.py (section mixed): what admitting one prompt costs the decodes it
-joins. On the decode engine, with B = `--mixed-batch` decodes of `--decode-context` tokens and a
+joins. On the decode engine, with B = `--mixed-batch` decodes of the first of `--decode-contexts` tokens and a
 chunk of C = `--mixed-chunk` tokens, it times:
   (a) decode: a step of the B running decodes alone;
   (b) chunk: a step that prefills one fresh C-token prompt while nothing else runs;

@@ -18,19 +18,19 @@ import torch
 from bench_runtime import say
 from device_timing import free_memory
 
-# Shapes `--shape` names (random weights); `--tiny` uses "tiny" (or "tiny-moe"). A dense shape's
-# max_position_embeddings is kept at 4096 (the real models have 40960): the workloads here are
-# short. 30b-a3b is Qwen3-30B-A3B's config.json (its intermediate_size is unused: every layer is sparse).
+# Shapes `--shape` names (random weights); `--tiny` uses "tiny" (or "tiny-moe"). Each carries the
+# real model's max_position_embeddings (40960), so long contexts are measured as served. 30b-a3b is
+# Qwen3-30B-A3B's config.json (its intermediate_size is unused: every layer is sparse).
 SHAPES: dict[str, dict[str, Any]] = {
     "0.6b": dict(  # Qwen3-0.6B
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645,
         tie_word_embeddings=True,
     ),
     "8b": dict(  # Qwen3-8B
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643, eos_token_id=151645,
         tie_word_embeddings=False,
     ),

@@ -138,6 +138,24 @@ def test_bench_memory_without_a_gpu_says_why(tmp_path: str) -> None:
         assert "gpu" in json.load(f)["errors"]
 
 
+def test_decode_targets_by_batch_and_context() -> None:
+    """Short contexts keep each shape's targets; from 8k tokens issue 77's: batch 1 at 32k, batches 4-8."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from engine_shapes import SHAPES
+        from engine_table import decode_target
+    finally:
+        sys.path.remove(str(BENCH))
+
+    big, small = SHAPES["8b"], SHAPES["0.6b"]
+    assert decode_target(big, 1, 512) == ("<=", 1.3) and decode_target(small, 1, 512) == ("<=", 2.5)
+    assert decode_target(big, 64, 512) == (">=", 0.75) and decode_target(small, 8, 512) is None
+    assert decode_target(small, 1, 32768) == ("<=", 1.3) and decode_target(small, 1, 8192) is None
+    assert decode_target(big, 4, 8192) == decode_target(small, 8, 32768) == (">=", 0.85)
+    assert decode_target(small, 64, 8192) is None
+    assert SHAPES["0.6b"]["max_position_embeddings"] == SHAPES["8b"]["max_position_embeddings"] == 40960
+
+
 def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
     out, ckpt = os.path.join(tmp_path, "engine.json"), os.path.join(tmp_path, "ckpt")
     p = _run(os.path.join("bench", "bench_engine.py"), "--tiny", "--model-dir", ckpt, "--skip", "hf", "--out", out)
@@ -150,11 +168,12 @@ def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
         assert shape["hidden_size"] == json.load(f)["hidden_size"]
     kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2  # bf16
     assert res["decode"]["kv_bytes_per_token"] == kv_per_token
-    assert [d["batch_size"] for d in res["decode"]["batches"]] == [1, 4, 8]
+    # Every batch size at every context (the tiny run's 32 and 128 tokens), in that order.
+    assert [(d["context"], d["batch_size"]) for d in res["decode"]["batches"]] == [(c, b) for c in (32, 128) for b in (1, 4, 8)]
     assert res["throughput"]["output_tokens"] == res["throughput"]["expected_output_tokens"]
     # The mixed section: B decodes + one fresh C-token prompt in one step vs the two apart.
     mixed, args = res["mixed"], res["meta"]["args"]
-    assert (mixed["batch_size"], mixed["chunk_tokens"], mixed["context"]) == (4, 32, args["decode_context"])
+    assert (mixed["batch_size"], mixed["chunk_tokens"], mixed["context"]) == (4, 32, int(args["decode_contexts"].split(",")[0]))
     a, b, c = mixed["decode_step_median_s"], mixed["chunk_step_median_s"], mixed["mixed_step_median_s"]
     assert min(a, b, c) > 0
     for key in ("decode_step_s", "chunk_step_s", "mixed_step_s"):
