@@ -28,6 +28,8 @@ Rules:
 - `--routed-experts` (MoE only, serving_routes.py): after the server sections, a second server
   with `--enable-return-routed-experts` runs batched, singles and n8 again, every request asking
   for its routed experts; each mode against itself without.
+- Long tail (serving_longtail.py): S concurrent sequences of P-token prompts generating O tokens
+  each (`--longtail`, 8x16384x4096), after the online shape.
 - `--rounds K`: each section (the Engine's too) runs K times, the modes interleaved (batched,
   singles, streams, n8, batched, ...), and the round with the median tok/s is reported, with every
   round's tok/s beside it (`rounds_tokens_per_s`): on a machine whose speed drifts by +-10 %
@@ -65,6 +67,7 @@ from serving_clients import (  # noqa: E402
     random_prompts,
     rl_specs,
 )
+from serving_longtail import longtail_specs, summarize_longtail  # noqa: E402
 from serving_routes import ROUTED_MODES, route_bytes  # noqa: E402
 from serving_server import Server, cpu_pct, cpu_s, py_spy, stop_py_spy  # noqa: E402
 from serving_summary import summarize  # noqa: E402
@@ -72,12 +75,14 @@ from serving_table import print_table, table_rows  # noqa: E402
 
 MODES = ("batched", "singles", "streams", "n8")
 FULL = dict(shape="0.6b", server_args="", num_prompts="64,256,1024", input_len=256, output_len=256,
-            online_output_len=256, num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0)
+            online_output_len=256, num_online=256, request_rate=16.0, client_procs=8, deadline_s=480.0, startup_timeout_s=600.0,
+            longtail="8x16384x4096")
 TINY = dict(shape="tiny", num_prompts="8", input_len=16,
             output_len=8, server_args="--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256",
             # streams long enough that a server starved of CPU (CI: 2 cores) cannot send one whole
             # in a single event, so they have inter-token gaps to measure
-            online_output_len=48, num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0)
+            online_output_len=48, num_online=6, request_rate=20.0, client_procs=2, deadline_s=120.0, startup_timeout_s=120.0,
+            longtail="2x64x16")
 
 
 def http_section(server: Server, pool: ClientPool, shares: list[list[dict[str, Any]]], expected: int,
@@ -191,6 +196,11 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
             r |= {"request_rate": args.request_rate, "num_requests": args.num_online}
             say(f"online: {r['ok']}/{r['requests']} ok, {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.0f} tok/s, "
                 f"TTFT p50 {r['ttft_ms']['p50'] or 0:.1f} ms, ITL p50 {r['itl_ms']['p50'] or 0:.1f} ms")
+        if not routes and "longtail" not in args.skip and elapsed() <= args.deadline_s:
+            shares, shape = longtail_specs(args.longtail, args.seed, vocab, sampling, args.client_procs)
+            r = res["longtail"] = summarize_longtail(http_section(server, pool, *shares), shape)
+            say(f"longtail {args.longtail}: {r['ok']}/{r['requests']} ok, {r['tokens_per_s_per_sequence']:.1f} tok/s "
+                f"per sequence, {r['mean_step_ms'] or 0:.2f} ms a step over {r['engine_steps']} steps")
     finally:
         if pool is not None:
             pool.close()
@@ -224,7 +234,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(files beside --out: <out>.<mode>.<N>.<server|engine>.txt, collapsed stacks)")
     p.add_argument("--routed-experts", action="store_true", help="MoE: the server sections again with "
                    "--enable-return-routed-experts and return_routed_experts in every request; on / off tok/s")
-    p.add_argument("--skip", default="", help="comma-separated: engine,serve (all server sections),batched,singles,streams,n8,online")
+    p.add_argument("--longtail", help="the long-tail section: SEQUENCESxPROMPTxOUTPUT tokens (default 8x16384x4096)")
+    p.add_argument("--skip", default="", help="comma-separated: engine,serve (all server sections),batched,singles,streams,"
+                   "n8,online,longtail")
     args = p.parse_args(argv)
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
@@ -280,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"]["total_s"] = elapsed()
     write_json(args.out, res)
     print_table(res)
-    failed = any(r.get("failed") for rl in ("rl", "rl_routed") for sec in res[rl].values() for r in sec.values()) or (
-        res.get("online") or {}).get("failed")
+    failed = any(r.get("failed") for rl in ("rl", "rl_routed") for sec in res[rl].values() for r in sec.values()) or any(
+        (res.get(k) or {}).get("failed") for k in ("online", "longtail"))
     return 1 if res["errors"] or failed else 0
 
 

@@ -54,6 +54,10 @@ def table_rows(res: dict[str, Any]) -> Rows:
             on["tokens_per_s"], on["requests_per_s"], sec=on)
         row("online TTFT ms: p50; ref = p99", on["ttft_ms"]["p50"], on["ttft_ms"]["p99"])
         row("online inter-token latency ms: p50; ref = p99", on["itl_ms"]["p50"], on["itl_ms"]["p99"])
+    lt = res.get("longtail")
+    if lt:
+        row(f"long tail {lt['sequences']} x {lt['prompt_tokens']}-token prompts, {lt['output_tokens_each']} new each: "
+            "tok/s per sequence; ref = mean step ms", lt["tokens_per_s_per_sequence"], lt["mean_step_ms"], sec=lt)
     return rows
 
 

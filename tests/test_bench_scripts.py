@@ -249,8 +249,13 @@ def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     assert online["requests"] == online["ok"] == 6 and online["failed"] == 0
     assert online["output_tokens"] == online["expected_output_tokens"] > 0
     assert online["ttft_ms"]["p99"] >= online["ttft_ms"]["p50"] > 0 and online["itl_ms"]["p50"] is not None
+    longtail = res["longtail"]  # the tiny run's 2 x 64-token prompts, 16 new tokens each
+    assert (longtail["sequences"], longtail["prompt_tokens"], longtail["output_tokens_each"]) == (2, 64, 16)
+    assert longtail["ok"] == longtail["requests"] == 2 and longtail["output_tokens"] == longtail["expected_output_tokens"] == 32
+    assert longtail["tokens_per_s_per_sequence"] == pytest.approx(longtail["tokens_per_s"] / 2) and longtail["mean_step_ms"] > 0
     metrics = [row["metric"] for row in res["table"]]
     assert any("batched" in m and "Engine" in m for m in metrics) and any("online" in m for m in metrics)
+    assert any(m.startswith("long tail 2 x 64-token prompts") for m in metrics)
     assert "| N=8 one batched /generate" in p.stdout
 
 
