@@ -13,9 +13,10 @@ Choices, to keep the fuzz bounded (2 CPU cores, under 3 minutes) and the server 
   restores the state: pause_generation / continue_generation (then continue), and
   release_memory_occupation / resume_memory_occupation (then resume everything). No 503 is
   allowed anywhere, since the state is restored after every case.
-- `/init_weights_update_group` is not fuzzed: a fuzzed master address and port make the engine
-  join a process group that never forms (a wait of the group's timeout per case), and a
-  successful one would change the engine's state for the rest of the run.
+- `/init_weights_update_group` and prime-rl's `/init_broadcaster` are not fuzzed: a fuzzed master
+  address and port make the engine join a process group that never forms (a wait of the group's
+  timeout per case), and a successful one would change the engine's state for the rest of the
+  run (tests/test_vllm_api.py covers `/init_broadcaster`'s bad input).
 - Weight updates (from disk, tensor, distributed) and group destruction are fuzzed with the other
   routes: fuzzed paths lie outside --allowed-model-dirs (403), fuzzed payloads do not unpickle,
   and no group exists (400); the greedy probe afterwards shows the weights were untouched.
@@ -54,7 +55,7 @@ PROBE = {"input_ids": [5, 17, 99, 3, 250, 7], "sampling_params": {"max_new_token
 REPAIRED = {"/generate", "/v1/completions", "/v1/chat/completions"}
 # Not fuzzed: group init waits for a trainer; the weights checker's reset_tensors overwrites the
 # weights on purpose; profiling writes files where it is told (each has its own tests).
-NOT_FUZZED = {"/init_weights_update_group", "/weights_checker", "/start_profile", "/stop_profile"}
+NOT_FUZZED = {"/init_weights_update_group", "/init_broadcaster", "/weights_checker", "/start_profile", "/stop_profile"}
 # Sent first among each route's negative cases, on every run; each must get 400. Bytes go as
 # they are; dicts as JSON (with \uXXXX escapes for the surrogates).
 EXPLICIT: dict[str, list[Any]] = {

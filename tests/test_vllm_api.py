@@ -400,6 +400,8 @@ BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
     # prime-rl's AdminPlane.initialize_nccl body, asking for its fp8 refit.
     ("post", "/init_broadcaster", {"json": {"host": "trainer", "port": 29501, "rank_offset": 0, "inference_world_size": 1,
                                             "timeout": 1200, "quantize_in_weight_transfer": True}}, 400, "quantize_in_weight_transfer"),
+    ("post", "/init_broadcaster", {"json": {"host": "trainer", "port": 0, "inference_world_size": 1}}, 400, "master_port"),
+    ("post", "/init_broadcaster", {"json": {"host": "trainer", "port": 29501, "inference_world_size": 0}}, 400, "world_size"),
     ("post", "/update_weights", {"json": {"weight_dir": "/tmp", "mode": "delta"}}, 400, "delta"),
     ("post", "/inference/v1/generate", {"json": {"token_ids": PROMPT, "sampling_params": {"bogus": 1}}}, 400, "bogus"),
     ("post", "/inference/v1/generate", {"json": {"token_ids": PROMPT, "sampling_params": {"bad_words": ["x"]}}}, 400, "bad_words"),
