@@ -27,7 +27,6 @@ Rules:
 from __future__ import annotations
 
 import _ctypes
-import ctypes
 import io
 import pickle
 import time
@@ -48,18 +47,12 @@ POLL_S = 5e-5  # how often the host looks whether a broadcast has arrived
 _STUCK: list[list[torch.Tensor]] = []  # receive buffers of aborted broadcasts
 
 
-class NcclUniqueId(ctypes.Structure):
-    """pynccl_wrapper.ncclUniqueId's layout: NCCL_UNIQUE_ID_BYTES (128) opaque bytes."""
-
-    _fields_ = [("internal", ctypes.c_byte * 128)]
-
-
 class _UniqueIdUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("_ctypes", "_unpickle"):
             return _ctypes._unpickle
         if module in UNIQUE_ID_MODULES and name == "ncclUniqueId":
-            return NcclUniqueId
+            return nccl_lib.UniqueId  # pynccl_wrapper.ncclUniqueId's layout: 128 opaque bytes
         raise pickle.UnpicklingError(f"the NCCL unique id names {module}.{name}; only a pynccl ncclUniqueId is accepted")
 
 
@@ -69,7 +62,7 @@ def unique_id_of(raw: bytes) -> bytes:
         uid = _UniqueIdUnpickler(io.BytesIO(raw)).load()
     except Exception as e:  # UnpicklingError, EOFError, a struct of the wrong size, ...
         raise ValueError(f"the trainer's NCCL unique id ({UNIQUE_ID_KEY}) is not a pickled ncclUniqueId: {e}") from None
-    if not isinstance(uid, NcclUniqueId):
+    if not isinstance(uid, nccl_lib.UniqueId):
         raise ValueError(f"the trainer's NCCL unique id ({UNIQUE_ID_KEY}) is a {type(uid).__name__}, not an ncclUniqueId")
     return bytes(uid)
 
