@@ -157,7 +157,8 @@ def main() -> None:
     device = torch.device("cuda")
     ckpt = checkpoint(args.shape, args.model_dir, device, seed=0)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=2048,
+    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6,
+                                   max_model_len=max(2048, args.context + 4 * args.steps + 128),
                                    max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size,
                                    load_format=ckpt.get("load_format", "auto"), weights_backup="none",
                                    enable_return_routed_experts=args.routed_experts))  # fmt: skip

@@ -48,8 +48,9 @@ class PromptLogprobs:
             target = torch.tensor(targets[begin : begin + ROWS_PER_SLICE], device=hidden.device)
             # x - logsumexp(x), as the sampler reports a generated token's (at temperature 1): a
             # completion re-scored gives the logprobs its generation reported.
-            logits = compute_logits(hidden[index]).float()  # [n, vocab]
-            lse = _logsumexp(logits)  # [n, 1]
+            raw = compute_logits(hidden[index])  # [n, vocab], the model dtype, as the sampler gets them
+            logits = raw.float()
+            lse = _logsumexp(raw)  # [n, 1]
             logprobs += (logits.gather(1, target[:, None]) - lse)[:, 0].tolist()
             if tops is not None:
                 values, ids = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)  # [n, k]
@@ -58,11 +59,13 @@ class PromptLogprobs:
 
 
 def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """[n, vocab] fp32 -> [n, 1]: on CUDA the sampler's own kernel (engine/kernels/lse_argmax.py,
-    temperature 1), so a re-scored token's logprob is its generation's bit for bit; else torch's,
-    the CPU sampler's."""
+    """[n, vocab] in the model dtype -> [n, 1] fp32: on CUDA the sampler's own kernel
+    (engine/kernels/lse_argmax.py, temperature 1) on the logits as the sampler gets them, so a
+    re-scored token's logprob is its generation's bit for bit (the kernel's sum order follows its
+    input dtype: bf16 logits cast to fp32 first sum in another order, one ulp apart, found on an
+    H200); else torch's on fp32, the CPU sampler's."""
     if not logits.is_cuda:
-        return torch.logsumexp(logits, dim=-1, keepdim=True)
+        return torch.logsumexp(logits.float(), dim=-1, keepdim=True)
     from engine.kernels.lse_argmax import lse_argmax
 
     n = logits.shape[0]

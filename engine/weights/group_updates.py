@@ -101,6 +101,7 @@ class GroupUpdates:
         written = load_named_tensors(self.model, list(zip(names, buffers, strict=True)), require_all=False,
                                      targets=self.store.targets)
         self._copied()
+        self._leftover = buffers  # the model's size: back to the driver after the answer, before a KV resume
         self.route = f"per tensor, 0 of {len(names)} in place"
         return self._done(written)
 
