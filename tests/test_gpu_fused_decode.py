@@ -58,9 +58,9 @@ SHAPE = TINY | dict(hidden_size=256, intermediate_size=512, head_dim=64, max_pos
 TOLERANCE = 3e-2
 
 
-def _checkpoint(arch: str, path: str) -> str:
+def _checkpoint(arch: str, path: str, **shape: object) -> str:
     if arch == "qwen3":
-        config = Qwen3Config(**SHAPE, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        config = Qwen3Config(**(SHAPE | shape), num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
         return _save(_randomized(Qwen3ForCausalLM, config, seed=11), path)
     if arch == "qwen2":
         config = Qwen2Config(**(SHAPE | dict(intermediate_size=384)), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
@@ -326,7 +326,7 @@ def engine_same_with_and_without(path: str, switch: str, attached: Callable[[Eng
 
     results = {}
     for flag in ("1", "0"):
-        core = _core(path, max_model_len=1024, **knobs, **{switch: flag == "1"})
+        core = _core(path, **({"max_model_len": 1024} | knobs), **{switch: flag == "1"})
         assert attached(core) == (flag == "1")
         results[flag] = _greedy(core, prompts, 24)
         del core
@@ -343,3 +343,41 @@ def test_engine_decodes_the_same_with_and_without_it(tmp_path) -> None:
     from engine.decode.fused_decode import FusedDecode
 
     engine_same_with_and_without(_checkpoint("qwen3", str(tmp_path / "qwen3")), "fused_decode", has_path(FusedDecode), prompts)
+
+
+def test_long_context_steps_leave_it_for_the_split_kv_kernels(tmp_path) -> None:
+    """Steps of its few rows whose rows hold >= LONG_KV_TOKENS context tokens run the batch
+    decode's kernels instead (engine/decode/rules.py): each size of its rows has a second,
+    long-context graph, and greedy decoding of a long prompt beside a short one gives the tokens
+    and logprobs of the engine without the fused kernel."""
+    from test_gpu_engine import _core, _greedy
+
+    from engine.decode.fused_decode import FusedDecode
+    from engine.decode.rules import LONG_KV_TOKENS
+
+    class Counted:  # a graph whose replays are counted
+        def __init__(self, graph: torch.cuda.CUDAGraph, counts: dict[str, int], kind: str) -> None:
+            self.graph, self.counts, self.kind = graph, counts, kind
+
+        def replay(self) -> None:
+            self.counts[self.kind] += 1
+            self.graph.replay()
+
+    path = _checkpoint("qwen3", str(tmp_path / "qwen3"), max_position_embeddings=2 * LONG_KV_TOKENS)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(LONG_KV_TOKENS + 40)], [rng.randrange(3, 500) for _ in range(30)]]
+    core = _core(path, max_model_len=LONG_KV_TOKENS + 256, num_kv_blocks=2 * LONG_KV_TOKENS // 16)
+    fused = next(p for p in core.runner.decode_paths if isinstance(p, FusedDecode))
+    graphs = core.runner.graphs
+    assert graphs is not None and sorted(graphs.long_graphs) == [bs for bs in graphs.batch_sizes if bs <= fused.max_rows]
+    counts = {"short": 0, "long": 0}
+    graphs.graphs = {bs: Counted(g, counts, "short") for bs, g in graphs.graphs.items()}
+    graphs.long_graphs = {bs: Counted(g, counts, "long") for bs, g in graphs.long_graphs.items()}
+    _greedy(core, prompts[1:], 8)
+    assert counts["long"] == 0 and counts["short"] > 0, counts
+    _greedy(core, prompts, 8)
+    assert counts["long"] >= 7, counts
+    del core, graphs
+    torch.cuda.empty_cache()
+    engine_same_with_and_without(path, "fused_decode", has_path(FusedDecode), prompts, max_model_len=LONG_KV_TOKENS + 256,
+                                 num_kv_blocks=2 * LONG_KV_TOKENS // 16)

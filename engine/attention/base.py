@@ -139,3 +139,6 @@ class ForwardContext:
 
     backend: AttentionBackend
     meta: AttentionMetadata
+    # A decode step whose rows hold >= LONG_KV_TOKENS of context together (engine/decode/rules.py):
+    # few rows then take the split-KV kernels (batch_decode.py), not the one-kernel layers.
+    long_kv: bool = False

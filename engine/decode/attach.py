@@ -1,7 +1,8 @@
 """Which kernels a CUDA decode step runs, attached to the model once at startup (the model runner,
 inside the `cuda_graph` region, after the attention backend exists):
-- steps of few rows: one kernel per layer (fused_decode.py `FusedDecode`);
-- the steps above them, up to 64 rows: two per layer (batch_decode.py `BatchDecode`);
+- steps of few rows: one kernel per layer (fused_decode.py `FusedDecode`), unless their rows hold
+  rules.LONG_KV_TOKENS context tokens or more;
+- the steps above them, up to 64 rows, and those long ones: two per layer (batch_decode.py `BatchDecode`);
 - every other decode step: the layers one op at a time, their attention's rope and K/V store
   folded into one kernel (decode_attention.py `DecodeAttention`).
 Each is attached only where the config, the model, its device and the backend allow it; why not
@@ -16,6 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import EngineConfig
+from engine.decode import rules
 from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 
 log = logging.getLogger("siesta.engine")
@@ -46,12 +48,22 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
         log.info("fused decode off: %s", why)
     last = min(batch_decode.MAX_ROWS, config.max_num_seqs)
     why = "--no-batch-decode" if not config.batch_decode else batch_decode.unsupported(model, backend)
-    if why is None and first <= last:
-        batch = batch_decode.BatchDecode(model, backend, first, last)
+    if why is None:  # from one row: the fused kernel's steps at long context (rules.LONG_KV_TOKENS) too
+        batch = batch_decode.BatchDecode(model, backend, 1, last)
         steps.append(batch)
-        log.info("batch decode: steps of %d..%d rows run two kernels per layer (%.1f MiB of scratch)",
-                 first, batch.max_rows, batch.nbytes / (1 << 20))
+        log.info("batch decode: steps of %d..%d rows run two kernels per layer, and steps of fewer rows holding "
+                 ">= %d context tokens (%.1f MiB of scratch)", first, batch.max_rows, rules.LONG_KV_TOKENS,
+                 batch.nbytes / (1 << 20))
     elif why is not None:
         log.info("batch decode off: %s", why)
     model.model.use_decode_paths(steps, attention)
     return steps
+
+
+def long_kv_rows(steps: list[DecodeStepPath]) -> int:
+    """The most rows of a decode step whose path changes at long context (rules.LONG_KV_TOKENS):
+    the fused kernel's (its long steps go to the batch decode, or the layers one op at a time:
+    split-KV attention either way); 0 without it."""
+    from engine.decode import fused_decode
+
+    return max((s.max_rows for s in steps if isinstance(s, fused_decode.FusedDecode)), default=0)

@@ -172,7 +172,8 @@ class FusedDecode:
         return kv_splits(self.programs, self.shape, rows)
 
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
-        return ctx.backend is self.backend and ctx.meta.is_decode and 0 < input_ids.shape[0] <= self.max_rows
+        return (ctx.backend is self.backend and ctx.meta.is_decode and not ctx.long_kv
+                and 0 < input_ids.shape[0] <= self.max_rows)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, timing: torch.Tensor | None = None

@@ -18,6 +18,12 @@ from torch import nn
 from engine.models.layers import MLP
 
 MAX_HIDDEN = 1024
+# A decode step of few rows whose rows hold this many context tokens together runs batch_decode.py's
+# kernels (split-KV attention, three programs per SM) instead of fused_decode.py's one kernel per
+# layer (one program per SM, at most 16 splits a row: its attention read the KV at ~1.2 TB/s).
+# H200, 0.6B, one row (bench/history/2026-11-29.md, 2026-11-29p): the fused step is ~0.67 ms plus
+# ~92 ns per context token, the batch decode's ~1.2 ms plus ~30 ns: even at ~8.5k tokens.
+LONG_KV_TOKENS = 8192
 _K_UNIT = 128  # every K of a layer's GEMVs is a multiple of this (the kernels' K steps)
 
 

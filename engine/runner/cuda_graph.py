@@ -14,6 +14,9 @@ Rules:
 - Up to 64 rows the logits also write the greedy sampler's pieces (max, sum of exp, argmax of
   each logits program's columns: engine/kernels/logits_linear.py; the model's `logits_pieces`),
   so that sampler only merges them.
+- The sizes whose decode path changes at long context (the fused kernel's few rows) get a second
+  graph, with ForwardContext.long_kv; a step replays it when its rows hold LONG_KV_TOKENS context
+  tokens or more (engine/decode/rules.py).
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
 - Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend, ForwardContext
+from engine.decode.rules import LONG_KV_TOKENS
 from engine.runner.step_inputs import StepPlan
 
 log = logging.getLogger("siesta.engine")
@@ -79,6 +83,7 @@ class CudaGraphRunner:
         device: torch.device,
         batch_sizes: list[int] | None = None,  # default: the ladder; the benchmark captures [max_bs] alone
         pool: Any = None,  # a graph pool to capture into (shared with other graphs); default: a new one
+        long_kv_rows: int = 0,  # sizes up to this get a second graph for long context (decode.attach.long_kv_rows)
     ) -> None:
         from engine.runner.graph_io import GraphIO
 
@@ -103,6 +108,9 @@ class CudaGraphRunner:
             max(bs * pieces for bs, pieces in self.pieces.items()),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The same sizes' forwards for steps holding >= LONG_KV_TOKENS context tokens (ForwardContext.long_kv)
+        self.long_sizes = [bs for bs in self.batch_sizes if bs <= long_kv_rows]
+        self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool
         self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.logits)) + self.io.nbytes
         self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
@@ -120,11 +128,11 @@ class CudaGraphRunner:
             "temperatures": self.io.temps[:bs],
         }
 
-    def _forward(self, bs: int) -> None:
+    def _forward(self, bs: int, long_kv: bool = False) -> None:
         """The captured work: the staged inputs, model and logits for `bs` rows into the static
         logits buffer, and their greedy samples."""
         self.io.gather(bs)
-        ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs))
+        ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs), long_kv=long_kv)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
         pieces = self.pieces[bs]
         self.model.compute_logits(hidden, out=self.logits[:bs], lse=self.io.lse_pieces(bs, pieces) if pieces else None)
@@ -136,22 +144,25 @@ class CudaGraphRunner:
         `graph_context(graph, pool=...)` is `torch.cuda.graph` or a region's pausable version."""
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        for bs in reversed(self.batch_sizes):
-            self._forward(bs)  # warm-up: compiles kernels, allocates workspaces outside the graph
+        plan = [(bs, False) for bs in reversed(self.batch_sizes)] + [(bs, True) for bs in reversed(self.long_sizes)]
+        for bs, long_kv in plan:
+            self._forward(bs, long_kv)  # warm-up: compiles kernels, allocates workspaces outside the graph
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with graph_context(graph, pool=self.pool):
-                self._forward(bs)
+                self._forward(bs, long_kv)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
+            (self.long_graphs if long_kv else self.graphs)[bs] = graph
             torch.cuda.synchronize(self.device)
-            log.info("captured decode graph bs=%d; graph pool now %.1f MiB", bs, graph_pool_bytes(self.pool) / (1 << 20))
+            log.info("captured decode graph bs=%d%s; graph pool now %.1f MiB", bs, " (long context)" if long_kv else "",
+                     graph_pool_bytes(self.pool) / (1 << 20))
         self.io.reset()
         self.pool_bytes = graph_pool_bytes(self.pool)
         log.info(
-            "captured %d decode graphs (bs %d..%d) in %.1f s: pool %.1f MiB, static buffers %.1f MiB",
-            len(self.graphs), self.batch_sizes[0], self.max_bs, time.perf_counter() - t0,
+            "captured %d decode graphs (bs %d..%d, %d of them again for long context) in %.1f s: pool %.1f MiB, "
+            "static buffers %.1f MiB", len(self.graphs), self.batch_sizes[0], self.max_bs, len(self.long_graphs),
+            time.perf_counter() - t0,
             self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
         )
 
@@ -177,6 +188,7 @@ class CudaGraphRunner:
         n = plan.num_seqs
         bs = self.padded_size(n)
         slot = self.io.stage_step(plan.parts, plan.sampling.scalars[:n], n, bs)
-        self.graphs[bs].replay()
+        long_kv = bs in self.long_graphs and sum(plan.seq_lens_cpu) >= LONG_KV_TOKENS
+        (self.long_graphs if long_kv else self.graphs)[bs].replay()
         self.io.replayed(slot)
         return slot

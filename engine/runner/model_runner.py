@@ -20,7 +20,8 @@ from engine.attention import (
     resolve_backend_name,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.decode.attach import attach_decode_paths
+from engine.decode.attach import attach_decode_paths, long_kv_rows
+from engine.decode.rules import LONG_KV_TOKENS
 from engine.kernels import configure as configure_kernels
 from engine.memory.kv_budget import make_kv_cache
 from engine.memory.poison import tensors_of
@@ -155,7 +156,8 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
-                    self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device, pool=pool
+                    self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device, pool=pool,
+                    long_kv_rows=long_kv_rows(self.decode_paths),
                 )
             if piecewise_sizes:
                 self.piecewise = PiecewiseGraphRunner(
@@ -334,7 +336,8 @@ class ModelRunner:
         if self.piecewise is not None and self.piecewise.can_run(num_tokens):
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta))
+            long_kv = plan.max_query_len == 1 and sum(plan.seq_lens_cpu) >= LONG_KV_TOKENS
+            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta, long_kv))
         if not plan.prompt_logprob_rows:
             return hidden, PromptLogprobs.none()
         rows = [r for _, _, r in plan.prompt_logprob_rows]
