@@ -243,6 +243,22 @@ class EngineConfig:
                           "(batch-invariant ops; on CUDA: eager, one GPU, dense models)",
                   "aliases": ("--enable-deterministic-inference",)},
     )
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata={"help": "ngram: speculative decoding with drafts from each request's own text and earlier rollouts "
+                          "of its prompt, verified in one forward; the tokens are plain decoding's (SGLang's NGRAM)"},
+    )
+    speculative_num_draft_tokens: int = field(default=4, metadata={"help": "tokens drafted per request and step"})
+    speculative_ngram_min_match_window_size: int = field(default=2, metadata={"help": "shortest suffix an ngram draft matches"})
+    speculative_ngram_max_match_window_size: int = field(default=8, metadata={"help": "longest suffix an ngram draft matches"})
+    speculative_disable_by_batch_size: int = field(
+        default=8, metadata={"help": "draft only while at most this many requests run (vLLM's disable_by_batch_size)"}
+    )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={"help": "vLLM's JSON form of the above: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+                          "\"prompt_lookup_min\": n, \"prompt_lookup_max\": m, \"disable_by_batch_size\": b}"},
+    )
     # Kernel choices on CUDA (docs/KERNELS.md): each on by default; off runs the path it replaces.
     fused_ops: bool = field(default=True, metadata={"help": "Triton norms, rope, SiLU-mul and few-rows GEMVs (off: torch ops)"})
     fused_decode: bool = field(default=True, metadata={"help": "decode steps of 1-4 rows as one kernel per layer"})
@@ -276,6 +292,34 @@ class EngineConfig:
             raise ConfigError(f"weights_backup must be host or none, got {self.weights_backup!r}")
         if self.dtype != "auto":
             _dtype_name(self.dtype)
+        if self.speculative_config is not None:
+            self._take_speculative_config(self.speculative_config)
+        if self.speculative_algorithm is not None:
+            algorithm = self.speculative_algorithm.lower()
+            if algorithm != "ngram":
+                raise ConfigError(f"speculative_algorithm must be ngram, got {self.speculative_algorithm!r}")
+            object.__setattr__(self, "speculative_algorithm", algorithm)
+            low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+            if self.speculative_num_draft_tokens < 1 or not 1 <= low <= high or self.speculative_disable_by_batch_size < 1:
+                raise ConfigError("speculative decoding needs num_draft_tokens >= 1, 1 <= ngram min window <= max "
+                                  "window, and disable_by_batch_size >= 1")
+
+    def _take_speculative_config(self, text: str) -> None:
+        """vLLM's --speculative-config (ngram): its keys set the speculative_* fields."""
+        names = {"method": "speculative_algorithm", "num_speculative_tokens": "speculative_num_draft_tokens",
+                 "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+                 "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+                 "disable_by_batch_size": "speculative_disable_by_batch_size"}  # fmt: skip
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(spec, dict) or set(spec) - set(names) or "method" not in spec:
+            raise ConfigError(f"speculative_config takes a JSON object with method and any of {sorted(names)}, got {text!r}")
+        for key, value in spec.items():
+            if key != "method" and not isinstance(value, int):
+                raise ConfigError(f"speculative_config: {key} must be an integer, got {value!r}")
+            object.__setattr__(self, names[key], value)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -188,6 +188,9 @@ class Request:
     # The request's grammar matcher (engine/runner/grammar.py `RequestGrammar`) when its params
     # constrain it; the engine process's only.
     grammar: Any = None
+    # Speculative decoding (engine/core/drafts.py): tokens proposed to follow `token_ids`, verified
+    # by the next step that schedules this request (then cleared); empty when none is proposed.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -286,10 +289,13 @@ class Request:
 @dataclass
 class Batch:
     """One engine step. Request i runs tokens `token_ids[num_computed_tokens : num_computed_tokens +
-    num_new_tokens[i]]`; it samples a next token iff that chunk reaches the end of its tokens."""
+    num_new_tokens[i]]`; it samples a next token iff that chunk reaches the end of its tokens.
+    A request with drafts (`drafts[i]`, speculative decoding) runs its last token and then its
+    drafts: num_new_tokens[i] is 1 + len(drafts[i]), and it samples at each of those positions."""
 
     requests: list[Request]
     num_new_tokens: list[int]
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # batch index -> its draft tokens
 
     @property
     def num_tokens(self) -> int:
@@ -301,7 +307,7 @@ class Batch:
 
     def samples(self, i: int) -> bool:
         r = self.requests[i]
-        return r.num_computed_tokens + self.num_new_tokens[i] == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens[i] - len(self.drafts.get(i, ())) == r.num_tokens
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = Path(ROOT) / "bench"
 SUITES = ["bench_engine.py", "bench_serving.py", "bench_flip.py", "bench_memory.py", "bench_replicas.py",
-          "bench_tp.py", "control_storm.py"]
+          "bench_tp.py", "control_storm.py", "bench_speculative.py"]
 SCRIPTS = SUITES + sorted(f"{d}/{p.name}" for d in ("kernels", "probes") for p in (BENCH / d).glob("*.py"))
 
 
@@ -423,6 +423,22 @@ def test_control_storm_tiny_runs_its_trials(tmp_path: str) -> None:
         res = json.load(f)
     assert res["trials_passed"] == 2 and res["memory_saver"] is False
     assert all(sum(n for k, n in t["statuses"].items() if k.startswith("release")) == 10 for t in res["trials"])
+
+
+def test_bench_speculative_tiny_gives_plain_decodings_outputs(tmp_path: str) -> None:
+    """bench/bench_speculative.py on the CPU: both engines run every workload; the outputs with
+    drafts are plain decoding's, and the second rollout's drafts are accepted."""
+    out = os.path.join(tmp_path, "spec.json")
+    p = _run(os.path.join("bench", "bench_speculative.py"), "--tiny", "--batch-sizes", "1,2", "--output-len", "24",
+             "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert [row[0] for row in res["table"]] == [f"{w}, B={b}: tok/s per sequence" for b in (1, 2)
+                                                for w in ("second rollout", "fresh")]
+    assert all(row[-1] is True for row in res["table"])
+    drafted, kept = res["modes"]["ngram"]["drafted"]
+    assert kept >= 0.9 * drafted and kept >= 20
 
 
 def test_grammar_fill_tiny_measures_both_backends(tmp_path: str) -> None:

@@ -146,7 +146,7 @@ class RequestState:
         finished = delta.finished
         if not finished and self.incremental and delta.finish_reason is None:  # the common case: a running request
             detok = self.detok
-            text = detok.step(new_ids) if new_ids else ""
+            text = self._step_text(new_ids) if new_ids else ""
             out.text = detok.text
             if detok.stop_matched is not None:
                 self._finish(FINISH_STOP, detok.stop_matched, None)
@@ -158,7 +158,7 @@ class RequestState:
         if not self.incremental:
             self._unshown += shown
             shown = self._unshown if finished else []
-        text = self.detok.step(shown) if shown else ""
+        text = self._step_text(shown, trim=shown is new_ids) if shown else ""
         out.text = self.detok.text
         if self.detok.finished_by_stop:
             self._finish(FINISH_STOP, self.detok.stop_matched, None)
@@ -172,6 +172,26 @@ class RequestState:
             out.unavailable = delta.unavailable
             out.refused = delta.finish_reason == FINISH_ERROR and not delta.unavailable
         return StepUpdate(text=text, token_ids=new_ids, finished=finished)
+
+    def _step_text(self, ids: list[int], trim: bool = True) -> str:
+        """The detokenizer's text of `ids`, the tokens of this delta (with `trim`: the tail of
+        `output.output_ids`). Several at once (accepted drafts) with stop strings: a token at a
+        time, and the tokens after the one that completed a stop string are dropped, as plain
+        decoding, which stops there, never makes them."""
+        detok = self.detok
+        if len(ids) < 2 or not detok.stop or not trim:
+            return detok.step(ids)
+        text = ""
+        for j, token in enumerate(ids):
+            text += detok.step([token])
+            if detok.stop_matched is not None:
+                extra = len(ids) - j - 1
+                out = self.output
+                for tail in (out.output_ids, out.output_token_logprobs, out.output_top_logprobs):
+                    if tail is not None and extra:
+                        del tail[-extra:]
+                break
+        return text
 
     def _finish(self, reason: str | None, matched: int | str | None, error: str | None) -> None:
         out = self.output

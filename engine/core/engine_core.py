@@ -20,6 +20,7 @@ from engine.core import calls
 from engine.core.availability import Availability
 from engine.core.checks import WeightCheckCalls
 from engine.core.deferred import Deferred
+from engine.core.drafts import NgramDrafter
 from engine.core.load import LoadCalls, LoadStats
 from engine.core.memory_calls import MemoryCalls
 from engine.core.profiler import ProfileCalls, StepProfiler
@@ -81,6 +82,10 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         self.profiler = StepProfiler(self.runner.device)
         self.grammars = Grammars(config.tokenizer or config.model, self.model_config.vocab_size)
         self.load_stats = LoadStats()
+        self.drafter = None if config.speculative_algorithm is None else NgramDrafter(
+            config.speculative_num_draft_tokens, config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size, config.speculative_disable_by_batch_size,
+        )  # fmt: skip
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -134,12 +139,16 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         """Schedule and launch one step, then read the step launched before it: the host packs
         step k+1 while the device runs step k, and step k's tokens come back while k+1 runs.
         Returns the deltas of the step read. With overlap off, or
-        when a step needs the previous tokens on the host (penalties count them), the previous
-        step is read first."""
+        when a step needs the previous tokens on the host (penalties count them), or requests may
+        get drafts (speculative decoding: drafts follow the last token), the previous step is
+        read first."""
         deltas: list[RequestDelta] = []
         step = self.in_flight
-        if step is not None and (self.config.disable_overlap_schedule or step.needs_host_tokens):
+        drafting = self.drafter.candidates(self.scheduler.running) if self.drafter is not None else []
+        if step is not None and (self.config.disable_overlap_schedule or step.needs_host_tokens or drafting):
             deltas += self.drain()
+        if drafting:
+            self.drafter.propose(drafting)
         batch = self.scheduler.schedule(admit=self.availability.admitting)
         previous, self.in_flight = self.in_flight, None
         if len(batch) > 0:
@@ -163,17 +172,25 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         results = step.results()
         if step.routes is not None:
             step.routes.commit()
-        live = [(r, s) for r, s in zip(step.requests, results, strict=True) if not r.finished]
+        rows = list(zip(step.requests, results, strict=True))
+        if step.batch.drafts:  # a drafted request's rows up to its first token unlike its draft
+            rows = self.drafter.accepted_rows(step.batch, rows)
+        live = [(r, s) for r, s in rows if not r.finished]
         # Routed experts up to the position this step's token came from (before its blocks may go).
         asking = [r for r, _ in live if r.sampling_params.return_routed_experts]
         routes = self._routes(asking, [r.num_known_tokens if r.sampling_params.max_new_tokens else r.num_prompt_tokens - 1
                                        for r in asking]) if asking else {}
-        self.scheduler.resolve(step.batch, [(r, s.token_id) for r, s in live])
+        known = {r: r.num_known_tokens for r, _ in live}
+        finished = self.scheduler.resolve(step.batch, [(r, s.token_id) for r, s in live])
+        if self.drafter is not None:
+            for req in finished:
+                self.drafter.finished(req)
         deltas: list[RequestDelta] = []
-        for req, s in live:
+        for req, samples in _by_request(live):
             # A prefill-only request (max_new_tokens 0) keeps no token: its one delta is empty.
-            kept = req.sampling_params.max_new_tokens > 0
-            first = req.num_known_tokens - req.num_prompt_tokens == int(kept)
+            # Several tokens where drafts were accepted; none past the one that finished it.
+            kept = samples[: req.num_known_tokens - known[req]]
+            first = known[req] == req.num_prompt_tokens
             if first:
                 self.load_stats.on_prefilled(req.num_prompt_tokens, req.num_cached_tokens)
             want_lp = req.sampling_params.logprobs
@@ -181,9 +198,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             deltas.append(
                 RequestDelta(
                     request_id=req.request_id,
-                    new_token_ids=[s.token_id] if kept else [],
-                    new_logprobs=([s.logprob] if kept else []) if want_lp else None,
-                    new_top_logprobs=([s.top_logprobs or []] if kept else []) if want_top else None,
+                    new_token_ids=[s.token_id for s in kept],
+                    new_logprobs=[s.logprob for s in kept] if want_lp else None,
+                    new_top_logprobs=[s.top_logprobs or [] for s in kept] if want_top else None,
                     input_logprobs=_from_logprob_start(req, req.prompt_logprobs) if first else None,
                     input_top_logprobs=_from_logprob_start(req, req.prompt_top_logprobs) if first else None,
                     finished=req.finished,
@@ -314,6 +331,9 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
             "memory": self.ping(),
             "released_tags": self.memory.released,
             "num_preemptions": self.scheduler.num_preemptions,
+            # speculative decoding: draft tokens verified and accepted since start (0, 0 when off)
+            "spec_draft_tokens": self.drafter.proposed if self.drafter else 0,
+            "spec_accepted_tokens": self.drafter.accepted if self.drafter else 0,
             "memory_saver": self.memory.enabled,
             "config": msgspec.to_builtins(self.config),
         }
@@ -373,3 +393,14 @@ def _final_delta(req: Request, unavailable: bool = False, routed_experts: bytes 
         num_prompt_tokens=req.num_prompt_tokens,
         num_cached_tokens=req.num_cached_tokens,
     )
+
+
+def _by_request(rows: list[tuple[Request, Any]]) -> list[tuple[Request, list[Any]]]:
+    """(request, its samples) for each run of consecutive rows of one request, in order."""
+    out: list[tuple[Request, list[Any]]] = []
+    for req, sample in rows:
+        if out and out[-1][0] is req:
+            out[-1][1].append(sample)
+        else:
+            out.append((req, [sample]))
+    return out

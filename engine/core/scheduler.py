@@ -144,7 +144,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts, req.draft_token_ids = req.draft_token_ids, []
             if n < 1 or req.awaiting_last_token:
+                i += 1
+                continue
+            # Its drafts ride along when budget and blocks allow them without preempting anyone.
+            if drafts and n == 1 and len(drafts) < budget and bm.allocate(req, req.num_computed_tokens + 1 + len(drafts)):
+                batch.drafts[len(batch.requests)] = drafts
+                batch.requests.append(req)
+                batch.num_new_tokens.append(1 + len(drafts))
+                budget -= 1 + len(drafts)
                 i += 1
                 continue
             while not bm.allocate(req, req.num_computed_tokens + n):
@@ -202,6 +211,7 @@ class Scheduler:
         """Drop `req`'s KV; it recomputes (from the prefix cache, where it survives) when readmitted."""
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -210,11 +220,12 @@ class Scheduler:
     def advance(self, batch: Batch) -> list[Request]:
         """Account for a launched step, before its tokens are known: every row's chunk counts as
         computed (its full blocks of known tokens join the prefix cache), and each row that samples
-        (`batch.samples(i)`) gets a pending token. Returns
-        the sampling requests, in batch order: `resolve` takes their tokens in that order."""
+        (`batch.samples(i)`) gets a pending token. A row's drafts do not count: `resolve` counts
+        those the step accepted. Returns the sampling requests, in batch order: `resolve` takes
+        their tokens in that order."""
         sampling = [req for i, req in enumerate(batch.requests) if batch.samples(i)]
-        for req, n in zip(batch.requests, batch.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens, strict=True)):
+            req.num_computed_tokens += n - len(batch.drafts.get(i, ()))
             # Registered now, not when the tokens come back: a request scheduled next (a sample
             # of the same prompt) shares them; its step runs after this one on the device.
             self.block_manager.cache_full_blocks(req)
@@ -224,13 +235,23 @@ class Scheduler:
 
     def resolve(self, batch: Batch, tokens: list[tuple[Request, int]]) -> list[Request]:
         """The tokens of an advanced step are known: (request, token) for each sampling request
-        still unfinished (one aborted, or finished by an earlier token, has none). Registers the
+        still unfinished (one aborted, or finished by an earlier token, has none). A request
+        named again right after itself had drafts: each repeat is one more token the step
+        verified (the draft before it was accepted, so its KV counts as computed). Registers the
         full blocks, frees the requests that finished. A request preempted since the launch may
         be waiting; it resolves there. Returns the requests that finished."""
         finished: list[Request] = []
         finished_waiting: list[Request] = []  # preempted after the launch, finished now
+        last: Request | None = None
         for req, token in tokens:
             waiting = req.status is RequestStatus.WAITING
+            if req is last:  # an accepted draft: its KV stays, and the next token follows it
+                if req.finished:
+                    continue
+                if not waiting:  # (preempted since the launch: it recomputes every token anyway)
+                    req.num_computed_tokens += 1
+                req.add_pending_token()
+            last = req
             req.resolve_token(token)
             if req.finished:
                 (finished_waiting if waiting else finished).append(req)

@@ -58,14 +58,19 @@ class SamplingPlan(msgspec.Struct, array_like=True):
                 and self.banned_pairs is None and self.grammar_rows is None)  # fmt: skip
 
     @classmethod
-    def from_requests(cls, requests: list[Request]) -> SamplingPlan:
+    def from_requests(cls, requests: list[Request], offsets: list[int] | None = None) -> SamplingPlan:
+        """One row per entry of `requests`; `offsets[j]`: row j samples its request's output token
+        num_output_tokens + offsets[j] (a draft's position under speculative decoding; default 0)."""
         params = [r.sampling_params for r in requests]
+        def out(i: int) -> int:  # the output index row i samples
+            return requests[i].num_output_tokens + (offsets[i] if offsets else 0)
+
         # The fixed entries, one column each (SamplingParams.plan_row; top_k 0 when off, so > 1 is "on").
         columns = zip(*(p.plan_row for p in params), strict=True) if params else [()] * 9
         temps, greedy, top_k, top_p, min_p, rep, freq, pres, top_n = columns
         seeds = [
-            (i, step_seed(p.seed, r.num_output_tokens))
-            for i, (r, p) in enumerate(zip(requests, params, strict=True))
+            (i, step_seed(p.seed, out(i)))
+            for i, p in enumerate(params)
             if p.seed is not None and not greedy[i]
         ]
         use_rep = any(x != 1.0 for x in rep)
@@ -93,7 +98,7 @@ class SamplingPlan(msgspec.Struct, array_like=True):
         ban_rows: list[int] = []
         ban_cols: list[int] = []
         for i, (r, p) in enumerate(zip(requests, params, strict=True)):
-            if p.min_new_tokens and r.num_output_tokens < p.min_new_tokens:
+            if p.min_new_tokens and out(i) < p.min_new_tokens:
                 ended_by = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 ban_rows += [i] * len(ended_by)
                 ban_cols += ended_by

@@ -30,7 +30,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_rows: list[int]  # batch index of each request that samples this step
+    sample_rows: list[int]  # batch index of each request that samples (again for each of its drafts) this step
     sample_indices: torch.Tensor  # [S] int64: token row of each sampling request's last token
     # Prompt logprobs asked for: (batch index, prompt position q, token row of q - 1); the row's
     # logits score prompt token q.
@@ -113,7 +113,7 @@ class StepPlan(msgspec.Struct, array_like=True):
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
-    sample_rows: list[int]  # batch index of each request that samples
+    sample_rows: list[int]  # batch index of each request that samples (again for each of its drafts)
     # Prompt logprobs asked for: (batch index, prompt position q, token row of q - 1), and prompt
     # token q of each (the row's logits score it).
     prompt_logprob_rows: list[tuple[int, int, int]]
@@ -172,9 +172,11 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
     top_k = 0
     fill_rows: list[int] = []  # token rows whose id is pending ...
     fill_from: list[int] = []  # ... and the row of `pending.token_ids` that holds it
+    offsets: list[int] = []  # per sampling row: which of its request's new tokens it samples (drafts: 0..d)
     for i, req in enumerate(batch.requests):
         start = req.num_computed_tokens
-        end = start + batch.num_new_tokens[i]
+        drafts = batch.drafts.get(i, [])
+        end = start + batch.num_new_tokens[i] - len(drafts)  # the known and pending tokens' end
         if req.prompt_logprobs:
             first = max(req.sampling_params.logprob_start_len, 1, start + 1)
             last = min(end, req.num_prompt_tokens - 1)
@@ -182,20 +184,22 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
             if first <= last:
                 top_k = max(top_k, req.sampling_params.top_logprobs_num)
         input_ids += req.token_ids[start:end]
-        positions += range(start, end)
+        input_ids += drafts
+        positions += range(start, end + len(drafts))
         starts.append(start)
-        ends.append(end)
+        ends.append(end + len(drafts))
         if end > req.num_known_tokens:
             if pending is None or req not in pending.rows or end - req.num_known_tokens != 1:
                 raise RuntimeError(f"request {req.request_id}: an input token is pending but not in flight")
             fill_rows.append(len(input_ids) - 1)
             fill_from.append(pending.rows[req])
-        if batch.samples(i):
-            sample_rows.append(i)
-            sample_indices.append(len(input_ids) - 1)
+        if batch.samples(i):  # with drafts: at its last known token and at each draft
+            sample_rows += [i] * (1 + len(drafts))
+            sample_indices += range(len(input_ids) - 1 - len(drafts), len(input_ids))
+            offsets += range(1 + len(drafts))
     tables = [r.block_table for r in batch.requests]
     meta, meta_values = _metadata_values(ends, starts, tables, block_size)
-    sampling = SamplingPlan.from_requests([batch.requests[i] for i in sample_rows]) if sample_rows else None
+    sampling = SamplingPlan.from_requests([batch.requests[i] for i in sample_rows], offsets) if sample_rows else None
     return StepPlan(
         parts=[input_ids, positions, sample_indices, fill_rows, fill_from, *meta_values],
         num_seqs=len(tables),
