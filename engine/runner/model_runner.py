@@ -309,7 +309,7 @@ class ModelRunner:
             assert plan.sampling is not None
             samples = self.sampler.sample(logits, SamplingBatch.from_plan(plan.sampling, self.device, self.upload))
         self._last_tokens = None
-        if samples is not None:  # with graphs: where a graph's pending rows read them
+        if samples is not None and not plan.drafted:  # with graphs: where a graph's pending rows read them
             self._last_tokens = self.graphs.io.keep(samples.token_ids) if self.graphs is not None else samples.token_ids
         return samples, prompt_logprobs
 

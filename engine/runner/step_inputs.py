@@ -121,6 +121,9 @@ class StepPlan(msgspec.Struct, array_like=True):
     sampling: SamplingPlan | None  # None when no row samples
     # The most top alternatives any of those rows asks for (0: their own logprobs only).
     prompt_logprob_top_k: int = 0
+    # Some row runs drafts (speculative decoding): more sampling rows than requests, and the next
+    # step reads this one's tokens on the host, never from the device.
+    drafted: bool = False
 
 
 _INT32_FIELDS = 3  # the metadata's last parts: query_start_loc, seq_lens, block tables
@@ -208,6 +211,7 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
         prompt_logprob_targets=[batch.requests[i].token_ids[q] for i, q, _ in prompt_rows],
         sampling=sampling,
         prompt_logprob_top_k=top_k,
+        drafted=bool(batch.drafts),
         **meta,
     )
 
