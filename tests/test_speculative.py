@@ -7,7 +7,8 @@ on a CPU: the tokens are plain decoding's, whatever is drafted.
 - With `--deterministic`, seeded sampled requests (temperature 1, top_p) give plain decoding's
   tokens and logprobs bit for bit: each drafted position samples with its own output index's
   noise, so a draft stands exactly when plain decoding would have sampled it.
-- A stop token among the accepted drafts ends the request there; max_new_tokens holds.
+- A stop token or a stop string among the accepted drafts ends the request there; max_new_tokens
+  holds; rollouts made on older weights draft the ones after a release/resume and an update.
 - The drafter: the latest occurrence of the longest window, word-aligned; a request backs off
   after MISSES rejected proposals; no drafts above disable_by_batch_size running requests, nor
   for requests whose sampling changes between positions (penalties); vLLM's --speculative-config.
@@ -102,6 +103,40 @@ def test_a_stop_token_or_string_among_accepted_drafts_ends_the_request_there(qwe
         short = llm.generate(input_ids=[LOOP], sampling_params=greedy(7))[0]
         assert short.output_ids == ids[:7]
         assert accepted(llm)[1] > 0
+
+
+def test_rollouts_of_older_weights_only_propose(qwen3_dir: str, qwen3_next_dir: str) -> None:
+    """Rollouts on the old weights draft the ones after a release/resume and a weight update:
+    the tokens are the new weights' plain decoding."""
+    prompts, params = [LOOP, random_tokens(21, seed=5)], [greedy(32), greedy(32)]
+    with Engine(model=qwen3_next_dir, dtype="float32", **KNOBS) as llm:
+        want = run(llm, prompts, params)
+    with Engine(model=qwen3_dir, dtype="float32", speculative_algorithm="ngram", **KNOBS) as llm:
+        old = run(llm, prompts, params)
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        llm.update_weights_from_disk(qwen3_next_dir)
+        got = run(llm, prompts, params)
+        drafted, _ = accepted(llm)
+    assert [ids for ids, _ in old] != [ids for ids, _ in want]
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    assert max(abs(a - b) for (_, x), (_, y) in zip(got, want, strict=True) for a, b in zip(x, y, strict=True)) < 1e-4
+    assert drafted > 0
+
+
+def test_two_ranks_verify_drafts_as_one(qwen3_dir: str) -> None:
+    """At tp_size 2 (gloo) every rank samples each drafted position alike: a first and a second
+    rollout give transformers' greedy tokens."""
+    import torch
+    from oracle import greedy_of
+    from transformers import AutoModelForCausalLM
+
+    want = greedy_of(AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval(), [LOOP], 32)[0]
+    with Engine(model=qwen3_dir, dtype="float32", tp_size=2, speculative_algorithm="ngram", **KNOBS) as llm:
+        rollouts = [run(llm, [LOOP], [greedy(32)])[0][0] for _ in range(2)]
+        drafted, kept = accepted(llm)
+    assert rollouts == [want, want]
+    assert kept >= 20, (drafted, kept)
 
 
 # ---- the drafter --------------------------------------------------------------------------------

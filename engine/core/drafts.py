@@ -17,9 +17,10 @@ Rules:
   memory-bound, so verifying k tokens costs about what one does), for requests whose sampling
   depends on nothing the step changes between its positions: no penalties, grammar, routed
   experts, or min_new_tokens still to reach.
-- A request whose drafts were rejected MISSES times in a row drafts nothing for a while, twice as
-  long each time (up to MAX_BACKOFF steps): text that never repeats costs a failed search, not
-  a wider forward.
+- A request whose drafts were rejected, or that found none, MISSES times in a row drafts nothing
+  for a while, twice as long each time (up to MAX_BACKOFF steps): on text that never repeats,
+  most steps neither search nor give up overlap scheduling (a step that may draft reads the step
+  before it first).
 - A draft never takes a request past max_new_tokens: at most max_new_tokens - outputs - 1 tokens.
 - Rollouts: the last ROLLOUTS finished requests of each of the last PROMPTS prompts.
 Tokens are kept as 4-byte words (array "I") in a bytearray per sequence; a search is
@@ -120,6 +121,8 @@ class NgramDrafter:
         for req in requests:
             ready = not req.finished and req.num_pending == 0 and req.num_computed_tokens == req.num_tokens - 1
             req.draft_token_ids = self._draft(req) if ready else []
+            if ready and not req.draft_token_ids:
+                self._missed(self._seqs[req.request_id])  # nothing to propose counts as a miss
             n += bool(req.draft_token_ids)
         return n
 
@@ -155,7 +158,11 @@ class NgramDrafter:
             return
         if accepted:
             seq.misses, seq.next_backoff = 0, FIRST_BACKOFF
-            return
+        else:
+            self._missed(seq)
+
+    @staticmethod
+    def _missed(seq: _Sequence) -> None:
         seq.misses += 1
         if seq.misses >= MISSES:
             seq.misses, seq.backoff = 0, seq.next_backoff
