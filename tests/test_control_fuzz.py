@@ -2,7 +2,10 @@
 resume, pause, weight updates, flushes, aborts and bursts of them, with traffic, against a real
 server; every judged output equals transformers on the checkpoint of its weight version.
 
-On a CPU (CI) two walks run: a fixed seed and a fresh one, printed on failure. A failure replays
+On a CPU (CI) three walks run: a fixed seed and a fresh one, and a fresh one against a server
+with speculative decoding (`--speculative-algorithm ngram`: the prompts repeat, so earlier
+rollouts draft later ones while calls release, pause, retract, abort and update), printed on
+failure. A failure replays
 with SIESTA_FUZZ_SEED=<seed> (the same calls; the interleaving with traffic may differ).
 SIESTA_FUZZ_STEPS sets a walk's length. The GPU soak (`pytest -m gpu`) walks for
 SIESTA_SOAK_S seconds (300) with graphs, overlap and `--debug-poison-on-resume` on.
@@ -79,6 +82,23 @@ def test_control_walk_with_a_fresh_seed(server: ServerProcess, setup: FuzzSetup)
     seed = random.SystemRandom().randrange(1 << 31)
     print(f"control walk seed {seed}")
     _walk(server, setup, seed, STEPS)
+
+
+@pytest.fixture(scope="module")
+def draft_server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "control_fuzz_drafts", "--num-kv-blocks", "64",
+                         "--speculative-algorithm", "ngram")
+    yield proc
+    proc.stop()
+
+
+def test_control_walk_with_drafts(draft_server: ServerProcess, setup: FuzzSetup) -> None:
+    seed = int(os.environ.get("SIESTA_FUZZ_SEED", random.SystemRandom().randrange(1 << 31)))
+    print(f"control walk with drafts, seed {seed}")
+    walk = _walk(draft_server, setup, seed, STEPS)
+    with draft_server.client() as http:
+        info = http.get("/get_server_info").json()
+    assert info["spec_accepted_tokens"] > 0, (seed, walk.judged)
 
 
 @pytest.mark.gpu
