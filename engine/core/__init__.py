@@ -16,8 +16,9 @@ ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns
   watchdog), `rank_protocol.py` (one struct per thing a rank does), `worker.py` (the worker
   process of a rank above 0, spawned by `Ranks`).
 - `process_title.py`: the names `ps` shows (`siesta::engine`, `siesta::tp1`, `siesta::api1`).
-- `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`: the control calls
-  (release/resume, weight updates, the weights checker, `/v1/loads`, profiling), mixed into
+- `serving_calls.py`, `memory_calls.py`, `weight_calls.py`, `checks.py`, `load.py`, `profiler.py`:
+  the control calls (ping, info, flush, pause/continue, abort; release/resume, weight updates,
+  the weights checker, `/v1/loads`, profiling), mixed into
   `EngineCore`; `deferred.py`: a call that answers once the engine is ready for it.
 
 Arrows: core -> runner, memory, weights (never the other way).

@@ -13,13 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import msgspec
-
 from engine.config import EngineConfig, ModelConfig, context_length
 from engine.core import calls
 from engine.core.availability import Availability
 from engine.core.checks import WeightCheckCalls
-from engine.core.deferred import Deferred
 from engine.core.drafts import NgramDrafter
 from engine.core.load import LoadCalls, LoadStats
 from engine.core.memory_calls import MemoryCalls
@@ -28,22 +25,18 @@ from engine.core.protocol import AddRequest, RequestDelta
 from engine.core.rank import Rank
 from engine.core.ranks import Ranks
 from engine.core.scheduler import Scheduler
+from engine.core.serving_calls import ServingCalls
 from engine.core.weight_calls import WeightUpdateCalls
 from engine.limits import RequestLimits, prompt_error
 from engine.memory.kv_cache import BlockManager
-from engine.memory.regions import RELEASED, RESIDENT
 from engine.parallel import TensorParallel
-from engine.request import FINISH_ABORT, FINISH_ERROR, SAMPLE_SEP, Request
+from engine.request import FINISH_ABORT, FINISH_ERROR, Request
 from engine.runner.grammar import Grammars
 from engine.runner.launched_step import LaunchedStep
 
 log = logging.getLogger("siesta.engine")
 
-# pause_generation's modes: SGLang's three and vLLM's `wait` (vLLM's `keep` is `in_place`).
-PAUSE_MODES = ("abort", "retract", "in_place", "wait")
-
-
-class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
+class EngineCore(ServingCalls, MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls, LoadCalls):
     def __init__(self, config: EngineConfig, log_level: str = "INFO", client_addrs: list[str] | None = None) -> None:
         """`client_addrs`: where a dead tensor-parallel worker is reported (engine/core/ranks.py)."""
         t0 = time.perf_counter()
@@ -248,95 +241,7 @@ class EngineCore(MemoryCalls, WeightUpdateCalls, WeightCheckCalls, ProfileCalls,
         out, self.pending = self.pending, []
         return out
 
-    # ---- control calls (run between steps) ------------------------------------------------------
-
-    def flush_cache(self, call: calls.FlushCache | None = None) -> bool:
-        """Drop the prefix cache; refused (False) while requests hold blocks."""
-        if self.scheduler.has_unfinished():
-            return False
-        return self.block_manager.reset_prefix_cache()
-
-    def ping(self, call: calls.Ping | None = None) -> str:
-        """The engine answers; says whether its memory is resident or released."""
-        return RELEASED if self.memory.released else RESIDENT
-
-    def pause_generation(self, call: calls.PauseGeneration) -> calls.PauseReply | Deferred:
-        """Stop stepping. `abort` finishes every request with finish_reason abort; `retract` frees
-        running requests' KV and requeues them (they recompute on continue); `in_place` keeps
-        everything as it is (vLLM's `keep`: the requests continue where they stopped, across a
-        weight update too); `wait` admits no more requests and answers once the running ones
-        finished (those waiting stay queued). New requests queue until `continue_generation`.
-        `clear_cache` then drops every prefix hash (blocks in use keep their KV)."""
-        mode, availability = call.mode, self.availability
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"unknown pause mode {mode!r}; use {', '.join(PAUSE_MODES)}")
-
-        def paused() -> calls.PauseReply:
-            availability.paused, availability.pausing = True, False
-            if call.clear_cache:
-                self.block_manager.forget_prefixes()
-            return calls.PauseReply(paused=True, mode=mode, num_running=self.scheduler.num_running,
-                                    num_waiting=self.scheduler.num_waiting)
-
-        if mode == "wait" and availability.can_step():
-            availability.pausing = True
-            return Deferred(ready=lambda: self.scheduler.num_running == 0, run=paused)
-        if mode == "abort":
-            self.pending += self.abort(None, "aborted by pause_generation (mode abort)")
-        elif mode == "retract":
-            self.scheduler.retract_all()
-        return paused()
-
-    def continue_generation(self, call: calls.ContinueGeneration) -> calls.PauseReply:
-        self.availability.paused = False
-        return calls.PauseReply(paused=False)
-
-    def abort_requests(self, call: calls.Abort) -> int:
-        """Abort the named requests (None: all), with `samples` also their samples (id + SAMPLE_SEP
-        + i); returns how many were found."""
-        ids = call.request_ids
-        if ids is not None and call.samples:
-            names, samples = set(ids), tuple(rid + SAMPLE_SEP for rid in ids)
-            ids = [r for r in self.scheduler.request_ids() if r in names or r.startswith(samples)]
-        deltas = self.abort(ids, "aborted by abort_request")
-        self.pending += deltas
-        return len(deltas)
-
-    def get_info(self, call: calls.GetInfo | None = None) -> dict[str, Any]:
-        mc = self.model_config
-        return {
-            "model_path": mc.path,
-            "architecture": mc.architecture,
-            "dtype": str(self.runner.dtype).replace("torch.", ""),
-            "device": str(self.runner.device),
-            "tp_size": self.config.tp_size,
-            "tp_worker_pids": self.ranks.pids,
-            "max_context_length": self.max_model_len,
-            "vocab_size": mc.vocab_size,
-            "eos_token_ids": list(mc.eos_token_ids),
-            "attention_backend": self.runner.backend_name,
-            "weights_bytes": self.runner.weights_bytes,
-            "kv_cache_bytes": self.runner.kv_cache_bytes,
-            "cuda_graph_bytes": self.runner.graph_bytes,
-            "cuda_graph_batch_sizes": self.runner.graphs.batch_sizes if self.runner.graphs else [],
-            "piecewise_cuda_graph_tokens": self.runner.piecewise.token_sizes if self.runner.piecewise else [],
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "kv_blocks_free": self.block_manager.num_free_blocks,
-            "block_size": self.block_manager.block_size,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "weight_version": self.availability.weight_version,
-            "num_steps": self.num_steps,
-            "paused": self.availability.paused,
-            "memory": self.ping(),
-            "released_tags": self.memory.released,
-            "num_preemptions": self.scheduler.num_preemptions,
-            # speculative decoding: draft tokens verified and accepted since start (0, 0 when off)
-            "spec_draft_tokens": self.drafter.proposed if self.drafter else 0,
-            "spec_accepted_tokens": self.drafter.accepted if self.drafter else 0,
-            "memory_saver": self.memory.enabled,
-            "config": msgspec.to_builtins(self.config),
-        }
+    # ---- control calls (run between steps; the serving ones: serving_calls.py) ---------------------
 
     def call(self, call: calls.ControlCall) -> Any:
         """Run a control call between steps, by its type: its reply (`call.reply`), or a
