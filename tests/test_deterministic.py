@@ -113,4 +113,5 @@ def test_the_row_wise_attention_on_every_device_and_no_other(qwen3_dir: str) -> 
         with pytest.raises(ConfigError, match="triton"):
             resolve_backend_name("triton", device, deterministic=True)
         assert resolve_backend_name("auto", device, deterministic=True) == "sdpa_rows"
+        assert resolve_backend_name("triton_fixed", device, deterministic=True) == "triton_fixed"  # by name
     assert EngineConfig(model=qwen3_dir, deterministic=True).deterministic

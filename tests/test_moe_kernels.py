@@ -20,15 +20,11 @@ pairs). The router's one-launch path: tests/test_moe_router.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreted import interpret as run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -158,24 +154,8 @@ def check_fused_moe(device: str, cases: list[tuple[int, int, int, int, int]], dt
 
 # ---- CPU: Triton's interpreter, one subprocess a test -----------------------------------------------
 
-PATCH_INTERPRETER = """
-# Triton 3.6's interpreter turns a loop bound into an int with int(array of shape (1,)), which
-# NumPy >= 2.4 refuses: take its one element instead.
-from triton.runtime import interpreter
-_patch = interpreter._patch_lang_tensor
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interpreter._patch_lang_tensor = _patch_lang_tensor
-"""
-
-
 def interpret(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}  # fmt: skip
-    script = PATCH_INTERPRETER + "import torch\nfrom test_moe_kernels import *\n" + code
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_interpreted("test_moe_kernels", code)
 
 
 def test_routing_interpreted() -> None:

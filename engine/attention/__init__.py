@@ -11,20 +11,23 @@ _BACKENDS: dict[str, str] = {
     "sdpa": "engine.attention.sdpa:SdpaBackend",
     "sdpa_rows": "engine.attention.sdpa_rows:RowwiseSdpaBackend",  # --deterministic
     "triton": "engine.attention.triton:TritonBackend",
+    "triton_fixed": "engine.attention.triton_fixed:FixedSplitBackend",  # --deterministic on CUDA, by name
 }
+# What --deterministic accepts: backends whose reductions follow each row alone.
+_ROW_INVARIANT = ("sdpa_rows", "triton_fixed")
 
 
 def resolve_backend_name(name: str, device_type: str, deterministic: bool = False) -> str:
     """`auto` picks the fastest backend for the device: triton on CUDA once it exists, else sdpa.
-    `deterministic` (`--deterministic`): the row-wise sdpa, on any device (ConfigError for a
-    backend named otherwise)."""
+    `deterministic` (`--deterministic`): the row-wise sdpa on any device, or the fixed-split Triton
+    kernel when named (`triton_fixed`, CUDA; ConfigError for a backend named otherwise)."""
     from engine.config import ConfigError
 
     if deterministic:
-        if name not in ("auto", "sdpa", "sdpa_rows"):
-            raise ConfigError(f"--deterministic attends row by row (sdpa_rows): the attention backend {name!r} "
-                              "reduces in an order that follows the batch")
-        return "sdpa_rows"
+        if name not in ("auto", "sdpa", *_ROW_INVARIANT):
+            raise ConfigError(f"--deterministic attends with a row-invariant backend ({', '.join(_ROW_INVARIANT)}): "
+                              f"the attention backend {name!r} reduces in an order that follows the batch")
+        return name if name in _ROW_INVARIANT else "sdpa_rows"
     if name == "auto":
         return "triton" if device_type == "cuda" and "triton" in _BACKENDS else "sdpa"
     if name not in _BACKENDS:

@@ -151,7 +151,7 @@ class ModelRunner:
         piecewise_sizes = self.piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and not config.deterministic:  # their kernels reduce in their own orders
                 self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
             if self.graph_max_bs > 0:

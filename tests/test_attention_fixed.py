@@ -1,0 +1,162 @@
+"""The fixed-split paged attention of `--deterministic` (engine/kernels/attention_fixed.py): every
+token's output equals softmax attention over its sequence's cached keys up to its position (fp64
+reference), and is bit for bit the same in any step it is computed in: a prefill chunk of any
+cut, a decode, a mixed step, with any other sequences before or after it. Rows past the step's
+sequences and rows of sequences of seq_len 0 (graph padding) are zeros.
+
+Through an in-process engine with `--deterministic --attention-backend triton_fixed`: a sampled
+request's tokens and logprobs alone equal those among companions (before and after it), and
+re-scoring the completion teacher-forced reports its generation's logprobs bit for bit.
+
+CPU: under Triton's interpreter (tests/interpreted.py), fp32 and fp16 (the engine: fp32),
+contexts across several SPLIT pieces. GPU (`pytest -m gpu`): bf16 and fp32, the same checks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from interpreted import interpret
+
+BLOCK_SIZE, NUM_BLOCKS, HKV, GROUP, D = 16, 96, 2, 2, 32
+LENGTHS = [600, 37, 300, 9]  # tokens of each sequence: 600 spans three SPLIT pieces
+
+
+def _world(device: str, dtype: torch.dtype):
+    """A paged cache holding every sequence's K/V, block tables, and each position's query."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen).to(dtype).to(device)
+    blocks = list(range(NUM_BLOCKS))
+    random.Random(1).shuffle(blocks)
+    tables, at = [], 0
+    for n in LENGTHS:
+        need = -(-n // BLOCK_SIZE)
+        tables.append(blocks[at : at + need])
+        at += need
+    queries = [torch.randn(n, HKV * GROUP, D, generator=gen).to(dtype).to(device) for n in LENGTHS]
+    return k_cache, v_cache, tables, queries
+
+
+def _reference(k_cache, v_cache, table, q, pos, scale):  # -> [H, D] fp64
+    rows = [table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(pos + 1)]
+    k = k_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(GROUP, dim=1)  # [p+1, H, D]
+    v = v_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(GROUP, dim=1)
+    w = torch.softmax(torch.einsum("hd,thd->ht", q.double(), k) * scale, dim=-1)
+    return torch.einsum("ht,thd->hd", w, v)
+
+
+def _step(world, pieces, device, pad_rows=0, empty_seq=False):
+    """Run one step of `pieces` [(sequence, first position, last position)] through the kernel:
+    {(sequence, position): output [H, D]}; checks the padding rows are zeros."""
+    from engine.kernels.attention_fixed import fixed_split_attention
+
+    k_cache, v_cache, tables, queries = world
+    q = torch.cat([queries[s][a : b + 1] for s, a, b in pieces])
+    width = max(len(t) for t in tables)
+    bt = [tables[s] + [0] * (width - len(tables[s])) for s, _, _ in pieces]
+    seq_lens = [b + 1 for _, _, b in pieces]
+    qsl = [0]
+    for _, a, b in pieces:
+        qsl.append(qsl[-1] + b - a + 1)
+    if empty_seq:  # a graph-padding sequence: seq_len 0, one row
+        bt.append([0] * width)
+        seq_lens.append(0)
+        qsl.append(qsl[-1] + 1)
+        q = torch.cat([q, torch.randn(1, *q.shape[1:]).to(q)])
+    q = torch.cat([q, torch.randn(pad_rows, *q.shape[1:]).to(q)])
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    out = torch.full_like(q, float("nan"))
+    fixed_split_attention(q, k_cache, v_cache, ints(bt), ints(seq_lens), ints(qsl), out, D**-0.5, max_num_seqs=8)
+    assert not out[qsl[len(pieces)] :].any(), "padding rows must be zeros"
+    result, row = {}, 0
+    for s, a, b in pieces:
+        for p in range(a, b + 1):
+            result[(s, p)] = out[row]
+            row += 1
+    return result
+
+
+def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
+    world = _world(device, dtype)
+    layouts = [
+        [(0, 590, 599), (1, 36, 36), (2, 250, 299)],  # chunks and a decode
+        [(2, 280, 299), (0, 599, 599), (3, 0, 8), (1, 30, 36)],  # other cuts, other order
+        [(0, 599, 599)], [(1, 36, 36)], [(2, 299, 299)], [(2, 255, 256)],  # decodes alone; a piece's edge
+        [(3, 0, 8), (0, 511, 520)],
+    ]
+    seen: dict[tuple[int, int], torch.Tensor] = {}
+    for i, pieces in enumerate(layouts):
+        got = _step(world, pieces, device, pad_rows=3 if i == 0 else 0, empty_seq=i == 1)
+        for (s, p), o in got.items():
+            want = _reference(world[0], world[1], world[2][s], world[3][s][p], p, D**-0.5)
+            err = (o.double() - want).abs().max().item()
+            assert err < tol, (s, p, err)
+            if (s, p) in seen:
+                assert torch.equal(seen[(s, p)], o), f"sequence {s} position {p} differs between steps"
+            seen[(s, p)] = o
+    assert len(seen) < sum(b - a + 1 for pieces in layouts for _, a, b in pieces)  # tokens met twice
+
+
+def check_engine(device: str, dtype: str) -> None:
+    import tempfile
+
+    from conftest import _save, _tiny_qwen3
+    from test_models import random_tokens
+
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+    from engine.core.protocol import AddRequest
+    from engine.request import SamplingParams
+
+    core = EngineCore(EngineConfig(model=_save(_tiny_qwen3(), tempfile.mkdtemp()), device=device, dtype=dtype,
+                                   deterministic=True, attention_backend="triton_fixed", max_model_len=512,
+                                   block_size=8, max_num_seqs=16, max_num_batched_tokens=16))  # fmt: skip
+    assert core.runner.backend_name == "triton_fixed" and not core.runner.decode_paths
+
+    def run(reqs: list) -> dict:
+        for rid, prompt, sp in reqs:
+            assert core.add_request(AddRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp)) is None
+        out = {rid: ([], [], None) for rid, _, _ in reqs}
+        for _ in range(10_000):
+            if not core.has_work():
+                return out
+            for d in core.step():
+                ids, lps, scored = out[d.request_id]
+                out[d.request_id] = (ids + d.new_token_ids, lps + (d.new_logprobs or []),
+                                     d.input_logprobs if d.input_logprobs is not None else scored)  # fmt: skip
+        raise AssertionError("the engine did not finish")
+
+    prompt = random_tokens(29, seed=4)
+    target = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=5, logprobs=True, ignore_eos=True)
+    ids, lps, _ = run([("alone", prompt, target)])["alone"]
+    score = SamplingParams(max_new_tokens=0, temperature=1.0, logprobs=True, logprob_start_len=len(prompt))
+    assert run([("scored", prompt + ids, score)])["scored"][2] == lps
+    others = [(f"o{i}", (prompt[:16] if i % 2 else []) + random_tokens(5 + 7 * i, seed=10 + i),
+               SamplingParams(max_new_tokens=8, temperature=0.7, seed=i, ignore_eos=True)) for i in range(3)]  # fmt: skip
+    assert run([*others[:1], ("among", prompt, target), *others[1:]])["among"][:2] == (ids, lps)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fixed_split_attention_interpreted(dtype: str) -> None:
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    interpret("test_attention_fixed", f"check_fixed('cpu', torch.{dtype}, {tol})", timeout=600)
+
+
+def test_a_deterministic_engine_with_it_interpreted() -> None:
+    interpret("test_attention_fixed", "check_engine('cpu', 'float32')", timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_split_attention_on_the_gpu(dtype: torch.dtype) -> None:
+    check_fixed("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_deterministic_engine_with_it_on_the_gpu() -> None:
+    check_engine("cuda", "bfloat16")
