@@ -138,6 +138,14 @@ class TritonBackend(AttentionBackend):
             self.check_out(q, out)
         k_cache, v_cache = self.layer_caches[layer_id]
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._attend(layer_id, q, k_cache, v_cache, meta, out)
+        return out
+
+    def _attend(
+        self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """q's attention over the layer's cache, the step's new K/V already in it, into out."""
         num_seqs = meta.seq_lens.shape[0]  # a shape, not a host value: fine inside a graph
         if meta.is_decode:
             # Row i is sequence i's only query; rows past num_seqs are padding.
@@ -159,7 +167,6 @@ class TritonBackend(AttentionBackend):
             )  # fmt: skip
             if mixed:
                 self.decode(layer_id, q, meta, out, mixed=True)
-        return out
 
     def layer_forward(self, meta: AttentionMetadata, num_tokens: int) -> LayerReplay:
         """The base rule, with every layer after the first relaunching the first's kernels

@@ -5,8 +5,8 @@ its bits do not depend on the other tokens of its step, on prefill chunks or on 
 launch a layer whatever the step, against the row-wise SDPA's one call per query row and layer
 (engine/attention/sdpa_rows.py).
 
-Rule: the step's new K/V rows are stored first (the Triton backend's store), then every row of
-the step, decode, prefill or mixed, runs the one kernel. The mode runs eagerly, and no decode
+Rule: the step's new K/V rows are stored first (the Triton backend's `forward`), then every row
+of the step, decode, prefill or mixed, runs the one kernel. The mode runs eagerly, and no decode
 path (engine/decode/attach.py) is attached in it: their kernels reduce in their own orders.
 """
 
@@ -16,28 +16,15 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.triton import TritonBackend
-from engine.kernels import attention as tk
 from engine.kernels.attention_fixed import fixed_split_attention
 
 
 class FixedSplitBackend(TritonBackend):
     supports_cuda_graph = False
 
-    def forward(
-        self,
-        layer_id: int,
-        q: torch.Tensor,  # [T, num_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: written instead of a new one
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]; rows past the last sequence are zero
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        else:
-            self.check_out(q, out)
-        k_cache, v_cache = self.layer_caches[layer_id]
-        tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return fixed_split_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     out, self.scale, self.max_num_seqs)  # fmt: skip
+    def _attend(
+        self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        fixed_split_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+                              self.scale, self.max_num_seqs)  # fmt: skip
