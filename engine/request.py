@@ -127,6 +127,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """A repetition, frequency or presence penalty: sampling counts the tokens before it."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     @functools.cached_property
     def plan_row(self) -> tuple[float, float, float, float, float, float, float, float, int]:
         """This request's entries of every step's `SamplingPlan` that never change, computed once:

@@ -211,7 +211,5 @@ class NgramDrafter:
 def _can_draft(req: Request) -> bool:
     """Its sampling at each drafted position depends on nothing the step changes in between."""
     sp = req.sampling_params
-    return (
-        req.grammar is None and sp.repetition_penalty == 1.0 and sp.frequency_penalty == 0.0
-        and sp.presence_penalty == 0.0 and not sp.return_routed_experts and req.num_output_tokens >= sp.min_new_tokens
-    )  # fmt: skip
+    return (req.grammar is None and not sp.penalized and not sp.return_routed_experts
+            and req.num_output_tokens >= sp.min_new_tokens)  # fmt: skip

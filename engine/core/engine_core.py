@@ -11,6 +11,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from itertools import groupby
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig, ModelConfig, context_length
@@ -179,7 +180,8 @@ class EngineCore(ServingCalls, MemoryCalls, WeightUpdateCalls, WeightCheckCalls,
             for req in finished:
                 self.drafter.finished(req)
         deltas: list[RequestDelta] = []
-        for req, samples in _by_request(live):
+        for req, rows_of_req in groupby(live, key=lambda row: row[0]):  # a request's rows are consecutive
+            samples = [s for _, s in rows_of_req]
             # A prefill-only request (max_new_tokens 0) keeps no token: its one delta is empty.
             # Several tokens where drafts were accepted; none past the one that finished it.
             kept = samples[: req.num_known_tokens - known[req]]
@@ -299,13 +301,3 @@ def _final_delta(req: Request, unavailable: bool = False, routed_experts: bytes 
         num_cached_tokens=req.num_cached_tokens,
     )
 
-
-def _by_request(rows: list[tuple[Request, Any]]) -> list[tuple[Request, list[Any]]]:
-    """(request, its samples) for each run of consecutive rows of one request, in order."""
-    out: list[tuple[Request, list[Any]]] = []
-    for req, sample in rows:
-        if out and out[-1][0] is req:
-            out[-1][1].append(sample)
-        else:
-            out.append((req, [sample]))
-    return out

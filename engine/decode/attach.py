@@ -54,7 +54,7 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
         log.info("batch decode: steps of %d..%d rows run two kernels per layer, and steps of fewer rows holding "
                  ">= %d context tokens (%.1f MiB of scratch)", first, batch.max_rows, rules.LONG_KV_TOKENS,
                  batch.nbytes / (1 << 20))
-    elif why is not None:
+    else:
         log.info("batch decode off: %s", why)
     model.model.use_decode_paths(steps, attention)
     return steps

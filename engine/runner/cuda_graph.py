@@ -15,8 +15,7 @@ Rules:
   each logits program's columns: engine/kernels/logits_linear.py; the model's `logits_pieces`),
   so that sampler only merges them.
 - The sizes whose decode path changes at long context (the fused kernel's few rows) get a second
-  graph, with ForwardContext.long_kv; a step replays it when its rows hold LONG_KV_TOKENS context
-  tokens or more (engine/decode/rules.py).
+  graph, with ForwardContext.long_kv; a step replays it when its plan is `long_kv`.
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
 - Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.
@@ -35,7 +34,6 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend, ForwardContext
-from engine.decode.rules import LONG_KV_TOKENS
 from engine.runner.step_inputs import StepPlan
 
 log = logging.getLogger("siesta.engine")
@@ -188,7 +186,6 @@ class CudaGraphRunner:
         n = plan.num_seqs
         bs = self.padded_size(n)
         slot = self.io.stage_step(plan.parts, plan.sampling.scalars[:n], n, bs)
-        long_kv = bs in self.long_graphs and sum(plan.seq_lens_cpu) >= LONG_KV_TOKENS
-        (self.long_graphs if long_kv else self.graphs)[bs].replay()
+        (self.long_graphs if bs in self.long_graphs and plan.long_kv else self.graphs)[bs].replay()
         self.io.replayed(slot)
         return slot

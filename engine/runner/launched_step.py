@@ -39,11 +39,7 @@ class LaunchedStep:
         """Whether scheduling the next step needs this one's tokens on the host: penalties count
         every output token of a request, and a grammar's mask follows them, so its pending one
         must be known; a row with drafts ends with as many tokens as the step accepted."""
-        return bool(self.batch.drafts) or any(
-            r.grammar is not None or r.sampling_params.repetition_penalty != 1.0
-            or r.sampling_params.frequency_penalty != 0.0 or r.sampling_params.presence_penalty != 0.0
-            for r in self.requests
-        )
+        return bool(self.batch.drafts) or any(r.grammar is not None or r.sampling_params.penalized for r in self.requests)
 
     def pending_tokens(self) -> PendingTokens | None:
         """Where the next step finds the tokens of this one on the device."""

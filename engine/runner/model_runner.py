@@ -21,7 +21,6 @@ from engine.attention import (
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.decode.attach import attach_decode_paths, long_kv_rows
-from engine.decode.rules import LONG_KV_TOKENS
 from engine.kernels import configure as configure_kernels
 from engine.memory.kv_budget import make_kv_cache
 from engine.memory.poison import tensors_of
@@ -336,8 +335,8 @@ class ModelRunner:
         if self.piecewise is not None and self.piecewise.can_run(num_tokens):
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            long_kv = plan.max_query_len == 1 and sum(plan.seq_lens_cpu) >= LONG_KV_TOKENS
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.attn_backend, inputs.meta, long_kv))
+            ctx = ForwardContext(self.attn_backend, inputs.meta, plan.long_kv)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not plan.prompt_logprob_rows:
             return hidden, PromptLogprobs.none()
         rows = [r for _, _, r in plan.prompt_logprob_rows]

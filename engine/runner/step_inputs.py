@@ -20,6 +20,7 @@ import msgspec
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.decode.rules import LONG_KV_TOKENS
 from engine.request import Batch, Request
 from engine.runner.pinned import PinnedRing
 from engine.runner.sampling_plan import SamplingPlan
@@ -125,6 +126,12 @@ class StepPlan(msgspec.Struct, array_like=True):
     # step reads this one's tokens on the host, never from the device.
     drafted: bool = False
 
+    @property
+    def long_kv(self) -> bool:
+        """A decode step whose rows hold LONG_KV_TOKENS context tokens or more together
+        (engine/decode/rules.py: few rows then leave the one-kernel layers)."""
+        return self.max_query_len == 1 and sum(self.seq_lens_cpu) >= LONG_KV_TOKENS
+
 
 _INT32_FIELDS = 3  # the metadata's last parts: query_start_loc, seq_lens, block tables
 SLOTS_PART = 5  # StepPlan.parts[SLOTS_PART]: the KV slot of each of the step's tokens, in token order
@@ -187,15 +194,15 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
             if first <= last:
                 top_k = max(top_k, req.sampling_params.top_logprobs_num)
         input_ids += req.token_ids[start:end]
-        input_ids += drafts
-        positions += range(start, end + len(drafts))
-        starts.append(start)
-        ends.append(end + len(drafts))
         if end > req.num_known_tokens:
             if pending is None or req not in pending.rows or end - req.num_known_tokens != 1:
                 raise RuntimeError(f"request {req.request_id}: an input token is pending but not in flight")
             fill_rows.append(len(input_ids) - 1)
             fill_from.append(pending.rows[req])
+        input_ids += drafts
+        positions += range(start, end + len(drafts))
+        starts.append(start)
+        ends.append(end + len(drafts))
         if batch.samples(i):  # with drafts: at its last known token and at each draft
             sample_rows += [i] * (1 + len(drafts))
             sample_indices += range(len(input_ids) - 1 - len(drafts), len(input_ids))
