@@ -48,8 +48,9 @@ def _reference(k_cache, v_cache, table, q, pos, scale):  # -> [H, D] fp64
     return torch.einsum("ht,thd->hd", w, v)
 
 
-def _step(world, pieces, device, pad_rows=0, empty_seq=False):
-    """Run one step of `pieces` [(sequence, first position, last position)] through the kernel:
+def _step(world, pieces, device, pad_rows=0, empty_seq=False, workspace=None):
+    """Run one step of `pieces` [(sequence, first position, last position)] through the kernel
+    (with `workspace`: a step of up to FEW_TOKENS tokens takes the split path):
     {(sequence, position): output [H, D]}; checks the padding rows are zeros."""
     from engine.kernels.attention_fixed import fixed_split_attention
 
@@ -69,7 +70,8 @@ def _step(world, pieces, device, pad_rows=0, empty_seq=False):
     q = torch.cat([q, torch.randn(pad_rows, *q.shape[1:]).to(q)])
     ints = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     out = torch.full_like(q, float("nan"))
-    fixed_split_attention(q, k_cache, v_cache, ints(bt), ints(seq_lens), ints(qsl), out, D**-0.5, max_num_seqs=8)
+    fixed_split_attention(q, k_cache, v_cache, ints(bt), ints(seq_lens), ints(qsl), out, D**-0.5, max_num_seqs=8,
+                          workspace=workspace)  # fmt: skip
     assert not out[qsl[len(pieces)] :].any(), "padding rows must be zeros"
     result, row = {}, 0
     for s, a, b in pieces:
@@ -80,16 +82,24 @@ def _step(world, pieces, device, pad_rows=0, empty_seq=False):
 
 
 def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Every layout runs twice, without and with the split path's workspace (a layout of more
+    than FEW_TOKENS tokens takes the one-program path either way)."""
+    from engine.kernels.attention_fixed import FEW_TOKENS, Workspace
+
     world = _world(device, dtype)
-    layouts = [
-        [(0, 590, 599), (1, 36, 36), (2, 250, 299)],  # chunks and a decode
-        [(2, 280, 299), (0, 599, 599), (3, 0, 8), (1, 30, 36)],  # other cuts, other order
-        [(0, 599, 599)], [(1, 36, 36)], [(2, 299, 299)], [(2, 255, 256)],  # decodes alone; a piece's edge
-        [(3, 0, 8), (0, 511, 520)],
+    workspace = Workspace.allocate(HKV * GROUP, D, 1000, torch.device(device))
+    layouts = [  # (pieces, padding rows, a seq_len-0 sequence)
+        ([(0, 590, 599), (1, 36, 36), (2, 250, 299)], 3, False),  # chunks and a decode
+        ([(2, 280, 299), (0, 599, 599), (3, 0, 8), (1, 30, 36)], 0, True),  # other cuts, other order
+        ([(0, 599, 599)], 0, False), ([(1, 36, 36)], 0, False), ([(2, 299, 299)], 0, False),  # decodes alone
+        ([(2, 255, 256)], 0, False), ([(3, 0, 8), (0, 511, 520)], 0, False),  # a piece's edge
+        ([(1, 36, 36), (0, 599, 599), (2, 290, 292)], 2, True),  # a padded decode graph's rows
     ]
+    assert any(sum(b - a + 1 for _, a, b in p) + pad + e <= FEW_TOKENS for p, pad, e in layouts)
+    assert any(sum(b - a + 1 for _, a, b in p) + pad + e > FEW_TOKENS for p, pad, e in layouts)
     seen: dict[tuple[int, int], torch.Tensor] = {}
-    for i, pieces in enumerate(layouts):
-        got = _step(world, pieces, device, pad_rows=3 if i == 0 else 0, empty_seq=i == 1)
+    for (pieces, pad_rows, empty_seq), ws in ((layout, ws) for layout in layouts for ws in (None, workspace)):
+        got = _step(world, pieces, device, pad_rows=pad_rows, empty_seq=empty_seq, workspace=ws)
         for (s, p), o in got.items():
             want = _reference(world[0], world[1], world[2][s], world[3][s][p], p, D**-0.5)
             err = (o.double() - want).abs().max().item()
@@ -97,7 +107,7 @@ def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
             if (s, p) in seen:
                 assert torch.equal(seen[(s, p)], o), f"sequence {s} position {p} differs between steps"
             seen[(s, p)] = o
-    assert len(seen) < sum(b - a + 1 for pieces in layouts for _, a, b in pieces)  # tokens met twice
+    assert len(seen) < sum(b - a + 1 for pieces, _, _ in layouts for _, a, b in pieces)  # tokens met twice
 
 
 def check_engine(device: str, dtype: str) -> None:

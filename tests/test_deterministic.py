@@ -6,8 +6,9 @@ engine, bfloat16), and a release/resume between runs; and re-scoring the generat
 (`max_new_tokens` 0, `logprob_start_len` at the completion) reports the same logprobs.
 
 What holds: all of the above, in float32 and bfloat16, with engine/models/invariant.py's matmuls
-and the row-wise attention (engine/attention/sdpa_rows.py), on a CPU here and on CUDA through
-tests/test_gpu_deterministic.py (the same tests, `device` "cuda": invariant_matmul, eager).
+and the row-wise attention (engine/attention/sdpa_rows.py), on a CPU here; on CUDA through
+tests/test_gpu_deterministic.py (the same tests, `device` "cuda": invariant_matmul, the
+fixed-split attention, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -106,12 +107,39 @@ def test_the_invariant_linear_is_the_same_for_any_rows() -> None:
     assert torch.equal(invariant.linear(x[3:4], w, b), full[3:4])
 
 
-def test_the_row_wise_attention_on_every_device_and_no_other(qwen3_dir: str) -> None:
+def test_a_row_invariant_attention_on_every_device_and_no_other(qwen3_dir: str) -> None:
     from engine.attention import resolve_backend_name
 
     for device in ("cpu", "cuda"):
         with pytest.raises(ConfigError, match="triton"):
             resolve_backend_name("triton", device, deterministic=True)
-        assert resolve_backend_name("auto", device, deterministic=True) == "sdpa_rows"
+        assert resolve_backend_name("sdpa", device, deterministic=True) == "sdpa_rows"
         assert resolve_backend_name("triton_fixed", device, deterministic=True) == "triton_fixed"  # by name
+    assert resolve_backend_name("auto", "cpu", deterministic=True) == "sdpa_rows"
+    assert resolve_backend_name("auto", "cuda", deterministic=True) == "triton_fixed"
     assert EngineConfig(model=qwen3_dir, deterministic=True).deterministic
+
+
+def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) -> None:
+    """The fused CUDA model's few-row kernels (the skinny linears and MLP, split-K, the skinny
+    lm_head, a decode graph's logits pieces) reduce in their own orders: after `install` for
+    CUDA none is left on, and every matmul goes through the invariant hooks."""
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.models import get_model_class
+    from engine.models.layers import MLP
+
+    config = ModelConfig.from_hf(qwen3_dir)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, fused=True)
+    assert any(getattr(m, "fused", False) for m in model.modules() if isinstance(m, MLP))
+    assert invariant.install(model, torch.device("cuda")) > 0
+    for name, module in model.named_modules():
+        if isinstance(module, MLP) or (hasattr(type(module), "linear_fn") and hasattr(module, "weight")):
+            assert module.fused is False, name
+        if hasattr(type(module), "linear_fn"):
+            assert module.linear_fn is invariant.cuda_linear, name
+        if hasattr(type(module), "logits_fn"):
+            assert module.logits_fn is invariant.cuda_logits and not module.skinny_logits, name
+            assert module.use_logits_pieces is False

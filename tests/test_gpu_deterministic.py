@@ -2,18 +2,29 @@
 on the GPU. A request's tokens and logprobs are bit for bit the same alone and among random
 companions (before and after it, sharing its prefix or not), across prefill chunk sizes, overlap
 on and off and a release/resume, in float32 and bfloat16; re-scoring equals generation. On CUDA
-the mode's matmuls are engine/kernels/invariant_matmul.py's (half precision) and it runs eagerly
-with the row-wise attention."""
+the mode's matmuls are engine/kernels/invariant_matmul.py's (half precision), its attention the
+fixed-split kernel (engine/attention/triton_fixed.py), and its steps replay CUDA graphs, decode
+and piecewise: a request's bits are the same replayed as run eagerly."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 from test_deterministic import (  # noqa: F401  (collected here, on CUDA)
+    KNOBS,
+    companions,
+    target,
     test_a_request_is_bitwise_the_same_whatever_else_runs,
     test_scoring_equals_generation,
     test_unseeded_requests_get_their_own_generators,
 )
+from test_models import random_tokens
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.protocol import AddRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,3 +32,71 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture
 def device() -> str:
     return "cuda"
+
+
+def _finish(core: EngineCore, prompts: list[list[int]], params: list) -> list[tuple[list[int], list[float]]]:
+    """Every request's tokens and logprobs, run to the end on `core`."""
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        assert core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=sp)) is None
+    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(prompts))}
+    for _ in range(10_000):
+        if not core.has_work():
+            return [out[str(i)] for i in range(len(prompts))]
+        for d in core.step():
+            assert not d.error, d.error
+            ids, lps = out[d.request_id]
+            out[d.request_id] = (ids + d.new_token_ids, lps + (d.new_logprobs or []))
+    raise AssertionError("the engine did not finish")
+
+
+def _count_runs(core: EngineCore) -> list[int]:
+    """[decode-graph replays, piecewise-graph steps], counted as the runners run (each calls through)."""
+    counted = [0, 0]
+    for i, runner in enumerate((core.runner.graphs, core.runner.piecewise)):
+        if runner is not None:
+            def run(*a, _run=runner.run, _i=i, **kw):
+                counted[_i] += 1
+                return _run(*a, **kw)
+
+            runner.run = run
+    return counted
+
+
+@pytest.fixture(scope="module")
+def wide_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Two layers of Qwen3-0.6B's widths (hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072):
+    the sizes at which the few-row kernels (the 16-row matmul tiles, the split attention) differ
+    from the many-row ones."""
+    from conftest import TINY, _randomized, _save
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**TINY | dict(hidden_size=1024, intermediate_size=3072, head_dim=128, num_hidden_layers=2,
+                                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True))  # fmt: skip
+    return _save(_randomized(Qwen3ForCausalLM, config, seed=3), str(tmp_path_factory.mktemp("wide_qwen3")))
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_dir", "wide_qwen3_dir"])
+def test_graphs_replay_the_bits_of_eager_steps(checkpoint: str, request: pytest.FixtureRequest) -> None:
+    """The mode's default backend on CUDA is the fixed-split kernel, with decode and piecewise
+    graphs. A request alone (decode steps of one row: 16-row matmul tiles, the split attention)
+    and among 20 companions (steps of more than 16 rows: 64-row tiles, one program a token)
+    gives the same tokens and logprobs, replayed or eager, bit for bit."""
+    path = request.getfixturevalue(checkpoint)
+    prompt = random_tokens(37, seed=3)
+    others, params = companions(random.Random(7), prompt, 20)
+    batches = [([prompt], [target()]), ([*others[:4], prompt, *others[4:]], [*params[:4], target(), *params[4:]])]
+    results, replays = {}, {}
+    for graphs in (True, False):
+        core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs,
+                                       **KNOBS | dict(max_num_seqs=32, max_num_batched_tokens=24)))  # fmt: skip
+        assert core.runner.backend_name == "triton_fixed" and not core.runner.decode_paths
+        assert all((runner is not None) == graphs for runner in (core.runner.graphs, core.runner.piecewise))
+        counted = _count_runs(core)
+        results[graphs] = [_finish(core, p, sp) for p, sp in batches]
+        replays[graphs] = counted
+        del core
+        torch.cuda.empty_cache()
+    assert replays[True][0] > 0 and replays[True][1] > 0, replays  # decode graphs and piecewise graphs both ran
+    alone, among = results[True]
+    assert among[4] == alone[0]
+    assert results[True] == results[False]

@@ -8,8 +8,8 @@ keys and values [1, Hkv, p + 1, D], no mask), so its bits do not depend on how m
 its step: a prefill chunk of any length, a decode step, a prefix-cache hit (the cached KV was
 computed the same way) or a teacher-forced re-scoring all give the same result. SDPA's kernels
 for many query rows and a causal mask reduce in another order; one row at a time costs
-O(rows) calls (on CUDA, one kernel launch a row and layer: the mode's correctness, not its
-speed: a fixed-split Triton kernel is issue 76's next piece).
+O(rows) calls (on CUDA, one kernel launch a row and layer: the mode's default there is the
+fixed-split Triton kernel, engine/attention/triton_fixed.py).
 """
 
 from __future__ import annotations

@@ -1,13 +1,19 @@
 """`FixedSplitBackend`: the Triton backend with every query token attended by
-engine/kernels/attention_fixed.py's kernel, for `--deterministic` on CUDA
-(`--attention-backend triton_fixed`): the KV of a token's context is cut at fixed positions, so
+engine/kernels/attention_fixed.py's kernel, `--deterministic`'s backend on CUDA: the KV of a token's context is cut at fixed positions, so
 its bits do not depend on the other tokens of its step, on prefill chunks or on decode. One
 launch a layer whatever the step, against the row-wise SDPA's one call per query row and layer
 (engine/attention/sdpa_rows.py).
 
-Rule: the step's new K/V rows are stored first (the Triton backend's `forward`), then every row
-of the step, decode, prefill or mixed, runs the one kernel. The mode runs eagerly, and no decode
-path (engine/decode/attach.py) is attached in it: their kernels reduce in their own orders.
+Rules:
+- The step's new K/V rows are stored first (the Triton backend's `forward`), then every row of
+  the step, decode, prefill or mixed, runs the one kernel; a step of few tokens (a decode) takes
+  its split path, with the same bits, through `workspace` (the `cuda_graph` region, as the
+  backend: [16, max_model_len / 256, H, D] fp32, 21 MiB for Qwen3-0.6B at 40,960).
+- CUDA graphs, decode and piecewise, replay the same kernel on the Triton backend's static
+  metadata: its grid is the padded row count, and a padding row (seq_len 0, or past the last
+  sequence) writes zeros, so a graph's rows carry the bits of eager rows.
+- No decode path (engine/decode/attach.py) is attached in the mode: their kernels reduce in their
+  own orders.
 """
 
 from __future__ import annotations
@@ -16,15 +22,22 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.triton import TritonBackend
-from engine.kernels.attention_fixed import fixed_split_attention
+from engine.kernels.attention_fixed import Workspace, fixed_split_attention
 
 
 class FixedSplitBackend(TritonBackend):
-    supports_cuda_graph = False
+    supports_cuda_graph = True
+
+    def __init__(
+        self, kv_cache: torch.Tensor, scale: float, num_heads: int, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        super().__init__(kv_cache, scale, num_heads, max_num_seqs, max_model_len)
+        # The few-token steps' partials (decode): allocated once, in the region the backend is built in.
+        self.workspace = Workspace.allocate(num_heads, self.head_dim, max_model_len, kv_cache.device)
 
     def _attend(
         self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:  # fmt: skip
         fixed_split_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                              self.scale, self.max_num_seqs)  # fmt: skip
+                              self.scale, self.max_num_seqs, self.workspace)  # fmt: skip

@@ -17,14 +17,24 @@ Rules:
   sequences of seq_len 0 (graph padding), write zeros.
 - The K/V of the step's new tokens are in the cache before the kernel runs (the backend stores
   them first).
+- Where it runs may follow the step, what it computes may not: a step of at most `FEW_TOKENS`
+  tokens given a workspace (`Workspace`: decode steps and their graphs) runs a program per
+  (token, KV head, slot), each slot computing its pieces p = slot, slot + SLOTS, ... from a fresh
+  state into the workspace, then `_merge_kernel` merges a token's pieces in ascending order by
+  the same recurrence: the same partials merged in the same order as the one-program path, so
+  the same bits. Every kernel here is compiled without FMA contraction (each multiply and add
+  rounds by itself), so the two paths' shared arithmetic cannot be contracted two ways.
 
 Its cost: each token streams its whole context once per KV head, so a prefill of T tokens reads
 O(T * context) K/V bytes (through L2), against a tiled prefill's O(T * context / BLOCK_M); the
-price of a row's bits not depending on its neighbours. Only CUDA code paths, and the CPU tests
+price of a row's bits not depending on its neighbours. A decode step of few tokens has only
+T x Hkv programs on the one-program path (8 for one Qwen3 row), hence the split path. Only CUDA code paths, and the CPU tests
 under Triton's interpreter, import this module.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,6 +46,8 @@ from engine.kernels.split_kv import attend_tiles
 
 SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOCK_N
 BLOCK_N = 32  # keys per tile
+FEW_TOKENS = 16  # steps of at most this many tokens may take the split path (a workspace this wide)
+TARGET_PROGRAMS = 264  # the split path's programs: about two an SM of an H200 (132 SMs)
 
 
 @triton.jit
@@ -45,6 +57,23 @@ def _merge(m, total, acc, m_s, l_s, acc_s):
     a = tl.exp2(m - m_new)
     b = tl.exp2(m_s - m_new)
     return m_new, total * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
+
+
+@triton.jit
+def _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH: tl.constexpr):
+    # Token t's sequence (the least i with query_start_loc[i + 1] > t; past the last sequence:
+    # the last, and not live), and its context length (its position + 1; 0 when not live).
+    lo = t * 0
+    hi = t * 0 + num_seqs - 1
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        right = tl.load(qsl_ptr + mid + 1) <= t
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    seq = tl.minimum(lo, num_seqs - 1)
+    pos = tl.load(seq_lens_ptr + seq) - (tl.load(qsl_ptr + seq + 1) - t)  # -1 or less: padding
+    live = (t < tl.load(qsl_ptr + num_seqs)) & (pos >= 0)
+    return seq, live, tl.where(live, pos + 1, 0)
 
 
 @Launcher
@@ -58,18 +87,7 @@ def _fixed_split_kernel(
 ):  # fmt: skip
     t = tl.program_id(0)
     g = tl.program_id(1)
-    # The sequence of token t: the least i with query_start_loc[i + 1] > t.
-    lo = t * 0
-    hi = t * 0 + num_seqs - 1
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi) // 2
-        right = tl.load(qsl_ptr + mid + 1) <= t
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    seq = tl.minimum(lo, num_seqs - 1)  # (past the last sequence: a padding row, below)
-    end_q = tl.load(qsl_ptr + seq + 1)
-    pos = tl.load(seq_lens_ptr + seq) - (end_q - t)  # -1 or less: padding
-    live = (t < tl.load(qsl_ptr + num_seqs)) & (pos >= 0)
+    seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
     heads = g * GROUP + tl.arange(0, BLOCK_H)
     h_mask = tl.arange(0, BLOCK_H) < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
@@ -79,7 +97,6 @@ def _fixed_split_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    context = tl.where(live, pos + 1, 0)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for start in range(0, context, SPLIT_):
         end = tl.minimum(start + SPLIT_, context)
@@ -89,6 +106,86 @@ def _fixed_split_kernel(
         m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+@Launcher
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "pieces"])
+def _piece_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    num_seqs, stride_qt, stride_qh, stride_bt, stride_cblk, stride_ctok, stride_chead, sm_scale_log2, pieces,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    # Program (t, g, slot): token t's pieces slot, slot + SLOTS, ... for KV head g, each from a
+    # fresh state, into the workspace's row (t, piece, head).
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
+    heads = g * GROUP + tl.arange(0, BLOCK_H)
+    h_mask = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & live, other=0.0)  # fmt: skip
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for p in range(tl.program_id(2), tl.cdiv(context, SPLIT_), tl.num_programs(2)):
+        start = p * SPLIT_
+        end = tl.minimum(start + SPLIT_, context)
+        m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
+                                       stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
+                                       BLOCK_N_, IEEE)  # fmt: skip
+        rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads  # [BLOCK_H]
+        tl.store(ws_m_ptr + rows, m_s, mask=h_mask)
+        tl.store(ws_l_ptr + rows, l_s, mask=h_mask)
+        tl.store(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], acc_s, mask=h_mask[:, None])
+
+
+@Launcher
+@triton.jit(do_not_specialize=["num_seqs", "pieces"])
+def _merge_kernel(
+    seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, num_seqs, stride_ot, stride_oh, pieces,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
+):  # fmt: skip
+    # Token t's pieces for KV head g, merged in ascending order from the one-program path's start.
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
+    heads = g * GROUP + tl.arange(0, BLOCK_H)
+    h_mask = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for p in range(0, tl.cdiv(context, SPLIT_)):
+        rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads
+        m_s = tl.load(ws_m_ptr + rows, mask=h_mask, other=0.0)
+        l_s = tl.load(ws_l_ptr + rows, mask=h_mask, other=0.0)
+        acc_s = tl.load(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0)
+        m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
+    result = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+class Workspace(NamedTuple):
+    """The split path's partials, fp32, for steps of up to FEW_TOKENS tokens: per (token, piece,
+    query head) the piece's running max `m`, sum of exp2 `total` and unnormalized output `acc`."""
+
+    m: torch.Tensor  # [FEW_TOKENS, pieces, H]
+    total: torch.Tensor  # [FEW_TOKENS, pieces, H]
+    acc: torch.Tensor  # [FEW_TOKENS, pieces, H, D]
+
+    @classmethod
+    def allocate(cls, num_heads: int, head_dim: int, max_model_len: int, device: torch.device) -> Workspace:
+        pieces = triton.cdiv(max_model_len, SPLIT)
+        m = torch.empty(FEW_TOKENS, pieces, num_heads, dtype=torch.float32, device=device)
+        acc = torch.empty(FEW_TOKENS, pieces, num_heads, head_dim, dtype=torch.float32, device=device)
+        return cls(m, torch.empty_like(m), acc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self)
 
 
 def fixed_split_attention(
@@ -101,20 +198,37 @@ def fixed_split_attention(
     out: torch.Tensor,  # [T, H, D]
     scale: float,
     max_num_seqs: int,  # the most sequences a step may hold: the search's depth
+    workspace: Workspace | None = None,  # the split path's, for steps of up to FEW_TOKENS tokens
 ) -> torch.Tensor:
     """out[t] = token t's attention over its sequence's cached keys 0..its position (module
-    docstring); every row of out is written (zeros past the last sequence)."""
+    docstring); every row of out is written (zeros past the last sequence). The grid follows the
+    shapes alone (CUDA-graph capturable)."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if tokens == 0:
         return out
-    _fixed_split_kernel[(tokens, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        seq_lens.shape[0], q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
-        GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N_=BLOCK_N, SPLIT_=SPLIT, SEARCH=max(1, max_num_seqs.bit_length()), IEEE=q.dtype == torch.float32,
-        num_warps=4,
+    shared = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, SPLIT_=SPLIT,
+                  SEARCH=max(1, max_num_seqs.bit_length()), num_warps=4, enable_fp_fusion=False)  # fmt: skip
+    search = (seq_lens.shape[0], q.stride(0), q.stride(1))
+    if workspace is None or tokens > workspace.m.shape[0]:
+        _fixed_split_kernel[(tokens, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+            *search, out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, **shared,
+        )  # fmt: skip
+        return out
+    pieces = workspace.m.shape[1]
+    slots = max(1, min(pieces, triton.cdiv(TARGET_PROGRAMS, tokens * num_kv_heads)))
+    ws = (workspace.m, workspace.total, workspace.acc)
+    _piece_kernel[(tokens, num_kv_heads, slots)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *ws, *search, block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E, pieces,
+        NUM_HEADS=num_heads, BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, **shared,
+    )  # fmt: skip
+    _merge_kernel[(tokens, num_kv_heads)](
+        seq_lens, query_start_loc, *ws, out, seq_lens.shape[0], out.stride(0), out.stride(1), pieces,
+        NUM_HEADS=num_heads, **shared,
     )  # fmt: skip
     return out

@@ -7,9 +7,13 @@ block linear (`--deterministic`). Only CUDA code paths import this module (it im
 Why cuBLAS is not: it picks its kernel, its tiles and its split of K by M (and by the other
 sizes), so a row's fp32 sums over K run in an order, and round, that depend on the batch it
 came in (issue 76). Rules that make this kernel invariant:
-- One tile configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per weight shape (N, K):
-  `config(n, k)`, a rule on N and K alone, never on M; no autotuning. So one compiled variant
-  serves every M (M is not specialized: `do_not_specialize`), with one MMA instruction sequence.
+- K's order (BLOCK_K and the chunks below) is fixed per weight shape (N, K): `config(n, k)`, a
+  rule on N and K alone, never on M; no autotuning. M is not specialized (`do_not_specialize`).
+- The output tile may follow M, the bits may not: up to FEW_ROWS rows (a decode step) run
+  16-row tiles (`few_rows`: mma.sync m16n8k16, a quarter of a 64-row tile's loads), more
+  rows 64-row tiles (wgmma). Each output element is the same BLOCK_K steps of MMAs into fp32 in
+  the same order either way, and on an H200 the two instructions round a row's sums alike:
+  tests/test_gpu_invariant_matmul.py crosses 16 -> 17 rows with the Qwen3 shapes, bit for bit.
 - K is cut into SPLIT_K chunks fixed by (N, K) (`config`), each a whole number of BLOCK_K steps.
   A chunk's partial sum starts from zero and walks its K in ascending BLOCK_K steps (tensor-core
   dots into fp32; bf16/fp16 products are exact in fp32); the output is
@@ -31,9 +35,9 @@ The configuration rule (`config`), reasoned for an H100 / H200 (132 SMs, wgmma),
 on one (bench/kernels/invariant_matmul.py times it against cuBLAS and `--sweep` ranks a grid of
 configs per weight shape over all M at once, the only way a config may be chosen here):
 - BLOCK_M = 64, 4 warps: one warp group, Hopper's smallest wgmma M. A decode step's few rows
-  still compute one whole row tile, so a larger BLOCK_M only multiplies an M = 1 GEMV's
-  tensor-core work (128 rows: 4.3 GFLOP for the 8B o_proj on the 32-64 SMs its column tiles
-  occupy, about the time its 32 MiB weight takes to stream).
+  take 16-row tiles instead, 128 columns wide from N >= FEW_WIDE_N: at M = 1 that halves the
+  64-row tile's time (the 0.6B lm_head 166 -> 84 us, cuBLAS 76; the 8B gate_up 96 -> 55, cuBLAS
+  48; bench/history/2026-11-29.md, 2026-11-29t).
 - BLOCK_N trades M = 1 bandwidth (programs to stream the weight) against large-M intensity
   (MACs per loaded element): 128 columns where N >= WIDE_N (>= 64 column tiles; the 8B's gate_up
   and every lm_head have 192 and more), else 64.
@@ -61,6 +65,8 @@ TARGET_PROGRAMS = 264  # two an SM of an H100 / H200 (132 SMs)
 MIN_CHUNK_STEPS = 8  # BLOCK_K steps a chunk of K walks at least
 REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
 SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (more: one per tile)
+FEW_ROWS = 16  # at most this many rows: 16-row tiles (`few_rows`)
+FEW_WIDE_N = 4096  # N from which a few-rows tile is 128 columns wide, below it 64
 
 
 class Config(NamedTuple):
@@ -79,6 +85,11 @@ def config(n: int, k: int) -> Config:
     tiles_n = triton.cdiv(n, block_n)
     split = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles_n), triton.cdiv(k, block_k) // MIN_CHUNK_STEPS))
     return Config(BLOCK_M, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
+
+
+def few_rows(cfg: Config, n: int) -> Config:
+    """`cfg` for at most FEW_ROWS rows: 16-row tiles, K's order (BLOCK_K, the chunks) unchanged."""
+    return cfg._replace(block_m=16, block_n=min(128 if n >= FEW_WIDE_N else 64, max(16, triton.next_power_of_2(n))))
 
 
 def chunking(k: int, cfg: Config) -> tuple[int, int]:
@@ -168,7 +179,7 @@ def invariant_matmul(
     x: torch.Tensor,  # [M, K] bf16 (or fp16) CUDA, any M >= 0
     w: torch.Tensor,  # [N, K], x's dtype, contiguous (an nn.Linear's weight)
     out: torch.Tensor | None = None,  # [M, N] of x's dtype, unit last stride: written in place (a graph's buffer)
-    cfg: Config | None = None,  # tuning override (bench/kernels/invariant_matmul.py --sweep); None: config(N, K)
+    cfg: Config | None = None,  # tuning override (bench/kernels/invariant_matmul.py --sweep); None: the rules
 ) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once
     if x.dim() != 2 or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"invariant_matmul: x must be a CUDA bf16/fp16 [M, K], got {tuple(x.shape)} {x.dtype} on {x.device}")
@@ -187,6 +198,8 @@ def invariant_matmul(
     if x.stride(-1) != 1:
         x = x.contiguous()
     c = cfg or config(n, k)
+    if cfg is None and m <= FEW_ROWS:
+        c = few_rows(c, n)
     chunk_k, chunks = chunking(k, c)
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
     split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes

@@ -14,11 +14,12 @@ Rules:
 - On CUDA a half-precision matmul is invariant_matmul's (one tile and K-chunk order per weight
   shape, any rows); fp32 keeps the blocks (cuBLAS picks one kernel for one shape).
 - `install(model, device)` switches every linear of a built model to these, once, at startup,
-  and turns off the few-row kernels that bypass them (the skinny and split-K linears, the skinny
-  lm_head): the default mode's forward keeps its own code (no branch per call).
-- Attention is the backend's (engine/attention/sdpa_rows.py); norms (one row a program on
-  CUDA), rotary, activations and the sampler's row-wise ops are invariant as they are. On CUDA
-  the mode runs eagerly (the row-wise attention has no graphs), on one rank, dense models only.
+  and turns off the few-row kernels that bypass them (the skinny and split-K linears, the MLP's
+  skinny gate_up + SiLU, the skinny lm_head, a decode graph's logits pieces): the default mode's
+  forward keeps its own code (no branch per call).
+- Attention is the backend's (engine/attention/triton_fixed.py on CUDA, with CUDA graphs;
+  sdpa_rows.py elsewhere); norms (one row a program on CUDA), rotary, activations and the
+  sampler's row-wise ops are invariant as they are. On CUDA: one rank, dense models only.
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ def install(model: nn.Module, device: torch.device) -> int:
     """Point every module's matmul hook (`linear_fn`, `logits_fn`: the class defaults are torch's
     own) at this file's ops for `device`, and turn off the few-row paths that bypass the hooks;
     returns how many modules changed."""
+    from engine.models.layers import MLP
+
     cuda = torch.device(device).type == "cuda"
     changed = 0
     for module in model.modules():
+        if isinstance(module, MLP):
+            module.fused = False  # no skinny gate_up + SiLU kernel: gate_up_proj's hook, then the activation
         if hasattr(type(module), "linear_fn"):
             module.linear_fn = cuda_linear if cuda else linear
             if hasattr(module, "fused") and hasattr(module, "weight"):
@@ -82,5 +87,6 @@ def install(model: nn.Module, device: torch.device) -> int:
         if hasattr(type(module), "logits_fn"):
             module.logits_fn = cuda_logits if cuda else logits
             module.skinny_logits = False
+            module.use_logits_pieces = False  # a decode graph's logits: logits_fn too
             changed += 1
     return changed

@@ -234,10 +234,14 @@ class ModelRunner:
         return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
 
     def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
-        """The token counts of the piecewise graphs for steps with prefill: none on CPU or by flag."""
+        """The token counts of the piecewise graphs for steps with prefill: none on CPU, by flag, or
+        in `--deterministic` with a backend without graphs (its row-wise attention runs eagerly)."""
         limit = self.config.piecewise_cuda_graph_max_tokens
-        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0 or self.config.deterministic:
-            return []  # deterministic: eager (its row-wise attention has no graphs)
+        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph
+        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
+            return []
+        if self.config.deterministic and not graphs_possible:
+            return []
         cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
         return piecewise_token_sizes(cap, kv_capacity_tokens)
 
