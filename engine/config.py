@@ -197,7 +197,7 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prompt prefixes"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, else sdpa) | triton | sdpa"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto (triton on CUDA, else sdpa; --deterministic: triton_fixed on CUDA, else sdpa_rows) | triton | sdpa | triton_fixed | sdpa_rows"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run every step eagerly (no decode or piecewise graphs)"})
     disable_overlap_schedule: bool = field(
         default=False, metadata={"help": "read each step's tokens before scheduling the next (default: overlap them)"}
@@ -240,7 +240,7 @@ class EngineConfig:
     deterministic: bool = field(
         default=False,
         metadata={"help": "bitwise-reproducible tokens and logprobs whatever the batch, chunking or prefix cache "
-                          "(batch-invariant ops; on CUDA: eager, one GPU, dense models)",
+                          "(batch-invariant ops; on CUDA: one GPU, dense models)",
                   "aliases": ("--enable-deterministic-inference",)},
     )
     speculative_algorithm: str | None = field(

@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = Path(ROOT) / "bench"
 SUITES = ["bench_engine.py", "bench_serving.py", "bench_flip.py", "bench_memory.py", "bench_replicas.py",
-          "bench_tp.py", "control_storm.py", "bench_speculative.py"]
+          "bench_tp.py", "control_storm.py", "bench_speculative.py", "bench_deterministic.py"]
 SCRIPTS = SUITES + sorted(f"{d}/{p.name}" for d in ("kernels", "probes") for p in (BENCH / d).glob("*.py"))
 
 
@@ -439,6 +439,24 @@ def test_bench_speculative_tiny_gives_plain_decodings_outputs(tmp_path: str) -> 
     assert all(row[-1] is True for row in res["table"])
     drafted, kept = res["modes"]["ngram"]["drafted"]
     assert kept >= 0.9 * drafted and kept >= 20
+
+
+def test_bench_deterministic_tiny_measures_both_modes(tmp_path: str) -> None:
+    """bench/bench_deterministic.py on the CPU: the default engine and a deterministic one each
+    run every decode batch and the RL rollouts; a row per batch and one for the rollouts."""
+    out = os.path.join(tmp_path, "det.json")
+    p = _run(os.path.join("bench", "bench_deterministic.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
+             "--out", out, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    with open(out) as f:
+        res = json.load(f)
+    modes = res["modes"]
+    assert modes["default"]["attention_backend"] == "sdpa" and modes["deterministic (auto)"]["attention_backend"] == "sdpa_rows"
+    for mode in modes.values():
+        assert sorted(mode["decode"]) == ["1", "4"] and all(d["steps"] == 30 for d in mode["decode"].values())
+        assert mode["rl"]["tokens"] == 4 * 16
+    assert [row[0] for row in res["table"]] == [f"deterministic (auto): decode step, bs={b}" for b in (1, 4)] + [
+        "deterministic (auto): RL rollouts (engine), tok/s"]
 
 
 def test_grammar_fill_tiny_measures_both_backends(tmp_path: str) -> None:

@@ -9,11 +9,13 @@ sizes), so a row's fp32 sums over K run in an order, and round, that depend on t
 came in (issue 76). Rules that make this kernel invariant:
 - K's order (BLOCK_K and the chunks below) is fixed per weight shape (N, K): `config(n, k)`, a
   rule on N and K alone, never on M; no autotuning. M is not specialized (`do_not_specialize`).
-- The output tile may follow M, the bits may not: up to FEW_ROWS rows (a decode step) run
-  16-row tiles (`few_rows`: mma.sync m16n8k16, a quarter of a 64-row tile's loads), more
-  rows 64-row tiles (wgmma). Each output element is the same BLOCK_K steps of MMAs into fp32 in
-  the same order either way, and on an H200 the two instructions round a row's sums alike:
-  tests/test_gpu_invariant_matmul.py crosses 16 -> 17 rows with the Qwen3 shapes, bit for bit.
+- The output tile may follow M, the bits may not (`rows_tile`): up to FEW_ROWS rows (a decode
+  step) run 16-row tiles (mma.sync m16n8k16, a quarter of a 64-row tile's loads), from
+  MANY_ROWS (a prefill) 128 x 128 tiles of two warp groups, between them 64-row tiles (wgmma).
+  Each output element is the same BLOCK_K steps of MMAs into fp32 in the same order whatever
+  the tile, and on an H200 the instructions round a row's sums alike:
+  tests/test_gpu_invariant_matmul.py crosses 16 -> 17 and 1000 -> 1100 rows with the Qwen3
+  shapes, bit for bit.
 - K is cut into SPLIT_K chunks fixed by (N, K) (`config`), each a whole number of BLOCK_K steps.
   A chunk's partial sum starts from zero and walks its K in ascending BLOCK_K steps (tensor-core
   dots into fp32; bf16/fp16 products are exact in fp32); the output is
@@ -37,7 +39,8 @@ configs per weight shape over all M at once, the only way a config may be chosen
 - BLOCK_M = 64, 4 warps: one warp group, Hopper's smallest wgmma M. A decode step's few rows
   take 16-row tiles instead, 128 columns wide from N >= FEW_WIDE_N: at M = 1 that halves the
   64-row tile's time (the 0.6B lm_head 166 -> 84 us, cuBLAS 76; the 8B gate_up 96 -> 55, cuBLAS
-  48; bench/history/2026-11-29.md, 2026-11-29t).
+  48; bench/history/2026-11-29.md, 2026-11-29t). From MANY_ROWS rows 128 x 128 tiles of 8
+  warps cut an 8192-row product by 15-30 % (the 8B gate_up 3.92 -> 3.30 ms, cuBLAS 2.24).
 - BLOCK_N trades M = 1 bandwidth (programs to stream the weight) against large-M intensity
   (MACs per loaded element): 128 columns where N >= WIDE_N (>= 64 column tiles; the 8B's gate_up
   and every lm_head have 192 and more), else 64.
@@ -65,8 +68,9 @@ TARGET_PROGRAMS = 264  # two an SM of an H100 / H200 (132 SMs)
 MIN_CHUNK_STEPS = 8  # BLOCK_K steps a chunk of K walks at least
 REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
 SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (more: one per tile)
-FEW_ROWS = 16  # at most this many rows: 16-row tiles (`few_rows`)
+FEW_ROWS = 16  # at most this many rows: 16-row tiles (`rows_tile`)
 FEW_WIDE_N = 4096  # N from which a few-rows tile is 128 columns wide, below it 64
+MANY_ROWS = 1024  # at least this many rows (prefill): 128 x 128 tiles, 8 warps, 3 stages
 
 
 class Config(NamedTuple):
@@ -87,9 +91,16 @@ def config(n: int, k: int) -> Config:
     return Config(BLOCK_M, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
 
 
-def few_rows(cfg: Config, n: int) -> Config:
-    """`cfg` for at most FEW_ROWS rows: 16-row tiles, K's order (BLOCK_K, the chunks) unchanged."""
-    return cfg._replace(block_m=16, block_n=min(128 if n >= FEW_WIDE_N else 64, max(16, triton.next_power_of_2(n))))
+def rows_tile(cfg: Config, n: int, m: int) -> Config:
+    """The output tile that runs m rows of the weight whose configuration is `cfg`: 16-row tiles
+    up to FEW_ROWS rows, 128 x 128 (two warp groups) from MANY_ROWS, else cfg's; K's order
+    (BLOCK_K, the chunks) is cfg's whatever m."""
+    width = max(16, triton.next_power_of_2(n))
+    if m <= FEW_ROWS:
+        return cfg._replace(block_m=16, block_n=min(128 if n >= FEW_WIDE_N else 64, width))
+    if m >= MANY_ROWS:
+        return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=3)
+    return cfg
 
 
 def chunking(k: int, cfg: Config) -> tuple[int, int]:
@@ -198,8 +209,8 @@ def invariant_matmul(
     if x.stride(-1) != 1:
         x = x.contiguous()
     c = cfg or config(n, k)
-    if cfg is None and m <= FEW_ROWS:
-        c = few_rows(c, n)
+    if cfg is None:
+        c = rows_tile(c, n, m)
     chunk_k, chunks = chunking(k, c)
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
     split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes
