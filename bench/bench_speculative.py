@@ -79,8 +79,10 @@ def main() -> int:
     vocab = min(ckpt["shape"]["vocab_size"], 512) if args.tiny else ckpt["shape"]["vocab_size"]
     draw = lambda n: [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n)]  # noqa: E731
     prompts, fresh = {b: draw(b) for b in sizes}, {b: draw(b) for b in sizes}
+    # max_num_seqs: a verify step of B requests is B x (drafts + 1) decode rows, each a sequence of
+    # the step's attention (engine/runner/step_plan.py), replayed from a graph of that many rows.
     knobs: dict[str, Any] = dict(max_model_len=prompt_len + output_len + 64, load_format=ckpt.get("load_format", "auto"),
-                                 max_num_seqs=max(sizes), device=device.type)  # fmt: skip
+                                 max_num_seqs=max(sizes) * (args.num_draft_tokens + 1), device=device.type)  # fmt: skip
     if args.tiny:
         knobs |= dict(dtype="float32", num_kv_blocks=256)
     for kv in filter(None, args.server_args.split(",")):

@@ -187,6 +187,16 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def wide_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Two layers of Qwen3-0.6B's widths (hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072): the
+    sizes at which the CUDA decode paths attach and `--deterministic`'s few-row kernels (16-row
+    matmul tiles, the split attention) differ from its many-row ones. GPU tests only."""
+    config = Qwen3Config(**TINY | dict(hidden_size=1024, intermediate_size=3072, head_dim=128, num_hidden_layers=2,
+                                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True))  # fmt: skip
+    return _save(_randomized(Qwen3ForCausalLM, config, seed=3), str(tmp_path_factory.mktemp("wide_qwen3")))
+
+
+@pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """`qwen3_dir`'s architecture with other weights: what a trainer pushes as an update."""
     return _save(_tiny_qwen3(seed=7), str(tmp_path_factory.mktemp("qwen3_next")))

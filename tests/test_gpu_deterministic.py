@@ -62,19 +62,6 @@ def _count_runs(core: EngineCore) -> list[int]:
     return counted
 
 
-@pytest.fixture(scope="module")
-def wide_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Two layers of Qwen3-0.6B's widths (hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072):
-    the sizes at which the few-row kernels (the 16-row matmul tiles, the split attention) differ
-    from the many-row ones."""
-    from conftest import TINY, _randomized, _save
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**TINY | dict(hidden_size=1024, intermediate_size=3072, head_dim=128, num_hidden_layers=2,
-                                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True))  # fmt: skip
-    return _save(_randomized(Qwen3ForCausalLM, config, seed=3), str(tmp_path_factory.mktemp("wide_qwen3")))
-
-
 @pytest.mark.parametrize("checkpoint", ["qwen3_dir", "wide_qwen3_dir"])
 def test_graphs_replay_the_bits_of_eager_steps(checkpoint: str, request: pytest.FixtureRequest) -> None:
     """The mode's default backend on CUDA is the fixed-split kernel, with decode and piecewise

@@ -2,7 +2,7 @@
 on a CPU: the tokens are plain decoding's, whatever is drafted.
 
 - Greedy requests give plain decoding's tokens (logprobs within 1e-4: a verify forward runs the
-  drafted positions as one chunk), with overlap scheduling on and off; a second rollout of a
+  drafted positions as decode rows of their own), with overlap scheduling on and off; a second rollout of a
   prompt takes the first one's text as drafts and accepts them.
 - With `--deterministic`, seeded sampled requests (temperature 1, top_p) give plain decoding's
   tokens and logprobs bit for bit: each drafted position samples with its own output index's

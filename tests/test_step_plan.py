@@ -1,4 +1,4 @@
-"""`plan_step` (engine/runner/step_inputs.py): a decode step's plan, built column by column
+"""`plan_step` (engine/runner/step_plan.py): a decode step's plan, built column by column
 (`_plan_decode`), is the plan the general loop builds (`_plan_any`) field for field, with and
 without pending input tokens and with every sampling option set somewhere; any other step
 (a prefill chunk, a one-token chunk that does not reach the end) takes the general loop; a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.request import PENDING_TOKEN, Batch, Request, SamplingParams
-from engine.runner.step_inputs import (
+from engine.runner.step_plan import (
     PendingTokens,
     _plan_any,
     _plan_decode,
@@ -59,6 +59,41 @@ def test_a_decode_plan_is_the_general_plan(seed: int) -> None:
     assert fast is not None
     _same(fast, _plan_any(batch, BLOCK, pending))
     _same(plan_step(batch, BLOCK, pending), fast)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_verify_plan_is_the_general_plan_as_decode_rows(seed: int) -> None:
+    """A drafted step of decoding requests: one decode row per token (each its own sequence over
+    its request's blocks, length position + 1), with the general plan's tokens, positions, KV
+    slots, pending fills, sampling rows and sampling plan."""
+    rng = random.Random(seed)
+    reqs = [_request(rng, i, rng.randint(1, 70), rng.randint(0, 40), rng.random() < 0.5) for i in range(rng.randint(1, 8))]
+    drafts = {i: [rng.randrange(4, 500) for _ in range(rng.randint(1, 4))] for i in range(len(reqs)) if rng.random() < 0.7}
+    drafts = drafts or {0: [9, 9]}
+    for r in reqs:  # room for the drafts' KV
+        r.block_table += list(range(5000 + 10 * int(r.request_id), 5000 + 10 * int(r.request_id) + 2))
+    batch = Batch(requests=reqs, num_new_tokens=[1 + len(drafts.get(i, [])) for i in range(len(reqs))], drafts=drafts)
+    flight = [r for r in reqs if r.num_pending]
+    pending = PendingTokens(torch.zeros(len(flight) + 1, dtype=torch.int64), {r: j + 1 for j, r in enumerate(flight)})
+    general, rows = _plan_any(batch, BLOCK, pending), plan_step(batch, BLOCK, pending)
+    assert rows.verify and rows.drafted and not general.verify
+    tokens = len(general.parts[0])
+    assert rows.num_seqs == tokens and rows.max_query_len == 1 and rows.query_start_loc_cpu == list(range(tokens + 1))
+    assert rows.seq_lens_cpu == [p + 1 for p in general.parts[1]]
+    for part in (0, 1, 2, 3, 4, 5):  # ids, positions, sample indices, pending rows and sources, KV slots
+        assert rows.parts[part] == general.parts[part], part
+    assert rows.sample_rows == general.sample_rows
+    _same(rows.sampling, general.sampling)
+    width = max(len(r.block_table) for r in reqs)
+    tables = [rows.parts[-1][j * width : (j + 1) * width] for j in range(tokens)]
+    assert tables == [reqs[i].block_table + [0] * (width - len(reqs[i].block_table)) for i in rows.sample_rows]
+    chunk = _request(rng, 9, 40, 0, False)
+    chunk.num_computed_tokens = 16
+    chunk.block_table = list(range(3))
+    mixed = Batch(requests=[*reqs, chunk], num_new_tokens=[*batch.num_new_tokens, 8], drafts=drafts)
+    assert not plan_step(mixed, BLOCK, pending).verify  # a chunk among them: the general loop
+    assert plan_step(batch, BLOCK, pending, max_seqs=tokens).verify
+    assert not plan_step(batch, BLOCK, pending, max_seqs=tokens - 1).verify  # more rows than a step's sequences
 
 
 def test_other_steps_take_the_general_loop() -> None:

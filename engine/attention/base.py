@@ -142,3 +142,7 @@ class ForwardContext:
     # A decode step whose rows hold >= LONG_KV_TOKENS of context together (engine/decode/rules.py):
     # few rows then take the split-KV kernels (batch_decode.py), not the one-kernel layers.
     long_kv: bool = False
+    # A verify step as decode rows (speculative decoding, StepPlan.verify): consecutive rows of one
+    # sequence, each attending through the row before it, so every row's K/V must be stored before
+    # any row attends: the decode paths that store a row while another reads (engine/decode/) decline.
+    verify: bool = False

@@ -14,7 +14,7 @@ import msgspec
 
 from engine.core import calls
 from engine.core.protocol import ControlError
-from engine.runner.step_inputs import StepPlan
+from engine.runner.step_plan import StepPlan
 
 WeightUpdate = calls.UpdateWeightsFromDisk | calls.UpdateWeightsFromTensor | calls.UpdateWeightsFromDistributed
 

@@ -37,7 +37,7 @@ from engine.core import rank_protocol as rp
 from engine.core.protocol import Failed
 from engine.core.rank import Rank
 from engine.errors import from_kind
-from engine.runner.step_inputs import StepPlan
+from engine.runner.step_plan import StepPlan
 
 log = logging.getLogger("siesta.engine")
 

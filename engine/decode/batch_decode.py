@@ -128,7 +128,8 @@ class BatchDecode:
 
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
         return (
-            ctx.backend is self.backend and ctx.meta.is_decode and self.min_rows <= input_ids.shape[0] <= self.max_rows
+            ctx.backend is self.backend and ctx.meta.is_decode and not ctx.verify
+            and self.min_rows <= input_ids.shape[0] <= self.max_rows
         )
 
     def forward(

@@ -65,7 +65,7 @@ class DecodeAttention:
         without; bench/history/2026-11-25.md)."""
         rows = qkv.shape[0]
         return (
-            ctx.backend is self.backend and ctx.meta.is_decode and qkv.is_cuda and qkv.is_contiguous()
+            ctx.backend is self.backend and ctx.meta.is_decode and not ctx.verify and qkv.is_cuda and qkv.is_contiguous()
             and 0 < rows == ctx.meta.seq_lens.shape[0] and rows * self.shape[1] <= self.backend.wave_programs
         )  # fmt: skip
 

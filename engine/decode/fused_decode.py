@@ -172,7 +172,7 @@ class FusedDecode:
         return kv_splits(self.programs, self.shape, rows)
 
     def applies(self, input_ids: torch.Tensor, ctx: ForwardContext) -> bool:
-        return (ctx.backend is self.backend and ctx.meta.is_decode and not ctx.long_kv
+        return (ctx.backend is self.backend and ctx.meta.is_decode and not ctx.long_kv and not ctx.verify
                 and 0 < input_ids.shape[0] <= self.max_rows)
 
     def forward(

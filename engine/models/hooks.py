@@ -3,7 +3,9 @@ the paths and the model runner attaches them at startup (`DecoderModel.use_decod
 model never imports engine/decode/; these Protocols are all it knows of it.
 
 Rules: a hook answers `applies` from the step's shapes alone (no device read), and a path that
-applies computes exactly what the model's own modules compute, up to the order of fp32 sums.
+applies computes exactly what the model's own modules compute, up to the order of fp32 sums. A
+path that stores a row's K/V and reads others' in one kernel declines a verify step's rows
+(ForwardContext.verify).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ process.
 - `model_runner.py`: `ModelRunner`, startup as a recipe (model, weights, KV cache, attention
   backend, sampler, graphs); `launch` queues a step on the device without waiting.
 - `kv_sizing.py`: how many KV blocks the cache gets (the profiling forward on CUDA).
-- `step_inputs.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
-  tensor-parallel rank runs) and sent to the device as the step's input tensors.
+- `step_plan.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
+  tensor-parallel rank runs); `step_inputs.py`: a plan sent to the device as the step's input
+  tensors, in one copy.
 - `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
 - `sampler.py`: greedy and random sampling, logprobs (on CUDA through

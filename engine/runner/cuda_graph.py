@@ -16,6 +16,10 @@ Rules:
   so that sampler only merges them.
 - The sizes whose decode path changes at long context (the fused kernel's few rows) get a second
   graph, with ForwardContext.long_kv; a step replays it when its plan is `long_kv`.
+- With speculative decoding, the sizes up to `verify_rows` get a third, with
+  ForwardContext.verify (no decode path that stores one row while another reads): a verify step
+  planned as decode rows (StepPlan.verify) replays it. Without decode paths (`verify_rows` 0)
+  such a step replays the plain graphs.
 - Graphs are captured largest first and share one memory pool, so the smaller graphs reuse the
   largest one's intermediate memory.
 - Padded rows read token 0 at position 0, write no KV (slot -1) and are dropped from the output.
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 
 from engine.attention import AttentionBackend, ForwardContext
-from engine.runner.step_inputs import StepPlan
+from engine.runner.step_plan import StepPlan
 
 log = logging.getLogger("siesta.engine")
 
@@ -82,6 +86,7 @@ class CudaGraphRunner:
         batch_sizes: list[int] | None = None,  # default: the ladder; the benchmark captures [max_bs] alone
         pool: Any = None,  # a graph pool to capture into (shared with other graphs); default: a new one
         long_kv_rows: int = 0,  # sizes up to this get a second graph for long context (decode.attach.long_kv_rows)
+        verify_rows: int = 0,  # sizes up to the first that holds this many rows get a verify graph
     ) -> None:
         from engine.runner.graph_io import GraphIO
 
@@ -109,6 +114,9 @@ class CudaGraphRunner:
         # The same sizes' forwards for steps holding >= LONG_KV_TOKENS context tokens (ForwardContext.long_kv)
         self.long_sizes = [bs for bs in self.batch_sizes if bs <= long_kv_rows]
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The same sizes' forwards for verify steps planned as decode rows (ForwardContext.verify)
+        self.verify_sizes = [bs for bs in self.batch_sizes if verify_rows and bs <= self.padded_size(min(verify_rows, max_bs))]
+        self.verify_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = pool
         self.static_bytes = sum(t.numel() * t.element_size() for t in (self.inputs, self.logits)) + self.io.nbytes
         self.pool_bytes = 0  # device memory of the graphs' shared pool, once captured
@@ -126,11 +134,11 @@ class CudaGraphRunner:
             "temperatures": self.io.temps[:bs],
         }
 
-    def _forward(self, bs: int, long_kv: bool = False) -> None:
+    def _forward(self, bs: int, long_kv: bool = False, verify: bool = False) -> None:
         """The captured work: the staged inputs, model and logits for `bs` rows into the static
         logits buffer, and their greedy samples."""
         self.io.gather(bs)
-        ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs), long_kv=long_kv)
+        ctx = ForwardContext(self.backend, self.backend.graph_metadata(bs), long_kv=long_kv, verify=verify)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
         pieces = self.pieces[bs]
         self.model.compute_logits(hidden, out=self.logits[:bs], lse=self.io.lse_pieces(bs, pieces) if pieces else None)
@@ -142,24 +150,27 @@ class CudaGraphRunner:
         `graph_context(graph, pool=...)` is `torch.cuda.graph` or a region's pausable version."""
         torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        plan = [(bs, False) for bs in reversed(self.batch_sizes)] + [(bs, True) for bs in reversed(self.long_sizes)]
-        for bs, long_kv in plan:
-            self._forward(bs, long_kv)  # warm-up: compiles kernels, allocates workspaces outside the graph
+        plan = [(bs, "") for bs in reversed(self.batch_sizes)] + [(bs, "long") for bs in reversed(self.long_sizes)]
+        plan += [(bs, "verify") for bs in reversed(self.verify_sizes)]
+        kinds = {"": self.graphs, "long": self.long_graphs, "verify": self.verify_graphs}
+        for bs, kind in plan:
+            self._forward(bs, kind == "long", kind == "verify")  # warm-up: compiles kernels, allocates workspaces outside the graph
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with graph_context(graph, pool=self.pool):
-                self._forward(bs, long_kv)
+                self._forward(bs, kind == "long", kind == "verify")
             if self.pool is None:
                 self.pool = graph.pool()
-            (self.long_graphs if long_kv else self.graphs)[bs] = graph
+            kinds[kind][bs] = graph
             torch.cuda.synchronize(self.device)
-            log.info("captured decode graph bs=%d%s; graph pool now %.1f MiB", bs, " (long context)" if long_kv else "",
+            log.info("captured decode graph bs=%d%s; graph pool now %.1f MiB", bs, f" ({kind})" if kind else "",
                      graph_pool_bytes(self.pool) / (1 << 20))
         self.io.reset()
         self.pool_bytes = graph_pool_bytes(self.pool)
         log.info(
-            "captured %d decode graphs (bs %d..%d, %d of them again for long context) in %.1f s: pool %.1f MiB, "
-            "static buffers %.1f MiB", len(self.graphs), self.batch_sizes[0], self.max_bs, len(self.long_graphs),
+            "captured %d decode graphs (bs %d..%d, %d of them again for long context, %d for verify steps) in %.1f s: "
+            "pool %.1f MiB, static buffers %.1f MiB", len(self.graphs), self.batch_sizes[0], self.max_bs,
+            len(self.long_graphs), len(self.verify_graphs),
             time.perf_counter() - t0,
             self.pool_bytes / (1 << 20), self.static_bytes / (1 << 20),
         )
@@ -176,8 +187,11 @@ class CudaGraphRunner:
         return next(bs for bs in self.batch_sizes if bs >= n)
 
     def can_run(self, plan: StepPlan) -> bool:
-        """A decode step (one token a sequence) in which every row samples, of <= max_bs rows."""
-        return plan.max_query_len == 1 and len(plan.sample_rows) == plan.num_seqs <= self.max_bs
+        """A decode step (one token a sequence) in which every row samples, of <= max_bs rows; a
+        verify step's rows only where a verify graph of their size exists (or none is needed)."""
+        if not (plan.max_query_len == 1 and len(plan.sample_rows) == plan.num_seqs <= self.max_bs):
+            return False
+        return not plan.verify or not self.verify_sizes or self.padded_size(plan.num_seqs) in self.verify_graphs
 
     def run(self, plan: StepPlan) -> int:
         """Replay the step `plan` (`can_run`); its logits are `logits[:n]` until the next run, its
@@ -186,6 +200,10 @@ class CudaGraphRunner:
         n = plan.num_seqs
         bs = self.padded_size(n)
         slot = self.io.stage_step(plan.parts, plan.sampling.scalars[:n], n, bs)
-        (self.long_graphs if bs in self.long_graphs and plan.long_kv else self.graphs)[bs].replay()
+        if plan.verify and self.verify_graphs:
+            graphs = self.verify_graphs
+        else:
+            graphs = self.long_graphs if bs in self.long_graphs and plan.long_kv else self.graphs
+        graphs[bs].replay()
         self.io.replayed(slot)
         return slot

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine.request import Batch, Request
 from engine.runner.route_log import StagedRoutes
 from engine.runner.sampler import SampledOnDevice
-from engine.runner.step_inputs import PendingTokens
+from engine.runner.step_plan import PendingTokens
 
 log = logging.getLogger("siesta.engine")
 

@@ -37,15 +37,8 @@ from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_
 from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.route_log import RouteLog
 from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
-from engine.runner.step_inputs import (
-    SLOTS_PART,
-    StepInputs,
-    StepPlan,
-    Uploader,
-    mixed_plan,
-    plan_step,
-    step_inputs,
-)
+from engine.runner.step_inputs import StepInputs, Uploader, step_inputs
+from engine.runner.step_plan import SLOTS_PART, StepPlan, mixed_plan, plan_step
 from engine.weights.loader import load_checkpoint, load_dummy
 from engine.weights.store import WeightStore
 
@@ -156,7 +149,7 @@ class ModelRunner:
             if self.graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
                     self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device, pool=pool,
-                    long_kv_rows=long_kv_rows(self.decode_paths),
+                    long_kv_rows=long_kv_rows(self.decode_paths), verify_rows=self._verify_rows(),
                 )
             if piecewise_sizes:
                 self.piecewise = PiecewiseGraphRunner(
@@ -233,6 +226,15 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
 
+    def _verify_rows(self) -> int:
+        """The most rows of a verify step (speculative decoding: every drafting request's last
+        token and drafts), where decode paths are attached; 0: no verify graphs (no drafts, or
+        the plain graphs serve them)."""
+        c = self.config
+        if c.speculative_algorithm is None or self.device.type != "cuda" or c.deterministic:
+            return 0
+        return c.speculative_disable_by_batch_size * (c.speculative_num_draft_tokens + 1)
+
     def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
         """The token counts of the piecewise graphs for steps with prefill: none on CPU, by flag, or
         in `--deterministic` with a backend without graphs (its row-wise attention runs eagerly)."""
@@ -279,7 +281,8 @@ class ModelRunner:
         step, hands the plan to the other tensor-parallel ranks through `fan_out`, then runs it).
         `previous` is the step launched before this one, if its tokens are not read yet: a row
         whose input is one of them takes it from the device."""
-        plan = plan_step(batch, self.block_size, previous.pending_tokens() if previous is not None else None)
+        pending = previous.pending_tokens() if previous is not None else None
+        plan = plan_step(batch, self.block_size, pending, self.config.max_num_seqs)
         if self.fan_out is not None:
             self.fan_out(plan)
         samples, prompt = self.run(plan)
@@ -300,7 +303,7 @@ class ModelRunner:
         self.weights.ensure_current()
         if self.graphs is not None and self.graphs.can_run(plan):
             samples = self._replay(plan)
-            self._last_tokens = self.graphs.io.tokens[: plan.num_seqs]
+            self._last_tokens = self.graphs.io.tokens[: plan.num_seqs] if not plan.drafted else None
             return samples, PromptLogprobs.none()
         inputs = step_inputs(plan, self.upload, self._last_tokens)
         samples = None
@@ -339,7 +342,7 @@ class ModelRunner:
         if self.piecewise is not None and self.piecewise.can_run(num_tokens):
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            ctx = ForwardContext(self.attn_backend, inputs.meta, plan.long_kv)
+            ctx = ForwardContext(self.attn_backend, inputs.meta, plan.long_kv, plan.verify)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if not plan.prompt_logprob_rows:
             return hidden, PromptLogprobs.none()
