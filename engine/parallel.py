@@ -60,6 +60,9 @@ class TensorParallel:
     size: int = 1
     # Set by the model runner on CUDA (after the group exists); None: NCCL / gloo, then the norm.
     fused: FusedReduce | None = field(default=None, compare=False, repr=False)
+    # `--deterministic`: all_reduce sums the ranks' tensors in rank order, whatever the message
+    # (a library's all-reduce cuts a message into chunks by its size, each summed from another rank).
+    ordered: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -110,10 +113,21 @@ class TensorParallel:
     # ---- collectives ----------------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the ranks, in place (capturable in a CUDA graph with NCCL)."""
-        if self.enabled:
+        """Sum of x over the ranks, in place (capturable in a CUDA graph with NCCL). `ordered`:
+        every rank's x gathered, then ((x_0 + x_1) + x_2) + ..., elementwise: an element's sum
+        follows the rank order alone."""
+        if not self.enabled:
+            return x
+        if not self.ordered:
             dist.all_reduce(x)
-        return x
+            return x
+        parts = torch.empty(self.size * x.numel(), dtype=x.dtype, device=x.device)
+        _all_gather_single(parts, x.contiguous().view(-1))
+        parts = parts.view(self.size, -1)  # [size, x.numel()], rank r's x in row r
+        total = parts[0].clone()
+        for r in range(1, self.size):
+            total += parts[r]
+        return x.copy_(total.view(x.shape))
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[n, m] per rank -> [n, size * m], the ranks' columns in rank order."""

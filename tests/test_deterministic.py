@@ -5,6 +5,9 @@ batches of random companions arriving before and after it, with and without a sh
 engine, bfloat16), and a release/resume between runs; and re-scoring the generated completion teacher-forced
 (`max_new_tokens` 0, `logprob_start_len` at the completion) reports the same logprobs.
 
+At tp_size 4 (gloo) the ranks' partial sums meet in rank order (TensorParallel.ordered), so a
+request among companions is the same too; TP=1 and TP=4 differ (each rank sums its slice of K).
+
 What holds: all of the above, in float32 and bfloat16, with engine/models/invariant.py's matmuls
 and the row-wise attention (engine/attention/sdpa_rows.py), on a CPU here; on CUDA through
 tests/test_gpu_deterministic.py (the same tests, `device` "cuda": invariant_matmul, the
@@ -143,3 +146,18 @@ def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) 
         if hasattr(type(module), "logits_fn"):
             assert module.logits_fn is invariant.cuda_logits and not module.skinny_logits, name
             assert module.use_logits_pieces is False
+
+
+def test_tensor_parallel_ranks_reduce_in_a_fixed_order(qwen3_dir: str) -> None:
+    """At tp_size 4 (gloo) a row's partial sums meet in rank order whatever the message holds
+    (TensorParallel.ordered: all-gather, then ((p0 + p1) + p2) + p3): the request alone and among
+    companions, before and after it, gives the same tokens and logprobs bit for bit."""
+    prompt = random_tokens(37, seed=3)
+    rng = random.Random("tp")
+    with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=24, tp_size=4, **KNOBS) as llm:
+        alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
+        others, params = companions(rng, prompt, 6)
+        for at in (0, 6):
+            outs = llm.generate(input_ids=others[:at] + [prompt] + others[at:],
+                                sampling_params=params[:at] + [target()] + params[at:])  # fmt: skip
+            assert result(outs[at]) == alone, at

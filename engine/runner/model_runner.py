@@ -94,7 +94,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         configure_kernels(pdl=config.pdl, fast_launch=config.fast_launch, splitk_linear=config.splitk_linear)
         mc = model_config
-        if tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
+        if config.deterministic:  # the ranks' partial sums meet in rank order (no fused reduce)
+            self.tp = tp = replace(tp, ordered=True)
+        elif tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
             self.tp = tp = replace(tp, fused=self._fused_reduce(tp))
 
         t0 = time.perf_counter()
@@ -270,8 +272,8 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
             if self.device.type == "cuda" and (self.tp.enabled or self.model_config.num_experts > 0):
-                raise ConfigError("--deterministic on CUDA serves dense models on one GPU for now "
-                                  "(the fused MoE and the all-reduce have no batch-invariant variant yet)")
+                raise ConfigError("--deterministic on CUDA serves dense models on one GPU for now (the fused MoE "
+                                  "has no batch-invariant variant yet; the ranks' ordered reduce runs on CPUs only)")
             invariant.install(model, self.device)
         return model.eval()
 
