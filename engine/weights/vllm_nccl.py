@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 
 from engine.weights import nccl_lib
+from engine.weights.groups import POLL_S
 
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first key from rank 0
 UNIQUE_ID_MODULES = (
     "vllm.distributed.device_communicators.pynccl_wrapper",
     "sglang.srt.distributed.device_communicators.pynccl_wrapper",
 )
-POLL_S = 5e-5  # how often the host looks whether a broadcast has arrived
 _STUCK: list[list[torch.Tensor]] = []  # receive buffers of aborted broadcasts
 
 
