@@ -13,7 +13,7 @@ its CUDA graphs, freed before the next is built):
 - rl: RL rollouts on the engine, in process: `--rl-requests` prompts of `--rl-len` random tokens,
   each sampling `--rl-len` tokens (temperature 1, ignore_eos, logprobs), all at once; output
   tokens per second, the mode's over the default's (the target, >= 0.90, is for RL traffic over
-  HTTP: bench_serving.py with `--server-args --deterministic` against a run without it).
+  HTTP: bench_serving.py `--compare-server-args=--deterministic`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ Rules:
 - `--routed-experts` (MoE only, serving_routes.py): after the server sections, a second server
   with `--enable-return-routed-experts` runs batched, singles and n8 again, every request asking
   for its routed experts; each mode against itself without.
+- `--compare-server-args FLAGS` (serving_routes.py): the same, a second server with FLAGS added
+  (`--deterministic`: issue 76's cost over HTTP), each mode against itself without, target
+  `--compare-target`.
 - Long tail (serving_longtail.py): S concurrent sequences of P-token prompts generating O tokens
   each (`--longtail`, 8x16384x4096), after the online shape.
 - `--rounds K`: each section (the Engine's too) runs K times, the modes interleaved (batched,
@@ -157,16 +160,18 @@ def median_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dict[int, list[list[int]]],
-               vocab: int, res: dict[str, Any], routes: int = 0) -> None:
+               vocab: int, res: dict[str, Any], routes: int = 0, extra: list[str] | None = None) -> None:
     """The server: every mode at each N, then the online shape; stopped whatever happens. With
     `routes` (bytes of routed experts per position) it records them and every request asks for
-    them: ROUTED_MODES only, into res["rl_routed"]."""
-    key, modes = ("rl_routed", ROUTED_MODES) if routes else ("rl", MODES)
-    flags = [*flags, "--enable-return-routed-experts"] if routes else flags
-    server = Server(model, flags, os.path.splitext(args.out)[0] + (".routed" if routes else "") + ".server.log")
+    them: ROUTED_MODES only, into res["rl_routed"]. With `extra` flags (--compare-server-args):
+    ROUTED_MODES only, into res["rl_compare"]."""
+    variant = "routed" if routes else "compare" if extra else ""
+    key, modes = (f"rl_{variant}", ROUTED_MODES) if variant else ("rl", MODES)
+    flags = [*flags, "--enable-return-routed-experts"] if routes else [*flags, *(extra or [])]
+    server = Server(model, flags, os.path.splitext(args.out)[0] + (f".{variant}" if variant else "") + ".server.log")
     pool: ClientPool | None = None
     try:
-        info = res["server_routed" if routes else "server"] = server.wait_ready(args.startup_timeout_s)
+        info = res[f"server_{variant}" if variant else "server"] = server.wait_ready(args.startup_timeout_s)
         say(f"server: ready at {server.url}, engine pid {server.engine_pid}, device {info.get('device')}")
         pool = ClientPool(server.url, args.client_procs, args.request_timeout_s)
         sampling = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature}
@@ -184,19 +189,19 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
                 r = http_section(server, pool, *shares, profile=profile)
                 runs[mode].append(r)
                 res[key].setdefault(str(n), {})[mode] = median_section(runs[mode])
-                say(f"{mode}{' routed' if routes else ''} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
+                say(f"{mode}{f' {variant}' if variant else ''} N={n}: {r['output_tokens']}/{r['expected_output_tokens']} tokens in {r['wall_s']:.2f} s = "
                     f"{r['tokens_per_s']:.0f} tok/s; {r['failed']} failed; CPU server {r['server_cpu_pct'] or 0:.0f} % "
                     f"({r.get('server_cpu_us_per_token', 0):.1f} us/token), "
                     f"engine {r['engine_cpu_pct'] or 0:.0f} %, clients {r['client_cpu_pct_max']:.0f} % max, {r['engine_steps']} steps")
                 write_json(args.out, res)
-        if not routes and "online" not in args.skip and elapsed() <= args.deadline_s:
+        if not variant and "online" not in args.skip and elapsed() <= args.deadline_s:
             shares = online_specs(random.Random(args.seed + 99), args.num_online, args.request_rate, args.input_len,
                                   args.online_output_len, args.random_range_ratio, vocab, sampling, args.client_procs)
             r = res["online"] = http_section(server, pool, *shares)
             r |= {"request_rate": args.request_rate, "num_requests": args.num_online}
             say(f"online: {r['ok']}/{r['requests']} ok, {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.0f} tok/s, "
                 f"TTFT p50 {r['ttft_ms']['p50'] or 0:.1f} ms, ITL p50 {r['itl_ms']['p50'] or 0:.1f} ms")
-        if not routes and "longtail" not in args.skip and elapsed() <= args.deadline_s:
+        if not variant and "longtail" not in args.skip and elapsed() <= args.deadline_s:
             shares, shape = longtail_specs(args.longtail, args.seed, vocab, sampling, args.client_procs)
             r = res["longtail"] = summarize_longtail(http_section(server, pool, *shares), shape)
             say(f"longtail {args.longtail}: {r['ok']}/{r['requests']} ok, {r['tokens_per_s_per_sequence']:.1f} tok/s "
@@ -234,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(files beside --out: <out>.<mode>.<N>.<server|engine>.txt, collapsed stacks)")
     p.add_argument("--routed-experts", action="store_true", help="MoE: the server sections again with "
                    "--enable-return-routed-experts and return_routed_experts in every request; on / off tok/s")
+    p.add_argument("--compare-server-args", help="more server flags: batched, singles and n8 again on a second server "
+                   "started with them, each mode's tok/s over the same mode's without (e.g. --deterministic)")
+    p.add_argument("--compare-target", type=float, default=0.90, help="the least ratio of --compare-server-args' rows")
     p.add_argument("--longtail", help="the long-tail section: SEQUENCESxPROMPTxOUTPUT tokens (default 8x16384x4096)")
     p.add_argument("--skip", default="", help="comma-separated: engine,serve (all server sections),batched,singles,streams,"
                    "n8,online,longtail")
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:  # 2 CPU cores shared by engine, server and clients: torch's spinning threads would thrash
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     res: dict[str, Any] = {"meta": {"out": args.out, "tiny": args.tiny, "python": platform.python_version(),
-                                    "args": vars(args) | {"skip": sorted(args.skip)}}, "rl": {}, "rl_routed": {},
+                                    "args": vars(args) | {"skip": sorted(args.skip)}}, "rl": {}, "rl_routed": {}, "rl_compare": {},
                            "errors": {}}
     try:
         try:
@@ -273,10 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         flags = shlex.split(args.server_args) + (["--tokenizer", ckpt["tokenizer"]] if ckpt["tokenizer"] else [])
         flags += dummy_flags(ckpt.get("load_format", "auto"), flags)
         work = {n: random_prompts(random.Random(args.seed * 7919 + n), n, args.input_len, vocab) for n in args.num_prompts}
-        routed = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_bytes(ckpt["shape"])),
+        second = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_bytes(ckpt["shape"])),
                    ()),) if args.routed_experts and "serve" not in args.skip else ()
+        extra = shlex.split(args.compare_server_args or "")
+        second += (("serve_compare", lambda: serve_runs(args, model, flags, work, vocab, res, extra=extra), ()),) if (
+            extra and "serve" not in args.skip) else ()
         for name, fn, a in (("engine", engine_runs, (args, model, flags, work, res)),
-                            ("serve", serve_runs, (args, model, flags, work, vocab, res)), *routed):
+                            ("serve", serve_runs, (args, model, flags, work, vocab, res)), *second):
             if name in args.skip:
                 continue
             try:
@@ -292,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     res["meta"]["total_s"] = elapsed()
     write_json(args.out, res)
     print_table(res)
-    failed = any(r.get("failed") for rl in ("rl", "rl_routed") for sec in res[rl].values() for r in sec.values()) or any(
+    failed = any(r.get("failed") for rl in ("rl", "rl_routed", "rl_compare") for sec in res[rl].values()
+                 for r in sec.values()) or any(
         (res.get(k) or {}).get("failed") for k in ("online", "longtail"))
     return 1 if res["errors"] or failed else 0
 

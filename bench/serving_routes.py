@@ -1,7 +1,8 @@
-"""The routed-experts run of bench_serving.py (`--routed-experts`, a mixture-of-experts
-checkpoint): the RL modes again against a server started with `--enable-return-routed-experts`,
-every request carrying `"return_routed_experts": true`, each mode's tok/s against the same mode
-without (issue 74: >= 0.95).
+"""The second servers of bench_serving.py. `--routed-experts` (a mixture-of-experts checkpoint):
+the RL modes again against a server started with `--enable-return-routed-experts`, every request
+carrying `"return_routed_experts": true`, each mode's tok/s against the same mode without (issue
+74: >= 0.95). `--compare-server-args FLAGS`: the same against a server started with FLAGS added
+(`--deterministic`, issue 76: >= 0.90), requests unchanged.
 
 Rules:
 - An answer's `meta_info.routed_experts` is the base64 of int32 [prompt + output - 1, layers,
@@ -29,13 +30,16 @@ def route_bytes(shape: dict[str, Any]) -> int:
 
 
 def routed_rows(res: dict[str, Any], row: Any) -> None:
-    """Per N and mode: tok/s with routed experts against the same mode without (`row` is
-    serving_table's row builder)."""
-    for n, sec in sorted((res.get("rl_routed") or {}).items(), key=lambda kv: int(kv[0])):
-        off = res["rl"].get(n) or {}
-        for mode in ROUTED_MODES:
-            if mode in sec:
-                label = {"batched": "one batched /generate", "singles": "N concurrent singles",
-                         "n8": f"N/{SAMPLES} concurrent n:{SAMPLES}"}[mode]
-                row(f"N={n} {label} with return_routed_experts, tok/s; ref = without", sec[mode]["tokens_per_s"],
-                    (off.get(mode) or {}).get("tokens_per_s"), f">= {ROUTED_TARGET}", ROUTED_TARGET, sec[mode])
+    """Per N and mode: tok/s with routed experts, then with --compare-server-args' flags, against
+    the same mode without (`row` is serving_table's row builder)."""
+    args = res["meta"]["args"]
+    for key, what, least in (("rl_routed", "return_routed_experts", ROUTED_TARGET),
+                             ("rl_compare", args.get("compare_server_args"), args.get("compare_target"))):
+        for n, sec in sorted((res.get(key) or {}).items(), key=lambda kv: int(kv[0])):
+            off = res["rl"].get(n) or {}
+            for mode in ROUTED_MODES:
+                if mode in sec:
+                    label = {"batched": "one batched /generate", "singles": "N concurrent singles",
+                             "n8": f"N/{SAMPLES} concurrent n:{SAMPLES}"}[mode]
+                    row(f"N={n} {label} with {what}, tok/s; ref = without", sec[mode]["tokens_per_s"],
+                        (off.get(mode) or {}).get("tokens_per_s"), f">= {least}", least, sec[mode])

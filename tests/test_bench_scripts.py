@@ -219,6 +219,25 @@ def test_bench_tokenizer_decodes_every_id_of_the_model(tmp_path: str) -> None:
     assert all(w.startswith(" ") and w[1:].isalpha() for w in first) and same_encoding
 
 
+def test_bench_serving_compares_a_second_servers_flags(tmp_path: str) -> None:
+    """`--compare-server-args --deterministic`: a second server, started with the flag (its
+    attention backend is the mode's), runs batched, singles and n8 again; a row per mode against
+    the same mode without, with --compare-target."""
+    out = os.path.join(tmp_path, "compare.json")
+    p = _run(os.path.join("bench", "bench_serving.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
+             "--out", out, "--skip", "engine,streams,online,longtail", "--compare-server-args=--deterministic",
+             "--compare-target", "0.5")  # fmt: skip
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert res["errors"] == {}
+    assert res["server"]["attention_backend"] == "sdpa" and res["server_compare"]["attention_backend"] == "sdpa_rows"
+    assert set(res["rl_compare"]["8"]) == {"batched", "singles", "n8"}
+    assert all(r["failed"] == 0 and r["output_tokens"] == 64 for r in res["rl_compare"]["8"].values())
+    rows = [r for r in res["table"] if "with --deterministic" in r["metric"]]
+    assert len(rows) == 3 and all(r["target"] == ">= 0.5" and r["ratio"] > 0 for r in rows), rows
+
+
 def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     out = os.path.join(tmp_path, "serving.json")
     server_args = "--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256 --api-server-count 2"
