@@ -7,7 +7,7 @@ engine, bfloat16), and a release/resume between runs; and re-scoring the generat
 
 At tp_size 4 (gloo) the ranks' partial sums meet in rank order (TensorParallel.ordered), so a
 request among companions is the same too; TP=1 and TP=4 differ (each rank sums its slice of K).
-Qwen3-MoE and Qwen2-MoE hold as well on a CPU: a token's experts are added in expert order.
+Qwen3-MoE and Qwen2-MoE hold as well: a token's experts are added in expert order.
 
 What holds: all of the above, in float32 and bfloat16, with engine/models/invariant.py's matmuls
 and the row-wise attention (engine/attention/sdpa_rows.py), on a CPU here; on CUDA through
@@ -165,15 +165,17 @@ def test_tensor_parallel_ranks_reduce_in_a_fixed_order(qwen3_dir: str) -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["qwen3_moe_dir", "qwen2_moe_dir"])
-def test_mixture_of_experts_sums_each_tokens_experts_in_expert_order(checkpoint: str, request: pytest.FixtureRequest) -> None:
-    """Qwen3-MoE and Qwen2-MoE (a shared expert) on a CPU: the router and every expert's matmul
-    are row-invariant, and a token's expert outputs are added in ascending expert id
-    (models/moe.py `reference_moe`), so a request alone and among companions is bitwise the
-    same. (CUDA refuses the mode for these until the fused MoE has an invariant variant.)"""
+def test_mixture_of_experts_sums_each_tokens_experts_in_expert_order(
+    checkpoint: str, request: pytest.FixtureRequest, device: str
+) -> None:
+    """Qwen3-MoE and Qwen2-MoE (a shared expert): the router and every expert's matmul are
+    row-invariant, and a token's expert outputs are added in ascending expert id (models/moe.py
+    `reference_moe`, on CUDA too in the mode, eagerly), so a request alone and among companions
+    is bitwise the same."""
     path = request.getfixturevalue(checkpoint)
     prompt = random_tokens(37, seed=3)
     rng = random.Random("moe")
-    with Engine(model=path, dtype="bfloat16", max_num_batched_tokens=24, **KNOBS) as llm:
+    with Engine(model=path, dtype="bfloat16", max_num_batched_tokens=24, device=device, **KNOBS) as llm:
         alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
         others, params = companions(rng, prompt, 8)
         for at in (0, 8):

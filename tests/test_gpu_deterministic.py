@@ -4,7 +4,8 @@ companions (before and after it, sharing its prefix or not), across prefill chun
 on and off and a release/resume, in float32 and bfloat16; re-scoring equals generation. On CUDA
 the mode's matmuls are engine/kernels/invariant_matmul.py's (half precision), its attention the
 fixed-split kernel (engine/attention/triton_fixed.py), and its steps replay CUDA graphs, decode
-and piecewise: a request's bits are the same replayed as run eagerly."""
+and piecewise: a request's bits are the same replayed as run eagerly. A mixture of experts runs
+the torch reference with those matmuls, eagerly."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from test_deterministic import (  # noqa: F401  (collected here, on CUDA)
     companions,
     target,
     test_a_request_is_bitwise_the_same_whatever_else_runs,
+    test_mixture_of_experts_sums_each_tokens_experts_in_expert_order,
     test_scoring_equals_generation,
     test_unseeded_requests_get_their_own_generators,
 )

@@ -19,7 +19,9 @@ Rules:
   forward keeps its own code (no branch per call).
 - Attention is the backend's (engine/attention/triton_fixed.py on CUDA, with CUDA graphs;
   sdpa_rows.py elsewhere); norms (one row a program on CUDA), rotary, activations and the
-  sampler's row-wise ops are invariant as they are. On CUDA: one rank, dense models only.
+  sampler's row-wise ops are invariant as they are. A mixture of experts runs the torch reference
+  (models/moe.py `reference_moe`: each expert's matmul through the hook, a token's experts added
+  in ascending expert id), eagerly on CUDA. On CUDA: one rank.
 """
 
 from __future__ import annotations
@@ -73,12 +75,15 @@ def install(model: nn.Module, device: torch.device) -> int:
     own) at this file's ops for `device`, and turn off the few-row paths that bypass the hooks;
     returns how many modules changed."""
     from engine.models.layers import MLP
+    from engine.models.moe import SparseMoE
 
     cuda = torch.device(device).type == "cuda"
     changed = 0
     for module in model.modules():
         if isinstance(module, MLP):
             module.fused = False  # no skinny gate_up + SiLU kernel: gate_up_proj's hook, then the activation
+        if isinstance(module, SparseMoE):
+            module.kernels = False  # the torch reference: the experts' hook, a token's experts in expert order
         if hasattr(type(module), "linear_fn"):
             module.linear_fn = cuda_linear if cuda else linear
             if hasattr(module, "fused") and hasattr(module, "weight"):

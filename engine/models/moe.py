@@ -154,7 +154,11 @@ class SparseMoE(nn.Module):
     rank's partial sum). `routed` (attached by the model, `RoutedExperts`): where each forward
     records the layer's top-k ids; None records nothing. On CUDA the kernels run whatever `fused`
     says (the torch reference syncs with the host per expert, so no graph could hold it); `fused`
-    only lets the router's linear run the few-rows GEMV."""
+    only lets the router's linear run the few-rows GEMV. `kernels` False (models/invariant.py,
+    `--deterministic`): the torch reference on CUDA too, its matmuls the invariant ones and a
+    token's experts added in expert order, eagerly."""
+
+    kernels = True
 
     def __init__(self, config: ModelConfig, layer_id: int, fused: bool, tp: TensorParallel) -> None:
         super().__init__()
@@ -193,7 +197,7 @@ class SparseMoE(nn.Module):
         return out
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]: the experts' sum
-        if x.is_cuda:
+        if x.is_cuda and self.kernels:
             from engine.kernels import moe_router
             from engine.kernels.fused_moe import fused_moe, pair_tiles_apply
             from engine.kernels.moe_routing import topk_softmax

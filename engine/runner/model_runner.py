@@ -122,7 +122,8 @@ class ModelRunner:
         self.max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.routed: RoutedExperts | None = None
         with self.memory.region("cuda_graph"):
-            self.moe_workspaces = self.model.reserve_workspaces(self.max_step_tokens) if self.device.type == "cuda" else []
+            kernels = self.device.type == "cuda" and not config.deterministic  # the fused MoE's (invariant.py: not in the mode)
+            self.moe_workspaces = self.model.reserve_workspaces(self.max_step_tokens) if kernels else []
             if config.enable_return_routed_experts:
                 self.routed = self._capture_routes()
 
@@ -220,13 +221,18 @@ class ModelRunner:
 
     def _graph_max_bs(self) -> int:
         """0 when decode runs eagerly: off on CPU, off by flag, or a backend without graphs."""
-        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph
+        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph and not self._reference_moe()
         if self.device.type != "cuda" or self.config.disable_cuda_graph or not graphs_possible:
             return 0
         if self.config.cuda_graph_max_bs is not None:
             return min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
         total = torch.cuda.get_device_properties(self.device).total_memory
         return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
+
+    def _reference_moe(self) -> bool:
+        """`--deterministic` with a mixture of experts: the torch reference, which syncs with the
+        host per expert (models/moe.py), so every step runs eagerly."""
+        return self.config.deterministic and self.model_config.num_experts > 0
 
     def _verify_rows(self) -> int:
         """The most rows of a verify step (speculative decoding: every drafting request's last
@@ -244,7 +250,7 @@ class ModelRunner:
         graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph
         if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
             return []
-        if self.config.deterministic and not graphs_possible:
+        if self.config.deterministic and (not graphs_possible or self._reference_moe()):
             return []
         cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
         return piecewise_token_sizes(cap, kv_capacity_tokens)
@@ -271,9 +277,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
-            if self.device.type == "cuda" and (self.tp.enabled or self.model_config.num_experts > 0):
-                raise ConfigError("--deterministic on CUDA serves dense models on one GPU for now (the fused MoE "
-                                  "has no batch-invariant variant yet; the ranks' ordered reduce runs on CPUs only)")
+            if self.device.type == "cuda" and self.tp.enabled:
+                raise ConfigError("--deterministic on CUDA serves one GPU for now (the ranks' ordered reduce "
+                                  "runs on CPUs only)")
             invariant.install(model, self.device)
         return model.eval()
 
