@@ -149,19 +149,24 @@ def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) 
             assert module.use_logits_pieces is False
 
 
+def _alone_and_among(llm: Engine, rng: random.Random, n: int) -> None:
+    """The target request alone, then first and last among n random companions: bit for bit
+    the same tokens and logprobs."""
+    prompt = random_tokens(37, seed=3)
+    alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
+    others, params = companions(rng, prompt, n)
+    for at in (0, n):
+        outs = llm.generate(input_ids=others[:at] + [prompt] + others[at:],
+                            sampling_params=params[:at] + [target()] + params[at:])  # fmt: skip
+        assert result(outs[at]) == alone, at
+
+
 def test_tensor_parallel_ranks_reduce_in_a_fixed_order(qwen3_dir: str) -> None:
     """At tp_size 4 (gloo) a row's partial sums meet in rank order whatever the message holds
     (TensorParallel.ordered: all-gather, then ((p0 + p1) + p2) + p3): the request alone and among
     companions, before and after it, gives the same tokens and logprobs bit for bit."""
-    prompt = random_tokens(37, seed=3)
-    rng = random.Random("tp")
     with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=24, tp_size=4, **KNOBS) as llm:
-        alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
-        others, params = companions(rng, prompt, 6)
-        for at in (0, 6):
-            outs = llm.generate(input_ids=others[:at] + [prompt] + others[at:],
-                                sampling_params=params[:at] + [target()] + params[at:])  # fmt: skip
-            assert result(outs[at]) == alone, at
+        _alone_and_among(llm, random.Random("tp"), 6)
 
 
 @pytest.mark.parametrize("checkpoint", ["qwen3_moe_dir", "qwen2_moe_dir"])
@@ -173,12 +178,5 @@ def test_mixture_of_experts_sums_each_tokens_experts_in_expert_order(
     `reference_moe`, on CUDA too in the mode, eagerly), so a request alone and among companions
     is bitwise the same."""
     path = request.getfixturevalue(checkpoint)
-    prompt = random_tokens(37, seed=3)
-    rng = random.Random("moe")
     with Engine(model=path, dtype="bfloat16", max_num_batched_tokens=24, device=device, **KNOBS) as llm:
-        alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
-        others, params = companions(rng, prompt, 8)
-        for at in (0, 8):
-            outs = llm.generate(input_ids=others[:at] + [prompt] + others[at:],
-                                sampling_params=params[:at] + [target()] + params[at:])  # fmt: skip
-            assert result(outs[at]) == alone, at
+        _alone_and_among(llm, random.Random("moe"), 8)

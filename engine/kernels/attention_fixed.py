@@ -76,6 +76,19 @@ def _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH: tl.constexpr):
     return seq, live, tl.where(live, pos + 1, 0)
 
 
+@triton.jit
+def _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+           HEAD_DIM: tl.constexpr):  # fmt: skip
+    # KV head g's GROUP query heads of token t as the rows of one [BLOCK_H, HEAD_DIM] tile (zeros
+    # where not live): (heads [BLOCK_H], their mask, offs_d [HEAD_DIM], q).
+    heads = g * GROUP + tl.arange(0, BLOCK_H)
+    h_mask = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & live, other=0.0)  # fmt: skip
+    return heads, h_mask, offs_d, q
+
+
 @Launcher
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _fixed_split_kernel(
@@ -88,12 +101,8 @@ def _fixed_split_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
-    heads = g * GROUP + tl.arange(0, BLOCK_H)
-    h_mask = tl.arange(0, BLOCK_H) < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
+    heads, h_mask, offs_d, q = _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & live, other=0.0)  # fmt: skip
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -122,11 +131,7 @@ def _piece_kernel(
     t = tl.program_id(0)
     g = tl.program_id(1)
     seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
-    heads = g * GROUP + tl.arange(0, BLOCK_H)
-    h_mask = tl.arange(0, BLOCK_H) < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & live, other=0.0)  # fmt: skip
+    heads, h_mask, offs_d, q = _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for p in range(tl.program_id(2), tl.cdiv(context, SPLIT_), tl.num_programs(2)):
         start = p * SPLIT_
