@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from engine.weights import nccl_lib
-from engine.weights.groups import POLL_S
 
+POLL_S = 5e-5  # how often the host looks whether a broadcast has arrived (groups.py: the same, for c10d groups)
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first key from rank 0
 UNIQUE_ID_MODULES = (
     "vllm.distributed.device_communicators.pynccl_wrapper",
