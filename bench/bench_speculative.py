@@ -36,7 +36,8 @@ FRESH_TARGET = 0.98
 
 def rounds(llm: Any, prompts_by_b: dict[int, list[list[int]]], fresh_by_b: dict[int, list[list[int]]],
            output_len: int) -> dict[str, Any]:  # fmt: skip
-    """Per (workload, B): the timed round's wall seconds and output ids."""
+    """Per (workload, B): the timed round's wall seconds, output ids and engine steps (so a step's
+    time and its tokens are wall / steps and tokens / steps)."""
     from engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -44,11 +45,15 @@ def rounds(llm: Any, prompts_by_b: dict[int, list[list[int]]], fresh_by_b: dict[
     for b, prompts in prompts_by_b.items():
         llm.generate(input_ids=prompts, sampling_params=params)  # the first rollout, untimed
         for name, batch in (("second rollout", prompts), ("fresh", fresh_by_b[b])):
+            steps0 = llm.get_server_info()["num_steps"]
             t0 = time.perf_counter()
             res = llm.generate(input_ids=batch, sampling_params=params)
             wall = time.perf_counter() - t0
-            out[f"{name}|{b}"] = {"wall_s": wall, "ids": [r.output_ids for r in res]}
-            say(f"  {name} B={b}: {output_len * len(batch) / wall:.1f} tok/s in all, {output_len / wall:.1f} per sequence")
+            steps = llm.get_server_info()["num_steps"] - steps0
+            out[f"{name}|{b}"] = {"wall_s": wall, "ids": [r.output_ids for r in res], "steps": steps}
+            say(f"  {name} B={b}: {output_len * len(batch) / wall:.1f} tok/s in all, {output_len / wall:.1f} per sequence; "
+                f"{steps} steps, {wall / max(steps, 1) * 1e3:.3f} ms and {output_len * len(batch) / max(steps, 1):.2f} "
+                "tokens a step")
     return out
 
 
