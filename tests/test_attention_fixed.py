@@ -149,10 +149,34 @@ def check_engine(device: str, dtype: str) -> None:
     assert run([*others[:1], ("among", prompt, target), *others[1:]])["among"][:2] == (ids, lps)
 
 
+def check_more_sequences_than_max(device: str) -> None:
+    """A step of 40 one-token sequences with max_num_seqs 8 finds each token's sequence as with a
+    max_num_seqs that covers them (the search deepens with the step's sequences)."""
+    from engine.kernels.attention_fixed import fixed_split_attention
+
+    gen = torch.Generator().manual_seed(3)
+    seqs, ctx = 40, 40
+    k, v = (torch.randn(seqs * 3, BLOCK_SIZE, HKV, D, generator=gen).to(device) for _ in range(2))
+    tables = torch.arange(seqs * 3, dtype=torch.int32, device=device).view(seqs, 3)
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+    q = torch.randn(seqs, HKV * GROUP, D, generator=gen).to(device)
+    few, many = torch.empty_like(q), torch.empty_like(q)
+    fixed_split_attention(q, k, v, tables, seq_lens, qsl, few, D**-0.5, max_num_seqs=8)
+    fixed_split_attention(q, k, v, tables, seq_lens, qsl, many, D**-0.5, max_num_seqs=64)
+    assert torch.equal(few, many)
+    want = _reference(k, v, tables[7].tolist(), q[7], ctx - 1, D**-0.5)
+    assert (few[7].double() - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_fixed_split_attention_interpreted(dtype: str) -> None:
     tol = 1e-5 if dtype == "float32" else 2e-3
     interpret("test_attention_fixed", f"check_fixed('cpu', torch.{dtype}, {tol})", timeout=600)
+
+
+def test_a_step_of_more_sequences_than_max_num_seqs_interpreted() -> None:
+    interpret("test_attention_fixed", "check_more_sequences_than_max('cpu')")
 
 
 def test_a_deterministic_engine_with_it_interpreted() -> None:

@@ -202,7 +202,7 @@ def fixed_split_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     out: torch.Tensor,  # [T, H, D]
     scale: float,
-    max_num_seqs: int,  # the most sequences a step may hold: the search's depth
+    max_num_seqs: int,  # the most sequences a step may hold: the search's depth (more are searched deeper)
     workspace: Workspace | None = None,  # the split path's, for steps of up to FEW_TOKENS tokens
 ) -> torch.Tensor:
     """out[t] = token t's attention over its sequence's cached keys 0..its position (module
@@ -213,8 +213,10 @@ def fixed_split_attention(
     group = num_heads // num_kv_heads
     if tokens == 0:
         return out
+    # The search's depth covers the step's sequences even past max_num_seqs (a shape: graph-safe).
+    search_depth = max(1, max(max_num_seqs, seq_lens.shape[0]).bit_length())
     shared = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, SPLIT_=SPLIT,
-                  SEARCH=max(1, max_num_seqs.bit_length()), num_warps=4, enable_fp_fusion=False)  # fmt: skip
+                  SEARCH=search_depth, num_warps=4, enable_fp_fusion=False)  # fmt: skip
     search = (seq_lens.shape[0], q.stride(0), q.stride(1))
     if workspace is None or tokens > workspace.m.shape[0]:
         _fixed_split_kernel[(tokens, num_kv_heads)](
