@@ -236,8 +236,8 @@ class ModelRunner:
 
     def _verify_rows(self) -> int:
         """The most rows of a verify step (speculative decoding: every drafting request's last
-        token and drafts), where decode paths are attached; 0: no verify graphs (no drafts, or
-        the plain graphs serve them)."""
+        token and drafts) on CUDA outside `--deterministic`, where decode paths may be attached;
+        0: no verify graphs (no drafts, or the plain graphs serve them)."""
         c = self.config
         if c.speculative_algorithm is None or self.device.type != "cuda" or c.deterministic:
             return 0

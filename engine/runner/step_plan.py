@@ -141,10 +141,8 @@ def _plan_verify(batch: Batch, block_size: int, pending: PendingTokens | None) -
         if start + 1 != len(req.token_ids) or batch.num_new_tokens[i] != 1 + len(drafts):
             return None  # (a row at its last token scores no prompt token: the prompt's last is its input)
         if start + 1 > req.num_known_tokens:
-            if pending is None or req not in pending.rows or req.num_pending != 1:
-                raise RuntimeError(f"request {req.request_id}: an input token is pending but not in flight")
             fill_rows.append(len(ids))
-            fill_from.append(pending.rows[req])
+            fill_from.append(_pending_source(req, start + 1, pending))
         ids += [req.token_ids[start], *drafts]
         positions += range(start, start + 1 + len(drafts))
         tables += [req.block_table] * (1 + len(drafts))
@@ -187,10 +185,8 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
                 top_k = max(top_k, req.sampling_params.top_logprobs_num)
         input_ids += req.token_ids[start:end]
         if end > req.num_known_tokens:
-            if pending is None or req not in pending.rows or end - req.num_known_tokens != 1:
-                raise RuntimeError(f"request {req.request_id}: an input token is pending but not in flight")
             fill_rows.append(len(input_ids) - 1)
-            fill_from.append(pending.rows[req])
+            fill_from.append(_pending_source(req, end, pending))
         input_ids += drafts
         positions += range(start, end + len(drafts))
         starts.append(start)
@@ -213,6 +209,14 @@ def _plan_any(batch: Batch, block_size: int, pending: PendingTokens | None) -> S
         drafted=bool(batch.drafts),
         **meta,
     )
+
+
+def _pending_source(req: Request, end: int, pending: PendingTokens | None) -> int:
+    """The row of `pending.token_ids` that holds `req`'s input token end - 1, which the host does
+    not know yet; RuntimeError unless it is the request's one token in flight."""
+    if pending is None or req not in pending.rows or end - req.num_known_tokens != 1:
+        raise RuntimeError(f"request {req.request_id}: an input token is pending but not in flight")
+    return pending.rows[req]
 
 
 def mixed_plan(block_size: int, num_blocks: int) -> StepPlan:
