@@ -165,6 +165,25 @@ def _save(model: PreTrainedModel, path: str, **kwargs: object) -> str:
     return path
 
 
+def run_core(core: object, requests: list[tuple[str, list[int], object]]) -> dict[str, tuple[list[int], list, list | None]]:
+    """Requests (id, prompt token ids, SamplingParams) run to the end on an in-process EngineCore:
+    per id (output ids, their logprobs, the prompt's logprobs from logprob_start_len, or None)."""
+    from engine.core.protocol import AddRequest
+
+    for rid, prompt, sp in requests:
+        assert core.add_request(AddRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp)) is None
+    out: dict[str, tuple[list[int], list, list | None]] = {rid: ([], [], None) for rid, _, _ in requests}
+    for _ in range(10_000):
+        if not core.has_work():
+            return out
+        for d in core.step():
+            assert not d.error, d.error
+            ids, lps, scored = out[d.request_id]
+            out[d.request_id] = (ids + d.new_token_ids, lps + (d.new_logprobs or []),
+                                 d.input_logprobs if d.input_logprobs is not None else scored)  # fmt: skip
+    raise AssertionError("the engine did not finish")
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(_tiny_llama(), str(tmp_path_factory.mktemp("llama")))

@@ -113,12 +113,11 @@ def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
 def check_engine(device: str, dtype: str) -> None:
     import tempfile
 
-    from conftest import _save, _tiny_qwen3
+    from conftest import _save, _tiny_qwen3, run_core
     from test_models import random_tokens
 
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
-    from engine.core.protocol import AddRequest
     from engine.request import SamplingParams
 
     core = EngineCore(EngineConfig(model=_save(_tiny_qwen3(), tempfile.mkdtemp()), device=device, dtype=dtype,
@@ -126,27 +125,14 @@ def check_engine(device: str, dtype: str) -> None:
                                    block_size=8, max_num_seqs=16, max_num_batched_tokens=16))  # fmt: skip
     assert core.runner.backend_name == "triton_fixed" and not core.runner.decode_paths
 
-    def run(reqs: list) -> dict:
-        for rid, prompt, sp in reqs:
-            assert core.add_request(AddRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp)) is None
-        out = {rid: ([], [], None) for rid, _, _ in reqs}
-        for _ in range(10_000):
-            if not core.has_work():
-                return out
-            for d in core.step():
-                ids, lps, scored = out[d.request_id]
-                out[d.request_id] = (ids + d.new_token_ids, lps + (d.new_logprobs or []),
-                                     d.input_logprobs if d.input_logprobs is not None else scored)  # fmt: skip
-        raise AssertionError("the engine did not finish")
-
     prompt = random_tokens(29, seed=4)
     target = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.95, seed=5, logprobs=True, ignore_eos=True)
-    ids, lps, _ = run([("alone", prompt, target)])["alone"]
+    ids, lps, _ = run_core(core, [("alone", prompt, target)])["alone"]
     score = SamplingParams(max_new_tokens=0, temperature=1.0, logprobs=True, logprob_start_len=len(prompt))
-    assert run([("scored", prompt + ids, score)])["scored"][2] == lps
+    assert run_core(core, [("scored", prompt + ids, score)])["scored"][2] == lps
     others = [(f"o{i}", (prompt[:16] if i % 2 else []) + random_tokens(5 + 7 * i, seed=10 + i),
                SamplingParams(max_new_tokens=8, temperature=0.7, seed=i, ignore_eos=True)) for i in range(3)]  # fmt: skip
-    assert run([*others[:1], ("among", prompt, target), *others[1:]])["among"][:2] == (ids, lps)
+    assert run_core(core, [*others[:1], ("among", prompt, target), *others[1:]])["among"][:2] == (ids, lps)
 
 
 def check_more_sequences_than_max(device: str) -> None:

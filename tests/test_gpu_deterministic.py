@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from conftest import run_core
 from test_deterministic import (  # noqa: F401  (collected here, on CUDA)
     KNOBS,
     companions,
@@ -26,7 +27,6 @@ from test_models import random_tokens
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.core.protocol import AddRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -34,21 +34,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture
 def device() -> str:
     return "cuda"
-
-
-def _finish(core: EngineCore, prompts: list[list[int]], params: list) -> list[tuple[list[int], list[float]]]:
-    """Every request's tokens and logprobs, run to the end on `core`."""
-    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        assert core.add_request(AddRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=sp)) is None
-    out: dict[str, tuple[list[int], list[float]]] = {str(i): ([], []) for i in range(len(prompts))}
-    for _ in range(10_000):
-        if not core.has_work():
-            return [out[str(i)] for i in range(len(prompts))]
-        for d in core.step():
-            assert not d.error, d.error
-            ids, lps = out[d.request_id]
-            out[d.request_id] = (ids + d.new_token_ids, lps + (d.new_logprobs or []))
-    raise AssertionError("the engine did not finish")
 
 
 def _count_runs(core: EngineCore) -> list[int]:
@@ -81,7 +66,10 @@ def test_graphs_replay_the_bits_of_eager_steps(checkpoint: str, request: pytest.
         assert core.runner.backend_name == "triton_fixed" and not core.runner.decode_paths
         assert all((runner is not None) == graphs for runner in (core.runner.graphs, core.runner.piecewise))
         counted = _count_runs(core)
-        results[graphs] = [_finish(core, p, sp) for p, sp in batches]
+        results[graphs] = []
+        for prompts, params in batches:  # each request's (tokens, logprobs), in order
+            outs = run_core(core, [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
+            results[graphs].append([outs[str(i)][:2] for i in range(len(prompts))])
         replays[graphs] = counted
         del core
         torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_core
 from test_models import random_tokens
 from test_speculative import (  # noqa: F401  (collected here, on CUDA)
     test_deterministic_sampled_tokens_and_logprobs_are_bitwise_plain_decodings,
@@ -23,28 +24,9 @@ from test_speculative import (  # noqa: F401  (collected here, on CUDA)
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.core.protocol import AddRequest
 from engine.request import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _finish(core: EngineCore, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list[int], list[float], list]:
-    """(output ids, their logprobs, the logprobs of its prompt tokens from logprob_start_len) of one
-    request run to the end."""
-    assert core.add_request(AddRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sp)) is None
-    ids: list[int] = []
-    lps: list[float] = []
-    scored: list = []
-    for _ in range(10_000):
-        if not core.has_work():
-            return ids, lps, scored
-        for d in core.step():
-            assert not d.error, d.error
-            ids += d.new_token_ids
-            lps += d.new_logprobs or []
-            scored = d.input_logprobs if d.input_logprobs is not None else scored
-    raise AssertionError("the engine did not finish")
 
 
 def test_verify_steps_replay_their_graphs_and_score_what_a_prefill_scores(wide_qwen3_dir: str) -> None:
@@ -62,13 +44,13 @@ def test_verify_steps_replay_their_graphs_and_score_what_a_prefill_scores(wide_q
     graphs.run = counted
     prompt = random_tokens(40, seed=5) * 2
     greedy = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True, logprobs=True)
-    first, _, _ = _finish(core, "first", prompt, greedy)
-    ids, lps, _ = _finish(core, "second", prompt, greedy)  # the first rollout drafts it
+    first, _, _ = run_core(core, [("first", prompt, greedy)])["first"]
+    ids, lps, _ = run_core(core, [("second", prompt, greedy)])["second"]  # the first rollout drafts it
     info = core.get_info()
     assert ids == first and info["spec_accepted_tokens"] >= 20, info
     assert sum(replayed) > 0, "no verify step replayed a verify graph"
     score = SamplingParams(max_new_tokens=0, temperature=1.0, logprobs=True, logprob_start_len=len(prompt))
-    _, _, scored = _finish(core, "scored", prompt + ids, score)
+    _, _, scored = run_core(core, [("scored", prompt + ids, score)])["scored"]
     assert len(scored) == len(ids) == len(lps)
     # bf16 decode rows against a bf16 prefill: 0.103 at worst (H200, 2026-11-29); a row that read a
     # stale K/V row of its step would be off by O(1) at most of the drafted positions.
