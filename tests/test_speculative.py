@@ -153,6 +153,9 @@ def test_the_latest_word_aligned_occurrence_of_the_longest_window_drafts() -> No
     words = bytearray(_encode([1, 2, 3, 4, 1, 2, 3, 9, 8, 1, 2]))
     assert _continuation(words, _encode([1, 2]), 3, len(words) - 4) == [3, 9, 8]  # the latest
     assert _continuation(words, _encode([2, 3, 4]), 2, len(words) - 4) == [1, 2]
+    # An occurrence that runs into the end drafts the repeat on: period 2, then period 1.
+    assert _continuation(bytearray(_encode([5, 1, 2, 1, 2])), _encode([1, 2]), 5, 16) == [1, 2, 1, 2, 1]
+    assert _continuation(bytearray(_encode([7, 7, 7])), _encode([7, 7]), 3, 8) == [7, 7, 7]
     # bytes that match across word boundaries only: 0x0100 then 0x0002 spans "01 00 00 00 | 02 ..."
     assert _continuation(bytearray(_encode([256, 2, 7])), _encode([1 << 24]), 1, 12) == []
     d = NgramDrafter(num_draft_tokens=3, min_window=1, max_window=3, max_running=4)

@@ -67,7 +67,9 @@ class _Sequence:
 def _continuation(words: bytes | bytearray, window: bytes, k: int, end: int, near: int | None = None) -> list[int]:
     """Up to k tokens after an occurrence of `window` that ends at or before byte `end`: the
     first at or after byte `near` when given (a rollout, searched around the request's own
-    position), else the latest."""
+    position), else the latest. The latest occurrence in a live sequence (`near` None) drafts k
+    tokens even where it runs into the sequence's end: text that repeats with period p continues
+    to repeat, so draft m is the token p before it (the drafts before it included)."""
     if near is not None:
         at = max(0, near)
         while (i := words.find(window, at, end)) >= 0 and i % _WORD:
@@ -79,7 +81,11 @@ def _continuation(words: bytes | bytearray, window: bytes, k: int, end: int, nea
     while (i := words.rfind(window, 0, stop)) >= 0:
         if i % _WORD == 0:
             start = i + len(window)
-            return _decode(words[start : min(start + k * _WORD, len(words))])
+            out = _decode(words[start : start + k * _WORD])
+            period = (len(words) - start) // _WORD
+            while len(out) < k:
+                out.append(out[len(out) - period])
+            return out
         stop = i + len(window) - 1
     return []
 
