@@ -144,7 +144,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
     qkv = (H + 2 * HKV) * D
-    tiles = rope_decode.batch_tile_config(D, 2)
+    tiles = rope_decode.batch_tile_config(D, 2, batch_decode.MAX_ROWS)  # the tile of many rows
     attention = rope_decode.kernel_consts(H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True, tiles)
     types.update(part_ptr="*fp32", block_tables_ptr="*i32", count_ptr="*i32", part_out_ptr="*fp32")
     return {

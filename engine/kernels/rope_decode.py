@@ -3,7 +3,7 @@
 Two callers, one kernel (`rope_decode_kernel`):
 - the batch decode (engine/decode/batch_decode.py) on the fp32 split-K partials of its persistent
   kernel, which then ends at its qkv projection, one phase and one grid barrier sooner; its tiles
-  are half the backend's, two buffered (`batch_tile_config`);
+  are half the backend's above FEW_ROWS rows, two buffered (`batch_tile_config`);
 - `DecodeAttention`, the layers' own forward (models/layers.py `Attention`) on the decode steps no
   persistent path takes (the 8B shape, more than 64 rows): on the qkv linear's output (one
   "partial", its bias already added), one launch where rotary, store_kv, decode and its reduce
@@ -155,9 +155,17 @@ def rope_decode_kernel(
     )  # fmt: skip
 
 
-def batch_tile_config(d: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages) of the batch decode's attention: the backend's decode tile
-    (attention_decode.decode_config) at half the tokens and twice the stages, so a program buffers
+# Steps of at most this many rows keep the backend's tile in the batch decode: few rows are long
+# rows (bench/kernels/rope_decode.py, H200, bench/history/2026-11-30.md: 64x4x3 against 32x4x6,
+# us a layer: 1 row at 8k / 32k 27.0 / 57.2 against 29.0 / 61.0, 4 rows at 32k 146.5 against
+# 172.9, 8 rows at 8k 81.2 against 89.3; level at 8 rows of 512, 2026-11-28).
+FEW_ROWS = 8
+
+
+def batch_tile_config(d: int, elem_bytes: int, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the batch decode's attention for steps of `rows` rows: up to
+    FEW_ROWS the backend's decode tile (attention_decode.decode_config); above, that tile
+    at half the tokens and twice the stages, so a program buffers
     two K/V tiles and streams one while it computes the other, at the same four programs an SM
     (0.6B shape: 32x4x6 against 64x4x3). H200, context 512, forward from a graph, three rounds:
     64 / 32 / 16 rows 1.693-1.700 -> 1.678-1.685, 1.339-1.343 -> 1.307-1.313, 1.132-1.135 ->
@@ -166,7 +174,7 @@ def batch_tile_config(d: int, elem_bytes: int) -> tuple[int, int, int]:
     Only the 64-token tile of half-precision rows is halved (what was measured; fp32 caches, the
     tests', keep the backend's: 16-token tiles spill there)."""
     block_n, num_warps, num_stages = attention_decode.decode_config(d, elem_bytes)
-    if elem_bytes == 2 and block_n == 64:
+    if elem_bytes == 2 and block_n == 64 and rows > FEW_ROWS:
         return 32, num_warps, 2 * num_stages
     return block_n, num_warps, num_stages
 

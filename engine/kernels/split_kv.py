@@ -19,6 +19,8 @@ import triton.language as tl
 from engine.kernels import pdl
 from engine.kernels.attention import dot, kv_offsets
 
+MERGE_SPLITS: tl.constexpr = tl.constexpr(4)  # partials a load of the in-kernel merge (merge_splits)
+
 
 @triton.jit
 def split_chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
@@ -128,24 +130,28 @@ def merge_splits(
     h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     # Called by every split after it stored its partial: the last of the num_valid splits to
-    # arrive (last_to_arrive) merges them all into out, partials read from L2.
-    # Not the reduce's [BLOCK_S, D]-per-head loop: inside this kernel that made the batch decode
-    # slower than the reduce itself (bench/history/2026-11-24.md, review).
+    # arrive (last_to_arrive) merges them all into out, partials read from L2, MERGE_SPLITS
+    # splits a load ([BLOCK_H, MERGE_SPLITS, HEAD_DIM]), rescaled by the running max between loads.
+    # One split a load made the merge of one row at 32k tokens (49 splits) a quarter of its layer
+    # (bench/kernels/rope_decode.py, bench/history/2026-11-30.md).
     if last_to_arrive(count_ptr, num_valid):
         offs_d = tl.arange(0, HEAD_DIM)
+        offs_s = tl.arange(0, MERGE_SPLITS)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        for s in range(0, num_valid):
-            lse = tl.load(part_lse_ptr + base + s, mask=h_mask, other=0.0, cache_modifier=".cg")
-            part = tl.load(
-                part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m, lse)
-            scale = tl.exp2(m - m_new)  # 0 on the first split
-            w = tl.exp2(lse - m_new)
-            acc = acc * scale[:, None] + w[:, None] * part
-            total = total * scale + w
+        for s0 in range(0, num_valid, MERGE_SPLITS):
+            idx = base[:, None] + s0 + offs_s[None, :]  # [BLOCK_H, MERGE_SPLITS]
+            ok = h_mask[:, None] & (s0 + offs_s < num_valid)[None, :]
+            lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None],
+                           other=0.0, cache_modifier=".cg")  # fmt: skip
+            m_new = tl.maximum(m, tl.max(lse, 1))  # -inf only in a masked head's row
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            scale = tl.exp2(m - m_safe)  # 0 on the first load
+            w = tl.exp2(lse - m_safe[:, None])  # [BLOCK_H, MERGE_SPLITS]; 0 where masked
+            acc = acc * scale[:, None] + tl.sum(part * w[:, :, None], 1)
+            total = total * scale + tl.sum(w, 1)
             m = m_new
-        tl.store(out_ptrs, (acc / total[:, None]).to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(out_ptrs, (acc / tl.where(total > 0, total, 1.0)[:, None]).to(out_ptrs.dtype.element_ty),
+                 mask=h_mask[:, None])  # fmt: skip
