@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from interpreted import interpret
 
 BLOCK_SIZE, HEAD_DIM, KV_HEADS = 16, 32, 2
