@@ -240,7 +240,7 @@ class EngineConfig:
     deterministic: bool = field(
         default=False,
         metadata={"help": "bitwise-reproducible tokens and logprobs whatever the batch, chunking or prefix cache "
-                          "(batch-invariant ops; on CUDA: one GPU)",
+                          "(batch-invariant ops; tensor-parallel sums in rank order)",
                   "aliases": ("--enable-deterministic-inference",)},
     )
     speculative_algorithm: str | None = field(

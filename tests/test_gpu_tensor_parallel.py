@@ -2,12 +2,14 @@
 (the all-reduces captured in them) against one rank; memory released and resumed on both GPUs
 (reclaim and residual per GPU, measured device-wide from this process); 20 cycles with traffic
 and identical outputs; a weight update; a killed rank (a dead NCCL peer never answers: the
-watchdog must end the engine). `SIESTA_TP_REPORT=FILE` writes the measured numbers as JSON."""
+watchdog must end the engine); `--deterministic` at two ranks (the ordered all-reduce inside the
+graphs). `SIESTA_TP_REPORT=FILE` writes the measured numbers as JSON."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from typing import Any
@@ -250,3 +252,17 @@ def test_a_killed_rank_ends_the_engine(qwen3_bf16_dir: str) -> None:
         took = time.monotonic() - t0
         _report("killed_rank_seconds_to_error", took)
         assert took < 15
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_dir", "wide_qwen3_dir"])
+def test_deterministic_two_ranks_reduce_in_rank_order(checkpoint: str, request: pytest.FixtureRequest) -> None:
+    """`--deterministic` at tp_size 2 on CUDA, decode and piecewise graphs on: the ranks' partial
+    sums meet in rank order (TensorParallel.ordered: NCCL all-gather, then p0 + p1), so a request
+    alone and among companions, before and after it, gives the same tokens and logprobs bit for
+    bit (tests/test_deterministic.py's check)."""
+    from test_deterministic import KNOBS as DET
+    from test_deterministic import _alone_and_among
+
+    path = request.getfixturevalue(checkpoint)
+    with Engine(model=path, dtype="bfloat16", device="cuda", max_num_batched_tokens=24, tp_size=2, **DET) as llm:
+        _alone_and_among(llm, random.Random("tp2"), 12)

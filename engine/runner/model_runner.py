@@ -277,9 +277,6 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
-            if self.device.type == "cuda" and self.tp.enabled:
-                raise ConfigError("--deterministic on CUDA serves one GPU for now (the ranks' ordered reduce "
-                                  "runs on CPUs only)")
             invariant.install(model, self.device)
         return model.eval()
 
