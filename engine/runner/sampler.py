@@ -53,6 +53,7 @@ class SamplingBatch:
     bias_pairs: torch.Tensor | None  # [2, K] int64: (row, token) with a logit_bias
     bias_values: torch.Tensor | None  # [K] float32: the bias added to logits[bias_pairs]
     seeds: list[tuple[int, int]]  # (row, generator seed) of every sampled (non-greedy) seeded row
+    seed_rows: torch.Tensor | None  # [2, S] int64 on the device: `seeds` as rows, then seeds; None without any
     top_logprobs_nums: list[int]  # [B]
     all_greedy: bool
     use_top_k: bool
@@ -98,6 +99,7 @@ class SamplingBatch:
             bias_pairs=pairs(plan.bias_pairs),
             bias_values=floats(plan.bias_values),
             seeds=list(plan.seeds),
+            seed_rows=upload([[r for r, _ in plan.seeds] + [x for _, x in plan.seeds]])[0].view(2, -1) if plan.seeds else None,
             top_logprobs_nums=plan.top_logprobs_nums,
             all_greedy=plan.all_greedy,
             use_top_k=plan.use_top_k,
@@ -188,6 +190,7 @@ class Sampler:
         # resume never hands them back as garbage. None: torch's logsumexp and argmax (CPU).
         fast = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self._counts = torch.zeros(256, dtype=torch.int32, device=self.device) if fast else None
+        self.seeded_kernel = fast  # seeded rows' noise in one launch (kernels/seeded_noise.py), else a generator per row
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).wait()
@@ -311,10 +314,16 @@ class Sampler:
         return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
 
     def _exponential_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Exp(1) noise [B, V]: seeded rows from their own step generator, the rest shared."""
+        """Exp(1) noise [B, V]: seeded rows keyed by their step seed alone (one launch of
+        kernels/seeded_noise.py, or a generator per row), the rest from the shared generator."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in batch.seeds:
-            self._row_generator.manual_seed(seed)
-            noise[row].exponential_(generator=self._row_generator)
+        if self.seeded_kernel and batch.seed_rows is not None:
+            from engine.kernels.seeded_noise import exponential_rows
+
+            exponential_rows(noise, batch.seed_rows[0], batch.seed_rows[1])
+        else:
+            for row, seed in batch.seeds:
+                self._row_generator.manual_seed(seed)
+                noise[row].exponential_(generator=self._row_generator)
         # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
