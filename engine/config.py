@@ -245,8 +245,12 @@ class EngineConfig:
     )
     speculative_algorithm: str | None = field(
         default=None,
-        metadata={"help": "ngram: speculative decoding with drafts from each request's own text and earlier rollouts "
-                          "of its prompt, verified in one forward; the tokens are plain decoding's (SGLang's NGRAM)"},
+        metadata={"help": "speculative decoding, drafts verified in one forward, the tokens plain decoding's: ngram "
+                          "(each request's own text and earlier rollouts of its prompt; SGLang's NGRAM) | draft (a small "
+                          "model of the target's vocabulary, --speculative-draft-model-path; SGLang's STANDALONE)"},
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None, metadata={"help": "the draft model's directory (--speculative-algorithm draft); its weights are `draft.`-named"}
     )
     speculative_num_draft_tokens: int = field(default=4, metadata={"help": "tokens drafted per request and step"})
     speculative_ngram_min_match_window_size: int = field(default=2, metadata={"help": "shortest suffix an ngram draft matches"})
@@ -257,7 +261,8 @@ class EngineConfig:
     speculative_config: str | None = field(
         default=None,
         metadata={"help": "vLLM's JSON form of the above: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-                          "\"prompt_lookup_min\": n, \"prompt_lookup_max\": m, \"disable_by_batch_size\": b}"},
+                          "\"prompt_lookup_min\": n, \"prompt_lookup_max\": m, \"disable_by_batch_size\": b}; method draft_model "
+                          "with \"model\": DIR"},
     )
     # Kernel choices on CUDA (docs/KERNELS.md): each on by default; off runs the path it replaces.
     fused_ops: bool = field(default=True, metadata={"help": "Triton norms, rope, SiLU-mul and few-rows GEMVs (off: torch ops)"})
@@ -295,18 +300,23 @@ class EngineConfig:
         if self.speculative_config is not None:
             self._take_speculative_config(self.speculative_config)
         if self.speculative_algorithm is not None:
-            algorithm = self.speculative_algorithm.lower()
-            if algorithm != "ngram":
-                raise ConfigError(f"speculative_algorithm must be ngram, got {self.speculative_algorithm!r}")
+            algorithm = _SPECULATIVE.get(self.speculative_algorithm.lower())
+            if algorithm is None:
+                raise ConfigError(f"speculative_algorithm must be ngram or draft, got {self.speculative_algorithm!r}")
             object.__setattr__(self, "speculative_algorithm", algorithm)
+            if (algorithm == "draft") != (self.speculative_draft_model_path is not None):
+                raise ConfigError("speculative_algorithm draft and speculative_draft_model_path come together")
+            if algorithm == "draft" and self.tp_size > 1:
+                raise ConfigError("a draft model serves one GPU for now (tp_size 1)")
             low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
             if self.speculative_num_draft_tokens < 1 or not 1 <= low <= high or self.speculative_disable_by_batch_size < 1:
                 raise ConfigError("speculative decoding needs num_draft_tokens >= 1, 1 <= ngram min window <= max "
                                   "window, and disable_by_batch_size >= 1")
 
     def _take_speculative_config(self, text: str) -> None:
-        """vLLM's --speculative-config (ngram): its keys set the speculative_* fields."""
+        """vLLM's --speculative-config (ngram, draft_model): its keys set the speculative_* fields."""
         names = {"method": "speculative_algorithm", "num_speculative_tokens": "speculative_num_draft_tokens",
+                 "model": "speculative_draft_model_path",
                  "prompt_lookup_min": "speculative_ngram_min_match_window_size",
                  "prompt_lookup_max": "speculative_ngram_max_match_window_size",
                  "disable_by_batch_size": "speculative_disable_by_batch_size"}  # fmt: skip
@@ -317,12 +327,16 @@ class EngineConfig:
         if not isinstance(spec, dict) or set(spec) - set(names) or "method" not in spec:
             raise ConfigError(f"speculative_config takes a JSON object with method and any of {sorted(names)}, got {text!r}")
         for key, value in spec.items():
-            if key != "method" and not isinstance(value, int):
+            if key not in ("method", "model") and not isinstance(value, int):
                 raise ConfigError(f"speculative_config: {key} must be an integer, got {value!r}")
             object.__setattr__(self, names[key], value)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+# speculative_algorithm's names, SGLang's and vLLM's -> ours
+_SPECULATIVE = {"ngram": "ngram", "draft": "draft", "standalone": "draft", "draft_model": "draft"}
 
 
 def context_length(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -10,7 +10,8 @@ ENGINE process (spawned by `engine.client.core_process.CoreProcess`), which owns
 - `availability.py`: `Availability`, the one owner of whether the engine serves; `EngineState`,
   its value, carried by every control reply.
 - `scheduler.py`: continuous batching over the KV blocks (`engine.memory.kv_cache`).
-- `drafts.py`: `NgramDrafter`, speculative decoding's model-free drafts and their verification.
+- `drafts.py`: `NgramDrafter`, speculative decoding's model-free drafts and their verification;
+  `ModelDrafter`, the same rules with a draft model's tokens (engine/runner/draft_model.py).
 - Tensor parallelism: `rank.py` (`Rank`, one rank's device side: runner, regions, updater),
   `ranks.py` (`Ranks`, every rank as rank 0 drives them: the worker processes, their sockets, a
   watchdog), `rank_protocol.py` (one struct per thing a rank does), `worker.py` (the worker

@@ -1,4 +1,5 @@
-"""`NgramDrafter`: model-free drafts for speculative decoding (`--speculative-algorithm ngram`).
+"""`NgramDrafter`: model-free drafts for speculative decoding (`--speculative-algorithm ngram`);
+`ModelDrafter`: the same rules with a draft model's tokens (`--speculative-algorithm draft`).
 
 A running request's next tokens are guessed from text that already exists: the continuation of
 the latest earlier occurrence of its last n tokens (n from the longest window down), first in
@@ -219,3 +220,34 @@ def _can_draft(req: Request) -> bool:
     sp = req.sampling_params
     return (req.grammar is None and not sp.penalized and not sp.return_routed_experts
             and req.num_output_tokens >= sp.min_new_tokens)  # fmt: skip
+
+
+class ModelDrafter(NgramDrafter):
+    """Drafts from the draft model (engine/runner/draft_model.py, run by the model runner's
+    `propose_drafts`) in place of n-grams: the same candidates, verification and backoff. A
+    request's blocks are extended to hold its drafts' KV before they are made; one that cannot
+    be extended drafts nothing this step."""
+
+    def __init__(self, num_draft_tokens: int, max_running: int, runner: Any, blocks: Any) -> None:
+        super().__init__(num_draft_tokens, 1, 1, max_running)
+        self.runner, self.blocks = runner, blocks
+
+    def propose(self, requests: list[Request]) -> int:
+        ready, ks = [], []
+        for req in requests:
+            req.draft_token_ids = []
+            k = min(self.k, req.sampling_params.max_new_tokens - req.num_output_tokens - 1)
+            if (not req.finished and req.num_pending == 0 and req.num_computed_tokens == req.num_tokens - 1 and k >= 1
+                    and self.blocks.allocate(req, req.num_tokens + k - 1)):  # fmt: skip
+                ready.append(req)
+                ks.append(k)
+        made = 0
+        for req, drafts in zip(ready, self.runner.propose_drafts(ready, ks) if ready else [], strict=True):
+            req.draft_token_ids = drafts
+            made += bool(drafts)
+        return made
+
+    def finished(self, req: Request) -> None:
+        self._seqs.pop(req.request_id, None)
+        if self.runner.draft is not None:
+            self.runner.draft.forget(req.request_id)

@@ -18,7 +18,7 @@ from engine.config import EngineConfig, ModelConfig, context_length
 from engine.core import calls
 from engine.core.availability import Availability
 from engine.core.checks import WeightCheckCalls
-from engine.core.drafts import NgramDrafter
+from engine.core.drafts import ModelDrafter, NgramDrafter
 from engine.core.load import LoadCalls, LoadStats
 from engine.core.memory_calls import MemoryCalls
 from engine.core.profiler import ProfileCalls, StepProfiler
@@ -76,10 +76,15 @@ class EngineCore(ServingCalls, MemoryCalls, WeightUpdateCalls, WeightCheckCalls,
         self.profiler = StepProfiler(self.runner.device)
         self.grammars = Grammars(config.tokenizer or config.model, self.model_config.vocab_size)
         self.load_stats = LoadStats()
-        self.drafter = None if config.speculative_algorithm is None else NgramDrafter(
-            config.speculative_num_draft_tokens, config.speculative_ngram_min_match_window_size,
-            config.speculative_ngram_max_match_window_size, config.speculative_disable_by_batch_size,
-        )  # fmt: skip
+        self.drafter: NgramDrafter | None = None
+        if config.speculative_algorithm == "ngram":
+            self.drafter = NgramDrafter(
+                config.speculative_num_draft_tokens, config.speculative_ngram_min_match_window_size,
+                config.speculative_ngram_max_match_window_size, config.speculative_disable_by_batch_size,
+            )  # fmt: skip
+        elif config.speculative_algorithm == "draft":
+            self.drafter = ModelDrafter(config.speculative_num_draft_tokens, config.speculative_disable_by_batch_size,
+                                        self.runner, self.block_manager)  # fmt: skip
         log.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
     # ---- requests -------------------------------------------------------------------------------

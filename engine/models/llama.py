@@ -180,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         # Tied: the logits reuse model.embed_tokens.weight and there is no lm_head parameter.
         # Either way each rank holds the vocabulary rows `tp.vocab_shard` names.
         self.routed_experts: RoutedExperts | None = None  # capture_routed_experts
+        # Speculative decoding's draft model, riding in this model's weights as `draft.` (engine/runner/draft_model.py).
+        self.draft: nn.Module | None = None
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, tp.vocab_rows(config.vocab_size), bias=False)
@@ -270,4 +272,6 @@ class LlamaForCausalLM(nn.Module):
     def init_buffers(self) -> None:
         """Recompute computed (non-checkpoint) buffers, after `to_empty` from the meta device."""
         self.model.rotary_emb.reset_cache()
+        if self.draft is not None:
+            self.draft.init_buffers()
 

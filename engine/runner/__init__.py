@@ -23,6 +23,8 @@ process.
   mask, applied by the sampler.
 - `structural_tag.py`: a client's structural tag (SGLang's and vLLM's shapes) as xgrammar's
   format; pure Python, so the server checks it too.
+- `draft_model.py`: speculative decoding's draft model: its weights ride in the target's as
+  `draft.`, its KV cache shares the target's blocks; proposes each drafting request's tokens.
 - `route_log.py`: the routed experts of every KV slot's token on the host, for RL routing replay
   (`return_routed_experts`), staged behind each step and read per request through its blocks.
 

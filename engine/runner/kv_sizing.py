@@ -22,6 +22,7 @@ from engine.memory.kv_budget import (
     num_kv_blocks_for_budget,
 )
 from engine.parallel import TensorParallel
+from engine.runner.draft_model import DraftModel
 from engine.runner.step_inputs import Uploader, build_metadata
 
 log = logging.getLogger("siesta.engine")
@@ -47,6 +48,7 @@ class SizedRunner(Protocol):
     num_kv_heads: int
     max_model_len: int
     graph_max_bs: int
+    draft: DraftModel | None
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend: ...
 
@@ -59,6 +61,8 @@ def num_kv_blocks(runner: SizedRunner) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     block_bytes = kv_block_bytes(runner.model_config, runner.block_size, runner.dtype, runner.num_kv_heads)
+    if runner.draft is not None:  # its cache has the same blocks (engine/runner/draft_model.py)
+        block_bytes += runner.draft.block_bytes(runner.dtype)
     max_useful = config.max_num_seqs * -(-runner.max_model_len // runner.block_size)
     if runner.device.type == "cuda":
         profile = _profile(runner)

@@ -29,8 +29,9 @@ from engine.models import get_model_class, invariant
 from engine.models.hooks import DecodeStepPath
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
-from engine.request import Batch
+from engine.request import Batch, Request
 from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.draft_model import DraftModel
 from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
@@ -102,11 +103,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         with self.memory.region("weights"):
             self.model = self._build_model()
+            self.draft = self._build_draft()  # speculative decoding's draft model, riding in the same allocation
             self.weights = WeightStore(self.model, self.device)
         if config.load_format == "dummy":
             load_dummy(self.model, config.seed)
         else:
             load_checkpoint(self.model, self.model_config.path, self.weights.targets)
+            if self.draft is not None:
+                load_checkpoint(self.draft.model, config.speculative_draft_model_path)
         self.weights_bytes = self.weights.nbytes
         self.memory.holds("weights", lambda: [self.weights.flat])
         if config.weights_backup == "host":  # on a CPU too: a release there loses the weights as well
@@ -133,8 +137,11 @@ class ModelRunner:
             self.kv_cache = make_kv_cache(
                 mc, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
             )
-        self.kv_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        self.memory.holds("kv_cache", lambda: [self.kv_cache])
+            caches = [self.kv_cache]
+            if self.draft is not None:
+                caches.append(self.draft.allocate_cache(self.num_kv_blocks, self.dtype, self.device))
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        self.memory.holds("kv_cache", lambda: caches)
         self.route_log = RouteLog(self.routed, self.num_kv_blocks * self.block_size, self.block_size) if self.routed else None
         log.info("KV cache in %.2f s: %d blocks of %d tokens, %.1f MiB", time.perf_counter() - t0, self.num_kv_blocks,
                  self.block_size, self.kv_cache_bytes / (1 << 20))
@@ -146,6 +153,8 @@ class ModelRunner:
         piecewise_sizes = self.piecewise_sizes(self.num_kv_blocks * self.block_size)
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
+            if self.draft is not None:
+                self.draft.backend = self.make_backend(caches[1], self.draft.config)
             if self.device.type == "cuda" and not config.deterministic:  # their kernels reduce in their own orders
                 self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
@@ -181,6 +190,8 @@ class ModelRunner:
         barriers, the MoE kernels' arrivals, the routed experts' columns of dense layers) start
         from zero again."""
         self.attn_backend.after_resume()
+        if self.draft is not None:
+            self.draft.after_resume()
         for ws in self.moe_workspaces:
             ws.after_resume()
         if self.routed is not None:
@@ -209,12 +220,13 @@ class ModelRunner:
         others = {self.kv_cache.untyped_storage().data_ptr(), self.weights.flat.untyped_storage().data_ptr()}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
-    def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend:
-        mc = self.model_config
+    def make_backend(self, kv_cache: torch.Tensor, draft: ModelConfig | None = None) -> AttentionBackend:
+        """The attention backend over `kv_cache`: the target's, or the draft model's (`draft`: its config)."""
+        mc = draft or self.model_config
         return get_backend_class(self.backend_name)(
             kv_cache,
             scale=mc.head_dim**-0.5,
-            num_heads=self.num_heads,
+            num_heads=self.num_heads if draft is None else mc.num_heads,
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
@@ -279,6 +291,35 @@ class ModelRunner:
         if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
             invariant.install(model, self.device)
         return model.eval()
+
+    def _build_draft(self) -> DraftModel | None:
+        """The draft model (`--speculative-algorithm draft`) on the meta device, attached as the
+        target's `draft` (engine/runner/draft_model.py); None without one."""
+        c = self.config
+        if c.speculative_algorithm != "draft":
+            return None
+        mc = ModelConfig.from_hf(c.speculative_draft_model_path)
+        if mc.vocab_size != self.model_config.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({mc.vocab_size}) is not the target's ({self.model_config.vocab_size})")
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):
+                model = get_model_class(mc.architecture)(mc, fused=None if c.fused_ops else False, logits_pieces=False)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if c.deterministic:
+            invariant.install(model, self.device)
+        self.model.draft = model.eval()
+        return DraftModel(model, mc, self.block_size, c.max_num_batched_tokens)
+
+    def propose_drafts(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """The draft model's ks[i] tokens for requests[i] (draft_model.py); none while its weights
+        are lost (released with no host copy, not updated since)."""
+        self.weights.ensure_current()
+        if self.draft is None or self.weights.lost:
+            return [[] for _ in requests]
+        return self.draft.propose(requests, ks, self.upload)
 
     @torch.inference_mode()
     def launch(self, batch: Batch, previous: LaunchedStep | None = None) -> LaunchedStep:

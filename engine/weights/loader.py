@@ -97,6 +97,11 @@ class _Target:
 # ---- the model side ------------------------------------------------------------------------
 
 
+# Names of a model riding in the target's weights (speculative decoding's draft,
+# engine/runner/draft_model.py): a full checkpoint of the target need not hold them.
+OPTIONAL_PREFIX = "draft."
+
+
 def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
     """Checkpoint name -> target, for every tensor a full checkpoint must provide, then the packed
     names that stand for several of them (their `covers`)."""
@@ -189,7 +194,7 @@ def _validate(
         else:
             seen.add(name)
     if require_all:
-        needed = [name for name, target in targets.items() if not target.covers]
+        needed = [name for name, target in targets.items() if not target.covers and not name.startswith(OPTIONAL_PREFIX)]
         missing = [name for name in needed if name not in seen]
         if missing:
             raise WeightLoadError(

@@ -30,6 +30,9 @@ Rules:
   update that wrote the last of them, whatever the route); a partial update leaves it dropped.
 - A write that failed half-way (a broadcast cut off) makes its pieces stale again (`invalidate`):
   they come back from the host copy, i.e. the old weights.
+- Pieces named with loader.OPTIONAL_PREFIX (a draft model's) never stop generation: stale with
+  no host copy to restore them, they are `lost` until an update writes them, and their model is
+  not run meanwhile.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch
 from torch import nn
 
 from engine.weights.host_copy import HostCopy
-from engine.weights.loader import checkpoint_targets
+from engine.weights.loader import OPTIONAL_PREFIX, checkpoint_targets
 
 log = logging.getLogger("siesta.engine")
 
@@ -113,6 +116,7 @@ class WeightStore:
             raise RuntimeError(f"weight pieces cover {covered} of the model's {held} bytes")
         self.index = {p.name: i for i, p in enumerate(self.pieces)}
         self.stale: set[int] = set()
+        self.lost: set[int] = set()  # optional pieces stale with no host copy (module docstring)
         self.backup = HostCopy(self.flat, self.nbytes)
         self.keeps_host = False  # --weights-backup host: `keep_host_copy` was called
         self._host_dirty: set[int] = set()  # pieces written since the host copy's last refresh
@@ -223,11 +227,13 @@ class WeightStore:
         their host copy is refreshed at the next `refresh_host()`."""
         done = {self.index[n] for n in names}
         self.stale -= done
+        self.lost -= done
         self._host_dirty |= done
 
     def written_all(self) -> None:
         """Every piece was rewritten in place (weights_checker's reset)."""
         self.stale.clear()
+        self.lost.clear()
         self._host_dirty = set(range(len(self.pieces)))
 
     def invalidate(self, names: Iterable[str]) -> None:
@@ -255,7 +261,10 @@ class WeightStore:
         """How many stale checkpoint tensors cannot be restored (no host copy)."""
         if self.host is not None:
             return 0
-        return sum(1 for i in self.stale if not self.pieces[i].computed)
+        return sum(1 for i in self.stale if not self.pieces[i].computed and not self._optional(i))
+
+    def _optional(self, i: int) -> bool:
+        return self.pieces[i].name.startswith(OPTIONAL_PREFIX)
 
     @property
     def stale_bytes(self) -> int:
@@ -270,7 +279,8 @@ class WeightStore:
             raise RuntimeError(f"{self.missing()} weight tensors were released without a host copy and not updated")
         t0 = time.perf_counter()
         nbytes = self.stale_bytes
-        if self.host is None:  # only computed buffers are stale
+        if self.host is None:  # only computed buffers are stale, and optional pieces, now lost
+            self.lost |= {i for i in self.stale if not self.pieces[i].computed}
             self.model.init_buffers()
         else:
             spans = merge_spans(self.pieces[i] for i in self.stale)

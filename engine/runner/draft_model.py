@@ -1,0 +1,148 @@
+"""`DraftModel`: speculative decoding's draft model (`--speculative-algorithm draft` with
+`--speculative-draft-model-path`; SGLang's STANDALONE, vLLM's `draft_model`): a small causal LM
+of the target's vocabulary that proposes a drafting request's next k tokens, greedily; the
+target verifies them (engine/core/drafts.py's rules), so the tokens are plain decoding's whatever
+the draft proposes.
+
+Where it lives:
+- Weights: the target model's submodule `draft`, so they ride in the target's one `weights`
+  allocation and every weight call names them `draft.<the draft's checkpoint name>`. Loaded from
+  their own directory at startup; updated by `draft.`-named tensors through any update route;
+  released and resumed with the target's. A full checkpoint of the target need not hold them,
+  and without a host copy a release loses them until an update writes them: no drafts meanwhile
+  (engine/weights/loader.py OPTIONAL_PREFIX, engine/weights/store.py `lost`).
+- KV cache: a tensor of its own in the `kv_cache` region with the target's block count and
+  size. A request's block table and slots address both caches, so a block costs the bytes of
+  both (engine/runner/kv_sizing.py).
+
+A proposal for requests whose tokens are all known (n = num_tokens - 1 computed by the target):
+1. Catch-up: forwards over each request's tokens from `valid` (positions whose draft KV holds
+   the request's own tokens) through n, at most `chunk` tokens a forward; the last row of a
+   request gives draft 1.
+2. k - 1 forwards of one row per request: draft j - 1 at position n + j - 1 gives draft j.
+The draft KV then holds the request's tokens through n and drafts 1..k-1 at n+1..n+k-1; the
+next proposal keeps those the request's tokens confirm. A preemption (new blocks) starts it over
+at 0. A wrong or stale draft KV costs acceptance only. Eager forwards; one tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, ForwardContext
+from engine.config import ModelConfig
+from engine.memory.kv_budget import kv_block_bytes, make_kv_cache
+from engine.request import Request
+from engine.runner.step_inputs import Uploader, build_metadata
+
+
+@dataclass
+class _Held:
+    """What one request's draft KV holds: its own tokens below `base`, then `drafts` (positions
+    base, base + 1, ...), written while its blocks were those of preemption count `preemptions`."""
+
+    base: int
+    drafts: list[int]
+    preemptions: int
+
+
+class DraftModel:
+    def __init__(self, model: nn.Module, config: ModelConfig, block_size: int, chunk: int) -> None:
+        """`model`: the draft, built on the meta device and attached as the target's `draft`
+        before the target's WeightStore binds both (ModelRunner's startup)."""
+        self.model, self.config = model, config
+        self.block_size, self.chunk = block_size, chunk
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+        self._held: dict[str, _Held] = {}
+
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        """Draft KV bytes of one block (added to the target's when the cache is sized)."""
+        return kv_block_bytes(self.config, self.block_size, dtype)
+
+    def allocate_cache(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Its KV cache [layers, K/V, num_blocks, block_size, kv_heads, head_dim] (inside the
+        caller's `kv_cache` region)."""
+        self.kv_cache = make_kv_cache(self.config, num_blocks, self.block_size, dtype, device)
+        return self.kv_cache
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int], upload: Uploader) -> list[list[int]]:
+        """Drafts of ks[i] tokens for requests[i] (module docstring, steps 1-2); every request's
+        tokens known, its blocks covering positions through n + ks[i] - 1."""
+        assert self.backend is not None, "the draft's cache and backend come with the KV cache"
+        starts = [self._valid(r) for r in requests]
+        ends = [r.num_tokens for r in requests]  # catch-up through position n = num_tokens - 1
+        first = self._catch_up(requests, starts, ends, upload)
+        drafts = [[t] for t in first]
+        for j in range(1, max(ks, default=0)):
+            rows = [i for i, k in enumerate(ks) if k > j]
+            if not rows:
+                break
+            reqs = [requests[i] for i in rows]
+            pos = [ends[i] - 1 + j for i in rows]
+            tokens = self._forward(reqs, [drafts[i][-1:] for i in rows], pos, [p + 1 for p in pos], upload)
+            for i, t in zip(rows, tokens, strict=True):
+                drafts[i].append(t)
+        for req, end, d in zip(requests, ends, drafts, strict=True):
+            self._held[req.request_id] = _Held(end, d[:-1], req.num_preemptions)
+        return drafts
+
+    def after_resume(self) -> None:
+        """The caches came back undefined: no request's draft KV holds anything."""
+        self._held.clear()
+        if self.backend is not None:
+            self.backend.after_resume()
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` is done: nothing of it is kept."""
+        self._held.pop(request_id, None)
+
+    def _valid(self, req: Request) -> int:
+        """Positions of `req` whose draft KV holds its own tokens."""
+        held = self._held.get(req.request_id)
+        if held is None or held.preemptions != req.num_preemptions:
+            return 0
+        real = req.token_ids[held.base : held.base + len(held.drafts)]
+        same = next((i for i, (a, b) in enumerate(zip(real, held.drafts, strict=False)) if a != b), min(len(real), len(held.drafts)))
+        return held.base + same
+
+    def _catch_up(self, requests: list[Request], starts: list[int], ends: list[int], upload: Uploader) -> list[int]:
+        """Forwards over tokens starts[i]..ends[i]-1 of each request, at most `chunk` tokens
+        each: the argmax after each request's last token."""
+        first: list[int] = [0] * len(requests)
+        todo = list(range(len(requests)))
+        at = list(starts)
+        while todo:
+            rows, spans, budget = [], [], self.chunk
+            for i in todo:
+                take = min(ends[i] - at[i], budget)
+                if take <= 0:
+                    break
+                rows.append(i)
+                spans.append((at[i], at[i] + take))
+                budget -= take
+            reqs = [requests[i] for i in rows]
+            tokens = self._forward(reqs, [r.token_ids[s:e] for r, (s, e) in zip(reqs, spans, strict=True)],
+                                   [s for s, _ in spans], [e for _, e in spans], upload)  # fmt: skip
+            for i, (_, e), t in zip(rows, spans, tokens, strict=True):
+                at[i] = e
+                if e == ends[i]:
+                    first[i] = t
+            todo = [i for i in todo if at[i] < ends[i]]
+        return first
+
+    def _forward(self, reqs: list[Request], ids: list[list[int]], starts: list[int], ends: list[int],
+                 upload: Uploader) -> list[int]:  # fmt: skip
+        """One forward of ids[i] at positions starts[i]..ends[i]-1 of reqs[i] (KV into their
+        blocks): the argmax of the logits after each sequence's last token."""
+        meta = build_metadata(ends, starts, [r.block_table for r in reqs], self.block_size, upload)
+        flat = [t for part in ids for t in part]
+        positions = [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
+        input_ids, pos = upload([flat, positions])
+        hidden = self.model(input_ids, pos, ForwardContext(self.backend, meta))
+        last = torch.tensor(meta.query_start_loc_cpu[1:], device=hidden.device) - 1
+        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
