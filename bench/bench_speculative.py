@@ -4,6 +4,7 @@ whether the outputs are identical.
 
     python3 bench/bench_speculative.py --shape 0.6b --out $OUT/spec.json     # GPU
     python3 bench/bench_speculative.py --tiny --out /tmp/spec.json            # CPU smoke test
+    python3 bench/bench_speculative.py --shape 0.6b --draft-model target --out $OUT/spec.json   # a draft model
 
 Workloads, each at every `--batch-sizes` B (B prompts of `--prompt-len` random tokens, greedy,
 `--output-len` new tokens, ignore_eos):
@@ -67,6 +68,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, help="default 256 (32 with --tiny)")
     p.add_argument("--output-len", type=int, help="default 512 (48 with --tiny)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--draft-model", help="drafts from a draft model (--speculative-algorithm draft) in place of "
+                   "n-grams: a checkpoint directory of the same vocabulary, or `target` (the benchmark's own "
+                   "checkpoint: every draft stands, the draft path's cost at full acceptance)")
     p.add_argument("--server-args", default="", help="more EngineConfig fields, as key=value[,key=value]")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -94,8 +98,11 @@ def main() -> int:
         key, value = kv.split("=", 1)
         knobs[key] = type(knobs[key])(value) if key in knobs else value
     res: dict[str, Any] = {"shape": ckpt["shape"], "args": vars(args), "modes": {}}
-    for mode, extra in (("plain", {}), ("ngram", dict(speculative_algorithm="ngram",
-                                                      speculative_num_draft_tokens=args.num_draft_tokens))):
+    drafts: dict[str, Any] = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=args.num_draft_tokens)
+    if args.draft_model:
+        path = ckpt["path"] if args.draft_model == "target" else args.draft_model
+        drafts |= dict(speculative_algorithm="draft", speculative_draft_model_path=path)
+    for mode, extra in (("plain", {}), ("ngram", drafts)):
         say(f"{mode}: starting the engine")
         with Engine(model=ckpt["path"], **knobs, **extra) as llm:
             res["modes"][mode] = rounds(llm, prompts, fresh, output_len)
@@ -113,7 +120,8 @@ def main() -> int:
                      round(output_len / plain[key]["wall_s"], 1), round(ratio, 3), f">= {target}" if target else "-",
                      "PASS" if target and ratio >= target and same else ("FAIL" if target else "-"), same])  # fmt: skip
     drafted, kept = spec["drafted"]
-    print_table("siesta speculative decoding (ngram) against plain decoding, " + ("CPU tiny" if args.tiny else str(device)),
+    algorithm = f"draft model {args.draft_model}" if args.draft_model else "ngram"
+    print_table(f"siesta speculative decoding ({algorithm}) against plain decoding, " + ("CPU tiny" if args.tiny else str(device)),
                 ["metric", "ngram", "plain", "ratio", "target", "ok", "outputs identical"], rows,
                 [f"draft tokens {drafted}, accepted {kept} ({kept / max(drafted, 1):.2f})"])  # fmt: skip
     res["table"] = rows

@@ -122,3 +122,28 @@ def test_names_of_both_dialects_and_refusals(qwen3_dir: str) -> None:
         EngineConfig(model=qwen3_dir, speculative_algorithm="draft")
     with pytest.raises(ConfigError, match="one GPU"):
         EngineConfig(model=qwen3_dir, speculative_algorithm="draft", speculative_draft_model_path=qwen3_dir, tp_size=2)
+
+
+def test_without_a_host_copy_a_release_loses_the_draft_not_the_engine(qwen3_dir: str, qwen3_next_dir: str) -> None:
+    """`--weights-backup none`: after a release only an update brings weights back. A full target
+    update (no draft tensors) serves again at once, drafting nothing; `draft.` tensors bring the
+    drafts back (engine/weights/store.py `lost`)."""
+    from safetensors.torch import load_file
+
+    from engine.weights.payload import serialize_named_tensors
+
+    params = [greedy(40)]
+    with Engine(model=qwen3_next_dir, dtype="float32", **KNOBS) as llm:
+        want_next = run(llm, PROMPTS[:1], params)
+    with Engine(model=qwen3_dir, dtype="float32", weights_backup="none", **spec_knobs(qwen3_dir)) as llm:
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        assert llm.update_weights_from_disk(qwen3_next_dir)["success"]
+        p0, _, _ = drafted(llm)
+        same(run(llm, PROMPTS[:1], params), want_next)
+        assert drafted(llm)[0] == p0  # the draft is lost: nothing proposed
+        draft = load_file(f"{qwen3_next_dir}/model.safetensors")
+        assert llm.update_weights_from_tensor([serialize_named_tensors([("draft." + n, t) for n, t in draft.items()])])["success"]
+        same(run(llm, PROMPTS[:1], params), want_next)
+        p1, k1, _ = drafted(llm)
+        assert p1 > p0 and k1 > 0.9 * (p1 - p0)  # the draft is the target again: its drafts stand

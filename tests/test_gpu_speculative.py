@@ -3,6 +3,9 @@
 - tests/test_speculative.py's engine tests with the engine on the GPU (`device` auto): greedy
   tokens equal plain decoding's in float32, and with `--deterministic` seeded sampled tokens and
   logprobs equal plain decoding's bit for bit.
+- tests/test_draft_model.py's engine tests on the GPU (a draft model: its Triton attention over
+  its own cache on the target's blocks), and a bf16 model of Qwen3-0.6B's widths drafting for
+  itself: nearly every draft stands, several tokens a step.
 - A verify step is planned as decode rows (engine/runner/step_plan.py `_plan_verify`) and replays
   a verify graph, captured without the decode paths that store one row while another reads
   (ForwardContext.verify). On a model the decode paths serve (bf16, Qwen3-0.6B's widths), the
@@ -16,6 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_core
+from test_draft_model import (  # noqa: F401  (collected here, on CUDA)
+    test_draft_weights_update_by_name_release_resume_and_target_updates,
+    test_greedy_tokens_are_plain_decodings_whatever_the_draft,
+    test_without_a_host_copy_a_release_loses_the_draft_not_the_engine,
+)
 from test_models import random_tokens
 from test_speculative import (  # noqa: F401  (collected here, on CUDA)
     test_deterministic_sampled_tokens_and_logprobs_are_bitwise_plain_decodings,
@@ -56,3 +64,15 @@ def test_verify_steps_replay_their_graphs_and_score_what_a_prefill_scores(wide_q
     # stale K/V row of its step would be off by O(1) at most of the drafted positions.
     errors = sorted(abs(a - b) for a, b in zip(lps, scored, strict=True))
     assert errors[len(errors) // 2] < 0.05 and errors[-1] < 0.3, errors
+
+
+def test_a_wide_bf16_model_as_its_own_draft_drafts_what_it_generates(wide_qwen3_dir: str) -> None:
+    core = EngineCore(EngineConfig(model=wide_qwen3_dir, device="cuda", dtype="bfloat16", max_model_len=512,
+                                   max_num_seqs=8, speculative_algorithm="draft",
+                                   speculative_draft_model_path=wide_qwen3_dir))  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
+    out = run_core(core, [(f"r{i}", random_tokens(40, seed=i), greedy) for i in range(3)])
+    assert all(len(ids) == 96 for ids, _, _ in out.values())
+    info = core.get_info()
+    assert info["spec_accepted_tokens"] > 0.8 * info["spec_draft_tokens"] > 0, info
+    assert core.num_steps < 0.5 * 96, core.num_steps
