@@ -74,19 +74,26 @@ class DraftModel:
         """Drafts of ks[i] tokens for requests[i] (module docstring, steps 1-2); every request's
         tokens known, its blocks covering positions through n + ks[i] - 1."""
         assert self.backend is not None, "the draft's cache and backend come with the KV cache"
+        if len(self._held) > 4 * max(len(requests), 16):  # requests aborted or finished away
+            self._held = {r.request_id: self._held[r.request_id] for r in requests if r.request_id in self._held}
         starts = [self._valid(r) for r in requests]
         ends = [r.num_tokens for r in requests]  # catch-up through position n = num_tokens - 1
-        first = self._catch_up(requests, starts, ends, upload)
-        drafts = [[t] for t in first]
+        # Each forward's tokens feed the next on the device; one read at the end.
+        first = self._catch_up(requests, starts, ends, upload)  # [R]
+        steps: list[tuple[list[int], torch.Tensor]] = [(list(range(len(requests))), first)]
         for j in range(1, max(ks, default=0)):
-            rows = [i for i, k in enumerate(ks) if k > j]
-            if not rows:
-                break
-            reqs = [requests[i] for i in rows]
+            rows = [i for i, k in enumerate(ks) if k > j]  # draft j of these (their blocks hold its KV)
+            prev_rows, prev = steps[-1]
+            feed = prev if len(rows) == len(prev_rows) else prev[upload([[prev_rows.index(i) for i in rows]])[0]]
             pos = [ends[i] - 1 + j for i in rows]
-            tokens = self._forward(reqs, [drafts[i][-1:] for i in rows], pos, [p + 1 for p in pos], upload)
-            for i, t in zip(rows, tokens, strict=True):
-                drafts[i].append(t)
+            steps.append((rows, self._forward([requests[i] for i in rows], feed, pos, [p + 1 for p in pos], upload)))
+        flat = torch.cat([t for _, t in steps]).tolist()
+        drafts: list[list[int]] = [[] for _ in requests]
+        at = 0
+        for rows, _ in steps:
+            for i, token in zip(rows, flat[at : at + len(rows)], strict=True):
+                drafts[i].append(token)
+            at += len(rows)
         for req, end, d in zip(requests, ends, drafts, strict=True):
             self._held[req.request_id] = _Held(end, d[:-1], req.num_preemptions)
         return drafts
@@ -110,10 +117,10 @@ class DraftModel:
         same = next((i for i, (a, b) in enumerate(zip(real, held.drafts, strict=False)) if a != b), min(len(real), len(held.drafts)))
         return held.base + same
 
-    def _catch_up(self, requests: list[Request], starts: list[int], ends: list[int], upload: Uploader) -> list[int]:
+    def _catch_up(self, requests: list[Request], starts: list[int], ends: list[int], upload: Uploader) -> torch.Tensor:
         """Forwards over tokens starts[i]..ends[i]-1 of each request, at most `chunk` tokens
-        each: the argmax after each request's last token."""
-        first: list[int] = [0] * len(requests)
+        each: [R] the argmax after each request's last token, on the device."""
+        first: list[torch.Tensor | None] = [None] * len(requests)
         todo = list(range(len(requests)))
         at = list(starts)
         while todo:
@@ -126,23 +133,21 @@ class DraftModel:
                 spans.append((at[i], at[i] + take))
                 budget -= take
             reqs = [requests[i] for i in rows]
-            tokens = self._forward(reqs, [r.token_ids[s:e] for r, (s, e) in zip(reqs, spans, strict=True)],
-                                   [s for s, _ in spans], [e for _, e in spans], upload)  # fmt: skip
-            for i, (_, e), t in zip(rows, spans, tokens, strict=True):
+            ids = upload([[t for r, (s, e) in zip(reqs, spans, strict=True) for t in r.token_ids[s:e]]])[0]
+            tokens = self._forward(reqs, ids, [s for s, _ in spans], [e for _, e in spans], upload)
+            for j, (i, (_, e)) in enumerate(zip(rows, spans, strict=True)):
                 at[i] = e
                 if e == ends[i]:
-                    first[i] = t
+                    first[i] = tokens[j : j + 1]
             todo = [i for i in todo if at[i] < ends[i]]
-        return first
+        return torch.cat(first)  # type: ignore[arg-type]
 
-    def _forward(self, reqs: list[Request], ids: list[list[int]], starts: list[int], ends: list[int],
-                 upload: Uploader) -> list[int]:  # fmt: skip
-        """One forward of ids[i] at positions starts[i]..ends[i]-1 of reqs[i] (KV into their
-        blocks): the argmax of the logits after each sequence's last token."""
+    def _forward(self, reqs: list[Request], input_ids: torch.Tensor, starts: list[int], ends: list[int],
+                 upload: Uploader) -> torch.Tensor:  # fmt: skip
+        """One forward of input_ids [T] (sequence i's at positions starts[i]..ends[i]-1 of
+        reqs[i], its KV into their blocks): [R] the argmax after each sequence's last token."""
         meta = build_metadata(ends, starts, [r.block_table for r in reqs], self.block_size, upload)
-        flat = [t for part in ids for t in part]
-        positions = [p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]
-        input_ids, pos = upload([flat, positions])
-        hidden = self.model(input_ids, pos, ForwardContext(self.backend, meta))
-        last = torch.tensor(meta.query_start_loc_cpu[1:], device=hidden.device) - 1
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        (positions,) = upload([[p for s, e in zip(starts, ends, strict=True) for p in range(s, e)]])
+        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta))
+        (last,) = upload([[q - 1 for q in meta.query_start_loc_cpu[1:]]])
+        return self.model.compute_logits(hidden[last]).argmax(dim=-1)
