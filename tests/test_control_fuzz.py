@@ -2,10 +2,10 @@
 resume, pause, weight updates, flushes, aborts and bursts of them, with traffic, against a real
 server; every judged output equals transformers on the checkpoint of its weight version.
 
-On a CPU (CI) three walks run: a fixed seed and a fresh one, and a fresh one against a server
+On a CPU (CI) four walks run: a fixed seed and a fresh one, and a fresh one against a server
 with speculative decoding (`--speculative-algorithm ngram`: the prompts repeat, so earlier
-rollouts draft later ones while calls release, pause, retract, abort and update), printed on
-failure. A failure replays
+rollouts draft later ones while calls release, pause, retract, abort and update), and one with
+a draft model (`--speculative-algorithm draft`, the "old" checkpoint drafting), printed on failure. A failure replays
 with SIESTA_FUZZ_SEED=<seed> (the same calls; the interleaving with traffic may differ).
 SIESTA_FUZZ_STEPS sets a walk's length. The GPU soak (`pytest -m gpu`) walks for
 SIESTA_SOAK_S seconds (300) with graphs, overlap and `--debug-poison-on-resume` on.
@@ -97,6 +97,25 @@ def test_control_walk_with_drafts(draft_server: ServerProcess, setup: FuzzSetup)
     print(f"control walk with drafts, seed {seed}")
     walk = _walk(draft_server, setup, seed, STEPS)
     with draft_server.client() as http:
+        info = http.get("/get_server_info").json()
+    assert info["spec_accepted_tokens"] > 0, (seed, walk.judged)
+
+
+@pytest.fixture(scope="module")
+def draft_model_server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "control_fuzz_draft_model", "--num-kv-blocks",
+                         "64", "--speculative-algorithm", "draft", "--speculative-draft-model-path", qwen3_dir)  # fmt: skip
+    yield proc
+    proc.stop()
+
+
+def test_control_walk_with_a_draft_model(draft_model_server: ServerProcess, setup: FuzzSetup) -> None:
+    """The draft stays the "old" checkpoint while updates move the target: its drafts then
+    often fall, and the tokens stay the target's."""
+    seed = int(os.environ.get("SIESTA_FUZZ_SEED", random.SystemRandom().randrange(1 << 31)))
+    print(f"control walk with a draft model, seed {seed}")
+    walk = _walk(draft_model_server, setup, seed, STEPS)
+    with draft_model_server.client() as http:
         info = http.get("/get_server_info").json()
     assert info["spec_accepted_tokens"] > 0, (seed, walk.judged)
 
