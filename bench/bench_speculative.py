@@ -122,7 +122,7 @@ def main() -> int:
     drafted, kept = spec["drafted"]
     algorithm = f"draft model {args.draft_model}" if args.draft_model else "ngram"
     print_table(f"siesta speculative decoding ({algorithm}) against plain decoding, " + ("CPU tiny" if args.tiny else str(device)),
-                ["metric", "ngram", "plain", "ratio", "target", "ok", "outputs identical"], rows,
+                ["metric", "draft model" if args.draft_model else "ngram", "plain", "ratio", "target", "ok", "outputs identical"], rows,
                 [f"draft tokens {drafted}, accepted {kept} ({kept / max(drafted, 1):.2f})"])  # fmt: skip
     res["table"] = rows
     write_json(args.out, res)
