@@ -84,10 +84,15 @@ def test_control_walk_with_a_fresh_seed(server: ServerProcess, setup: FuzzSetup)
     _walk(server, setup, seed, STEPS)
 
 
-@pytest.fixture(scope="module")
-def draft_server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "control_fuzz_drafts", "--num-kv-blocks", "64",
-                         "--speculative-algorithm", "ngram")
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def draft_server(request: pytest.FixtureRequest, qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """A server that drafts: n-grams, or a draft model (the "old" checkpoint, which keeps
+    drafting while updates move the target: its drafts then often fall)."""
+    args = ["--speculative-algorithm", request.param]
+    if request.param == "draft":
+        args += ["--speculative-draft-model-path", qwen3_dir]
+    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), f"control_fuzz_{request.param}", "--num-kv-blocks",
+                         "64", *args)  # fmt: skip
     yield proc
     proc.stop()
 
@@ -97,25 +102,6 @@ def test_control_walk_with_drafts(draft_server: ServerProcess, setup: FuzzSetup)
     print(f"control walk with drafts, seed {seed}")
     walk = _walk(draft_server, setup, seed, STEPS)
     with draft_server.client() as http:
-        info = http.get("/get_server_info").json()
-    assert info["spec_accepted_tokens"] > 0, (seed, walk.judged)
-
-
-@pytest.fixture(scope="module")
-def draft_model_server(qwen3_dir: str, tmp_path_factory: pytest.TempPathFactory):
-    proc = logged_server(qwen3_dir, str(tmp_path_factory.mktemp("logs")), "control_fuzz_draft_model", "--num-kv-blocks",
-                         "64", "--speculative-algorithm", "draft", "--speculative-draft-model-path", qwen3_dir)  # fmt: skip
-    yield proc
-    proc.stop()
-
-
-def test_control_walk_with_a_draft_model(draft_model_server: ServerProcess, setup: FuzzSetup) -> None:
-    """The draft stays the "old" checkpoint while updates move the target: its drafts then
-    often fall, and the tokens stay the target's."""
-    seed = int(os.environ.get("SIESTA_FUZZ_SEED", random.SystemRandom().randrange(1 << 31)))
-    print(f"control walk with a draft model, seed {seed}")
-    walk = _walk(draft_model_server, setup, seed, STEPS)
-    with draft_model_server.client() as http:
         info = http.get("/get_server_info").json()
     assert info["spec_accepted_tokens"] > 0, (seed, walk.judged)
 
