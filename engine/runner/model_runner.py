@@ -216,8 +216,10 @@ class ModelRunner:
         MoE workspaces and the routed experts' record (views of the KV cache or the weights that
         their owners keep are not the region's)."""
         owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise,
-                  *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed]
-        others = {self.kv_cache.untyped_storage().data_ptr(), self.weights.flat.untyped_storage().data_ptr()}
+                  *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed,
+                  self.draft.backend if self.draft is not None else None]  # fmt: skip
+        caches = [self.kv_cache] + ([self.draft.kv_cache] if self.draft is not None and self.draft.kv_cache is not None else [])
+        others = {c.untyped_storage().data_ptr() for c in caches} | {self.weights.flat.untyped_storage().data_ptr()}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
     def make_backend(self, kv_cache: torch.Tensor, draft: ModelConfig | None = None) -> AttentionBackend:
