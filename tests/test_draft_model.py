@@ -4,7 +4,8 @@ whatever the draft proposes.
 
 - The target as its own draft: greedy tokens equal plain decoding's (logprobs within 1e-4),
   nearly every draft is accepted and a step yields several tokens; a one-layer draft of other
-  weights (the same vocabulary): still plain decoding's tokens.
+  weights (the same vocabulary), and one whose context (48) is shorter than the requests: still
+  plain decoding's tokens.
 - `--deterministic`, seeded sampled requests: bitwise plain decoding's tokens and logprobs.
 - Weights: the draft's ride as `draft.`-named tensors. An update of them through the
   update-from-tensors call changes what is drafted (a target-weight draft accepts almost all, a
@@ -37,6 +38,14 @@ def small_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _save(_randomized(Qwen3ForCausalLM, config, seed=9), str(tmp_path_factory.mktemp("draft")))
 
 
+@pytest.fixture(scope="module")
+def short_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The small draft's shapes with a 48-token context: shorter than the requests below."""
+    config = Qwen3Config(**(TINY | dict(max_position_embeddings=48)), num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    return _save(_randomized(Qwen3ForCausalLM, config, seed=9), str(tmp_path_factory.mktemp("short_draft")))
+
+
 def spec_knobs(draft: str, **kw: object) -> dict:
     return dict(KNOBS, speculative_algorithm="draft", speculative_draft_model_path=draft, **kw)
 
@@ -52,7 +61,7 @@ def same(got: list, want: list) -> None:
         assert max(abs(a - b) for a, b in zip(lps, want_lps, strict=True)) < 1e-4
 
 
-def test_greedy_tokens_are_plain_decodings_whatever_the_draft(qwen3_dir: str, small_draft_dir: str) -> None:
+def test_greedy_tokens_are_plain_decodings_whatever_the_draft(qwen3_dir: str, small_draft_dir: str, short_draft_dir: str) -> None:
     params = [greedy(), greedy(30), greedy(45)]
     with Engine(model=qwen3_dir, dtype="float32", **KNOBS) as llm:
         plain = run(llm, PROMPTS, params)
@@ -66,10 +75,11 @@ def test_greedy_tokens_are_plain_decodings_whatever_the_draft(qwen3_dir: str, sm
     same(alone, plain)
     assert proposed >= 100 and kept >= 0.9 * proposed, (proposed, kept)
     assert steps < 0.4 * plain_steps, (steps, plain_steps)  # several tokens a step
-    with Engine(model=qwen3_dir, dtype="float32", **spec_knobs(small_draft_dir)) as llm:
-        other = run(llm, PROMPTS, params)
-        assert drafted(llm)[0] > 0
-    same(other, plain)
+    for draft in (small_draft_dir, short_draft_dir):  # the short one drafts up to its 48 positions only
+        with Engine(model=qwen3_dir, dtype="float32", **spec_knobs(draft)) as llm:
+            other = run(llm, PROMPTS, params)
+            assert drafted(llm)[0] > 0
+        same(other, plain)
 
 
 def test_deterministic_sampled_tokens_and_logprobs_are_bitwise_plain_decodings(qwen3_dir: str) -> None:

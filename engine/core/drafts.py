@@ -226,7 +226,8 @@ class ModelDrafter(NgramDrafter):
     """Drafts from the draft model (engine/runner/draft_model.py, run by the model runner's
     `propose_drafts`) in place of n-grams: the same candidates, verification and backoff. A
     request's blocks are extended to hold its drafts' KV before they are made; one that cannot
-    be extended drafts nothing this step."""
+    be extended drafts nothing this step. Drafts stop at the draft's own context length (its
+    positions: its rotary table)."""
 
     def __init__(self, num_draft_tokens: int, max_running: int, runner: Any, blocks: Any) -> None:
         super().__init__(num_draft_tokens, 1, 1, max_running)
@@ -236,7 +237,8 @@ class ModelDrafter(NgramDrafter):
         ready, ks = [], []
         for req in requests:
             req.draft_token_ids = []
-            k = min(self.k, req.sampling_params.max_new_tokens - req.num_output_tokens - 1)
+            k = min(self.k, req.sampling_params.max_new_tokens - req.num_output_tokens - 1,
+                    self.runner.draft.config.max_position_embeddings - req.num_tokens + 1)  # last position n + k - 1
             if (not req.finished and req.num_pending == 0 and req.num_computed_tokens == req.num_tokens - 1 and k >= 1
                     and self.blocks.allocate(req, req.num_tokens + k - 1)):  # fmt: skip
                 ready.append(req)
