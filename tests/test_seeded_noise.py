@@ -75,3 +75,23 @@ def test_seeded_noise_under_the_interpreter() -> None:
 def test_seeded_noise_on_the_gpu() -> None:
     check_noise("cuda")
     check_sampler("cuda")
+
+
+def test_the_kernel_compiles_for_hopper_without_spills() -> None:
+    """sm_90 from this machine (bench/kernels/occupancy.py's compile): what a GPU would launch."""
+    import os
+    import sys
+
+    pytest.importorskip("triton")
+    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "kernels")
+    sys.path.insert(0, kernels)
+    try:
+        from occupancy import compile_sm90
+    finally:
+        sys.path.remove(kernels)
+
+    from engine.kernels.seeded_noise import BLOCK, _noise_kernel
+
+    types = {"noise_ptr": "*fp32", "rows_ptr": "*i64", "seeds_ptr": "*i64", "vocab": "i32", "stride": "i32"}
+    compiled = compile_sm90(_noise_kernel, types, {"BLOCK": BLOCK}, {"num_warps": 4}, ("vocab", "stride"))
+    assert compiled["stack"] == 0 and compiled["per_sm_regs"] >= 4, {k: v for k, v in compiled.items() if k != "ttgir"}
