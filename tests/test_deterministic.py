@@ -2,7 +2,8 @@
 CPU: a request's tokens and every logprob it reports are bit for bit the same alone and inside
 batches of random companions arriving before and after it, with and without a shared prefix
 (prefix-cache hits), across chunked-prefill boundaries, overlap scheduling on and off (a second
-engine, bfloat16), and a release/resume between runs; and re-scoring the generated completion teacher-forced
+engine, bfloat16), preemption and recompute (a cache too small for the batch), and a
+release/resume between runs; and re-scoring the generated completion teacher-forced
 (`max_new_tokens` 0, `logprob_start_len` at the completion) reports the same logprobs.
 
 At tp_size 4 (gloo) the ranks' partial sums meet in rank order (TensorParallel.ordered), so a
@@ -77,6 +78,21 @@ def test_a_request_is_bitwise_the_same_whatever_else_runs(qwen3_dir: str, dtype:
         others, params = companions(rng, prompt, 5)
         outs = llm.generate(input_ids=[*others, prompt], sampling_params=[*params, target()])
         assert result(outs[-1]) == alone
+
+
+def test_preemption_and_recompute_leave_a_request_bitwise_the_same(qwen3_dir: str, device: str) -> None:
+    """A KV cache too small for the batch: running requests are preempted and recomputed (their
+    prompt and outputs prefilled again, in other chunks), the target, arriving last, among them."""
+    prompt = random_tokens(37, seed=3)
+    rng = random.Random("preempt")
+    with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=24, device=device, **KNOBS) as llm:
+        alone = result(llm.generate(input_ids=[prompt], sampling_params=target())[0])
+    with Engine(model=qwen3_dir, dtype="bfloat16", max_num_batched_tokens=24, device=device, num_kv_blocks=20,
+                **KNOBS) as llm:  # fmt: skip
+        others, params = companions(rng, prompt, 8)
+        outs = llm.generate(input_ids=[*others, prompt], sampling_params=[*params, target()])
+        assert llm.get_server_info()["num_preemptions"] > 0
+    assert result(outs[-1]) == alone
 
 
 def test_scoring_equals_generation(qwen3_dir: str, device: str) -> None:
