@@ -1,7 +1,7 @@
 """`--deterministic` on CUDA (`pytest -m gpu`): tests/test_deterministic.py's tests with the engine
 on the GPU. A request's tokens and logprobs are bit for bit the same alone and among random
 companions (before and after it, sharing its prefix or not), across prefill chunk sizes, overlap
-on and off and a release/resume, in float32 and bfloat16; re-scoring equals generation. On CUDA
+on and off, preemption and recompute and a release/resume, in float32 and bfloat16; re-scoring equals generation. On CUDA
 the mode's matmuls are engine/kernels/invariant_matmul.py's (half precision), its attention the
 fixed-split kernel (engine/attention/triton_fixed.py), and its steps replay CUDA graphs, decode
 and piecewise: a request's bits are the same replayed as run eagerly. A mixture of experts runs
@@ -20,6 +20,7 @@ from test_deterministic import (  # noqa: F401  (collected here, on CUDA)
     target,
     test_a_request_is_bitwise_the_same_whatever_else_runs,
     test_mixture_of_experts_sums_each_tokens_experts_in_expert_order,
+    test_preemption_and_recompute_leave_a_request_bitwise_the_same,
     test_scoring_equals_generation,
     test_unseeded_requests_get_their_own_generators,
 )
