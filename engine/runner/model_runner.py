@@ -137,11 +137,12 @@ class ModelRunner:
             self.kv_cache = make_kv_cache(
                 mc, self.num_kv_blocks, self.block_size, self.dtype, self.device, self.num_kv_heads
             )
-            caches = [self.kv_cache]
+            # The target's cache, then the draft model's on the same blocks (draft_model.py).
+            self.kv_caches = [self.kv_cache]
             if self.draft is not None:
-                caches.append(self.draft.allocate_cache(self.num_kv_blocks, self.dtype, self.device))
-        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-        self.memory.holds("kv_cache", lambda: caches)
+                self.kv_caches.append(self.draft.allocate_cache(self.num_kv_blocks, self.dtype, self.device))
+        self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        self.memory.holds("kv_cache", lambda: self.kv_caches)
         self.route_log = RouteLog(self.routed, self.num_kv_blocks * self.block_size, self.block_size) if self.routed else None
         log.info("KV cache in %.2f s: %d blocks of %d tokens, %.1f MiB", time.perf_counter() - t0, self.num_kv_blocks,
                  self.block_size, self.kv_cache_bytes / (1 << 20))
@@ -154,7 +155,7 @@ class ModelRunner:
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
             if self.draft is not None:
-                self.draft.backend = self.make_backend(caches[1], self.draft.config)
+                self.draft.backend = self.make_backend(self.kv_caches[1], self.draft.config)
             if self.device.type == "cuda" and not config.deterministic:  # their kernels reduce in their own orders
                 self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
             pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
@@ -218,8 +219,7 @@ class ModelRunner:
         owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise,
                   *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed,
                   self.draft.backend if self.draft is not None else None]  # fmt: skip
-        caches = [self.kv_cache] + ([self.draft.kv_cache] if self.draft is not None and self.draft.kv_cache is not None else [])
-        others = {c.untyped_storage().data_ptr() for c in caches} | {self.weights.flat.untyped_storage().data_ptr()}
+        others = {t.untyped_storage().data_ptr() for t in (*self.kv_caches, self.weights.flat)}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
     def make_backend(self, kv_cache: torch.Tensor, draft: ModelConfig | None = None) -> AttentionBackend:
@@ -281,18 +281,7 @@ class ModelRunner:
 
     def _build_model(self) -> torch.nn.Module:
         """The model on the meta device, in the engine's dtype (WeightStore gives it memory)."""
-        cls = get_model_class(self.model_config.architecture)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device("meta"):
-                model = cls(self.model_config, fused=None if self.config.fused_ops else False, tp=self.tp,
-                            logits_pieces=self.config.logits_pieces)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.deterministic:  # batch-invariant matmuls (the attention: resolve_backend_name)
-            invariant.install(model, self.device)
-        return model.eval()
+        return self._on_meta(self.model_config, tp=self.tp, logits_pieces=self.config.logits_pieces)
 
     def _build_draft(self) -> DraftModel | None:
         """The draft model (`--speculative-algorithm draft`) on the meta device, attached as the
@@ -303,17 +292,24 @@ class ModelRunner:
         mc = ModelConfig.from_hf(c.speculative_draft_model_path)
         if mc.vocab_size != self.model_config.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({mc.vocab_size}) is not the target's ({self.model_config.vocab_size})")
+        model = self._on_meta(mc, logits_pieces=False)
+        self.model.draft = model
+        return DraftModel(model, mc, self.block_size, c.max_num_batched_tokens)
+
+    def _on_meta(self, mc: ModelConfig, **options: object) -> torch.nn.Module:
+        """`mc`'s model class built with `options` on the meta device in the engine's dtype, in
+        eval mode, `--deterministic`'s matmuls installed (the attention: resolve_backend_name)."""
+        cls = get_model_class(mc.architecture)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device("meta"):
-                model = get_model_class(mc.architecture)(mc, fused=None if c.fused_ops else False, logits_pieces=False)
+                model = cls(mc, fused=None if self.config.fused_ops else False, **options)
         finally:
             torch.set_default_dtype(default_dtype)
-        if c.deterministic:
+        if self.config.deterministic:
             invariant.install(model, self.device)
-        self.model.draft = model.eval()
-        return DraftModel(model, mc, self.block_size, c.max_num_batched_tokens)
+        return model.eval()
 
     def propose_drafts(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """The draft model's ks[i] tokens for requests[i] (draft_model.py); none while its weights
