@@ -126,7 +126,7 @@ class NgramDrafter:
         and finds a draft; returns how many got one. Their tokens must all be known."""
         n = 0
         for req in requests:
-            ready = not req.finished and req.num_pending == 0 and req.num_computed_tokens == req.num_tokens - 1
+            ready = _ready(req)
             req.draft_token_ids = self._draft(req) if ready else []
             if ready and not req.draft_token_ids:
                 self._missed(self._seqs[req.request_id])  # nothing to propose counts as a miss
@@ -197,7 +197,7 @@ class NgramDrafter:
 
     def _draft(self, req: Request) -> list[int]:
         seq = self._seqs.setdefault(req.request_id, _Sequence())
-        k = min(self.k, req.sampling_params.max_new_tokens - req.num_output_tokens - 1)
+        k = min(self.k, _room(req))
         if k < 1:
             return []
         words = self._sync(seq, req).words
@@ -213,6 +213,16 @@ class NgramDrafter:
             if found:
                 return found
         return []
+
+
+def _ready(req: Request) -> bool:
+    """It runs its last token next and every token of it is known."""
+    return not req.finished and req.num_pending == 0 and req.num_computed_tokens == req.num_tokens - 1
+
+
+def _room(req: Request) -> int:
+    """Drafts that keep it within max_new_tokens (the step samples one more token after them)."""
+    return req.sampling_params.max_new_tokens - req.num_output_tokens - 1
 
 
 def _can_draft(req: Request) -> bool:
@@ -237,10 +247,8 @@ class ModelDrafter(NgramDrafter):
         ready, ks = [], []
         for req in requests:
             req.draft_token_ids = []
-            k = min(self.k, req.sampling_params.max_new_tokens - req.num_output_tokens - 1,
-                    self.runner.draft.config.max_position_embeddings - req.num_tokens + 1)  # last position n + k - 1
-            if (not req.finished and req.num_pending == 0 and req.num_computed_tokens == req.num_tokens - 1 and k >= 1
-                    and self.blocks.allocate(req, req.num_tokens + k - 1)):  # fmt: skip
+            k = min(self.k, _room(req), self.runner.draft.config.max_position_embeddings - req.num_tokens + 1)  # last position n + k - 1
+            if _ready(req) and k >= 1 and self.blocks.allocate(req, req.num_tokens + k - 1):
                 ready.append(req)
                 ks.append(k)
         made = 0
