@@ -52,8 +52,8 @@ class SamplingBatch:
     banned_pairs: torch.Tensor | None  # [2, N] int64: (row, token) masked by min_new_tokens
     bias_pairs: torch.Tensor | None  # [2, K] int64: (row, token) with a logit_bias
     bias_values: torch.Tensor | None  # [K] float32: the bias added to logits[bias_pairs]
-    seeds: list[tuple[int, int]]  # (row, generator seed) of every sampled (non-greedy) seeded row
-    seed_rows: torch.Tensor | None  # [2, S] int64 on the device: `seeds` as rows, then seeds; None without any
+    # [2, S] int64: the row, then the generator seed, of every sampled (non-greedy) seeded row; None without any
+    seed_rows: torch.Tensor | None
     top_logprobs_nums: list[int]  # [B]
     all_greedy: bool
     use_top_k: bool
@@ -98,7 +98,6 @@ class SamplingBatch:
             banned_pairs=pairs(plan.banned_pairs),
             bias_pairs=pairs(plan.bias_pairs),
             bias_values=floats(plan.bias_values),
-            seeds=list(plan.seeds),
             seed_rows=upload([[r for r, _ in plan.seeds] + [x for _, x in plan.seeds]])[0].view(2, -1) if plan.seeds else None,
             top_logprobs_nums=plan.top_logprobs_nums,
             all_greedy=plan.all_greedy,
@@ -317,12 +316,12 @@ class Sampler:
         """Exp(1) noise [B, V]: seeded rows keyed by their step seed alone (one launch of
         kernels/seeded_noise.py, or a generator per row), the rest from the shared generator."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        if self.seeded_kernel and batch.seed_rows is not None:
+        if batch.seed_rows is not None and self.seeded_kernel:
             from engine.kernels.seeded_noise import exponential_rows
 
             exponential_rows(noise, batch.seed_rows[0], batch.seed_rows[1])
-        else:
-            for row, seed in batch.seeds:
+        elif batch.seed_rows is not None:  # on a CPU (CUDA takes the kernel): the read waits for no device
+            for row, seed in zip(*batch.seed_rows.tolist(), strict=True):
                 self._row_generator.manual_seed(seed)
                 noise[row].exponential_(generator=self._row_generator)
         # Exp(1) can round to 0; 0 / 0 would be NaN, which argmax would pick.
