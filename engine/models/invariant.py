@@ -21,7 +21,8 @@ Rules:
   sdpa_rows.py elsewhere); norms (one row a program on CUDA), rotary, activations and the
   sampler's row-wise ops are invariant as they are. A mixture of experts runs the torch reference
   (models/moe.py `reference_moe`: each expert's matmul through the hook, a token's experts added
-  in ascending expert id), eagerly on CUDA. On CUDA: one rank.
+  in ascending expert id), eagerly on CUDA. At tensor parallelism the ranks' partial sums meet in
+  rank order (engine/parallel.py `TensorParallel.ordered`).
 """
 
 from __future__ import annotations
