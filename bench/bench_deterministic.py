@@ -28,7 +28,7 @@ from typing import Any
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from bench_runtime import say, write_json  # noqa: E402
+from bench_runtime import checkpoint_args, checkpoint_spec, say, write_json  # noqa: E402
 from report import cell, print_table, verdict  # noqa: E402
 
 DECODE_TARGET = 1.10  # the mode's decode step over the default's, at most
@@ -115,10 +115,7 @@ def table(res: dict[str, Any], sizes: list[int]) -> list[list[Any]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--tiny", action="store_true", help="tiny Qwen3 on the CPU (numbers mean nothing)")
-    p.add_argument("--shape", help="0.6b | 8b | DIR (default 0.6b; tiny with --tiny)")
-    p.add_argument("--model-dir")
+    checkpoint_args(p)
     p.add_argument("--backends", default="auto", help="the deterministic engines' attention backends, comma-separated "
                    "(auto: the mode's default; triton_fixed, sdpa_rows)")  # fmt: skip
     p.add_argument("--batch-sizes", help="default 1,64,256 (1,4 with --tiny)")
@@ -127,7 +124,6 @@ def main() -> int:
     p.add_argument("--decode-warmup", type=int, default=3)
     p.add_argument("--rl-requests", type=int, help="default 256 (4 with --tiny)")
     p.add_argument("--rl-len", type=int, help="prompt and output tokens of each rollout (default 256; 16 with --tiny)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     import torch
     from engine_decode import decode_new_tokens
@@ -139,7 +135,7 @@ def main() -> int:
     args.rl_requests = args.rl_requests or (4 if args.tiny else 256)
     args.rl_len = args.rl_len or (16 if args.tiny else 256)
     args.max_model_len = -(-max(args.decode_context + decode_new_tokens(args), 2 * args.rl_len) // 256) * 256
-    ckpt = checkpoint(args.shape or ("tiny" if args.tiny else "0.6b"), args.model_dir, torch.device(args.device), args.seed)
+    ckpt = checkpoint(checkpoint_spec(args), args.model_dir, torch.device(args.device), args.seed)
     if ckpt["load_format"] != "auto":
         raise SystemExit(f"{ckpt['path']} has no weights: the deterministic mode serves dense checkpoints")
     sizes = [int(b) for b in args.batch_sizes.split(",")]

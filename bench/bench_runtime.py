@@ -1,6 +1,6 @@
 """What every benchmark script shares: the run's clock and log line (`say`), a free loopback port,
-the JSON results file rewritten atomically, and `run_section` (one section, its crash recorded,
-not raised).
+the JSON results file rewritten atomically, `run_section` (one section, its crash recorded,
+not raised), and the flags of an in-process engine benchmark's checkpoint (`checkpoint_args`).
 
 Importing this module puts the repository root on sys.path, so that `engine` imports after it
 work when a script runs as `python bench/<script>.py` (sys.path then holds bench/, not the root).
@@ -9,6 +9,7 @@ It imports no torch: the serving suite's client processes import it too.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -69,3 +70,18 @@ def run_section(res: dict[str, Any], out: str, skip: Container[str], name: str, 
     res[name] = value
     write_json(out, res)
     return value
+
+
+def checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """`--out`, `--tiny`, `--shape`, `--model-dir`, `--seed` of a benchmark of one checkpoint
+    (engine_shapes.checkpoint, on `checkpoint_spec(args)`)."""
+    p.add_argument("--out", required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny Qwen3 on the CPU (numbers mean nothing)")
+    p.add_argument("--shape", help="0.6b | 8b | DIR (default 0.6b; tiny with --tiny)")
+    p.add_argument("--model-dir")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def checkpoint_spec(args: argparse.Namespace) -> str:
+    """The shape `checkpoint_args` name: --shape, else tiny with --tiny, else 0.6b."""
+    return args.shape or ("tiny" if args.tiny else "0.6b")

@@ -28,7 +28,7 @@ from typing import Any
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from bench_runtime import say, write_json  # noqa: E402
+from bench_runtime import checkpoint_args, checkpoint_spec, say, write_json  # noqa: E402
 from report import print_table  # noqa: E402
 
 TARGETS = {("second rollout", 1): 2.0, ("second rollout", 8): 1.3}
@@ -60,10 +60,7 @@ def rounds(llm: Any, prompts_by_b: dict[int, list[list[int]]], fresh_by_b: dict[
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--tiny", action="store_true", help="tiny Qwen3 on the CPU (numbers mean nothing)")
-    p.add_argument("--shape", help="0.6b | 8b | DIR (default 0.6b; tiny with --tiny)")
-    p.add_argument("--model-dir")
+    checkpoint_args(p)
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--prompt-len", type=int, help="default 256 (32 with --tiny)")
     p.add_argument("--output-len", type=int, help="default 512 (48 with --tiny)")
@@ -72,7 +69,6 @@ def main() -> int:
                    "n-grams: a checkpoint directory of the same vocabulary, or `target` (the benchmark's own "
                    "checkpoint: every draft stands, the draft path's cost at full acceptance)")
     p.add_argument("--server-args", default="", help="more EngineConfig fields, as key=value[,key=value]")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     import torch
     from engine_shapes import checkpoint
@@ -82,7 +78,7 @@ def main() -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     prompt_len = args.prompt_len or (32 if args.tiny else 256)
     output_len = args.output_len or (48 if args.tiny else 512)
-    ckpt = checkpoint(args.shape or ("tiny" if args.tiny else "0.6b"), args.model_dir, device, args.seed)
+    ckpt = checkpoint(checkpoint_spec(args), args.model_dir, device, args.seed)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     rng = random.Random(args.seed)
     vocab = min(ckpt["shape"]["vocab_size"], 512) if args.tiny else ckpt["shape"]["vocab_size"]
