@@ -31,19 +31,22 @@ from engine.weights.loader import OPTIONAL_PREFIX
 PROMPTS = [random_tokens(23, seed=1), random_tokens(9, seed=2), random_tokens(40, seed=4)]
 
 
+def _one_layer_draft(path: str, **shape: int) -> str:
+    """One layer of other random weights, the tiny Qwen3's vocabulary (`shape`: TINY's changes)."""
+    config = Qwen3Config(**(TINY | shape), num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True)  # fmt: skip
+    return _save(_randomized(Qwen3ForCausalLM, config, seed=9), path)
+
+
 @pytest.fixture(scope="module")
 def small_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One layer of other random weights, the tiny Qwen3's vocabulary."""
-    config = Qwen3Config(**TINY, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return _save(_randomized(Qwen3ForCausalLM, config, seed=9), str(tmp_path_factory.mktemp("draft")))
+    return _one_layer_draft(str(tmp_path_factory.mktemp("draft")))
 
 
 @pytest.fixture(scope="module")
 def short_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The small draft's shapes with a 48-token context: shorter than the requests below."""
-    config = Qwen3Config(**(TINY | dict(max_position_embeddings=48)), num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
-    return _save(_randomized(Qwen3ForCausalLM, config, seed=9), str(tmp_path_factory.mktemp("short_draft")))
+    """A 48-token context: shorter than the requests below."""
+    return _one_layer_draft(str(tmp_path_factory.mktemp("short_draft")), max_position_embeddings=48)
 
 
 def spec_knobs(draft: str, **kw: object) -> dict:
