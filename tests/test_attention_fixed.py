@@ -94,6 +94,7 @@ def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
         ([(0, 599, 599)], 0, False), ([(1, 36, 36)], 0, False), ([(2, 299, 299)], 0, False),  # decodes alone
         ([(2, 255, 256)], 0, False), ([(3, 0, 8), (0, 511, 520)], 0, False),  # a piece's edge
         ([(1, 36, 36), (0, 599, 599), (2, 290, 292)], 2, True),  # a padded decode graph's rows
+        ([(3, 2, 8), (0, 235, 530), (1, 0, 36)], 5, True),  # long chunks over pieces, tiles off any grid
     ]
     assert any(sum(b - a + 1 for _, a, b in p) + pad + e <= FEW_TOKENS for p, pad, e in layouts)
     assert any(sum(b - a + 1 for _, a, b in p) + pad + e > FEW_TOKENS for p, pad, e in layouts)

@@ -19,7 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import run_core
-from test_draft_model import (  # noqa: F401  (collected here, on CUDA)
+from test_draft_model import (  # noqa: F401  (collected here, on CUDA, with their fixtures)
+    short_draft_dir,
+    small_draft_dir,
     test_draft_weights_update_by_name_release_resume_and_target_updates,
     test_greedy_tokens_are_plain_decodings_whatever_the_draft,
     test_without_a_host_copy_a_release_loses_the_draft_not_the_engine,

@@ -5,14 +5,21 @@ sequence was cut into prefill chunks, or whether it is a decode.
     out[t] = softmax(q[t] K[:p+1].T * scale) V[:p+1]      p = token t's position in its sequence
 
 Rules:
-- One kernel for every step (prefill chunks, decodes, mixed, verify chunks): grid (T, Hkv), one
-  program per query token and KV head, its GROUP query heads as the rows of one [BLOCK_H, D]
-  tile (BLOCK_H fixed by the model, so every token runs the same instructions at the same rows).
+- Three paths, one arithmetic for a token whatever step it is in (prefill chunks, decodes, mixed,
+  verify chunks). A step where some sequence has several query tokens (a prefill chunk) runs
+  `_tile_kernel`: grid (tiles, Hkv), one program per tile of up to TOK = BLOCK_H // GROUP
+  consecutive query tokens of one sequence and a KV head; row r of its [BLOCK_H, D] tile is
+  token r // GROUP's query head r % GROUP (BLOCK_H fixed by the model). A row's arithmetic does
+  not depend on the other rows of its tile: the MMAs never mix rows, a row's max and sum reduce
+  the same lanes in the same order at any row, and a row's state changes only on the K/V tiles
+  that hold its keys (`_attend_rows`). So a chunk reads its K/V once for TOK tokens. A step of
+  one token a sequence runs `_token_kernel`, grid (T, Hkv), rows 0..GROUP-1 one token's heads
+  (the tiled kernel's `where`s and idle tiles cost a decode of 256 rows 4 %).
 - The context 0..p is cut at fixed positions, every SPLIT tokens (not a count that follows the
   batch); each piece runs split_kv.py's online softmax in BLOCK_N tiles from a fresh state, and
   the pieces merge in ascending order by one recurrence (`_merge`): the same arithmetic for a
   token whatever step it is in.
-- A token's sequence is found by binary search of query_start_loc; its position is
+- A tile's or token's sequence is found by binary search of query_start_loc; a token's position is
   seq_len - (query_start_loc[seq + 1] - t). Rows past the step's last sequence, and rows of
   sequences of seq_len 0 (graph padding), write zeros.
 - The K/V of the step's new tokens are in the cache before the kernel runs (the backend stores
@@ -25,11 +32,12 @@ Rules:
   the same bits. Every kernel here is compiled without FMA contraction (each multiply and add
   rounds by itself), so the two paths' shared arithmetic cannot be contracted two ways.
 
-Its cost: each token streams its whole context once per KV head, so a prefill of T tokens reads
-O(T * context) K/V bytes (through L2), against a tiled prefill's O(T * context / BLOCK_M); the
-price of a row's bits not depending on its neighbours. A decode step of few tokens has only
-T x Hkv programs on the one-program path (8 for one Qwen3 row), hence the split path. Only CUDA code paths, and the CPU tests
-under Triton's interpreter, import this module.
+Its cost: each tile streams its tokens' whole context once per KV head, so a prefill of T tokens
+reads O(T / TOK * context) K/V bytes (through L2), against a 64- or 128-token tiled prefill's
+O(T * context / BLOCK_M): TOK is 8 for Qwen3-0.6B's 2 query heads a KV head, 4 for Qwen3-8B's
+4. A decode step of few tokens has only T x Hkv programs on the one-program path (8 for one
+Qwen3 row), hence the split path. Only CUDA code paths, and the CPU tests under Triton's
+interpreter, import this module.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import LOG2E, next_pow2
+from engine.kernels.attention import LOG2E, dot, kv_offsets, next_pow2
 from engine.kernels.launcher import Launcher
 from engine.kernels.split_kv import attend_tiles
 
@@ -89,15 +97,75 @@ def _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP: tl.constexpr, BLOCK_H
     return heads, h_mask, offs_d, q
 
 
+@triton.jit
+def _tile(pid, qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK: tl.constexpr, GROUP: tl.constexpr,
+          BLOCK_H: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
+    # Program pid's tile: up to TOK consecutive query tokens of one sequence, row r holding token
+    # r // GROUP's query head r % GROUP. Sequence s's tiles are numbered from
+    # query_start_loc[s] // TOK + s (enough for its tokens at any alignment); the numbers past the
+    # last sequence's take the padding rows after it. -> (seq, token [BLOCK_H] int64, head in
+    # the group [BLOCK_H], rows written [BLOCK_H], context [BLOCK_H]: position + 1, 0 if not live).
+    lo = pid * 0
+    hi = lo + num_seqs
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) // TOK + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    seq = lo
+    is_seq = seq < num_seqs
+    first = tl.load(qsl_ptr + seq)
+    last = tl.where(is_seq, tl.load(qsl_ptr + seq + 1, mask=is_seq, other=0), tokens)  # one past its tokens
+    r = tl.arange(0, BLOCK_H)
+    t = first + (pid - first // TOK - seq) * TOK + r // GROUP
+    mine = (r < TOK * GROUP) & (t < last)
+    pos = tl.load(seq_lens_ptr + seq, mask=is_seq, other=0) - (last - t)  # -1 or less: padding
+    live = mine & is_seq & (pos >= 0)
+    return seq, t.to(tl.int64), r % GROUP, mine, tl.where(live, pos + 1, 0)
+
+
+@triton.jit
+def _attend_rows(
+    q, k_cache_ptr, v_cache_ptr, bt_row, start, end, end_max, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
+    stride_chead, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    # split_kv.attend_tiles for rows of their own ends (end [BLOCK_H]; the tiles run to end_max,
+    # their largest): row r's state changes only on the tiles that hold one of its keys, by
+    # attend_tiles' arithmetic for a query of end[r], so its bits are those of a program of its
+    # own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(start, end_max, BLOCK_N_):
+        offs_n = n0 + tl.arange(0, BLOCK_N_)
+        n_mask = offs_n < end_max
+        kv_off = kv_offsets(bt_row, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        s = dot(q, tl.trans(k), IEEE) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+        s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf (and p NaN) only on a row the tile skips
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        on = n0 < end
+        l_i = tl.where(on, l_i * alpha + tl.sum(p, 1), l_i)
+        acc = tl.where(on[:, None], acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE), acc)
+        m_i = tl.where(on, m_new, m_i)
+    return m_i, l_i, acc
+
+
 @Launcher
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
-def _fixed_split_kernel(
+def _token_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead,
     sm_scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    # Program (t, g): token t's query heads of KV head g, every piece of its context.
     t = tl.program_id(0)
     g = tl.program_id(1)
     seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
@@ -115,6 +183,44 @@ def _fixed_split_kernel(
         m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+@Launcher
+@triton.jit(do_not_specialize=["num_seqs", "tokens", "stride_bt"])
+def _tile_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    num_seqs, tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead,
+    sm_scale_log2,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr, IEEE: tl.constexpr, TOK: tl.constexpr,
+):  # fmt: skip
+    # Program (tile, g): the tile's tokens (_tile) for KV head g, every piece of their contexts,
+    # the K/V tiles loaded once for all of them.
+    g = tl.program_id(1)
+    seq, t, h, mine, context = _tile(tl.program_id(0), qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK, GROUP,
+                                     BLOCK_H, SEARCH)  # fmt: skip
+    heads = g * GROUP + h
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(context > 0)[:, None], other=0.0)  # fmt: skip
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    reach = tl.max(context, 0)
+    for start in range(0, reach, SPLIT_):
+        end = tl.minimum(start + SPLIT_, context)
+        m_s, l_s, acc_s = _attend_rows(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, tl.max(end, 0), g,
+                                       sm_scale_log2, stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM,
+                                       BLOCK_SIZE, BLOCK_N_, IEEE)  # fmt: skip
+        m_n, total_n, acc_n = _merge(m, total, acc, m_s, l_s, acc_s)
+        on = start < context
+        m = tl.where(on, m_n, m)
+        total = tl.where(on, total_n, total)
+        acc = tl.where(on[:, None], acc_n, acc)
+    result = acc / tl.where(total > 0, total, 1.0)[:, None]
+    out_ptrs = out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mine[:, None])
 
 
 @Launcher
@@ -218,8 +324,18 @@ def fixed_split_attention(
     shared = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, SPLIT_=SPLIT,
                   SEARCH=search_depth, num_warps=4, enable_fp_fusion=False)  # fmt: skip
     search = (seq_lens.shape[0], q.stride(0), q.stride(1))
+    tok = max(1, shared["BLOCK_H"] // group)  # query tokens a tile
+    if tokens > seq_lens.shape[0] and tok > 1 and (workspace is None or tokens > workspace.m.shape[0]):
+        _tile_kernel[(tokens // tok + seq_lens.shape[0] + 1, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+            seq_lens.shape[0], tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, TOK=tok,
+            **shared,
+        )  # fmt: skip
+        return out
     if workspace is None or tokens > workspace.m.shape[0]:
-        _fixed_split_kernel[(tokens, num_kv_heads)](
+        _token_kernel[(tokens, num_kv_heads)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
             *search, out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
