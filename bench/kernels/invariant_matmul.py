@@ -9,16 +9,15 @@ as make 512 MiB (each call reads its weight from HBM, as consecutive layers do),
 bits it has alone (ours: it must; cuBLAS: often not) and the largest error against fp32 math on
 the same bf16 inputs, relative to the largest output.
 
-`--sweep` also times a grid of tile configs at every (shape, M) and prints, per shape, the rule's
-config and the config with the best geometric mean of ours / cuBLAS over all the rows asked: a
-config is chosen per weight shape for every M at once, never per M (the kernel's invariance).
+`--sweep` also times a grid of output tiles (rows, columns, warps, stages) at every (shape, M),
+each with the rule's K order (BLOCK_K and the chunks: the bits), and prints per (shape, M) the
+rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not.
 
     python3 bench/kernels/invariant_matmul.py --out $OUT/invariant_matmul.json [--rows 1,16,64,256,1024] [--sweep]
 """
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -47,14 +46,13 @@ SHAPES = {  # name -> (N, K): N output features (q | k | v and gate | up packed)
     "8b lm_head": (151936, 4096),
 }
 ROTATE_BYTES = 512 << 20
-# (block_m, block_n, block_k, warps, stages, split_k) the sweep times beside the rule's.
-GRID = [(16, 64, 128, 4, 4, 1), (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 3, 2), (32, 64, 128, 4, 4, 4),
-        (64, 64, 64, 4, 4, 1), (64, 64, 64, 4, 4, 2), (64, 64, 64, 4, 4, 8), (64, 128, 64, 4, 4, 1),
-        (128, 128, 64, 8, 3, 1)]  # fmt: skip
+# (block_m, block_n, warps, stages) the sweep times beside the rule's tile, K order the rule's.
+GRID = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w, st in ((4, 4), (4, 6), (8, 4))
+        if bm * bn <= 128 * 64 or w == 8]  # fmt: skip
 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
-    from engine.kernels.invariant_matmul import Config, config, invariant_matmul
+    from engine.kernels.invariant_matmul import Config, config, invariant_matmul, rows_tile
 
     n, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -92,9 +90,12 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                            "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err}
     if sweep:
         row["sweep"] = {}
-        for c in GRID:
+        rule = config(n, k)
+        row["tile"] = list(rows_tile(rule, n, m))
+        for bm, bn, w, st in GRID:
+            c = rule._replace(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
             try:
-                row["sweep"][str(c)] = time_graph(ours(Config(*c)), len(ws), reps) / t_cublas
+                row["sweep"][str((bm, bn, w, st))] = time_graph(ours(c), len(ws), reps) / t_cublas
             except Exception as e:  # out of shared memory and the like
                 say(f"{name} m={m} {c}: {type(e).__name__}")
     ws.clear()
@@ -103,26 +104,18 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """Per shape: the rule's config and geometric mean of ours / cuBLAS over the rows timed, and the
-    grid's best config by the same mean (only configs that ran at every M count)."""
-
-    def geomean(xs: list[float]) -> float:
-        return math.exp(sum(math.log(v) for v in xs) / len(xs))
-
+    """Per (shape, M): the rule's tile and its ours / cuBLAS, the grid's best tile and its."""
     table = []
-    for name in dict.fromkeys(r["shape"] for r in rows):
-        mine = [r for r in rows if r["shape"] == name]
-        means = {c: geomean([r["sweep"][c] for r in mine]) for c in mine[0]["sweep"] if all(c in r["sweep"] for r in mine)}
-        best = min(means, key=means.get) if means else None
-        table.append([name, str(tuple(mine[0]["config"])), geomean([r["ratio"] for r in mine]), best,
-                      means[best] if best else None])
+    for r in rows:
+        best = min(r["sweep"], key=r["sweep"].get) if r["sweep"] else None
+        table.append([r["shape"], r["m"], str(tuple(r["tile"])), r["ratio"], best, r["sweep"].get(best)])
     return table
 
 
 def main() -> None:
     args = linear_rows_args(__doc__, "1,16,64,256,1024", list(SHAPES), ROTATE_BYTES >> 20,
                             "distinct weight copies cycled through (0: one copy, which may stay in L2)",
-                            "also time GRID's tile configs and print the best per shape")
+                            "also time GRID's output tiles and print the best per (shape, M)")
     rows = []
     for name, m in shape_rows(args):
         r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
@@ -137,9 +130,9 @@ def main() -> None:
                 [[r["shape"], r["m"], r["cublas_us"], r["ours_us"], r["ratio"], r["ours_tflops"], r["invariant"],
                   r["cublas_invariant"], r["max_rel_err"]] for r in rows])  # fmt: skip
     if args.sweep:
-        print_table(f"tile configs per weight shape, geometric mean of invariant / cuBLAS over M = {args.rows}",
-                    ["shape", "rule's config (bm, bn, bk, warps, stages)", "rule", "best of the grid", "best"],
-                    sweep_table(rows))  # fmt: skip
+        print_table("output tiles per (shape, M), invariant / cuBLAS, K order the rule's",
+                    ["shape", "M", "rule's tile (bm, bn, bk, warps, stages, split)", "rule",
+                     "best of the grid (bm, bn, warps, stages)", "best"], sweep_table(rows))  # fmt: skip
 
 
 if __name__ == "__main__":
