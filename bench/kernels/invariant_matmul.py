@@ -91,7 +91,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
     if sweep:
         row["sweep"] = {}
         rule = config(n, k)
-        row["tile"] = list(rows_tile(rule, n, m))
+        row["tile"] = list(rows_tile(rule, n, k, m))
         for bm, bn, w, st in GRID:
             c = rule._replace(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
             try:
