@@ -154,14 +154,17 @@ def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) 
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, fused=True)
     assert any(getattr(m, "fused", False) for m in model.modules() if isinstance(m, MLP))
-    assert invariant.install(model, torch.device("cuda")) > 0
+    arrivals = object()  # the split matmuls' counters (reserve's, on a GPU): every hook carries them
+    assert invariant.install(model, torch.device("cuda"), arrivals) > 0  # type: ignore[arg-type]
     for name, module in model.named_modules():
         if isinstance(module, MLP) or (hasattr(type(module), "linear_fn") and hasattr(module, "weight")):
             assert module.fused is False, name
         if hasattr(type(module), "linear_fn"):
-            assert module.linear_fn is invariant.cuda_linear, name
+            assert module.linear_fn.func is invariant.cuda_linear, name
+            assert module.linear_fn.keywords == {"arrivals": arrivals}, name
         if hasattr(type(module), "logits_fn"):
-            assert module.logits_fn is invariant.cuda_logits and not module.skinny_logits, name
+            assert module.logits_fn.func is invariant.cuda_logits and not module.skinny_logits, name
+            assert module.logits_fn.keywords == {"arrivals": arrivals}, name
             assert module.use_logits_pieces is False
 
 

@@ -7,8 +7,9 @@
 - a launch into a preallocated `out` captures in a CUDA graph and replays to the eager bits, new
   inputs included;
 - K split into chunks (the 8B's o_proj and down): few rows run a program per chunk and a chunk-
-  order sum, many rows one program per tile walking the chunks; both give a row the same bits
-  (the batches above cross from one to the other).
+  order sum (a second kernel's, or with `Arrivals` the tile's last chunk to arrive), many rows
+  one program per tile walking the chunks; all give a row the same bits (the batches above cross
+  from one to the other, with and without `Arrivals`), in a CUDA graph's replays too.
 GPU only: every test skips without CUDA.
 """
 
@@ -52,7 +53,9 @@ def _close_to_fp32(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("k,n", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
 def test_a_row_has_its_bits_alone_in_every_batch(k: int, n: int) -> None:
-    from engine.kernels.invariant_matmul import invariant_matmul
+    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
+
+    arrivals = Arrivals(torch.device("cuda"))
 
     g = torch.Generator(device="cuda").manual_seed(k * 100003 + n)
     w = _bf16(n, k, g=g, scale=0.02)
@@ -66,6 +69,8 @@ def test_a_row_has_its_bits_alone_in_every_batch(k: int, n: int) -> None:
         x[m - 1] = x0  # the last row: in a partial row tile unless BLOCK_M divides m
         y = invariant_matmul(x, w)
         assert torch.equal(y[pos], alone[0]) and torch.equal(y[m - 1], alone[0]), (m, pos)
+        assert torch.equal(invariant_matmul(x, w, arrivals=arrivals), y), m
+        assert not arrivals.counts.any(), m
         _close_to_fp32(y, x, w)
     # A batch that is a slice of a larger one: rows 3.. of it, or its first K columns.
     big = _bf16(300, k + 64, g=g)
@@ -75,21 +80,23 @@ def test_a_row_has_its_bits_alone_in_every_batch(k: int, n: int) -> None:
     assert torch.equal(invariant_matmul(rows[3:], w)[4], alone[0])
 
 
-def test_a_preallocated_out_captures_and_replays_to_the_eager_bits() -> None:
-    from engine.kernels.invariant_matmul import invariant_matmul
+@pytest.mark.parametrize("with_arrivals", [False, True])
+def test_a_preallocated_out_captures_and_replays_to_the_eager_bits(with_arrivals: bool) -> None:
+    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    k, n, m = 1024, 4096, 37
+    k, n, m = 1024, 4096, 37  # 64 column tiles, K in 2 chunks: the split path
     w, x = _bf16(n, k, g=g, scale=0.02), _bf16(m, k, g=g)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    arrivals = Arrivals(torch.device("cuda")) if with_arrivals else None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiled outside the capture
-        invariant_matmul(x, w, out=out)
+        invariant_matmul(x, w, out=out, arrivals=arrivals)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert invariant_matmul(x, w, out=out) is out
+        assert invariant_matmul(x, w, out=out, arrivals=arrivals) is out
     for step in range(3):
         if step:
             x.copy_(_bf16(m, k, g=g))  # the graph's static input, new values

@@ -52,7 +52,13 @@ GRID = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for 
 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
-    from engine.kernels.invariant_matmul import Config, config, invariant_matmul, rows_tile
+    from engine.kernels.invariant_matmul import (
+        Arrivals,
+        Config,
+        config,
+        invariant_matmul,
+        rows_tile,
+    )
 
     n, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -69,10 +75,12 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
         for w in ws:
             F.linear(x, w)
 
+    arrivals = Arrivals(dev)  # as the engine runs it: a split call's last chunk sums the chunks
+
     def ours(cfg: Config | None = None) -> Callable[[], None]:
         def run() -> None:
             for w in ws:
-                invariant_matmul(x, w, out=out, cfg=cfg)
+                invariant_matmul(x, w, out=out, cfg=cfg, arrivals=arrivals)
         return run
 
     # Correctness first: fp32 math on the same inputs, and the last row's bits alone and in the batch.

@@ -23,10 +23,12 @@ came in (issue 76). Rules that make this kernel invariant:
   ((p_0 + p_1) + p_2) + ... in fp32, rounded once to x's dtype. The MMA never mixes rows, so the
   other rows of a tile change nothing of row r's bits.
 - Where that arithmetic runs may follow M, the bits may not: with fewer output tiles than SMs
-  (SPLIT_BELOW_TILES) each chunk is a program of its own, writing its fp32 partial to a workspace [SPLIT_K, M, N] that a second
-  kernel sums in chunk order (`SPLIT_PROGRAMS`: K's parallelism for a GEMV); with many, one
-  program walks every chunk of its tile and sums the same way. The same partials, added in the
-  same order, give the same bits either way.
+  (SPLIT_BELOW_TILES) each chunk is a program of its own, writing its fp32 partial to a
+  workspace [SPLIT_K, M, N] (`SPLIT_PROGRAMS`: K's parallelism for a GEMV), and the tile's last
+  chunk to arrive (`Arrivals`, split_kv.last_to_arrive) sums the tile's partials in chunk order;
+  without `Arrivals` a second kernel sums them the same way. With many tiles one program walks
+  every chunk of its tile and sums the same way. The same partials, added in the same order,
+  give the same bits every way.
 - Rows past M and columns past N read row M-1 / N-1 (no mask on those loads) and are never
   stored; a K that BLOCK_K does not divide masks its last step's columns to zero (fixed by K).
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
@@ -61,6 +63,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.launcher import Launcher
+from engine.kernels.split_kv import last_to_arrive
 
 BLOCK_M = 64  # rows of a tile: one warp group's wgmma M
 WIDE_N = 8192  # N from which a tile is 128 columns wide, below it 64
@@ -148,10 +151,12 @@ def _chunk_sum(x_ptrs, w_ptrs, k_start, k_end, K, EVEN_K: tl.constexpr, BLOCK_M:
 def _invariant_matmul_kernel(
     x_ptr,  # [M, K], unit last stride
     w_ptr,  # [N, K], contiguous
-    out_ptr,  # [M, N], unit last stride; SPLIT_PROGRAMS: fp32 [CHUNKS, M, N], contiguous
+    out_ptr,  # [M, N], unit last stride
+    ws_ptr,  # SPLIT_PROGRAMS: fp32 [CHUNKS, M, N], contiguous
+    count_ptr,  # LAST_SUMS: int32 [tiles], zeros: the chunks arrived per tile (Arrivals)
     M, N, K, stride_xm, stride_om, CHUNK_K,
-    CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -173,8 +178,17 @@ def _invariant_matmul_kernel(
         chunk = tl.program_id(1)
         k_start = chunk * CHUNK_K
         acc = _chunk_sum(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + CHUNK_K, K), K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-        ws_ptrs = out_ptr + (chunk * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptrs, acc, mask=mask)
+        tile = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N] in one chunk's [M, N]
+        tl.store(ws_ptr + chunk.to(tl.int64) * M * N + tile, acc, mask=mask)
+        if LAST_SUMS:  # the tile's last chunk to arrive: every chunk's partial, summed in chunk order
+            if last_to_arrive(count_ptr + pid, CHUNKS):
+                part_ptrs = ws_ptr + tile
+                acc = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                for _ in range(1, CHUNKS):
+                    part_ptrs += M * N  # the next chunk's (M * N < 2**31: fewer tiles than SMs)
+                    acc += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # every chunk here, summed in chunk order
         acc = _chunk_sum(x_ptrs, w_ptrs, 0, tl.minimum(CHUNK_K, K), K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
         for chunk in range(1, CHUNKS):
@@ -198,13 +212,27 @@ def _chunk_order_sum_kernel(ws_ptr, out_ptr, M, N, stride_om, CHUNKS: tl.constex
     tl.store(out_ptr + row * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+class Arrivals:
+    """The split programs' arrival counters, one per output tile (a split call has fewer than
+    SPLIT_BELOW_TILES tiles): zero between calls, since a tile's last chunk to arrive zeroes its
+    counter. Allocated once, in the `cuda_graph` region (ModelRunner), and zeroed after a resume
+    of it; the calls sharing one run on one stream (one forward at a time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.counts = torch.zeros(SPLIT_BELOW_TILES, dtype=torch.int32, device=device)
+
+    def after_resume(self) -> None:
+        self.counts.zero_()
+
+
 def invariant_matmul(
-    x: torch.Tensor,  # [M, K] bf16 (or fp16) CUDA, any M >= 0
+    x: torch.Tensor,  # [M, K] bf16 (or fp16), any M >= 0
     w: torch.Tensor,  # [N, K], x's dtype, contiguous (an nn.Linear's weight)
     out: torch.Tensor | None = None,  # [M, N] of x's dtype, unit last stride: written in place (a graph's buffer)
     cfg: Config | None = None,  # tuning override (bench/kernels/invariant_matmul.py --sweep); None: the rules
+    arrivals: Arrivals | None = None,  # x's device's: split calls sum in their last chunk (else a second launch)
 ) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once
-    if x.dim() != 2 or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+    if x.dim() != 2 or not (x.is_cuda or triton.knobs.runtime.interpret) or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"invariant_matmul: x must be a CUDA bf16/fp16 [M, K], got {tuple(x.shape)} {x.dtype} on {x.device}")
     m, k = x.shape
     if w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
@@ -226,13 +254,14 @@ def invariant_matmul(
     chunk_k, chunks = chunking(k, c)
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
     split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes
-    target = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
+    ws = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
+    last_sums = split and arrivals is not None
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
-        x, w, target, m, n, k, x.stride(0), out.stride(0), chunk_k,
-        CHUNKS=chunks, SPLIT_PROGRAMS=split, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, GROUP_M=GROUP_M, num_warps=c.num_warps, num_stages=c.num_stages,
+        x, w, out, ws, arrivals.counts if last_sums else out, m, n, k, x.stride(0), out.stride(0), chunk_k,
+        CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
-    if split:
+    if split and not last_sums:
         _chunk_order_sum_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            target, out, m, n, out.stride(0), CHUNKS=chunks, BLOCK=REDUCE_BLOCK, num_warps=4)
+            ws, out, m, n, out.stride(0), CHUNKS=chunks, BLOCK=REDUCE_BLOCK, num_warps=4)
     return out

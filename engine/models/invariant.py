@@ -27,9 +27,15 @@ Rules:
 
 from __future__ import annotations
 
+from functools import partial
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.kernels.invariant_matmul import Arrivals
 
 ROW_BLOCK = 16
 
@@ -52,29 +58,43 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     return result if out is None else out.copy_(result)
 
 
-def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear` on CUDA: half precision through invariant_matmul, fp32 in blocks."""
+def cuda_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, arrivals: Arrivals | None = None
+) -> torch.Tensor:
+    """`linear` on CUDA: half precision through invariant_matmul (`arrivals`: `reserve`'s), fp32 in blocks."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return linear(x, weight, bias)
     from engine.kernels.invariant_matmul import invariant_matmul
 
     lead, k = x.shape[:-1], x.shape[-1]
-    out = invariant_matmul(x.reshape(-1, k), weight).reshape(*lead, weight.shape[0])
+    out = invariant_matmul(x.reshape(-1, k), weight, arrivals=arrivals).reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias
 
 
-def cuda_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def cuda_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, arrivals: Arrivals | None = None
+) -> torch.Tensor:
     if hidden.dtype not in (torch.bfloat16, torch.float16):
         return logits(hidden, weight, out)
     from engine.kernels.invariant_matmul import invariant_matmul
 
-    return invariant_matmul(hidden, weight, out=out)
+    return invariant_matmul(hidden, weight, out=out, arrivals=arrivals)
 
 
-def install(model: nn.Module, device: torch.device) -> int:
+def reserve(device: torch.device) -> Arrivals | None:
+    """CUDA: the split matmuls' arrival counters (invariant_matmul.Arrivals), allocated now in the
+    region the caller has entered (`cuda_graph`); None elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    from engine.kernels.invariant_matmul import Arrivals
+
+    return Arrivals(torch.device(device))
+
+
+def install(model: nn.Module, device: torch.device, arrivals: Arrivals | None = None) -> int:
     """Point every module's matmul hook (`linear_fn`, `logits_fn`: the class defaults are torch's
-    own) at this file's ops for `device`, and turn off the few-row paths that bypass the hooks;
-    returns how many modules changed."""
+    own) at this file's ops for `device` (on CUDA with `reserve`'s `arrivals`), and turn off the
+    few-row paths that bypass the hooks; returns how many modules changed."""
     from engine.models.layers import MLP
     from engine.models.moe import SparseMoE
 
@@ -86,12 +106,12 @@ def install(model: nn.Module, device: torch.device) -> int:
         if isinstance(module, SparseMoE):
             module.kernels = False  # the torch reference: the experts' hook, a token's experts in expert order
         if hasattr(type(module), "linear_fn"):
-            module.linear_fn = cuda_linear if cuda else linear
+            module.linear_fn = partial(cuda_linear, arrivals=arrivals) if cuda else linear
             if hasattr(module, "fused") and hasattr(module, "weight"):
                 module.fused = False  # a Linear: no skinny or split-K kernel
             changed += 1
         if hasattr(type(module), "logits_fn"):
-            module.logits_fn = cuda_logits if cuda else logits
+            module.logits_fn = partial(cuda_logits, arrivals=arrivals) if cuda else logits
             module.skinny_logits = False
             module.use_logits_pieces = False  # a decode graph's logits: logits_fn too
             changed += 1

@@ -100,6 +100,9 @@ class ModelRunner:
         elif tp.enabled and self.device.type == "cuda" and not config.disable_custom_all_reduce:
             self.tp = tp = replace(tp, fused=self._fused_reduce(tp))
 
+        # `--deterministic`'s split matmuls count their chunks' arrivals here (models/invariant.py).
+        with self.memory.region("cuda_graph"):
+            self.arrivals = invariant.reserve(self.device) if config.deterministic else None
         t0 = time.perf_counter()
         with self.memory.region("weights"):
             self.model = self._build_model()
@@ -188,9 +191,11 @@ class ModelRunner:
     def after_resume(self) -> None:
         """The `cuda_graph` region came back with undefined contents: the counters kept there
         (the attention's split merges, the graphs' replays, the persistent decode kernels' grid
-        barriers, the MoE kernels' arrivals, the routed experts' columns of dense layers) start
-        from zero again."""
+        barriers, the MoE kernels' and the invariant matmuls' arrivals, the routed experts' columns
+        of dense layers) start from zero again."""
         self.attn_backend.after_resume()
+        if self.arrivals is not None:
+            self.arrivals.after_resume()
         if self.draft is not None:
             self.draft.after_resume()
         for ws in self.moe_workspaces:
@@ -216,7 +221,7 @@ class ModelRunner:
         buffers, the graphs' static inputs and outputs, the persistent decode paths' buffers, the
         MoE workspaces and the routed experts' record (views of the KV cache or the weights that
         their owners keep are not the region's)."""
-        owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise,
+        owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise, self.arrivals,
                   *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed,
                   self.draft.backend if self.draft is not None else None]  # fmt: skip
         others = {t.untyped_storage().data_ptr() for t in (*self.kv_caches, self.weights.flat)}
@@ -308,7 +313,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if self.config.deterministic:
-            invariant.install(model, self.device)
+            invariant.install(model, self.device, self.arrivals)
         return model.eval()
 
     def propose_drafts(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
