@@ -1,8 +1,10 @@
 """The fixed-split paged attention of `--deterministic` (engine/kernels/attention_fixed.py): every
 token's output equals softmax attention over its sequence's cached keys up to its position (fp64
 reference), and is bit for bit the same in any step it is computed in: a prefill chunk of any
-cut, a decode, a mixed step, with any other sequences before or after it. Rows past the step's
-sequences and rows of sequences of seq_len 0 (graph padding) are zeros.
+cut, a decode, a mixed step, with any other sequences before or after it, on the tiled, one-token
+and split paths. Rows past the step's sequences and rows of sequences of seq_len 0 (graph
+padding) are zeros. The split path's arrival counters are zero after every step, and after a
+resume hands back garbage and `after_resume` zeroes them the bits are the same.
 
 Through an in-process engine with `--deterministic --attention-backend triton_fixed`: a sampled
 request's tokens and logprobs alone equal those among companions (before and after it), and
@@ -109,6 +111,11 @@ def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
                 assert torch.equal(seen[(s, p)], o), f"sequence {s} position {p} differs between steps"
             seen[(s, p)] = o
     assert len(seen) < sum(b - a + 1 for pieces, _, _ in layouts for _, a, b in pieces)  # tokens met twice
+    assert not workspace.counts.any(), "the split path's last arrivals zero their counters"
+    workspace.counts.fill_(3)  # what a resume may hand back
+    workspace.after_resume()
+    for (s, p), o in _step(world, [(0, 599, 599), (2, 290, 292)], device, workspace=workspace).items():
+        assert torch.equal(seen[(s, p)], o), (s, p)
 
 
 def check_engine(device: str, dtype: str) -> None:

@@ -35,6 +35,11 @@ class FixedSplitBackend(TritonBackend):
         # The few-token steps' partials (decode): allocated once, in the region the backend is built in.
         self.workspace = Workspace.allocate(num_heads, self.head_dim, max_model_len, kv_cache.device)
 
+    def after_resume(self) -> None:
+        """The Triton backend's, and the split path's arrival counters back to zero."""
+        super().after_resume()
+        self.workspace.after_resume()
+
     def _attend(
         self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
         out: torch.Tensor,

@@ -27,9 +27,9 @@ Rules:
 - Where it runs may follow the step, what it computes may not: a step of at most `FEW_TOKENS`
   tokens given a workspace (`Workspace`: decode steps and their graphs) runs a program per
   (token, KV head, slot), each slot computing its pieces p = slot, slot + SLOTS, ... from a fresh
-  state into the workspace, then `_merge_kernel` merges a token's pieces in ascending order by
-  the same recurrence: the same partials merged in the same order as the one-program path, so
-  the same bits. Every kernel here is compiled without FMA contraction (each multiply and add
+  state into the workspace, and the last slot of (token, KV head) to arrive merges the token's
+  pieces in ascending order by the same recurrence: the same partials merged in the same order
+  as the one-program path, so the same bits, in one launch. Every kernel here is compiled without FMA contraction (each multiply and add
   rounds by itself), so the two paths' shared arithmetic cannot be contracted two ways.
 
 Its cost: each tile streams its tokens' whole context once per KV head, so a prefill of T tokens
@@ -50,7 +50,7 @@ import triton.language as tl
 
 from engine.kernels.attention import LOG2E, dot, kv_offsets, next_pow2
 from engine.kernels.launcher import Launcher
-from engine.kernels.split_kv import attend_tiles
+from engine.kernels.split_kv import attend_tiles, last_to_arrive
 
 SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOCK_N
 BLOCK_N = 32  # keys per tile
@@ -226,14 +226,17 @@ def _tile_kernel(
 @Launcher
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "pieces"])
 def _piece_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-    num_seqs, stride_qt, stride_qh, stride_bt, stride_cblk, stride_ctok, stride_chead, sm_scale_log2, pieces,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, out_ptr,
+    num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead,
+    sm_scale_log2, pieces,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
     # Program (t, g, slot): token t's pieces slot, slot + SLOTS, ... for KV head g, each from a
-    # fresh state, into the workspace's row (t, piece, head).
+    # fresh state, into the workspace's row (t, piece, head); the last of the SLOTS programs of
+    # (t, g) to arrive merges all of them in ascending order (workspace loads past L1: other
+    # programs' stores), from the one-program path's start.
     t = tl.program_id(0)
     g = tl.program_id(1)
     seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
@@ -249,54 +252,46 @@ def _piece_kernel(
         tl.store(ws_m_ptr + rows, m_s, mask=h_mask)
         tl.store(ws_l_ptr + rows, l_s, mask=h_mask)
         tl.store(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], acc_s, mask=h_mask[:, None])
-
-
-@Launcher
-@triton.jit(do_not_specialize=["num_seqs", "pieces"])
-def _merge_kernel(
-    seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, out_ptr, num_seqs, stride_ot, stride_oh, pieces,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
-):  # fmt: skip
-    # Token t's pieces for KV head g, merged in ascending order from the one-program path's start.
-    t = tl.program_id(0)
-    g = tl.program_id(1)
-    seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH)
-    heads = g * GROUP + tl.arange(0, BLOCK_H)
-    h_mask = tl.arange(0, BLOCK_H) < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for p in range(0, tl.cdiv(context, SPLIT_)):
-        rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads
-        m_s = tl.load(ws_m_ptr + rows, mask=h_mask, other=0.0)
-        l_s = tl.load(ws_l_ptr + rows, mask=h_mask, other=0.0)
-        acc_s = tl.load(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-        m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
-    result = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    if last_to_arrive(count_ptr + t * NUM_HEADS + g, tl.num_programs(2)):
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for p in range(0, tl.cdiv(context, SPLIT_)):
+            rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads
+            m_s = tl.load(ws_m_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
+            l_s = tl.load(ws_l_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+            m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
+        result = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
 
 class Workspace(NamedTuple):
     """The split path's partials, fp32, for steps of up to FEW_TOKENS tokens: per (token, piece,
-    query head) the piece's running max `m`, sum of exp2 `total` and unnormalized output `acc`."""
+    query head) the piece's running max `m`, sum of exp2 `total` and unnormalized output `acc`;
+    and per (token, KV head) the slot programs arrived (`counts`: zero between steps, since the
+    last to arrive zeroes it; zeroed again after a resume of the region holding it)."""
 
     m: torch.Tensor  # [FEW_TOKENS, pieces, H]
     total: torch.Tensor  # [FEW_TOKENS, pieces, H]
     acc: torch.Tensor  # [FEW_TOKENS, pieces, H, D]
+    counts: torch.Tensor  # [FEW_TOKENS, H] int32 (indexed by KV head: H >= Hkv)
 
     @classmethod
     def allocate(cls, num_heads: int, head_dim: int, max_model_len: int, device: torch.device) -> Workspace:
         pieces = triton.cdiv(max_model_len, SPLIT)
         m = torch.empty(FEW_TOKENS, pieces, num_heads, dtype=torch.float32, device=device)
         acc = torch.empty(FEW_TOKENS, pieces, num_heads, head_dim, dtype=torch.float32, device=device)
-        return cls(m, torch.empty_like(m), acc)
+        return cls(m, torch.empty_like(m), acc, torch.zeros(FEW_TOKENS, num_heads, dtype=torch.int32, device=device))
 
     @property
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self)
+
+    def after_resume(self) -> None:
+        self.counts.zero_()
 
 
 def fixed_split_attention(
@@ -344,14 +339,11 @@ def fixed_split_attention(
         return out
     pieces = workspace.m.shape[1]
     slots = max(1, min(pieces, triton.cdiv(TARGET_PROGRAMS, tokens * num_kv_heads)))
-    ws = (workspace.m, workspace.total, workspace.acc)
+    ws = (workspace.m, workspace.total, workspace.acc, workspace.counts)
     _piece_kernel[(tokens, num_kv_heads, slots)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *ws, *search, block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E, pieces,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *ws, out, *search, out.stride(0),
+        out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        scale * LOG2E, pieces,
         NUM_HEADS=num_heads, BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, **shared,
-    )  # fmt: skip
-    _merge_kernel[(tokens, num_kv_heads)](
-        seq_lens, query_start_loc, *ws, out, seq_lens.shape[0], out.stride(0), out.stride(1), pieces,
-        NUM_HEADS=num_heads, **shared,
     )  # fmt: skip
     return out
