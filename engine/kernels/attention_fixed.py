@@ -48,9 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import LOG2E, dot, kv_offsets, next_pow2
+from engine.kernels.attention import LOG2E, dot, next_pow2
 from engine.kernels.launcher import Launcher
-from engine.kernels.split_kv import attend_tiles, last_to_arrive
+from engine.kernels.split_kv import attend_tiles, last_to_arrive, tile_scores
 
 SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOCK_N
 BLOCK_N = 32  # keys per tile
@@ -134,17 +134,13 @@ def _attend_rows(
     # their largest): row r's state changes only on the tiles that hold one of its keys, by
     # attend_tiles' arithmetic for a query of end[r], so its bits are those of a program of its
     # own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
-    offs_d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for n0 in range(start, end_max, BLOCK_N_):
         offs_n = n0 + tl.arange(0, BLOCK_N_)
-        n_mask = offs_n < end_max
-        kv_off = kv_offsets(bt_row, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        s = dot(q, tl.trans(k), IEEE) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < end_max, kv_head, sm_scale_log2,
+                           stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
         s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf (and p NaN) only on a row the tile skips
         alpha = tl.exp2(m_i - m_new)

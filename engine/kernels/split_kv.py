@@ -44,6 +44,21 @@ def prefetch_first_tile(
 
 
 @triton.jit
+def tile_scores(
+    q,  # [BLOCK_H, HEAD_DIM] in the cache's dtype
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, offs_n, n_mask, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
+    stride_chead, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # One K/V tile of a sequence, its tokens offs_n [BLOCK_N] (n_mask: the ones loaded; the others
+    # read as zeros): (s [BLOCK_H, BLOCK_N] = q . k * sm_scale_log2, v [BLOCK_N, HEAD_DIM]).
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_off = kv_offsets(bt_row_ptr, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
+    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    return dot(q, tl.trans(k), IEEE) * sm_scale_log2, v
+
+
+@triton.jit
 def attend_tiles(
     q,  # [BLOCK_H, HEAD_DIM] in the cache's dtype: one KV head's query heads
     k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
@@ -52,17 +67,14 @@ def attend_tiles(
     # The online softmax (base 2) of q over the cached tokens start..end-1 of one sequence, in
     # tiles of BLOCK_N: -> (m [BLOCK_H] running max, l [BLOCK_H] sum of exp2, acc [BLOCK_H, D]
     # unnormalized output); an empty range leaves (-inf, 0, 0).
-    offs_d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        kv_off = kv_offsets(bt_row_ptr, offs_n, n_mask, kv_head, stride_cblk, stride_ctok, stride_chead, BLOCK_SIZE)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        s = dot(q, tl.trans(k), IEEE) * sm_scale_log2  # [BLOCK_H, BLOCK_N]
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, offs_n, n_mask, kv_head, sm_scale_log2,
+                           stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one key
         alpha = tl.exp2(m_i - m_new)
