@@ -29,8 +29,9 @@ Rules:
   (token, KV head, slot), each slot computing its pieces p = slot, slot + SLOTS, ... from a fresh
   state into the workspace, and the last slot of (token, KV head) to arrive merges the token's
   pieces in ascending order by the same recurrence: the same partials merged in the same order
-  as the one-program path, so the same bits, in one launch. Every kernel here is compiled without FMA contraction (each multiply and add
-  rounds by itself), so the two paths' shared arithmetic cannot be contracted two ways.
+  as the one-program path, so the same bits, in one launch. Every kernel here is compiled
+  without FMA contraction (each multiply and add rounds by itself), so the paths' shared
+  arithmetic cannot be contracted two ways.
 
 Its cost: each tile streams its tokens' whole context once per KV head, so a prefill of T tokens
 reads O(T / TOK * context) K/V bytes (through L2), against a 64- or 128-token tiled prefill's

@@ -13,10 +13,11 @@ Rules:
   alone, in a batch, in a prefill chunk or in a decode step.
 - On CUDA a half-precision matmul is invariant_matmul's (one tile and K-chunk order per weight
   shape, any rows); fp32 keeps the blocks (cuBLAS picks one kernel for one shape).
-- `install(model, device)` switches every linear of a built model to these, once, at startup,
-  and turns off the few-row kernels that bypass them (the skinny and split-K linears, the MLP's
-  skinny gate_up + SiLU, the skinny lm_head, a decode graph's logits pieces): the default mode's
-  forward keeps its own code (no branch per call).
+- `install(model, device, arrivals)` switches every linear of a built model to these, once, at
+  startup (on CUDA with `reserve`'s counters: a split matmul sums its chunks in its last
+  program), and turns off the few-row kernels that bypass them (the skinny and split-K linears,
+  the MLP's skinny gate_up + SiLU, the skinny lm_head, a decode graph's logits pieces): the
+  default mode's forward keeps its own code (no branch per call).
 - Attention is the backend's (engine/attention/triton_fixed.py on CUDA, with CUDA graphs;
   sdpa_rows.py elsewhere); norms (one row a program on CUDA), rotary, activations and the
   sampler's row-wise ops are invariant as they are. A mixture of experts runs the torch reference
