@@ -26,7 +26,7 @@ BLOCK_SIZE, NUM_BLOCKS, HKV, GROUP, D = 16, 96, 2, 2, 32
 LENGTHS = [600, 37, 300, 9]  # tokens of each sequence: 600 spans three SPLIT pieces
 
 
-def _world(device: str, dtype: torch.dtype):
+def _world(device: str, dtype: torch.dtype, group: int = GROUP):
     """A paged cache holding every sequence's K/V, block tables, and each position's query."""
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, HKV, D, generator=gen).to(dtype).to(device)
@@ -38,14 +38,15 @@ def _world(device: str, dtype: torch.dtype):
         need = -(-n // BLOCK_SIZE)
         tables.append(blocks[at : at + need])
         at += need
-    queries = [torch.randn(n, HKV * GROUP, D, generator=gen).to(dtype).to(device) for n in LENGTHS]
+    queries = [torch.randn(n, HKV * group, D, generator=gen).to(dtype).to(device) for n in LENGTHS]
     return k_cache, v_cache, tables, queries
 
 
 def _reference(k_cache, v_cache, table, q, pos, scale):  # -> [H, D] fp64
     rows = [table[j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE for j in range(pos + 1)]
-    k = k_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(GROUP, dim=1)  # [p+1, H, D]
-    v = v_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(GROUP, dim=1)
+    group = q.shape[0] // HKV
+    k = k_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(group, dim=1)  # [p+1, H, D]
+    v = v_cache.reshape(-1, HKV, D)[rows].double().repeat_interleave(group, dim=1)
     w = torch.softmax(torch.einsum("hd,thd->ht", q.double(), k) * scale, dim=-1)
     return torch.einsum("ht,thd->hd", w, v)
 
@@ -83,13 +84,14 @@ def _step(world, pieces, device, pad_rows=0, empty_seq=False, workspace=None):
     return result
 
 
-def check_fixed(device: str, dtype: torch.dtype, tol: float) -> None:
+def check_fixed(device: str, dtype: torch.dtype, tol: float, group: int = GROUP) -> None:
     """Every layout runs twice, without and with the split path's workspace (a layout of more
-    than FEW_TOKENS tokens takes the one-program path either way)."""
+    than FEW_TOKENS tokens takes the one-program path either way). `group` query heads a KV head:
+    a prefill chunk's tiles hold 16 // group tokens."""
     from engine.kernels.attention_fixed import FEW_TOKENS, Workspace
 
-    world = _world(device, dtype)
-    workspace = Workspace.allocate(HKV * GROUP, D, 1000, torch.device(device))
+    world = _world(device, dtype, group)
+    workspace = Workspace.allocate(HKV * group, D, 1000, torch.device(device))
     layouts = [  # (pieces, padding rows, a seq_len-0 sequence)
         ([(0, 590, 599), (1, 36, 36), (2, 250, 299)], 3, False),  # chunks and a decode
         ([(2, 280, 299), (0, 599, 599), (3, 0, 8), (1, 30, 36)], 0, True),  # other cuts, other order
@@ -169,6 +171,12 @@ def test_fixed_split_attention_interpreted(dtype: str) -> None:
     interpret("test_attention_fixed", f"check_fixed('cpu', torch.{dtype}, {tol})", timeout=600)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_tiles_of_other_widths_interpreted(group: int) -> None:
+    """16 tokens a tile (one query head a KV head) and 4 (Qwen3-8B's four), fp16."""
+    interpret("test_attention_fixed", f"check_fixed('cpu', torch.float16, 2e-3, group={group})", timeout=600)
+
+
 def test_a_step_of_more_sequences_than_max_num_seqs_interpreted() -> None:
     interpret("test_attention_fixed", "check_more_sequences_than_max('cpu')")
 
@@ -182,6 +190,7 @@ def test_a_deterministic_engine_with_it_interpreted() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_split_attention_on_the_gpu(dtype: torch.dtype) -> None:
     check_fixed("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2)
+    check_fixed("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2, group=4)
 
 
 @pytest.mark.gpu
