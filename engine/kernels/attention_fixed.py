@@ -49,9 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.attention import LOG2E, dot, next_pow2
+from engine.kernels.attention import LOG2E, next_pow2
 from engine.kernels.launcher import Launcher
-from engine.kernels.split_kv import attend_tiles, last_to_arrive, tile_scores
+from engine.kernels.split_kv import attend_tiles, last_to_arrive, softmax_step, tile_scores
 
 SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOCK_N
 BLOCK_N = 32  # keys per tile
@@ -133,8 +133,8 @@ def _attend_rows(
 ):  # fmt: skip
     # split_kv.attend_tiles for rows of their own ends (end [BLOCK_H]; the tiles run to end_max,
     # their largest): row r's state changes only on the tiles that hold one of its keys, by
-    # attend_tiles' arithmetic for a query of end[r], so its bits are those of a program of its
-    # own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
+    # attend_tiles' step (softmax_step) for a query of end[r], so its bits are those of a program
+    # of its own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -143,13 +143,11 @@ def _attend_rows(
         s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < end_max, kv_head, sm_scale_log2,
                            stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
         s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # -inf (and p NaN) only on a row the tile skips
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_n, l_n, acc_n = softmax_step(m_i, l_i, acc, s, v, IEEE)  # NaN only on a row the tile skips
         on = n0 < end
-        l_i = tl.where(on, l_i * alpha + tl.sum(p, 1), l_i)
-        acc = tl.where(on[:, None], acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE), acc)
-        m_i = tl.where(on, m_new, m_i)
+        m_i = tl.where(on, m_n, m_i)
+        l_i = tl.where(on, l_n, l_i)
+        acc = tl.where(on[:, None], acc_n, acc)
     return m_i, l_i, acc
 
 

@@ -59,6 +59,17 @@ def tile_scores(
 
 
 @triton.jit
+def softmax_step(m_i, l_i, acc, s, v, IEEE: tl.constexpr):
+    # One tile of the online softmax (base 2): the state (m_i [BLOCK_H] running max, l_i [BLOCK_H]
+    # sum of exp2, acc [BLOCK_H, D] unnormalized output) with the tile's scores s [BLOCK_H,
+    # BLOCK_N] (-inf: masked keys) and values v [BLOCK_N, D].
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+
+
+@triton.jit
 def attend_tiles(
     q,  # [BLOCK_H, HEAD_DIM] in the cache's dtype: one KV head's query heads
     k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
@@ -76,12 +87,7 @@ def attend_tiles(
         s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, offs_n, n_mask, kv_head, sm_scale_log2,
                            stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(m_i, l_i, acc, s, v, IEEE)  # m finite: every tile holds a key
     return m_i, l_i, acc
 
 
