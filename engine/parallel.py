@@ -161,15 +161,25 @@ def device_for_rank(device: str, tp: TensorParallel) -> str:
     return f"cuda:{tp.rank}" if device.startswith("cuda") else device
 
 
-def join_group(tp: TensorParallel, device: torch.device, init_method: str) -> None:
-    """Make the tensor-parallel group the default process group (a no-op at size 1)."""
+def host_rendezvous(size: int) -> dist.TCPStore:
+    """Rank 0's side of the group's rendezvous, made before the workers start: a TCPStore on
+    loopback whose port the OS picks as it binds (`.port`), so no other process can take the port
+    between its choice and its use (a port probed free and bound later could be)."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
+
+
+def join_group(tp: TensorParallel, device: torch.device, address: str, store: dist.Store | None = None) -> None:
+    """Make the tensor-parallel group the default process group (a no-op at size 1): rank 0 with
+    `host_rendezvous`'s `store`, the other ranks through `address` ("tcp://host:port", its port)."""
     if not tp.enabled:
         return
+    if store is None:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), tp.size, is_master=False, timeout=GROUP_TIMEOUT)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl", init_method=init_method, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT,
-            device_id=device,
+            "nccl", store=store, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT, device_id=device
         )
     else:
-        dist.init_process_group("gloo", init_method=init_method, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT)

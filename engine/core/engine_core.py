@@ -50,7 +50,7 @@ class EngineCore(ServingCalls, MemoryCalls, WeightUpdateCalls, WeightCheckCalls,
         tp = TensorParallel(0, config.tp_size)
         self.ranks = Ranks.start(config, log_level, client_addrs)
         try:
-            self.rank = Rank(config, self.model_config, self.max_model_len, tp, self.ranks.init_method)
+            self.rank = Rank(config, self.model_config, self.max_model_len, tp, self.ranks.init_method, self.ranks.store)
             self.ranks.attach(self.rank)
         except BaseException:
             self.ranks.close()

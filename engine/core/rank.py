@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from engine.config import EngineConfig, ModelConfig
 from engine.core import calls
 from engine.core import rank_protocol as rp
@@ -24,12 +26,13 @@ from engine.weights.updater import WeightUpdater
 
 class Rank:
     def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel, init_method: str
-    ) -> None:
-        """Join the tensor-parallel group (`init_method`; nothing at size 1), then build the runner
-        in step with the other ranks."""
+        self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, tp: TensorParallel, init_method: str,
+        store: dist.Store | None = None,
+    ) -> None:  # fmt: skip
+        """Join the tensor-parallel group (rank 0 with its rendezvous `store`, the others through
+        `init_method`; nothing at size 1), then build the runner in step with the other ranks."""
         self.tp = tp
-        join_group(tp, resolve_device(device_for_rank(config.device, tp)), init_method)
+        join_group(tp, resolve_device(device_for_rank(config.device, tp)), init_method, store)
         self.runner = ModelRunner(config, model_config, max_model_len, tp)
         self.memory = self.runner.memory
         self.weights = self.runner.weights

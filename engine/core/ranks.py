@@ -1,9 +1,10 @@
 """`Ranks`: every tensor-parallel rank as rank 0 drives it: its own `Rank` and, at tp_size > 1,
 one worker process per other rank (engine/core/worker.py), each on its own device.
 
-Startup (`Ranks.start`, then `attach`): rank 0 binds one ZeroMQ PUSH socket per worker and one
-PULL socket for their replies, spawns the workers, and joins the tensor-parallel group with them
-(engine/parallel.py); every rank then builds its `Rank` in step (their startup forwards and graph
+Startup (`Ranks.start`, then `attach`): rank 0 hosts the group's rendezvous store (bound before
+the workers start: engine/parallel.py `host_rendezvous`), binds one ZeroMQ PUSH socket per worker
+and one PULL socket for their replies, spawns the workers, and joins the tensor-parallel group
+with them; every rank then builds its `Rank` in step (their startup forwards and graph
 captures run collectives), and each worker says `RankReady`.
 
 Rules:
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +37,7 @@ from engine.core import rank_protocol as rp
 from engine.core.protocol import Failed
 from engine.core.rank import Rank
 from engine.errors import from_kind
+from engine.parallel import host_rendezvous
 from engine.runner.step_plan import StepPlan
 
 log = logging.getLogger("siesta.engine")
@@ -45,12 +46,6 @@ log = logging.getLogger("siesta.engine")
 STOP_TIMEOUT_S = 10.0
 # How often the watchdog looks at the workers, seconds.
 WATCH_S = 0.2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _socket_dir(client_addrs: list[str]) -> str | None:
@@ -65,8 +60,9 @@ class Ranks:
     def __init__(self, size: int) -> None:
         self.size = size
         self.local: Rank | None = None
-        # Where the ranks meet to form the group (none needed at size 1).
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}" if size > 1 else ""
+        # Where the ranks meet to form the group (none needed at size 1): rank 0 hosts the store.
+        self.store = host_rendezvous(size) if size > 1 else None
+        self.init_method = f"tcp://127.0.0.1:{self.store.port}" if self.store is not None else ""
         self._procs: list[subprocess.Popen] = []
         self._to: list[zmq.Socket] = []
         self._stopping = False
