@@ -314,8 +314,11 @@ class Sampler:
 
     def _exponential_noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Exp(1) noise [B, V]: seeded rows keyed by their step seed alone (one launch of
-        kernels/seeded_noise.py, or a generator per row), the rest from the shared generator."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        kernels/seeded_noise.py, or a generator per row), the rest from the shared generator, which
+        a step of seeded rows only (`--deterministic`'s every step) does not draw."""
+        noise = torch.empty_like(probs)
+        if batch.seed_rows is None or batch.seed_rows.shape[1] < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
         if batch.seed_rows is not None and self.seeded_kernel:
             from engine.kernels.seeded_noise import exponential_rows
 
