@@ -98,6 +98,8 @@ def check_fixed(device: str, dtype: torch.dtype, tol: float, group: int = GROUP)
         ([(0, 599, 599)], 0, False), ([(1, 36, 36)], 0, False), ([(2, 299, 299)], 0, False),  # decodes alone
         ([(2, 255, 256)], 0, False), ([(3, 0, 8), (0, 511, 520)], 0, False),  # a piece's edge
         ([(1, 36, 36), (0, 599, 599), (2, 290, 292)], 2, True),  # a padded decode graph's rows
+        ([(3, 8, 8), (0, 598, 598), (2, 299, 299)], 0, True),  # decodes, one token each (no search)
+        ([(0, 598, 598), (3, 8, 8)], 1, False),  # the same decodes with a row past them (searched)
         ([(3, 2, 8), (0, 235, 530), (1, 0, 36)], 5, True),  # long chunks over pieces, tiles off any grid
     ]
     assert any(sum(b - a + 1 for _, a, b in p) + pad + e <= FEW_TOKENS for p, pad, e in layouts)
@@ -146,8 +148,9 @@ def check_engine(device: str, dtype: str) -> None:
 
 
 def check_more_sequences_than_max(device: str) -> None:
-    """A step of 40 one-token sequences with max_num_seqs 8 finds each token's sequence as with a
-    max_num_seqs that covers them (the search deepens with the step's sequences)."""
+    """A step of 40 one-token sequences with max_num_seqs 8, one row past them, finds each token's
+    sequence as with a max_num_seqs that covers them (the search deepens with the step's
+    sequences), and as the step without that row (one token each: no search)."""
     from engine.kernels.attention_fixed import fixed_split_attention
 
     gen = torch.Generator().manual_seed(3)
@@ -156,11 +159,14 @@ def check_more_sequences_than_max(device: str) -> None:
     tables = torch.arange(seqs * 3, dtype=torch.int32, device=device).view(seqs, 3)
     seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device=device)
     qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
-    q = torch.randn(seqs, HKV * GROUP, D, generator=gen).to(device)
+    q = torch.randn(seqs + 1, HKV * GROUP, D, generator=gen).to(device)
     few, many = torch.empty_like(q), torch.empty_like(q)
     fixed_split_attention(q, k, v, tables, seq_lens, qsl, few, D**-0.5, max_num_seqs=8)
     fixed_split_attention(q, k, v, tables, seq_lens, qsl, many, D**-0.5, max_num_seqs=64)
-    assert torch.equal(few, many)
+    assert torch.equal(few, many) and not few[seqs].any()
+    each = torch.empty_like(q[:seqs])
+    fixed_split_attention(q[:seqs], k, v, tables, seq_lens, qsl, each, D**-0.5, max_num_seqs=8)
+    assert torch.equal(each, few[:seqs])
     want = _reference(k, v, tables[7].tolist(), q[7], ctx - 1, D**-0.5)
     assert (few[7].double() - want).abs().max().item() < 1e-5
 

@@ -11,8 +11,8 @@ came in (issue 76). Rules that make this kernel invariant:
   rule on N and K alone, never on M; no autotuning. M is not specialized (`do_not_specialize`).
 - The output tile may follow M, the bits may not (`rows_tile`): up to FEW_ROWS rows (a decode
   step) run 16-row tiles (mma.sync m16n8k16, a quarter of a 64-row tile's loads), from
-  MANY_ROWS (a prefill) 128 x 128 tiles of two warp groups, between them 64-row tiles (wgmma),
-  128 rows high from MID_ROWS for a large weight.
+  MANY_ROWS (a prefill) 128 x 128 tiles of two warp groups where they are at least SMS, between
+  them 64-row tiles (wgmma), 128 rows high from MID_ROWS for a large weight.
   Each output element is the same BLOCK_K steps of MMAs into fp32 in the same order whatever
   the tile, and on an H200 the instructions round a row's sums alike:
   tests/test_gpu_invariant_matmul.py crosses 16 -> 17, 100 -> 256 and 1000 -> 1100 rows with the Qwen3
@@ -27,7 +27,9 @@ came in (issue 76). Rules that make this kernel invariant:
   workspace [SPLIT_K, M, N] (`SPLIT_PROGRAMS`: K's parallelism for a GEMV), and the tile's last
   chunk to arrive (`Arrivals`, split_kv.last_to_arrive) sums the tile's partials in chunk order;
   without `Arrivals` a second kernel sums them the same way. With many tiles one program walks
-  every chunk of its tile and sums the same way. The same partials, added in the same order,
+  every chunk of its tile and sums the same way: from WALK_CHUNKS chunks (3 from MANY_ROWS rows)
+  in one loop over K that folds each chunk's partial into the sum as the chunk ends
+  (`_walk_chunks`), so the loads run on across chunks; fewer chunks a pipeline each. The same partials, added in the same order,
   give the same bits every way.
 - Rows past M and columns past N read row M-1 / N-1 (no mask on those loads) and are never
   stored; a K that BLOCK_K does not divide masks its last step's columns to zero (fixed by K).
@@ -75,7 +77,9 @@ SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (mor
 FEW_ROWS = 16  # at most this many rows: 16-row tiles (`rows_tile`)
 FEW_WIDE_N = 4096  # N from which a few-rows tile is 128 columns wide, below it 64
 MID_ROWS = 256  # at least this many rows (a large decode): a large weight's tiles 128 rows high
-MANY_ROWS = 1024  # at least this many rows (prefill): 128 x 128 tiles, 8 warps, 3 stages
+MANY_ROWS = 1024  # at least this many rows (prefill): 128 x 128 tiles, 8 warps, 3 stages, if SMS of them or more
+SMS = 132  # an H100's / H200's
+WALK_CHUNKS = 4  # a program walking this many chunks (3 from MANY_ROWS) walks them in one loop
 
 
 class Config(NamedTuple):
@@ -98,18 +102,21 @@ def config(n: int, k: int) -> Config:
 
 def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
     """The output tile that runs m rows of the weight whose configuration is `cfg`: 16-row tiles
-    up to FEW_ROWS rows, 128 x 128 (two warp groups) from MANY_ROWS; from MID_ROWS, a weight of
-    N or K >= WIDE_N (the lm_heads, the 8B's gate_up and down) 128-row tiles (128 x 128 of two
-    warp groups, or 128 x 64 of one where only K is wide); else cfg's. K's order (BLOCK_K, the
+    up to FEW_ROWS rows, 128 x 128 (two warp groups) from MANY_ROWS where SMS tiles or more;
+    from MID_ROWS, a weight of N or K >= WIDE_N (the lm_heads, the 8B's gate_up and down)
+    128-row tiles (128 x 128 of two warp groups, or 128 x 64 of one where only K is wide); else
+    cfg's. K's order (BLOCK_K, the
     chunks) is cfg's whatever m.
     The MID_ROWS tiles, timed at 256 rows on an H200 against cuBLAS (bench/kernels/
     invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x, lm_head
     1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64 rows and for the 0.6B's layers the
-    64-row tile stays the best of the grid (bench/history/2026-11-30.md)."""
+    64-row tile stays the best of the grid (bench/history/2026-11-30.md). From MANY_ROWS, fewer
+    128 x 128 tiles than SMS keep the 64-row tile: the 0.6B's o_proj and down at 1024 rows,
+    2.66x / 2.97x -> 1.59x / 1.65x (64 tiles -> 256)."""
     width = max(16, triton.next_power_of_2(n))
     if m <= FEW_ROWS:
         return cfg._replace(block_m=16, block_n=min(128 if n >= FEW_WIDE_N else 64, width))
-    if m >= MANY_ROWS:
+    if m >= MANY_ROWS and triton.cdiv(m, 128) * triton.cdiv(n, 128) >= SMS:
         return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=3)
     if m >= MID_ROWS and n >= WIDE_N:
         return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
@@ -146,6 +153,33 @@ def _chunk_sum(x_ptrs, w_ptrs, k_start, k_end, K, EVEN_K: tl.constexpr, BLOCK_M:
     return acc
 
 
+@triton.jit
+def _walk_chunks(x_ptrs, w_ptrs, K, CHUNK_STEPS, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Every chunk's partial, summed in chunk order [BLOCK_M, BLOCK_N]: ((p_0 + p_1) + p_2) + ...,
+    each p_c `_chunk_sum`'s (from zero, its K ascending). One loop over all of K, so the loads
+    of the next chunk are in flight while a chunk ends (no pipeline drained and filled per chunk)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    steps = tl.cdiv(K, BLOCK_K)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, steps):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (step * BLOCK_K + offs_k)[None, :] < K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        if (step + 1) % CHUNK_STEPS == 0 or step == steps - 1:  # a chunk ends: p_0 as it is, then + p_c
+            total = tl.where(step < CHUNK_STEPS, acc, total + acc)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return total
+
+
 @Launcher
 @triton.jit(do_not_specialize=["M"])  # one variant for every M: the same instructions for a row
 def _invariant_matmul_kernel(
@@ -155,7 +189,7 @@ def _invariant_matmul_kernel(
     ws_ptr,  # SPLIT_PROGRAMS: fp32 [CHUNKS, M, N], contiguous
     count_ptr,  # LAST_SUMS: int32 [tiles], zeros: the chunks arrived per tile (Arrivals)
     M, N, K, stride_xm, stride_om, CHUNK_K,
-    CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, LAST_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
+    CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, LAST_SUMS: tl.constexpr, WALK: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -189,12 +223,15 @@ def _invariant_matmul_kernel(
                     acc += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # every chunk here, summed in chunk order
-        acc = _chunk_sum(x_ptrs, w_ptrs, 0, tl.minimum(CHUNK_K, K), K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
-        for chunk in range(1, CHUNKS):
-            k_start = chunk * CHUNK_K
-            acc += _chunk_sum(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + CHUNK_K, K), K, EVEN_K,
-                              BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    else:  # every chunk here, summed in chunk order: one loop (WALK), or a pipeline a chunk
+        if WALK:
+            acc = _walk_chunks(x_ptrs, w_ptrs, K, CHUNK_K // BLOCK_K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            acc = _chunk_sum(x_ptrs, w_ptrs, 0, tl.minimum(CHUNK_K, K), K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+            for chunk in range(1, CHUNKS):
+                k_start = chunk * CHUNK_K
+                acc += _chunk_sum(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + CHUNK_K, K), K, EVEN_K,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -256,9 +293,10 @@ def invariant_matmul(
     split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes
     ws = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     last_sums = split and arrivals is not None
+    walk = chunks >= WALK_CHUNKS or (chunks > 2 and m >= MANY_ROWS)
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
         x, w, out, ws, arrivals.counts if last_sums else out, m, n, k, x.stride(0), out.stride(0), chunk_k,
-        CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m,
+        CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, WALK=walk, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if split and not last_sums:
