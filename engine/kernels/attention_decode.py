@@ -129,7 +129,7 @@ def _decode_kernel(
 
     m_i, l_i, acc = attend_tiles(
         q, k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
-        stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE,
+        stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, False,
     )  # fmt: skip
     write_split(
         m_i, l_i, acc, out_ptrs, part_out_ptr, part_lse_ptr, count_ptr, seq, kv_head, split, num_splits,

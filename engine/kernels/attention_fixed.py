@@ -10,8 +10,9 @@ Rules:
   `_tile_kernel`: grid (tiles, Hkv), one program per tile of up to TOK = BLOCK_H // GROUP
   consecutive query tokens of one sequence and a KV head; row r of its [BLOCK_H, D] tile is
   token r // GROUP's query head r % GROUP (BLOCK_H fixed by the model). A row's arithmetic does
-  not depend on the other rows of its tile: the MMAs never mix rows, a row's max and sum reduce
-  the same lanes in the same order at any row, and a row's state changes only on the K/V tiles
+  not depend on the other rows of its tile: the MMAs never mix rows, a row's max is exact in
+  any order and its sum of p is an MMA's (split_kv.softmax_step's DOT_SUM, so neither the row's
+  place nor the kernel's warps change it), and a row's state changes only on the K/V tiles
   that hold its keys (`_attend_rows`). So a chunk reads its K/V once for TOK tokens. A step of
   one token a sequence runs `_token_kernel`, grid (T, Hkv), rows 0..GROUP-1 one token's heads
   (the tiled kernel's `where`s and idle tiles cost a decode of 256 rows 4 %).
@@ -60,6 +61,11 @@ SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOC
 BLOCK_N = 32  # keys per tile
 FEW_TOKENS = 16  # steps of at most this many tokens may take the split path (a workspace this wide)
 TARGET_PROGRAMS = 264  # the split path's programs: about two an SM of an H200 (132 SMs)
+# Warps a program, per path (free, since every sum a row's bits depend on is an MMA's:
+# softmax_step's DOT_SUM). H200, 0.6B heads, microseconds a layer at 4 / 1 warps: one decode
+# row at 576 tokens (split) 12.3 / 14.7, 256 rows (one token a program) 164 / 152, 4 x 512-token
+# chunks at 2k (tiles) 425 / 311.
+TILE_WARPS, TOKEN_WARPS, PIECE_WARPS = 1, 1, 4
 
 
 @triton.jit
@@ -150,7 +156,7 @@ def _attend_rows(
         s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < end_max, kv_head, sm_scale_log2,
                            stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
         s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
-        m_n, l_n, acc_n = softmax_step(m_i, l_i, acc, s, v, IEEE)  # NaN only on a row the tile skips
+        m_n, l_n, acc_n = softmax_step(m_i, l_i, acc, s, v, IEEE, True)  # NaN only on a row the tile skips
         on = n0 < end
         m_i = tl.where(on, m_n, m_i)
         l_i = tl.where(on, l_n, l_i)
@@ -181,7 +187,7 @@ def _token_kernel(
         end = tl.minimum(start + SPLIT_, context)
         m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
                                        stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
-                                       BLOCK_N_, IEEE)  # fmt: skip
+                                       BLOCK_N_, IEEE, True)  # fmt: skip
         m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
@@ -249,7 +255,7 @@ def _piece_kernel(
         end = tl.minimum(start + SPLIT_, context)
         m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
                                        stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
-                                       BLOCK_N_, IEEE)  # fmt: skip
+                                       BLOCK_N_, IEEE, True)  # fmt: skip
         rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads  # [BLOCK_H]
         tl.store(ws_m_ptr + rows, m_s, mask=h_mask)
         tl.store(ws_l_ptr + rows, l_s, mask=h_mask)
@@ -319,7 +325,7 @@ def fixed_split_attention(
     # The search's depth covers the step's sequences even past max_num_seqs (a shape: graph-safe).
     search_depth = max(1, max(max_num_seqs, seq_lens.shape[0]).bit_length())
     shared = dict(GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, SPLIT_=SPLIT,
-                  SEARCH=search_depth, num_warps=4, enable_fp_fusion=False)  # fmt: skip
+                  SEARCH=search_depth, enable_fp_fusion=False)  # fmt: skip
     search = (seq_lens.shape[0], q.stride(0), q.stride(1))
     tok = max(1, shared["BLOCK_H"] // group)  # query tokens a tile
     one_each = tokens == seq_lens.shape[0]  # a decode step: no sequence is scheduled without a token
@@ -329,7 +335,7 @@ def fixed_split_attention(
             seq_lens.shape[0], tokens, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, TOK=tok,
-            **shared,
+            num_warps=TILE_WARPS, **shared,
         )  # fmt: skip
         return out
     if workspace is None or tokens > workspace.m.shape[0]:
@@ -338,7 +344,7 @@ def fixed_split_attention(
             *search, out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_EACH=one_each,
-            **shared,
+            num_warps=TOKEN_WARPS, **shared,
         )  # fmt: skip
         return out
     pieces = workspace.m.shape[1]
@@ -349,6 +355,6 @@ def fixed_split_attention(
         out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scale * LOG2E, pieces,
         NUM_HEADS=num_heads, BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32,
-        ONE_EACH=one_each, **shared,
+        ONE_EACH=one_each, num_warps=PIECE_WARPS, **shared,
     )  # fmt: skip
     return out

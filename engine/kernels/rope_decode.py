@@ -140,7 +140,7 @@ def rope_decode_kernel(
     q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_H, D))  # [BLOCK_H, D] = q1 | q2
     m_i, l_i, acc = attend_tiles(
         q, k_cache_ptr, v_cache_ptr, bt_row, start, tl.minimum(end, cur), g, sm_scale_log2, stride_cblk, stride_ctok,
-        stride_chead, BLOCK_H, D, BLOCK_SIZE, BLOCK_N, IEEE,
+        stride_chead, BLOCK_H, D, BLOCK_SIZE, BLOCK_N, IEEE, False,
     )  # fmt: skip
     if has_new:  # the new token, last: its p rounded as the tile loop's dot takes it
         m_new = tl.maximum(m_i, s)

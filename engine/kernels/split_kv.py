@@ -59,14 +59,21 @@ def tile_scores(
 
 
 @triton.jit
-def softmax_step(m_i, l_i, acc, s, v, IEEE: tl.constexpr):
+def softmax_step(m_i, l_i, acc, s, v, IEEE: tl.constexpr, DOT_SUM: tl.constexpr):
     # One tile of the online softmax (base 2): the state (m_i [BLOCK_H] running max, l_i [BLOCK_H]
     # sum of exp2, acc [BLOCK_H, D] unnormalized output) with the tile's scores s [BLOCK_H,
-    # BLOCK_N] (-inf: masked keys) and values v [BLOCK_N, D].
+    # BLOCK_N] (-inf: masked keys) and values v [BLOCK_N, D]. DOT_SUM: a row's sum of p is an MMA
+    # of the p that p @ v takes with ones [BLOCK_N, 16] (any of its 16 equal columns), an order
+    # the instruction fixes, not the layout: kernels of other warp counts get the same bits;
+    # else tl.sum over the layout's lanes and warps.
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    if DOT_SUM:
+        row_sum = tl.max(dot(p.to(v.dtype), tl.full([s.shape[1], 16], 1.0, v.dtype), IEEE), 1)
+    else:
+        row_sum = tl.sum(p, 1)
+    return m_new, l_i * alpha + row_sum, acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
 
 
 @triton.jit
@@ -74,10 +81,11 @@ def attend_tiles(
     q,  # [BLOCK_H, HEAD_DIM] in the cache's dtype: one KV head's query heads
     k_cache_ptr, v_cache_ptr, bt_row_ptr, start, end, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    DOT_SUM: tl.constexpr,
 ):  # fmt: skip
     # The online softmax (base 2) of q over the cached tokens start..end-1 of one sequence, in
-    # tiles of BLOCK_N: -> (m [BLOCK_H] running max, l [BLOCK_H] sum of exp2, acc [BLOCK_H, D]
-    # unnormalized output); an empty range leaves (-inf, 0, 0).
+    # tiles of BLOCK_N (softmax_step's DOT_SUM): -> (m [BLOCK_H] running max, l [BLOCK_H] sum of
+    # exp2, acc [BLOCK_H, D] unnormalized output); an empty range leaves (-inf, 0, 0).
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -87,7 +95,7 @@ def attend_tiles(
         s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, offs_n, n_mask, kv_head, sm_scale_log2,
                            stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = softmax_step(m_i, l_i, acc, s, v, IEEE)  # m finite: every tile holds a key
+        m_i, l_i, acc = softmax_step(m_i, l_i, acc, s, v, IEEE, DOT_SUM)  # m finite: every tile holds a key
     return m_i, l_i, acc
 
 
