@@ -13,13 +13,13 @@ Rules:
   not depend on the other rows of its tile: the MMAs never mix rows, a row's max is exact in
   any order and its sum of p is an MMA's (split_kv.softmax_step's DOT_SUM, so neither the row's
   place nor the kernel's warps change it), and a row's state changes only on the K/V tiles
-  that hold its keys (`_attend_rows`). So a chunk reads its K/V once for TOK tokens. A step of
-  one token a sequence runs `_token_kernel`, grid (T, Hkv), rows 0..GROUP-1 one token's heads
-  (the tiled kernel's `where`s and idle tiles cost a decode of 256 rows 4 %).
+  that hold its keys (fixed_rows.py `attend_rows`). So a chunk reads its K/V once for TOK
+  tokens. A step of one token a sequence runs `_token_kernel`, grid (T, Hkv), rows 0..GROUP-1
+  one token's heads (the tiled kernel's `where`s and idle tiles cost a decode of 256 rows 4 %).
 - The context 0..p is cut at fixed positions, every SPLIT tokens (not a count that follows the
   batch); each piece runs split_kv.py's online softmax in BLOCK_N tiles from a fresh state, and
-  the pieces merge in ascending order by one recurrence (`_merge`): the same arithmetic for a
-  token whatever step it is in.
+  the pieces merge in ascending order by one recurrence (fixed_rows.py `merge_piece`): the same
+  arithmetic for a token whatever step it is in.
 - A tile's or token's sequence is found by binary search of query_start_loc; a token's position is
   seq_len - (query_start_loc[seq + 1] - t). A step of as many tokens as sequences (a decode,
   eager or a graph's: the scheduler schedules no sequence without a token) skips the search:
@@ -54,8 +54,9 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import LOG2E, next_pow2
+from engine.kernels.fixed_rows import attend_rows, locate, merge_piece, query_rows, tile_rows
 from engine.kernels.launcher import Launcher
-from engine.kernels.split_kv import attend_tiles, last_to_arrive, softmax_step, tile_scores
+from engine.kernels.split_kv import attend_tiles, last_to_arrive
 
 SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOCK_N
 BLOCK_N = 32  # keys per tile
@@ -66,102 +67,6 @@ TARGET_PROGRAMS = 264  # the split path's programs: about two an SM of an H200 (
 # row at 576 tokens (split) 12.3 / 14.7, 256 rows (one token a program) 164 / 152, 4 x 512-token
 # chunks at 2k (tiles) 425 / 311.
 TILE_WARPS, TOKEN_WARPS, PIECE_WARPS = 1, 1, 4
-
-
-@triton.jit
-def _merge(m, total, acc, m_s, l_s, acc_s):
-    # The running (max, sum of exp2, unnormalized output) with one more piece's, in base 2.
-    m_new = tl.maximum(m, m_s)
-    a = tl.exp2(m - m_new)
-    b = tl.exp2(m_s - m_new)
-    return m_new, total * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
-
-
-@triton.jit
-def _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH: tl.constexpr, ONE_EACH: tl.constexpr):
-    # Token t's sequence (the least i with query_start_loc[i + 1] > t; past the last sequence:
-    # the last, and not live), and its context length (its position + 1; 0 when not live).
-    # ONE_EACH (as many tokens as sequences, one each): sequence t, no search.
-    if ONE_EACH:
-        seq_len = tl.load(seq_lens_ptr + t)
-        return t, seq_len > 0, seq_len
-    lo = t * 0
-    hi = t * 0 + num_seqs - 1
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi) // 2
-        right = tl.load(qsl_ptr + mid + 1) <= t
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    seq = tl.minimum(lo, num_seqs - 1)
-    pos = tl.load(seq_lens_ptr + seq) - (tl.load(qsl_ptr + seq + 1) - t)  # -1 or less: padding
-    live = (t < tl.load(qsl_ptr + num_seqs)) & (pos >= 0)
-    return seq, live, tl.where(live, pos + 1, 0)
-
-
-@triton.jit
-def _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-           HEAD_DIM: tl.constexpr):  # fmt: skip
-    # KV head g's GROUP query heads of token t as the rows of one [BLOCK_H, HEAD_DIM] tile (zeros
-    # where not live): (heads [BLOCK_H], their mask, offs_d [HEAD_DIM], q).
-    heads = g * GROUP + tl.arange(0, BLOCK_H)
-    h_mask = tl.arange(0, BLOCK_H) < GROUP
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None] & live, other=0.0)  # fmt: skip
-    return heads, h_mask, offs_d, q
-
-
-@triton.jit
-def _tile(pid, qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK: tl.constexpr, GROUP: tl.constexpr,
-          BLOCK_H: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
-    # Program pid's tile: up to TOK consecutive query tokens of one sequence, row r holding token
-    # r // GROUP's query head r % GROUP. Sequence s's tiles are numbered from
-    # query_start_loc[s] // TOK + s (enough for its tokens at any alignment); the numbers past the
-    # last sequence's take the padding rows after it. -> (seq, token [BLOCK_H] int64, head in
-    # the group [BLOCK_H], rows written [BLOCK_H], context [BLOCK_H]: position + 1, 0 if not live).
-    lo = pid * 0
-    hi = lo + num_seqs
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(qsl_ptr + mid) // TOK + mid <= pid
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    seq = lo
-    is_seq = seq < num_seqs
-    first = tl.load(qsl_ptr + seq)
-    last = tl.where(is_seq, tl.load(qsl_ptr + seq + 1, mask=is_seq, other=0), tokens)  # one past its tokens
-    r = tl.arange(0, BLOCK_H)
-    t = first + (pid - first // TOK - seq) * TOK + r // GROUP
-    mine = (r < TOK * GROUP) & (t < last)
-    pos = tl.load(seq_lens_ptr + seq, mask=is_seq, other=0) - (last - t)  # -1 or less: padding
-    live = mine & is_seq & (pos >= 0)
-    return seq, t.to(tl.int64), r % GROUP, mine, tl.where(live, pos + 1, 0)
-
-
-@triton.jit
-def _attend_rows(
-    q, k_cache_ptr, v_cache_ptr, bt_row, start, end, end_max, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
-    stride_chead, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr,
-    IEEE: tl.constexpr,
-):  # fmt: skip
-    # split_kv.attend_tiles for rows of their own ends (end [BLOCK_H]; the tiles run to end_max,
-    # their largest): row r's state changes only on the tiles that hold one of its keys, by
-    # attend_tiles' step (softmax_step) for a query of end[r], so its bits are those of a program
-    # of its own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n0 in range(start, end_max, BLOCK_N_):
-        offs_n = n0 + tl.arange(0, BLOCK_N_)
-        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < end_max, kv_head, sm_scale_log2,
-                           stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
-        s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
-        m_n, l_n, acc_n = softmax_step(m_i, l_i, acc, s, v, IEEE, True)  # NaN only on a row the tile skips
-        on = n0 < end
-        m_i = tl.where(on, m_n, m_i)
-        l_i = tl.where(on, l_n, l_i)
-        acc = tl.where(on[:, None], acc_n, acc)
-    return m_i, l_i, acc
 
 
 @Launcher
@@ -176,8 +81,8 @@ def _token_kernel(
     # Program (t, g): token t's query heads of KV head g, every piece of its context.
     t = tl.program_id(0)
     g = tl.program_id(1)
-    seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
-    heads, h_mask, offs_d, q = _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
+    seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
+    heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
@@ -188,7 +93,7 @@ def _token_kernel(
         m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
                                        stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
                                        BLOCK_N_, IEEE, True)  # fmt: skip
-        m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
+        m, total, acc = merge_piece(m, total, acc, m_s, l_s, acc_s)
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
@@ -202,10 +107,10 @@ def _tile_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr, IEEE: tl.constexpr, TOK: tl.constexpr,
 ):  # fmt: skip
-    # Program (tile, g): the tile's tokens (_tile) for KV head g, every piece of their contexts,
+    # Program (tile, g): the tile's tokens (tile_rows) for KV head g, every piece of their contexts,
     # the K/V tiles loaded once for all of them.
     g = tl.program_id(1)
-    seq, t, h, mine, context = _tile(tl.program_id(0), qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK, GROUP,
+    seq, t, h, mine, context = tile_rows(tl.program_id(0), qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK, GROUP,
                                      BLOCK_H, SEARCH)  # fmt: skip
     heads = g * GROUP + h
     offs_d = tl.arange(0, HEAD_DIM)
@@ -218,10 +123,10 @@ def _tile_kernel(
     reach = tl.max(context, 0)
     for start in range(0, reach, SPLIT_):
         end = tl.minimum(start + SPLIT_, context)
-        m_s, l_s, acc_s = _attend_rows(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, tl.max(end, 0), g,
+        m_s, l_s, acc_s = attend_rows(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, tl.max(end, 0), g,
                                        sm_scale_log2, stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM,
                                        BLOCK_SIZE, BLOCK_N_, IEEE)  # fmt: skip
-        m_n, total_n, acc_n = _merge(m, total, acc, m_s, l_s, acc_s)
+        m_n, total_n, acc_n = merge_piece(m, total, acc, m_s, l_s, acc_s)
         on = start < context
         m = tl.where(on, m_n, m)
         total = tl.where(on, total_n, total)
@@ -247,8 +152,8 @@ def _piece_kernel(
     # programs' stores), from the one-program path's start.
     t = tl.program_id(0)
     g = tl.program_id(1)
-    seq, live, context = _locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
-    heads, h_mask, offs_d, q = _query(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
+    seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
+    heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for p in range(tl.program_id(2), tl.cdiv(context, SPLIT_), tl.num_programs(2)):
         start = p * SPLIT_
@@ -270,7 +175,7 @@ def _piece_kernel(
             l_s = tl.load(ws_l_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
             acc_s = tl.load(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
                             cache_modifier=".cg")  # fmt: skip
-            m, total, acc = _merge(m, total, acc, m_s, l_s, acc_s)
+            m, total, acc = merge_piece(m, total, acc, m_s, l_s, acc_s)
         result = acc / tl.where(total > 0, total, 1.0)[:, None]
         out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])

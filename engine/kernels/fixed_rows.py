@@ -1,0 +1,109 @@
+"""Triton functions the fixed-split attention's kernels (attention_fixed.py) inline, not kernels:
+where a program's query rows are (`locate`: a token's sequence and context; `tile_rows`: a
+prefill tile's tokens), their queries (`query_rows`), the online softmax of rows of their own
+ends over one piece (`attend_rows`) and the pieces' merge (`merge_piece`). The rules they keep
+are attention_fixed.py's; every function is the same arithmetic for a row wherever it runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from engine.kernels.split_kv import softmax_step, tile_scores
+
+
+@triton.jit
+def merge_piece(m, total, acc, m_s, l_s, acc_s):
+    # The running (max, sum of exp2, unnormalized output) with one more piece's, in base 2.
+    m_new = tl.maximum(m, m_s)
+    a = tl.exp2(m - m_new)
+    b = tl.exp2(m_s - m_new)
+    return m_new, total * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
+
+
+@triton.jit
+def locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH: tl.constexpr, ONE_EACH: tl.constexpr):
+    # Token t's sequence (the least i with query_start_loc[i + 1] > t; past the last sequence:
+    # the last, and not live), and its context length (its position + 1; 0 when not live).
+    # ONE_EACH (as many tokens as sequences, one each): sequence t, no search.
+    if ONE_EACH:
+        seq_len = tl.load(seq_lens_ptr + t)
+        return t, seq_len > 0, seq_len
+    lo = t * 0
+    hi = t * 0 + num_seqs - 1
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        right = tl.load(qsl_ptr + mid + 1) <= t
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    seq = tl.minimum(lo, num_seqs - 1)
+    pos = tl.load(seq_lens_ptr + seq) - (tl.load(qsl_ptr + seq + 1) - t)  # -1 or less: padding
+    live = (t < tl.load(qsl_ptr + num_seqs)) & (pos >= 0)
+    return seq, live, tl.where(live, pos + 1, 0)
+
+
+@triton.jit
+def query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+           HEAD_DIM: tl.constexpr):  # fmt: skip
+    # KV head g's GROUP query heads of token t as the rows of one [BLOCK_H, HEAD_DIM] tile (zeros
+    # where not live): (heads [BLOCK_H], their mask, offs_d [HEAD_DIM], q).
+    heads = g * GROUP + tl.arange(0, BLOCK_H)
+    h_mask = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & live, other=0.0)  # fmt: skip
+    return heads, h_mask, offs_d, q
+
+
+@triton.jit
+def tile_rows(pid, qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK: tl.constexpr, GROUP: tl.constexpr,
+          BLOCK_H: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
+    # Program pid's tile: up to TOK consecutive query tokens of one sequence, row r holding token
+    # r // GROUP's query head r % GROUP. Sequence s's tiles are numbered from
+    # query_start_loc[s] // TOK + s (enough for its tokens at any alignment); the numbers past the
+    # last sequence's take the padding rows after it. -> (seq, token [BLOCK_H] int64, head in
+    # the group [BLOCK_H], rows written [BLOCK_H], context [BLOCK_H]: position + 1, 0 if not live).
+    lo = pid * 0
+    hi = lo + num_seqs
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) // TOK + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    seq = lo
+    is_seq = seq < num_seqs
+    first = tl.load(qsl_ptr + seq)
+    last = tl.where(is_seq, tl.load(qsl_ptr + seq + 1, mask=is_seq, other=0), tokens)  # one past its tokens
+    r = tl.arange(0, BLOCK_H)
+    t = first + (pid - first // TOK - seq) * TOK + r // GROUP
+    mine = (r < TOK * GROUP) & (t < last)
+    pos = tl.load(seq_lens_ptr + seq, mask=is_seq, other=0) - (last - t)  # -1 or less: padding
+    live = mine & is_seq & (pos >= 0)
+    return seq, t.to(tl.int64), r % GROUP, mine, tl.where(live, pos + 1, 0)
+
+
+@triton.jit
+def attend_rows(
+    q, k_cache_ptr, v_cache_ptr, bt_row, start, end, end_max, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
+    stride_chead, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    # split_kv.attend_tiles for rows of their own ends (end [BLOCK_H]; the tiles run to end_max,
+    # their largest): row r's state changes only on the tiles that hold one of its keys, by
+    # attend_tiles' step (softmax_step) for a query of end[r], so its bits are those of a program
+    # of its own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(start, end_max, BLOCK_N_):
+        offs_n = n0 + tl.arange(0, BLOCK_N_)
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < end_max, kv_head, sm_scale_log2,
+                           stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
+        s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
+        m_n, l_n, acc_n = softmax_step(m_i, l_i, acc, s, v, IEEE, True)  # NaN only on a row the tile skips
+        on = n0 < end
+        m_i = tl.where(on, m_n, m_i)
+        l_i = tl.where(on, l_n, l_i)
+        acc = tl.where(on[:, None], acc_n, acc)
+    return m_i, l_i, acc
