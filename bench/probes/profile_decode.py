@@ -6,6 +6,7 @@ time and the sum of its kernels' time (the gap between them is idle device time)
     python3 bench/probes/profile_decode.py --shape 0.6b --batch-sizes 1,64 --out $OUT/profile.json
     python3 bench/probes/profile_decode.py --shape 0.6b --batch-sizes 64 --host --out $OUT/p.json  # cProfile
     python3 bench/probes/profile_decode.py --batch-sizes 64 --mixed 512 --host --out $OUT/p.json  # mixed steps
+    python3 bench/probes/profile_decode.py --shape 8b --batch-sizes 1,64,256 --deterministic --out $OUT/p.json
 
 `--mixed C`: every profiled step also admits a fresh prompt of C random tokens with
 max_new_tokens 1, prefilled whole beside the B decodes (bench_engine.py's mixed step).
@@ -152,6 +153,7 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="cProfile the host's side of the steps instead")
     p.add_argument("--mixed", type=int, default=0, help="C: each step also prefills a fresh C-token prompt")
     p.add_argument("--routed-experts", action="store_true", help="record routed experts; every request asks for them")
+    p.add_argument("--deterministic", action="store_true", help="the engine in --deterministic (issue 76)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -161,7 +163,8 @@ def main() -> None:
                                    max_model_len=max(2048, args.context + 4 * args.steps + 128),
                                    max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size,
                                    load_format=ckpt.get("load_format", "auto"), weights_backup="none",
-                                   enable_return_routed_experts=args.routed_experts))  # fmt: skip
+                                   enable_return_routed_experts=args.routed_experts,
+                                   deterministic=args.deterministic))  # fmt: skip
     rng = random.Random(0)
     results = []
     for bs in sizes:
@@ -171,7 +174,8 @@ def main() -> None:
             continue
         results.append(profile_batch(core, bs, args.context, args.steps, rng, args.mixed))
         print_profile(results[-1], args.top)
-    write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "batches": results})
+    write_json(args.out, {"shape": ckpt["shape"], "tp_size": args.tp_size, "deterministic": args.deterministic,
+                          "batches": results})  # fmt: skip
     core.close()
 
 
