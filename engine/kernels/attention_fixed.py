@@ -24,8 +24,8 @@ Rules:
   seq_len - (query_start_loc[seq + 1] - t). A step of as many tokens as sequences (a decode,
   eager or a graph's: the scheduler schedules no sequence without a token) skips the search:
   token t is sequence t (`ONE_EACH`: the search's dependent loads were 0.5 of a one-row split
-  step's 12.9 us at 576 tokens, H200). Rows past the step's last sequence, and rows of sequences of seq_len 0
-  (graph padding), write zeros.
+  step's 12.9 us at 576 tokens, H200). Rows past the step's last sequence, and rows of
+  sequences of seq_len 0 (graph padding), write zeros.
 - The K/V of the step's new tokens are in the cache before the kernel runs (the backend stores
   them first).
 - Where it runs may follow the step, what it computes may not: a step of at most `FEW_TOKENS`
@@ -111,7 +111,7 @@ def _tile_kernel(
     # the K/V tiles loaded once for all of them.
     g = tl.program_id(1)
     seq, t, h, mine, context = tile_rows(tl.program_id(0), qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK, GROUP,
-                                     BLOCK_H, SEARCH)  # fmt: skip
+                                         BLOCK_H, SEARCH)  # fmt: skip
     heads = g * GROUP + h
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
@@ -124,8 +124,8 @@ def _tile_kernel(
     for start in range(0, reach, SPLIT_):
         end = tl.minimum(start + SPLIT_, context)
         m_s, l_s, acc_s = attend_rows(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, tl.max(end, 0), g,
-                                       sm_scale_log2, stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM,
-                                       BLOCK_SIZE, BLOCK_N_, IEEE)  # fmt: skip
+                                      sm_scale_log2, stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM,
+                                      BLOCK_SIZE, BLOCK_N_, IEEE)  # fmt: skip
         m_n, total_n, acc_n = merge_piece(m, total, acc, m_s, l_s, acc_s)
         on = start < context
         m = tl.where(on, m_n, m)

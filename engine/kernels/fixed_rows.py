@@ -45,7 +45,7 @@ def locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH: tl.constexpr, ONE_EACH: t
 
 @triton.jit
 def query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-           HEAD_DIM: tl.constexpr):  # fmt: skip
+               HEAD_DIM: tl.constexpr):  # fmt: skip
     # KV head g's GROUP query heads of token t as the rows of one [BLOCK_H, HEAD_DIM] tile (zeros
     # where not live): (heads [BLOCK_H], their mask, offs_d [HEAD_DIM], q).
     heads = g * GROUP + tl.arange(0, BLOCK_H)
@@ -58,7 +58,7 @@ def query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP: tl.constexpr, BLO
 
 @triton.jit
 def tile_rows(pid, qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK: tl.constexpr, GROUP: tl.constexpr,
-          BLOCK_H: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
+              BLOCK_H: tl.constexpr, SEARCH: tl.constexpr):  # fmt: skip
     # Program pid's tile: up to TOK consecutive query tokens of one sequence, row r holding token
     # r // GROUP's query head r % GROUP. Sequence s's tiles are numbered from
     # query_start_loc[s] // TOK + s (enough for its tokens at any alignment); the numbers past the

@@ -29,8 +29,8 @@ came in (issue 76). Rules that make this kernel invariant:
   without `Arrivals` a second kernel sums them the same way. With many tiles one program walks
   every chunk of its tile and sums the same way: from WALK_CHUNKS chunks (3 from MANY_ROWS rows)
   in one loop over K that folds each chunk's partial into the sum as the chunk ends
-  (`_walk_chunks`), so the loads run on across chunks; fewer chunks a pipeline each. The same partials, added in the same order,
-  give the same bits every way.
+  (`_walk_chunks`), so the loads run on across chunks; fewer chunks a pipeline each. The same
+  partials, added in the same order, give the same bits every way.
 - Rows past M and columns past N read row M-1 / N-1 (no mask on those loads) and are never
   stored; a K that BLOCK_K does not divide masks its last step's columns to zero (fixed by K).
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
@@ -77,7 +77,7 @@ SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (mor
 FEW_ROWS = 16  # at most this many rows: 16-row tiles (`rows_tile`)
 FEW_WIDE_N = 4096  # N from which a few-rows tile is 128 columns wide, below it 64
 MID_ROWS = 256  # at least this many rows (a large decode): a large weight's tiles 128 rows high
-MANY_ROWS = 1024  # at least this many rows (prefill): 128 x 128 tiles, 8 warps, 3 stages, if SMS of them or more
+MANY_ROWS = 1024  # at least this many rows (prefill): 128 x 128 tiles, 8 warps, 3 stages (SMS tiles or more)
 SMS = 132  # an H100's / H200's
 WALK_CHUNKS = 4  # a program walking this many chunks (3 from MANY_ROWS) walks them in one loop
 
@@ -105,8 +105,7 @@ def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
     up to FEW_ROWS rows, 128 x 128 (two warp groups) from MANY_ROWS where SMS tiles or more;
     from MID_ROWS, a weight of N or K >= WIDE_N (the lm_heads, the 8B's gate_up and down)
     128-row tiles (128 x 128 of two warp groups, or 128 x 64 of one where only K is wide); else
-    cfg's. K's order (BLOCK_K, the
-    chunks) is cfg's whatever m.
+    cfg's. K's order (BLOCK_K, the chunks) is cfg's whatever m.
     The MID_ROWS tiles, timed at 256 rows on an H200 against cuBLAS (bench/kernels/
     invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x, lm_head
     1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64 rows and for the 0.6B's layers the
