@@ -131,21 +131,28 @@ def chunking(k: int, cfg: Config) -> tuple[int, int]:
 
 
 @triton.jit
+def _step_tiles(x_ptrs, w_ptrs, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K] tiles of the K step at k0 (x_ptrs and
+    w_ptrs already there): columns past K read as zeros."""
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+        w = tl.load(w_ptrs)
+    else:
+        k_ok = (k0 + tl.arange(0, BLOCK_K))[None, :] < K
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+    return x, w
+
+
+@triton.jit
 def _chunk_sum(x_ptrs, w_ptrs, k_start, k_end, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """One chunk's fp32 partial [BLOCK_M, BLOCK_N]: from zero, K ascending in BLOCK_K steps."""
-    offs_k = tl.arange(0, BLOCK_K)
     x_ptrs += k_start
     w_ptrs += k_start
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = (k0 + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        x, w = _step_tiles(x_ptrs, w_ptrs, k0, K, EVEN_K, BLOCK_K)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -158,18 +165,11 @@ def _walk_chunks(x_ptrs, w_ptrs, K, CHUNK_STEPS, EVEN_K: tl.constexpr, BLOCK_M: 
     """Every chunk's partial, summed in chunk order [BLOCK_M, BLOCK_N]: ((p_0 + p_1) + p_2) + ...,
     each p_c `_chunk_sum`'s (from zero, its K ascending). One loop over all of K, so the loads
     of the next chunk are in flight while a chunk ends (no pipeline drained and filled per chunk)."""
-    offs_k = tl.arange(0, BLOCK_K)
     steps = tl.cdiv(K, BLOCK_K)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, steps):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = (step * BLOCK_K + offs_k)[None, :] < K
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        x, w = _step_tiles(x_ptrs, w_ptrs, step * BLOCK_K, K, EVEN_K, BLOCK_K)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
