@@ -2,8 +2,8 @@
 on its old URL (the gateway knows workers by URL; it keeps probing a dead one, as it does for
 `--worker-urls`).
 
-- streams on the killed replica end with an error event and `[DONE]`; those on the other replica
-  finish as asked;
+- streams still running on the killed replica end with an error event and `[DONE]`; those on the
+  other replica finish as asked;
 - non-streamed requests caught by the kill are retried on the other replica (smg retries a
   transport error) and answer in full;
 - the gateway marks the dead replica not ready and routes everything to the other one;
@@ -33,6 +33,13 @@ def _worker(stream: BackgroundStream) -> str:
     return stream.headers["x-smg-routed-worker-id"]
 
 
+def _early(stream: BackgroundStream) -> bool:
+    """Streaming still, with more than half its tokens to come (a kill now cuts it)."""
+    if stream.done or not stream.events:
+        return False
+    return len(stream.events[-1].get("output_ids", [])) < LONG["max_new_tokens"] // 2
+
+
 def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
     demo_dir: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -40,12 +47,15 @@ def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
     with replicas(demo_dir, logs, 2, *FAST_HEALTH) as (gateway, servers):
         urls = [s.url for s in servers]
         streams: list[BackgroundStream] = []
-        for i in range(12):  # until both replicas run at least two streams
+        for i in range(24):  # until both replicas run at least two streams, one of them early in its tokens
             streams.append(BackgroundStream(gateway.url, {"text": f"stream {i} starts with {i * 7} and goes on",
                                                           "sampling_params": LONG}))
             assert streams[-1].started()
-            if all(sum(_worker(s) == u for s in streams) >= 2 for u in urls):
+            mine = [[s for s in streams if _worker(s) == u] for u in urls]
+            if all(len(m) >= 2 and any(_early(s) for s in m) for m in mine):
                 break
+        else:
+            pytest.fail("the gateway never had a stream running on each replica")
         victim, survivor = servers
         plain: list[httpx.Response | Exception] = []
 
@@ -61,17 +71,23 @@ def test_a_killed_replica_fails_its_streams_and_the_gateway_routes_around_it(
             t.start()
         victim.proc.kill()  # SIGKILL: no graceful shutdown; its engine exits with it
 
+        broken = 0
         for s in streams:
             events = s.wait()
             assert s.done  # the gateway ends a broken stream with [DONE] too
-            if _worker(s) == victim.url:
-                assert "error" in events[-1] and "finish_reason" not in json.dumps(events[-1]), events[-1]
+            if _worker(s) == victim.url and "error" in events[-1]:
+                assert "finish_reason" not in json.dumps(events[-1]), events[-1]
                 assert all(e.get("meta_info", {}).get("finish_reason") is None for e in events[:-1])
+                broken += 1
+            elif _worker(s) == victim.url:  # it had finished before the kill (a slow machine starts the next ones late)
+                assert events[-1]["meta_info"]["finish_reason"]["type"] == "length", events[-1]
+                assert len(events[-1]["output_ids"]) == LONG["max_new_tokens"]
             else:
                 assert _worker(s) == survivor.url
                 assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
                 assert len(events[-1]["output_ids"]) == LONG["max_new_tokens"]
         assert {_worker(s) for s in streams} == {victim.url, survivor.url}
+        assert broken >= 1, "no stream on the killed replica was cut by the kill"
         for t in posters:  # the streams above have ended: these run beside nothing but each other
             t.join(600)
         assert len(plain) == 4, f"{4 - len(plain)} of 4 non-streamed requests unanswered after 600 s: {plain}"
