@@ -21,6 +21,7 @@ from engine.request import SamplingParams
 from server.errors import error_body, service_unavailable
 from server.event_stream import Batch, EventStream
 from server.generation import Job, make_jobs, run_jobs
+from server.json_parts import JsonParts
 from server.schemas import AbortRequestIn, GenerateRequest, PauseGenerationIn
 from server.text_input import encode_text
 from server.token_text import TokenText
@@ -113,16 +114,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, intervals, text))
     # Each job's JSON as it ends; the body is the parts joined (a list for a batch or n > 1).
     parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, version, text)))
-    body = _json_array(parts) if is_batch or len(parts) > 1 else parts[0]
-    return Response(body, media_type="application/json")
-
-
-def _json_array(parts: list[bytes]) -> bytes:
-    """The JSON array of encoded values in one copy of them (with routed experts a 256-answer
-    batch is ~270 MB): the brackets join the first and last parts."""
-    if len(parts) == 1:
-        return b"[" + parts[0] + b"]"
-    return b",".join([b"[" + parts[0], *parts[1:-1], parts[-1] + b"]"])
+    return JsonParts(parts, array=is_batch or len(parts) > 1)
 
 
 class _NativeEvents:

@@ -44,6 +44,7 @@ def test_per_prompt_fields_match_each_prompt_alone(demo_server: ServerProcess) -
     with demo_server.client() as http:
         r = http.post("/generate", json=batch)
         assert r.status_code == 200, r.text
+        assert int(r.headers["content-length"]) == len(r.content) and "transfer-encoding" not in r.headers
         outs = r.json()
         alone = [http.post("/generate", json={
             "input_ids": ids, "sampling_params": sp, "return_logprob": lp, "top_logprobs_num": k, "logprob_start_len": s,
