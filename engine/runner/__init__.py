@@ -3,7 +3,10 @@ process.
 
 - `model_runner.py`: `ModelRunner`, startup as a recipe (model, weights, KV cache, attention
   backend, sampler, graphs); `launch` queues a step on the device without waiting.
+- `model_builder.py`: the model and the draft model built on the meta device, in the engine's dtype.
 - `kv_sizing.py`: how many KV blocks the cache gets (the profiling forward on CUDA).
+- `graph_sizes.py`: which graphs the engine captures (decode, verify, piecewise), by config,
+  device and backend.
 - `step_plan.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
   tensor-parallel rank runs); `step_inputs.py`: a plan sent to the device as the step's input
   tensors, in one copy.

@@ -23,6 +23,7 @@ from engine.memory.kv_budget import (
 )
 from engine.parallel import TensorParallel
 from engine.runner.draft_model import DraftModel
+from engine.runner.graph_sizes import GraphSizes
 from engine.runner.step_inputs import Uploader, build_metadata
 
 log = logging.getLogger("siesta.engine")
@@ -47,12 +48,10 @@ class SizedRunner(Protocol):
     num_heads: int
     num_kv_heads: int
     max_model_len: int
-    graph_max_bs: int
+    graph_sizes: GraphSizes
     draft: DraftModel | None
 
     def make_backend(self, kv_cache: torch.Tensor) -> AttentionBackend: ...
-
-    def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]: ...
 
 
 def num_kv_blocks(runner: SizedRunner) -> int:
@@ -116,8 +115,9 @@ def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     free, total = torch.cuda.mem_get_info(device)
     non_torch = total - free - torch.cuda.memory_reserved(device)
     itemsize = torch.finfo(runner.dtype).bits // 8
-    reserve = runner.graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if runner.graph_max_bs else 0
-    pieces = runner.piecewise_sizes(budget)
+    graph_max_bs = runner.graph_sizes.decode_max_bs
+    reserve = graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if graph_max_bs else 0
+    pieces = runner.graph_sizes.piecewise(budget)
     if pieces:  # the piecewise graphs' pool holds a forward's activations, not the weights again
         reserve += peak - resident + pieces[-1] * (runner.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN
     return GpuMemoryProfile(total, max(non_torch, 0), peak, reserve)

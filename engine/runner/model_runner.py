@@ -25,16 +25,17 @@ from engine.kernels import configure as configure_kernels
 from engine.memory.kv_budget import make_kv_cache
 from engine.memory.poison import tensors_of
 from engine.memory.regions import MemoryRegions
-from engine.models import get_model_class, invariant
+from engine.models import invariant
 from engine.models.hooks import DecodeStepPath
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
 from engine.request import Batch, Request
 from engine.runner.cuda_graph import CudaGraphRunner
-from engine.runner.draft_model import DraftModel
+from engine.runner.graph_sizes import GraphSizes
 from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
-from engine.runner.piecewise_graph import PiecewiseGraphRunner, piecewise_token_sizes
+from engine.runner.model_builder import ModelBuilder
+from engine.runner.piecewise_graph import PiecewiseGraphRunner
 from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.route_log import RouteLog
 from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
@@ -46,9 +47,6 @@ from engine.weights.store import WeightStore
 log = logging.getLogger("siesta.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_GIB = 1 << 30
-# Largest decode batch captured by default: fewer on a small GPU.
-_DEFAULT_GRAPH_MAX_BS = 256
 # Steps of up to this many tokens all-reduce through the fused NVLink kernel at tp_size > 1.
 FUSED_REDUCE_MAX_ROWS = 256
 
@@ -89,7 +87,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config)
         self.block_size = config.block_size
         self.backend_name = resolve_backend_name(config.attention_backend, self.device.type, config.deterministic)
-        self.graph_max_bs = self._graph_max_bs()
+        self.graph_sizes = GraphSizes.of(config, self.device, get_backend_class(self.backend_name), model_config)
         self.upload = Uploader(self.device)
         self.memory = MemoryRegions(self.device, enabled=config.memory_saver, poison_on_resume=config.debug_poison_on_resume)
         torch.manual_seed(config.seed)
@@ -104,9 +102,10 @@ class ModelRunner:
         with self.memory.region("cuda_graph"):
             self.arrivals = invariant.reserve(self.device) if config.deterministic else None
         t0 = time.perf_counter()
+        build = ModelBuilder(config, self.dtype, self.device, self.arrivals)
         with self.memory.region("weights"):
-            self.model = self._build_model()
-            self.draft = self._build_draft()  # speculative decoding's draft model, riding in the same allocation
+            self.model = build.model(model_config, tp=tp, logits_pieces=config.logits_pieces)
+            self.draft = build.draft(self.model, model_config, self.block_size)  # riding in the same allocation
             self.weights = WeightStore(self.model, self.device)
         if config.load_format == "dummy":
             load_dummy(self.model, config.seed)
@@ -154,18 +153,19 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.piecewise: PiecewiseGraphRunner | None = None
         self.decode_paths: list[DecodeStepPath] = []
-        piecewise_sizes = self.piecewise_sizes(self.num_kv_blocks * self.block_size)
+        piecewise_sizes = self.graph_sizes.piecewise(self.num_kv_blocks * self.block_size)
+        graph_max_bs = self.graph_sizes.decode_max_bs
         with self.memory.region("cuda_graph"):
             self.attn_backend = self.make_backend(self.kv_cache)
             if self.draft is not None:
                 self.draft.backend = self.make_backend(self.kv_caches[1], self.draft.config)
             if self.device.type == "cuda" and not config.deterministic:  # their kernels reduce in their own orders
                 self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
-            pool = torch.cuda.graph_pool_handle() if self.graph_max_bs > 0 or piecewise_sizes else None
-            if self.graph_max_bs > 0:
+            pool = torch.cuda.graph_pool_handle() if graph_max_bs > 0 or piecewise_sizes else None
+            if graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
-                    self.model, self.attn_backend, self.graph_max_bs, mc.vocab_size, self.device, pool=pool,
-                    long_kv_rows=long_kv_rows(self.decode_paths), verify_rows=self._verify_rows(),
+                    self.model, self.attn_backend, graph_max_bs, mc.vocab_size, self.device, pool=pool,
+                    long_kv_rows=long_kv_rows(self.decode_paths), verify_rows=self.graph_sizes.verify_rows,
                 )
             if piecewise_sizes:
                 self.piecewise = PiecewiseGraphRunner(
@@ -238,42 +238,6 @@ class ModelRunner:
             max_model_len=self.max_model_len,
         )
 
-    def _graph_max_bs(self) -> int:
-        """0 when decode runs eagerly: off on CPU, off by flag, or a backend without graphs."""
-        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph and not self._reference_moe()
-        if self.device.type != "cuda" or self.config.disable_cuda_graph or not graphs_possible:
-            return 0
-        if self.config.cuda_graph_max_bs is not None:
-            return min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return min(self.config.max_num_seqs, _DEFAULT_GRAPH_MAX_BS if total >= 40 * _GIB else 128)
-
-    def _reference_moe(self) -> bool:
-        """`--deterministic` with a mixture of experts: the torch reference, which syncs with the
-        host per expert (models/moe.py), so every step runs eagerly."""
-        return self.config.deterministic and self.model_config.num_experts > 0
-
-    def _verify_rows(self) -> int:
-        """The most rows of a verify step (speculative decoding: every drafting request's last
-        token and drafts) on CUDA outside `--deterministic`, where decode paths may be attached;
-        0: no verify graphs (no drafts, or the plain graphs serve them)."""
-        c = self.config
-        if c.speculative_algorithm is None or self.device.type != "cuda" or c.deterministic:
-            return 0
-        return c.speculative_disable_by_batch_size * (c.speculative_num_draft_tokens + 1)
-
-    def piecewise_sizes(self, kv_capacity_tokens: int) -> list[int]:
-        """The token counts of the piecewise graphs for steps with prefill: none on CPU, by flag, or
-        in `--deterministic` with a backend without graphs (its row-wise attention runs eagerly)."""
-        limit = self.config.piecewise_cuda_graph_max_tokens
-        graphs_possible = get_backend_class(self.backend_name).supports_cuda_graph
-        if self.device.type != "cuda" or self.config.disable_cuda_graph or limit == 0:
-            return []
-        if self.config.deterministic and (not graphs_possible or self._reference_moe()):
-            return []
-        cap = min(self.config.max_num_batched_tokens, limit or self.config.max_num_batched_tokens)
-        return piecewise_token_sizes(cap, kv_capacity_tokens)
-
     def _fused_reduce(self, tp: TensorParallel) -> FusedReduce:
         """The NVLink all-reduce fused into the norms (engine/kernels/tp_reduce.py), for steps of up
         to FUSED_REDUCE_MAX_ROWS tokens: every decode graph; larger prefills use NCCL."""
@@ -283,38 +247,6 @@ class ModelRunner:
         log.info("tensor parallelism: fused NVLink all-reduce for steps of <= %d tokens (%.1f MiB of buffers)",
                  FUSED_REDUCE_MAX_ROWS, fused.nbytes / (1 << 20))
         return fused
-
-    def _build_model(self) -> torch.nn.Module:
-        """The model on the meta device, in the engine's dtype (WeightStore gives it memory)."""
-        return self._on_meta(self.model_config, tp=self.tp, logits_pieces=self.config.logits_pieces)
-
-    def _build_draft(self) -> DraftModel | None:
-        """The draft model (`--speculative-algorithm draft`) on the meta device, attached as the
-        target's `draft` (engine/runner/draft_model.py); None without one."""
-        c = self.config
-        if c.speculative_algorithm != "draft":
-            return None
-        mc = ModelConfig.from_hf(c.speculative_draft_model_path)
-        if mc.vocab_size != self.model_config.vocab_size:
-            raise ConfigError(f"the draft model's vocabulary ({mc.vocab_size}) is not the target's ({self.model_config.vocab_size})")
-        model = self._on_meta(mc, logits_pieces=False)
-        self.model.draft = model
-        return DraftModel(model, mc, self.block_size, c.max_num_batched_tokens)
-
-    def _on_meta(self, mc: ModelConfig, **options: object) -> torch.nn.Module:
-        """`mc`'s model class built with `options` on the meta device in the engine's dtype, in
-        eval mode, `--deterministic`'s matmuls installed (the attention: resolve_backend_name)."""
-        cls = get_model_class(mc.architecture)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device("meta"):
-                model = cls(mc, fused=None if self.config.fused_ops else False, **options)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.deterministic:
-            invariant.install(model, self.device, self.arrivals)
-        return model.eval()
 
     def propose_drafts(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """The draft model's ks[i] tokens for requests[i] (draft_model.py); none while its weights
