@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.request import Request, SamplingParams
-from engine.runner.sampler import Sampler, SamplingBatch
+from engine.runner.sampler import Sampler
+from engine.runner.sampling_batch import SamplingBatch
 from engine.runner.step_inputs import Uploader
 
 CPU = torch.device("cpu")

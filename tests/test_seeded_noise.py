@@ -39,7 +39,8 @@ def check_noise(device: str) -> None:
 def check_sampler(device: str) -> None:
     from test_sampler import assert_close, make_request
 
-    from engine.runner.sampler import Sampler, SamplingBatch
+    from engine.runner.sampler import Sampler
+    from engine.runner.sampling_batch import SamplingBatch
 
     dev = torch.device(device)
 

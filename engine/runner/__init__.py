@@ -10,7 +10,8 @@ process.
 - `step_plan.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every
   tensor-parallel rank runs); `step_inputs.py`: a plan sent to the device as the step's input
   tensors, in one copy.
-- `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`).
+- `sampling_plan.py`: the step's sampling inputs as plain numbers (`SamplingPlan`);
+  `sampling_batch.py`: the same on the device (`SamplingBatch`), with the flags of the launches it needs.
 - `launched_step.py`: a step in flight; its results are read back one step later (overlap).
 - `sampler.py`: greedy and random sampling, logprobs (on CUDA through
   engine/kernels/lse_argmax.py: one read of the logits, or in a decode graph of up to 64 rows only

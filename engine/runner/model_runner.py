@@ -38,7 +38,8 @@ from engine.runner.model_builder import ModelBuilder
 from engine.runner.piecewise_graph import PiecewiseGraphRunner
 from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.route_log import RouteLog
-from engine.runner.sampler import SampledOnDevice, Sampler, SamplingBatch
+from engine.runner.sampler import SampledOnDevice, Sampler
+from engine.runner.sampling_batch import SamplingBatch
 from engine.runner.step_inputs import StepInputs, Uploader, step_inputs
 from engine.runner.step_plan import SLOTS_PART, StepPlan, mixed_plan, plan_step
 from engine.weights.loader import load_checkpoint, load_dummy
