@@ -1,164 +1,34 @@
-"""The benchmark scripts run on the device machine only, so CI checks what it can of them: every
-suite, kernel benchmark and probe parses its arguments (`--help`) without a GPU; bench_memory.py
-without a GPU exits 2 with a JSON file that says why; bench_engine.py, bench_serving.py,
-bench_flip.py (every push mode a CPU has), bench_replicas.py (where smg is installed),
-control_storm.py and probes/grammar_fill.py run every code path of theirs in `--tiny` mode on the
-CPU (numbers meaningless, fields checked); kernels/occupancy.py compiles the decode path's Triton
-kernels for Hopper without a GPU and the occupancy they are built on is checked here. The suite's
-shape is held too: one report helper prints every table, RESULTS.md is the current state (a row
-per target naming its device, date and command), and nothing imports a probe."""
+"""The benchmark scripts run on the device machine only, so CI runs what it can of them
+(test_bench_suite.py checks the suite's shape): bench_memory.py without a GPU exits 2 with a JSON
+file that says why; bench_engine.py, bench_serving.py, bench_flip.py (every push mode a CPU has),
+bench_replicas.py (where smg is installed), control_storm.py, bench_speculative.py,
+bench_deterministic.py and probes/grammar_fill.py run every code path of theirs in `--tiny` mode
+on the CPU (numbers meaningless, fields checked); kernels/occupancy.py compiles the decode path's
+Triton kernels for Hopper without a GPU and the occupancy they are built on is checked here."""
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import io
 import json
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = Path(ROOT) / "bench"
-SUITES = ["bench_engine.py", "bench_serving.py", "bench_flip.py", "bench_memory.py", "bench_replicas.py",
-          "bench_tp.py", "control_storm.py", "bench_speculative.py", "bench_deterministic.py"]
-SCRIPTS = SUITES + sorted(f"{d}/{p.name}" for d in ("kernels", "probes") for p in (BENCH / d).glob("*.py"))
-
-
-# A bound, not a speed check: the smoke runs take ~50-60 s alone on two cores and must survive a
-# machine several times busier (another suite beside it, a busy loop on one of its cores).
-SMOKE_TIMEOUT_S = 480
-
-
-def _run(*args: str, timeout: float = SMOKE_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmarks_parse_their_arguments_anywhere(script: str) -> None:
-    p = _run(os.path.join("bench", script), "--help")
-    assert p.returncode == 0, p.stderr
-    assert "usage:" in p.stdout and "Traceback" not in p.stderr
-
-
-def test_the_report_helper_prints_the_table_it_is_given() -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from report import Rows, print_table, print_targets
-    finally:
-        sys.path.remove(str(BENCH))
-    rows = Rows()
-    rows.add("decode step bs=1 (ms)", 0.727, 0.296, 2.4561, "<= 2.5", True)
-    rows.add("requests per replica", "512 / 512", 1024, note="valid", cpu=37.1)
-    rows.add("copy bandwidth (GB/s)", 4235.04, None, None, "-", None)
-    rows.add("tiny ratio", 0.00123, ratio=float("nan"), target=">= 0.65", ok=False)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        print_targets("a title", rows, extra=[("server CPU %", "cpu")], footer=["total 3 s"])
-        print_table("kernels", ["op", "us"], [["rms_norm", 12], ["silu", 3.14159]])
-    assert out.getvalue().splitlines() == [
-        "",
-        "## a title",
-        "| metric | measured | reference | ratio | target | ok | server CPU % | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        "| decode step bs=1 (ms) | 0.7270 | 0.2960 | 2.456 | <= 2.5 | PASS | - |  |",
-        "| requests per replica | 512 / 512 | 1024 | - | - | - | 37.1 | valid |",
-        "| copy bandwidth (GB/s) | 4235.0 | - | - | - | - | - |  |",
-        "| tiny ratio | 0.00123 | - | - | >= 0.65 | FAIL | - |  |",
-        "total 3 s",
-        "",
-        "## kernels",
-        "| op | us |",
-        "| --- | --- |",
-        "| rms_norm | 12 |",
-        "| silu | 3.142 |",
-    ]
-    assert rows[1] == dict(metric="requests per replica", measured="512 / 512", reference=1024, ratio=None,
-                           target="-", ok=None, note="valid", cpu=37.1)  # the JSON keeps the rows as they are
-
-
-def test_results_is_the_current_state_and_every_row_says_where_and_how() -> None:
-    text = (BENCH / "RESULTS.md").read_text()
-    assert len(text.splitlines()) <= 200
-    tables = [line for line in text.splitlines() if line.startswith("| ")]
-    head = [c.strip() for c in tables[0].strip("|").split("|")]
-    assert {"metric", "value", "ratio", "target", "device", "date", "command"} <= set(head), head
-    rows = [line for line in tables if not line.startswith(("| metric |", "| --- |"))]
-    assert len(rows) >= 20
-    for line in rows:
-        cells = dict(zip(head, (c.strip() for c in line.strip().strip("|").split(" | ")), strict=True))
-        assert re.fullmatch(r"(\d+x )?H[0-9]{3}", cells["device"]), line
-        assert re.fullmatch(r"2\d{3}-\d\d-\d\d", cells["date"]), line
-        assert cells["command"].startswith("`") and ".py" in cells["command"], line
-        entry = re.fullmatch(r"\[(\d{4}-\d\d-\d\d)[a-z]\]\(history/(\d{4}-\d\d-\d\d)\.md\)", cells["entry"])
-        assert entry and entry[1] == entry[2] == cells["date"] and (BENCH / "history" / f"{entry[2]}.md").exists(), line
-    for path in re.findall(r"`(?:[A-Z_]+=\S+ )?python3 (?:-m pytest \S+ \S+ )?(\S+\.py)", text):
-        assert (Path(ROOT) / path).exists(), path
-
-
-def test_no_bench_file_imports_a_probe_and_probes_stay_on_public_names() -> None:
-    probes = {p.stem for p in (BENCH / "probes").glob("*.py")}
-    wrong = []
-    for path in BENCH.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-                if path.parent.name == "probes" and (node.module or "").startswith("engine"):
-                    wrong += [f"{path.name} imports engine's private {a.name}" for a in node.names if a.name.startswith("_")]
-            wrong += [f"{path.relative_to(BENCH)} imports the probe {n}" for n in names if n.split(".")[-1] in probes]
-            if path.parent.name == "probes" and isinstance(node, ast.Attribute) and re.fullmatch(r"_[a-z]\w*", node.attr):
-                wrong.append(f"{path.name} reaches the private {node.attr}")
-    assert not wrong, wrong
-
-
-def test_the_readme_names_every_script_and_says_nothing_of_how_it_was_made() -> None:
-    readme = (BENCH / "README.md").read_text()
-    for script in SUITES + ["report.py"] + [s for s in SCRIPTS if "/" in s]:
-        assert f"bench/{script}" in readme, script
-    said = [f"{p.relative_to(BENCH)}: {line.strip()}" for p in BENCH.rglob("*") if p.suffix in (".py", ".md")
-            and p.parent.name != "history" for line in p.read_text().splitlines()
-            if re.search(r"session", line.replace("start_new_session", ""), re.I)]
-    assert not said, said
+from bench_util import run_script
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_bench_memory_without_a_gpu_says_why(tmp_path: str) -> None:
     out = os.path.join(tmp_path, "memory.json")
-    p = _run(os.path.join("bench", "bench_memory.py"), "--out", out)
+    p = run_script(os.path.join("bench", "bench_memory.py"), "--out", out)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "needs an NVIDIA GPU" in p.stdout
     with open(out) as f:
         assert "gpu" in json.load(f)["errors"]
 
 
-def test_decode_targets_by_batch_and_context() -> None:
-    """Short contexts keep each shape's targets; from 8k tokens issue 77's: batch 1 at 32k, batches 4-8."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        from engine_shapes import SHAPES
-        from engine_table import decode_target
-    finally:
-        sys.path.remove(str(BENCH))
-
-    big, small = SHAPES["8b"], SHAPES["0.6b"]
-    assert decode_target(big, 1, 512) == ("<=", 1.3) and decode_target(small, 1, 512) == ("<=", 2.5)
-    assert decode_target(big, 64, 512) == (">=", 0.75) and decode_target(small, 8, 512) is None
-    assert decode_target(small, 1, 32768) == ("<=", 1.3) and decode_target(small, 1, 8192) is None
-    assert decode_target(big, 4, 8192) == decode_target(small, 8, 32768) == (">=", 0.85)
-    assert decode_target(small, 64, 8192) is None
-    assert SHAPES["0.6b"]["max_position_embeddings"] == SHAPES["8b"]["max_position_embeddings"] == 40960
-
-
 def test_bench_engine_tiny_measures_the_shape_it_loads(tmp_path: str) -> None:
     out, ckpt = os.path.join(tmp_path, "engine.json"), os.path.join(tmp_path, "ckpt")
-    p = _run(os.path.join("bench", "bench_engine.py"), "--tiny", "--model-dir", ckpt, "--skip", "hf", "--out", out)
+    p = run_script(os.path.join("bench", "bench_engine.py"), "--tiny", "--model-dir", ckpt, "--skip", "hf", "--out", out)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
@@ -212,7 +82,7 @@ def test_bench_tokenizer_decodes_every_id_of_the_model(tmp_path: str) -> None:
         "print(json.dumps([len(t), len(set(words)), min(len(w) for w in words), words[:2],\n"
         "                  t(text)['input_ids'] == build_tokenizer()(text)['input_ids']]))\n"
     )
-    p = _run("-c", code)
+    p = run_script("-c", code)
     assert p.returncode == 0, p.stdout + p.stderr
     size, distinct, shortest, first, same_encoding = json.loads(p.stdout.strip().splitlines()[-1])
     assert size == 2000 and distinct == 2000 - 512 and shortest >= 4  # " " and three letters at least
@@ -224,7 +94,7 @@ def test_bench_serving_compares_a_second_servers_flags(tmp_path: str) -> None:
     attention backend is the mode's), runs batched, singles and n8 again; a row per mode against
     the same mode without, with --compare-target."""
     out = os.path.join(tmp_path, "compare.json")
-    p = _run(os.path.join("bench", "bench_serving.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
+    p = run_script(os.path.join("bench", "bench_serving.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
              "--out", out, "--skip", "engine,streams,online,longtail", "--compare-server-args=--deterministic",
              "--compare-target", "0.5")  # fmt: skip
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
@@ -243,7 +113,7 @@ def test_bench_serving_tiny_runs_every_section(tmp_path: str) -> None:
     server_args = "--device cpu --dtype float32 --kv-cache-memory-gb 0.05 --max-model-len 256 --api-server-count 2"
     args = ["--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out, "--rounds", "3",
             "--server-args", server_args, "--deadline-s", "400"]  # every section, however busy the machine
-    p = _run(os.path.join("bench", "bench_serving.py"), *args)
+    p = run_script(os.path.join("bench", "bench_serving.py"), *args)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
@@ -284,7 +154,7 @@ def test_bench_replicas_tiny_runs_every_section(tmp_path: str) -> None:
     outputs unchanged under the new weight version."""
     pytest.importorskip("smg")
     out = os.path.join(tmp_path, "r.json")
-    p = _run(os.path.join("bench", "bench_replicas.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out,
+    p = run_script(os.path.join("bench", "bench_replicas.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out,
              "--deadline-s", "400", "--startup-timeout-s", "300")  # every section, however busy the machine
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
@@ -315,7 +185,7 @@ def test_bench_flip_tiny_runs_every_cpu_path(tmp_path: str) -> None:
     proof that the server took the pushed weights."""
     out = os.path.join(tmp_path, "flip.json")
     args = ["--tiny", "--flips", "2", "--out", out, "--model-dir", os.path.join(tmp_path, "ckpt")]
-    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket,vllm_ipc,tensor")
+    p = run_script(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,tensor,distributed,distributed_bucket,vllm_ipc,tensor")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
@@ -369,7 +239,7 @@ def test_bench_flip_tiny_at_tp_size_2(tmp_path: str) -> None:
     and the checkpoint pushed back restored them bit for bit."""
     out = os.path.join(tmp_path, "flip.json")
     args = ["--tiny", "--tp-size", "2", "--flips", "1", "--out", out, "--model-dir", os.path.join(tmp_path, "ckpt")]
-    p = _run(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,distributed")
+    p = run_script(os.path.join("bench", "bench_flip.py"), *args, "--push", "bucket,distributed")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     with open(out) as f:
         res = json.load(f)
@@ -388,7 +258,7 @@ def test_the_layers_attention_kernel_compiles_for_every_head_dim(tmp_path: str) 
     compile error here is an engine that fails at its first decode step on a GPU."""
     pytest.importorskip("triton")
     out = os.path.join(tmp_path, "compile.json")
-    p = _run(os.path.join("bench", "kernels", "occupancy.py"), "--decode-configs", "64x4x3", "--layers-head-dims",
+    p = run_script(os.path.join("bench", "kernels", "occupancy.py"), "--decode-configs", "64x4x3", "--layers-head-dims",
              "16,32,64,128,256", "--json", out, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     with open(out) as f:
@@ -404,7 +274,7 @@ def test_the_layers_attention_kernel_compiles_for_every_head_dim(tmp_path: str) 
 def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tmp_path: str) -> None:
     pytest.importorskip("triton")
     out = os.path.join(tmp_path, "compile.json")
-    p = _run(os.path.join("bench", "kernels", "occupancy.py"), "--persistent", "--json", out, timeout=600)
+    p = run_script(os.path.join("bench", "kernels", "occupancy.py"), "--persistent", "--json", out, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     with open(out) as f:
         kernels = json.load(f)
@@ -435,7 +305,7 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
 def test_control_storm_tiny_runs_its_trials(tmp_path: str) -> None:
     """bench/control_storm.py on the CPU: a real server, two storms, every output the reference."""
     out = os.path.join(tmp_path, "storm.json")
-    p = _run(os.path.join("bench", "control_storm.py"), "--tiny", "--trials", "2", "--model-dir",
+    p = run_script(os.path.join("bench", "control_storm.py"), "--tiny", "--trials", "2", "--model-dir",
              os.path.join(tmp_path, "ckpt"), "--out", out, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     with open(out) as f:
@@ -448,7 +318,7 @@ def test_bench_speculative_tiny_gives_plain_decodings_outputs(tmp_path: str) -> 
     """bench/bench_speculative.py on the CPU: both engines run every workload; the outputs with
     drafts are plain decoding's, and the second rollout's drafts are accepted."""
     out = os.path.join(tmp_path, "spec.json")
-    p = _run(os.path.join("bench", "bench_speculative.py"), "--tiny", "--batch-sizes", "1,2", "--output-len", "24",
+    p = run_script(os.path.join("bench", "bench_speculative.py"), "--tiny", "--batch-sizes", "1,2", "--output-len", "24",
              "--model-dir", os.path.join(tmp_path, "ckpt"), "--out", out, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     with open(out) as f:
@@ -464,7 +334,7 @@ def test_bench_deterministic_tiny_measures_both_modes(tmp_path: str) -> None:
     """bench/bench_deterministic.py on the CPU: the default engine and a deterministic one each
     run every decode batch and the RL rollouts; a row per batch and one for the rollouts."""
     out = os.path.join(tmp_path, "det.json")
-    p = _run(os.path.join("bench", "bench_deterministic.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
+    p = run_script(os.path.join("bench", "bench_deterministic.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
              "--out", out, timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     with open(out) as f:
@@ -482,7 +352,7 @@ def test_grammar_fill_tiny_measures_both_backends(tmp_path: str) -> None:
     """bench/probes/grammar_fill.py on a ~2k-token BPE it trains: every backend compiles every
     grammar, every mask it fills allows the document's next token, and the one table prints."""
     out = os.path.join(tmp_path, "fill.json")
-    p = _run(os.path.join("bench", "probes", "grammar_fill.py"), "--tiny", "--batch", "8", "--max-steps", "16",
+    p = run_script(os.path.join("bench", "probes", "grammar_fill.py"), "--tiny", "--batch", "8", "--max-steps", "16",
              "--cache-dir", os.path.join(tmp_path, "cache"), "--out", out)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     with open(out) as f:
