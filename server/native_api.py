@@ -56,9 +56,11 @@ def _prompts(client: AsyncEngineClient, body: GenerateRequest) -> tuple[list[lis
     return [list(ids)], False
 
 
-def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None = None) -> dict[str, Any]:
+def meta_info(
+    out: GenerationOutput, weight_version: str, text: TokenText | None = None, routes: bool = True
+) -> dict[str, Any]:
     """SGLang's meta_info; logprob entries are [logprob, token id, the token's text or None]
-    (`text`: SGLang's return_text_in_logprobs)."""
+    (`text`: SGLang's return_text_in_logprobs); `routes` False leaves the routed experts out."""
 
     def name(tok: int) -> str | None:
         return text(tok) if text is not None else None
@@ -86,9 +88,9 @@ def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None
         meta["input_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.input_token_logprobs]
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, name(tok)] for tok, lp in row] for row in out.output_top_logprobs]
-    if out.routed_experts_base64 is not None:  # encoded as the rows arrived: a JSON string as is
+    if routes and out.routed_experts_base64 is not None:  # encoded as the rows arrived: a JSON string as is
         meta["routed_experts"] = msgspec.Raw(b'"' + out.routed_experts_base64.value() + b'"')
-    elif out.routed_experts is not None:
+    elif routes and out.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(out.routed_experts).decode("ascii")
     if out.input_top_logprobs is not None:
         meta["input_top_logprobs"] = [None if row is None else [[lp, tok, name(tok)] for tok, lp in row]
@@ -96,8 +98,21 @@ def meta_info(out: GenerationOutput, weight_version: str, text: TokenText | None
     return meta
 
 
-def _result(out: GenerationOutput, weight_version: str, text: TokenText | None = None) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, weight_version, text)}
+def _result(
+    out: GenerationOutput, weight_version: str, text: TokenText | None = None, routes: bool = True
+) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(out, weight_version, text, routes)}
+
+
+def _answer(out: GenerationOutput, weight_version: str, text: TokenText | None) -> list[bytes]:
+    """One non-streamed answer's JSON in pieces (server/json_parts.py). Its routed experts are
+    meta_info's last key, in the base64 pieces made as their rows arrived, never joined here."""
+    routes = out.routed_experts_base64
+    body = _JSON.encode(_result(out, weight_version, text, routes=routes is None))
+    if routes is None:
+        return [body]
+    assert body.endswith(b"}}"), "meta_info is the result's last key"
+    return [body[:-2], b',"routed_experts":"', *routes.pieces(), b'"}}']
 
 
 @router.post("/generate")
@@ -112,9 +127,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if body.stream:
         intervals = [each.stream_intervals[job.index // each.n] for job in jobs]
         return EventStream(client, metrics, jobs, _NativeEvents(jobs, version, len(jobs) > 1, intervals, text))
-    # Each job's JSON as it ends; the body is the parts joined (a list for a batch or n > 1).
-    parts = await run_jobs(client, metrics, jobs, request, lambda o: _JSON.encode(_result(o, version, text)))
-    return JsonParts(parts, array=is_batch or len(parts) > 1)
+    # Each job's JSON as it ends; the body is the answers (a list for a batch or n > 1).
+    answers = await run_jobs(client, metrics, jobs, request, lambda o: _answer(o, version, text))
+    return JsonParts(answers, array=is_batch or len(answers) > 1)
 
 
 class _NativeEvents:

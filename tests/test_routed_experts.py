@@ -139,4 +139,4 @@ def test_base64_as_the_rows_arrive_is_the_base64_of_them_all(pieces: list[bytes]
     stream = Base64Stream()
     for piece in pieces:
         stream.add(piece)
-    assert stream.value() == base64.b64encode(b"".join(pieces))
+    assert stream.value() == b"".join(stream.pieces()) == base64.b64encode(b"".join(pieces))

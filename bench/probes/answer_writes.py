@@ -1,14 +1,20 @@
-"""How fast a large non-streamed answer crosses loopback from uvicorn: the body written whole in
-one `Response`, against `server.json_parts.JsonParts` (the same bytes as its parts, at most 1 MiB a
-write). The default body is the routed-experts batch of bench_serving's 30B-A3B RL shape: 256
-answers of 1.05 MB of base64 each (~270 MB).
+"""What the server pays to build and send a large non-streamed answer: bench_serving's 30B-A3B RL
+batch with routed experts (256 answers, each 511 positions x 48 layers x 8 int32 ids, base64-encoded
+as the rows arrive in `engine.client.output.Base64Stream`: ~1.05 MB an answer, ~270 MB in all).
 
-A uvicorn server in its own process (this interpreter) serves both; the reader is a raw socket
-with a 1 MiB buffer, so the time is the server's writing and the kernel's copy, not a client's
-parsing. Rounds alternate the two.
+Three ways, each building the 256 answers' JSON at request time from the same streams and a small
+meta_info, then sending them from uvicorn in its own process (this interpreter):
+- `joined`: each answer encoded whole (its base64 joined, quoted, embedded as msgspec.Raw), the
+  array joined, one `Response` write (the server before 75739fb);
+- `parts`: the same answers, sent by `server.json_parts.JsonParts` one answer a piece (75739fb);
+- `pieces`: each answer's other fields encoded, then its base64 in the pieces it was made in, sent
+  by `JsonParts` in 1 MiB writes (what `/generate` does now).
+
+The reader is a raw socket with a 1 MiB buffer, so the time is the server's building and writing
+and the kernel's copy, not a client's parsing. Rounds alternate the three.
 
     python3 bench/probes/answer_writes.py --out /tmp/writes.json
-    python3 bench/probes/answer_writes.py --answers 8 --answer-bytes 100000 --rounds 2 --out /tmp/w.json   # smoke
+    python3 bench/probes/answer_writes.py --answers 8 --positions 20 --rounds 2 --out /tmp/w.json   # smoke
 """
 
 from __future__ import annotations
@@ -26,69 +32,96 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import free_port, say, write_json  # noqa: E402
 
+WAYS = ("joined", "parts", "pieces")
+ROW_BYTES = 48 * 8 * 4  # one position's routes at the 30B-A3B shape: layers x top-k x int32
+
 SERVER = """
-import sys, uvicorn
+import os, sys, msgspec, uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
+from engine.client.output import Base64Stream
 from server.json_parts import JsonParts
-n, size = int(sys.argv[2]), int(sys.argv[3])
-parts = [b'{"meta_info":{"routed_experts":"' + bytes([65 + i % 26]) * size + b'"}}' for i in range(n)]
-whole = b"[" + b",".join(parts) + b"]"
+n, positions, row = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+encode = msgspec.json.Encoder().encode
+streams = []
+for _ in range(n):
+    s = Base64Stream()
+    for _ in range(positions):
+        s.add(os.urandom(row))
+    streams.append(s)
+def result(i, routes=None):
+    meta = {"id": f"r{i}", "finish_reason": {"type": "length"}, "completion_tokens": positions,
+            "output_token_logprobs": [(-0.5, 7, None)] * 256}
+    if routes is not None:
+        meta["routed_experts"] = routes
+    return {"text": "x" * 1000, "output_ids": list(range(256)), "meta_info": meta}
+def whole():
+    return [encode(result(i, msgspec.Raw(b'"' + s.value() + b'"'))) for i, s in enumerate(streams)]
 app = FastAPI()
-app.post("/whole")(lambda: Response(whole, media_type="application/json"))
-app.post("/parts")(lambda: JsonParts(parts, array=True))
+app.post("/joined")(lambda: Response(b"[" + b",".join(whole()) + b"]", media_type="application/json"))
+app.post("/parts")(lambda: JsonParts([[a] for a in whole()], array=True))
+app.post("/pieces")(lambda: JsonParts([[encode(result(i))[:-2], b',"routed_experts":"', *s.pieces(), b'"}}']
+                                       for i, s in enumerate(streams)], array=True))
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 """
 
 
-def _fetch(port: int, path: str, length: int) -> float:
-    """Seconds from sending the request to the last byte of a `length`-byte body."""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+def _fetch(port: int, path: str) -> tuple[float, int]:
+    """(seconds from sending the request to the body's last byte, the body's length)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
         buf, got = bytearray(1 << 20), b""
         t0 = time.perf_counter()
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n".encode())
         while b"\r\n\r\n" not in got:  # headers (and the body's first bytes)
-            got += s.recv(1 << 16)
+            more = s.recv(1 << 16)
+            if not more:
+                raise RuntimeError(f"{path}: the connection closed before the headers")
+            got += more
         head, _, seen = got.partition(b"\r\n\r\n")
-        assert b"content-length: %d" % length in head.lower(), head
+        length = int(next(line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")).split(b":")[1])
         n = len(seen)
         while n < length:
             k = s.recv_into(buf)
             if not k:
                 raise RuntimeError(f"{path}: the connection closed after {n} of {length} bytes")
             n += k
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, length
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answers", type=int, default=256)
-    ap.add_argument("--answer-bytes", type=int, default=1_048_000, help="base64 characters an answer")
+    ap.add_argument("--positions", type=int, default=511, help="prompt + output - 1 positions an answer")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     port = free_port()
     env = os.environ | {"PYTHONPATH": os.path.dirname(BENCH)}
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(args.answers), str(args.answer_bytes)], env=env)
+    argv = [sys.executable, "-c", SERVER, str(port), str(args.answers), str(args.positions), str(ROW_BYTES)]
+    proc = subprocess.Popen(argv, env=env)
     try:
-        for _ in range(600):  # bounded: 60 s for the server to listen
+        for _ in range(1200):  # bounded: 120 s for the server to build its streams and listen
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
                 time.sleep(0.1)
-        length = args.answers * (len(b'{"meta_info":{"routed_experts":""}}') + args.answer_bytes) + args.answers + 1
-        times: dict[str, list[float]] = {"whole": [], "parts": []}
+        times: dict[str, list[float]] = {w: [] for w in WAYS}
+        lengths = set()
         for r in range(args.rounds):
-            for path in times:
-                times[path].append(_fetch(port, f"/{path}", length))
-            say(f"round {r}: whole {times['whole'][-1]:.3f} s, parts {times['parts'][-1]:.3f} s")
+            for way in WAYS:
+                seconds, length = _fetch(port, f"/{way}")
+                times[way].append(seconds)
+                lengths.add(length)
+            say(f"round {r}: " + ", ".join(f"{w} {times[w][-1]:.3f} s" for w in WAYS))
     finally:
         proc.kill()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    say(f"{length / 1e6:.1f} MB, Python {sys.version.split()[0]}: median whole {med['whole']:.3f} s, "
-        f"parts {med['parts']:.3f} s, parts / whole {med['parts'] / med['whole']:.3f}")
-    write_json(args.out, {"bytes": length, "python": sys.version, "seconds": times, "median": med})
+    assert len(lengths) == 1, f"the three ways gave bodies of different lengths: {lengths}"
+    med = {w: statistics.median(v) for w, v in times.items()}
+    say(f"{lengths.pop() / 1e6:.1f} MB, Python {sys.version.split()[0]}: median " + ", ".join(f"{w} {med[w]:.3f} s" for w in WAYS)
+        + f"; pieces / joined {med['pieces'] / med['joined']:.3f}")
+    write_json(args.out, {"python": sys.version, "answers": args.answers, "positions": args.positions,
+                          "seconds": times, "median": med})
 
 
 if __name__ == "__main__":

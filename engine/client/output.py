@@ -79,9 +79,13 @@ class Base64Stream:
             self._parts.append(base64.b64encode(memoryview(buf)[:cut]))
         self._rest = bytes(buf[cut:])
 
+    def pieces(self) -> list[bytes]:
+        """The base64 text (ASCII) of every byte added so far, in the pieces it was made in."""
+        return [*self._parts, base64.b64encode(self._rest)]
+
     def value(self) -> bytes:
         """The base64 text (ASCII) of every byte added so far."""
-        return b"".join([*self._parts, base64.b64encode(self._rest)])
+        return b"".join(self.pieces())
 
 
 @dataclass(slots=True)
