@@ -63,10 +63,18 @@ class TensorParallel:
     # `--deterministic`: all_reduce sums the ranks' tensors in rank order, whatever the message
     # (a library's all-reduce cuts a message into chunks by its size, each summed from another rank).
     ordered: bool = False
+    # `--enable-expert-parallel`: each rank holds num_experts / size whole experts (models/moe.py)
+    # instead of a slice of every expert's intermediate dimension.
+    expert_parallel: bool = False
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
+
+    @property
+    def whole_experts(self) -> bool:
+        """Whether this rank holds whole experts, a share of them (expert parallelism)."""
+        return self.enabled and self.expert_parallel
 
     def defers_reduce(self, bias: bool) -> bool:
         """Whether a row-parallel linear leaves its output a partial sum for the RMSNorm after it to

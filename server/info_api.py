@@ -61,7 +61,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "tokenizer_path": cfg["tokenizer"] or info["model_path"],
         "served_model_name": request.app.state.model_name,
         "host": server.host, "port": server.port,
-        "tp_size": info["tp_size"], "pp_size": 1, "dp_size": 1, "ep_size": 1, "moe_dp_size": 1, "nnodes": 1,
+        "tp_size": info["tp_size"], "pp_size": 1, "dp_size": 1, "ep_size": info["ep_size"], "moe_dp_size": 1, "nnodes": 1,
         "num_gpus": info["tp_size"] if info["device"].startswith("cuda") else 0,
         "disaggregation_mode": "null",
         "encoder_only": False,

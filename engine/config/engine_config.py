@@ -62,6 +62,11 @@ class EngineConfig:
     tp_size: int = field(
         default=1, metadata={"help": "tensor-parallel ranks: one process per device (cuda:0 ..), NCCL on CUDA, gloo on CPU"}
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={"help": "at tp_size > 1, each rank holds num_experts / tp_size whole experts instead of a slice of every "
+                          "expert (vLLM's flag); attention stays tensor-parallel"},
+    )
     disable_custom_all_reduce: bool = field(
         default=False,
         metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/kernels/tp_reduce.py)"},

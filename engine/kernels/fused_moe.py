@@ -29,6 +29,10 @@ where e = topk_ids[t, j], P = T * k. Rules:
   gate_up's BLOCK_N halved: one program holds a gate and an up accumulator).
 - Buffers come from a `MoeWorkspace` (moe_workspace.py), the shared one by default: no
   allocation when `out` is given, grids fixed by T: CUDA-graph capturable.
+- Expert parallelism (`others`): w13 / w2 hold this rank's E experts, and an id of E stands for
+  an expert another rank holds. Such pairs are sorted into one more bucket; their tiles skip the
+  K loop and write zeros, so they add nothing to the weighted sum. Without `others` the kernels
+  are compiled as before (HELD = 0).
 
 Measured (H200, bench/kernels/moe.py, 30B-A3B layer, CUDA graphs, before the unsorted few-token
 path): T=1 40 us against a 18 us roofline of its 8 experts (moe_align alone 9 us); T=8, 64, 256 at
@@ -127,7 +131,7 @@ def _grouped_gemm_kernel(
     sum_w_ptr, sum_out_ptr, count_ptr,  # SUM_K: routing weights [T, SUM_K], out [T, N], arrivals [T, grid n]
     P, N, K, stride_am, stride_om, stride_so,
     TOP_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
-    PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr,
+    PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr, HELD: tl.constexpr,  # HELD > 0: experts >= HELD are others'
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share an expert's weight columns
@@ -150,7 +154,10 @@ def _grouped_gemm_kernel(
     up_ptrs = w_ptrs + N.to(tl.int64) * K  # the up half's rows
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = K
+    if HELD > 0:  # another rank's expert: no K steps, zeros out
+        k_end = tl.where(expert < HELD, K, 0)
+    for k0 in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             w = tl.load(w_ptrs)
@@ -236,10 +243,12 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, k] int32/int64 in [0, E)
     out: torch.Tensor | None = None,  # [T, H] of x's dtype, unit last stride: written in place
     workspace: MoeWorkspace | None = None,  # None: the process's shared one (moe_workspace.py)
+    others: bool = False,  # topk_ids in [0, E]: E is an expert another rank holds (expert parallelism)
 ) -> torch.Tensor:  # [T, H]
     _check(x, w13, w2, topk_weights, topk_ids)
     (T, H), (E, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     inter_dim = two_i // 2
+    buckets = E + 1 if others else E  # the ids' values: the sort's buckets
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     elif out.shape != (T, H) or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -248,8 +257,8 @@ def fused_moe(
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    ws = workspace or shared_workspace(T, E, k, H, inter_dim, x.dtype, x.device)
-    ws.check(T, E, k, H, inter_dim, x.dtype)
+    ws = workspace or shared_workspace(T, buckets, k, H, inter_dim, x.dtype, x.device)
+    ws.check(T, buckets, k, H, inter_dim, x.dtype)
     if torch.cuda.is_available() and x.is_cuda and torch.cuda.is_current_stream_capturing():
         ws.captured = True
     up, down = gemm_configs(T, E, k, inter_dim, H, H, inter_dim, x.dtype)
@@ -260,8 +269,8 @@ def fused_moe(
         sorted_ids = expert_ids = num_padded = flat
         blocks = P
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, E, up.block_m, ws.align)
-        blocks = max_blocks(P, E, up.block_m)
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, buckets, up.block_m, ws.align)
+        blocks = max_blocks(P, buckets, up.block_m)
     inter, y = ws.inter[:P], ws.expert_out[:P]
     gemms = ((up, x, w13, inter, inter_dim, H, k, True, 0), (down, inter, w2, y, H, inter_dim, 1, False, k if pair_tiles else 0))
     for cfg, a, w, dst, n, kdim, rows_per_token, silu_mul, sum_k in gemms:
@@ -269,7 +278,8 @@ def fused_moe(
             a, w, dst, sorted_ids, expert_ids, num_padded, weights, out, ws.sum_counts,
             P, n, kdim, a.stride(0), dst.stride(0), out.stride(0),
             TOP_K=rows_per_token, SILU_MUL=silu_mul, EVEN_K=kdim % cfg.block_k == 0, INTERPRET=_INTERPRET,
-            PAIR_TILES=pair_tiles, SUM_K=sum_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PAIR_TILES=pair_tiles, SUM_K=sum_k, HELD=E if others else 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if pair_tiles:

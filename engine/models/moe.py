@@ -18,8 +18,13 @@ token runs, scaled by a sigmoid gate (`shared_expert_gate.weight` [1, hidden]).
 
 Tensor parallelism (vLLM's and SGLang's default for MoE): each rank holds a slice of every
 expert's intermediate dimension (gate and up rows each sliced, down's columns sliced; the shared
-expert as a dense MLP) and the whole router and shared gate, so every rank routes alike; the output is this rank's partial sum, which the
-RMSNorm after the layer all-reduces (`tp.defers_reduce`: there is no bias), as a dense MLP's.
+expert as a dense MLP) and the whole router and shared gate, so every rank routes alike; the
+output is this rank's partial sum, which the RMSNorm after the layer all-reduces
+(`tp.defers_reduce`: there is no bias), as a dense MLP's. Expert parallelism
+(`--enable-expert-parallel`, `tp.whole_experts`): each rank holds E / tp_size whole experts
+(`PackedExperts.held`) and sums the pairs routed to them; the same all-reduce adds the ranks'
+sums. Another rank's expert names are validated at their full shape and land nowhere (a shard
+of length 0), so every rank checks a whole update.
 
 Devices: a CUDA forward runs the Triton kernels of engine/kernels/moe_routing.py (`topk_softmax`)
 and fused_moe.py (`fused_moe`), or for a decode step of few tokens in half precision the router's
@@ -71,16 +76,19 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
 
 def reference_moe(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear, first: int = 0,
 ) -> torch.Tensor:
     """x [T, hidden], gate_up [E, 2I, hidden], down [E, hidden, I], weights / ids [T, k] ->
     [T, hidden]. Each expert that any token routes to runs once, on its tokens; the weighted
-    outputs are summed per token in the model dtype (as transformers does)."""
+    outputs are summed per token in the model dtype (as transformers does). The tensors hold
+    experts first .. first + E - 1; pairs routed to others add nothing (expert parallelism)."""
     T, k = ids.shape
+    E = gate_up.shape[0]
     out = torch.zeros_like(x)
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1) - first
+    flat = torch.where((flat >= 0) & (flat < E), flat, E)  # another rank's expert: a bucket past the last
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]
     w = weights.reshape(-1, 1).to(x.dtype)
     start = 0
     for e, n in enumerate(counts):
@@ -105,35 +113,51 @@ class ExpertSlot:
 
 
 class PackedExperts(nn.Module):
-    """E SiLU-gated MLPs in two tensors: gate_up_proj [E, 2 I_r, hidden], down_proj [E, hidden, I_r],
-    where I_r is this rank's slice of moe_intermediate_size (`shard`)."""
+    """Experts `held` of the model's E, SiLU-gated MLPs in two tensors: gate_up_proj [E_r, 2 I_r,
+    hidden], down_proj [E_r, hidden, I_r]. Tensor parallelism: all E experts, I_r this rank's
+    slice of moe_intermediate_size (`shard`); expert parallelism: E / tp_size whole experts."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_experts = num_experts
-        self.shard = tp.even(intermediate_size, f"moe_intermediate_size ({intermediate_size})")
-        part = self.shard.length
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * part, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, part), requires_grad=False)
+        self.num_experts = num_experts  # the model's, routed over by every rank
+        if tp.whole_experts:
+            self.held = tp.even(num_experts, f"num_experts ({num_experts})")
+            self.shard = Shard(0, 0, intermediate_size, intermediate_size)
+        else:
+            self.held = Shard(0, 0, num_experts, num_experts)
+            self.shard = tp.even(intermediate_size, f"moe_intermediate_size ({intermediate_size})")
+        part, local = self.shard.length, self.held.length
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * part, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, part), requires_grad=False)
 
     def checkpoint_parts(self) -> dict[str, ExpertSlot]:
         """Hugging Face's per-expert names (below this module) -> where each lands, expert by
-        expert in checkpoint order."""
-        s, part = self.shard, self.shard.length
+        expert in checkpoint order. Another rank's expert lands nowhere: a shard of length 0."""
+        s, part, held = self.shard, self.shard.length, self.held
         rows = None if s.whole else s  # of gate_proj / up_proj [I, hidden]
         cols = None if s.whole else Shard(1, s.start, s.length, s.total)  # of down_proj [hidden, I]
         parts: dict[str, ExpertSlot] = {}
         for e in range(self.num_experts):
-            parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (e, slice(0, part)), rows)
-            parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (e, slice(part, 2 * part)), rows)
-            parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (e,), cols)
+            i = e - held.start
+            if 0 <= i < held.length:
+                parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (i, slice(0, part)), rows)
+                parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (i, slice(part, 2 * part)), rows)
+                parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (i,), cols)
+                continue
+            none = Shard(0, 0, 0, s.total)
+            parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (0, slice(0, 0)), none)
+            parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (0, slice(0, 0)), none)
+            parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (0, slice(None), slice(0, 0)), Shard(1, 0, 0, s.total))
         return parts
 
     def packed_parts(self) -> dict[str, tuple[ExpertSlot, ...]]:
         """transformers 5's packed names (below this module; gate_up_proj [E, 2I, hidden], down_proj
-        [E, hidden, I]) -> where their parts land: the whole parameter on one rank; else the
-        rank's gate rows and up rows of the packed gate_up, and its columns of down."""
-        s, part = self.shard, self.shard.length
+        [E, hidden, I]) -> where their parts land: the whole parameter on one rank; the rank's
+        experts (dim 0) with expert parallelism; else the rank's gate rows and up rows of the
+        packed gate_up, and its columns of down."""
+        s, part, held = self.shard, self.shard.length, self.held
+        if not held.whole:
+            return {"gate_up_proj": (ExpertSlot("gate_up_proj", (), held),), "down_proj": (ExpertSlot("down_proj", (), held),)}
         if s.whole:
             return {"gate_up_proj": (ExpertSlot("gate_up_proj", (), None),), "down_proj": (ExpertSlot("down_proj", (), None),)}
         total = 2 * s.total
@@ -146,7 +170,13 @@ class PackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The torch reference (`reference_moe`) over these experts."""
-        return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.linear_fn)
+        return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.linear_fn, self.held.start)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, k] -> indices of the experts held, another rank's as E_r (fused_moe's
+        `others`)."""
+        local = ids - self.held.start
+        return torch.where((local >= 0) & (local < self.held.length), local, self.held.length)
 
 
 class SparseMoE(nn.Module):
@@ -187,8 +217,9 @@ class SparseMoE(nn.Module):
         from engine.kernels.moe_workspace import shared_workspace
 
         e = self.experts
-        w = e.down_proj  # [E, hidden, I_r]
-        return shared_workspace(max_tokens, e.num_experts, self.top_k, w.shape[1], w.shape[2], w.dtype, w.device)
+        w = e.down_proj  # [E_r, hidden, I_r]
+        buckets = e.num_experts if e.held.whole else e.held.length + 1  # another rank's experts: one more
+        return shared_workspace(max_tokens, buckets, self.top_k, w.shape[1], w.shape[2], w.dtype, w.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         out = self._routed(x)
@@ -202,8 +233,9 @@ class SparseMoE(nn.Module):
             from engine.kernels.fused_moe import fused_moe, pair_tiles_apply
             from engine.kernels.moe_routing import topk_softmax
 
-            E, T = self.experts.num_experts, x.shape[0]
-            if self.gate.fused and moe_router.applies(x, E) and pair_tiles_apply(T * self.top_k, E):
+            E, T, held = self.experts.num_experts, x.shape[0], self.experts.held
+            # The one-launch router keeps its logits in the experts' workspace, sized for all E.
+            if held.whole and self.gate.fused and moe_router.applies(x, E) and pair_tiles_apply(T * self.top_k, E):
                 ws = self.reserve(T)  # the shared workspace: its router scratch
                 weights, ids = moe_router.router_topk(x, self.gate.weight, self.top_k, self.renormalize, ws)
             else:
@@ -211,7 +243,9 @@ class SparseMoE(nn.Module):
                 weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
             if self.routed is not None:
                 self.routed.record(self.layer_id, ids)
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+            if not held.whole:
+                ids = self.experts.local_ids(ids)
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, others=not held.whole)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.routed is not None:
             self.routed.record(self.layer_id, ids)

@@ -77,7 +77,7 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.max_model_len = max_model_len
-        self.tp = tp = tp or TensorParallel()
+        self.tp = tp = replace(tp or TensorParallel(), expert_parallel=config.enable_expert_parallel)
         self.device = resolve_device(device_for_rank(config.device, tp))
         # This rank's heads (engine/parallel.py): the KV cache and attention hold only these.
         self.num_heads = tp.split(model_config.num_heads, "num_attention_heads")

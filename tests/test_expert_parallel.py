@@ -1,0 +1,213 @@
+"""Expert parallelism (`--enable-expert-parallel`): at tp_size 2 each rank holds half the experts
+whole instead of half of every expert. On the CPU: the ranks' sums add up to the whole layer (the
+torch reference, and fused_moe's kernels under Triton's interpreter with another rank's pairs as
+the extra bucket); each rank loads its own experts from Hugging Face's per-expert names and
+transformers 5's packed ones, and checks another rank's at their full shape; the engine at TP=2
+over gloo gives transformers' greedy tokens and one rank's logprobs, and takes updates by both
+namings. On a GPU: fused_moe with another rank's pairs, in bf16 (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import interpret
+from oracle import hf_named_parameters
+from test_moe import (
+    EXPERTS,
+    KNOBS,
+    PROMPTS,
+    _assert_logprobs_close,
+    _one_rank_logprobs,
+    _outputs,
+    expected,
+)
+from test_moe_kernels import moe_inputs, poison_unused, ref_moe, rel_err, skewed_logits
+
+from engine import Engine
+from engine.config import ModelConfig
+from engine.errors import InvalidRequest
+from engine.models import get_model_class
+from engine.models.moe import reference_moe
+from engine.parallel import TensorParallel
+from engine.weights.loader import (
+    WeightLoadError,
+    checkpoint_targets,
+    iterate_checkpoint,
+    load_checkpoint,
+    load_named_tensors,
+)
+
+RANKS = 2
+
+
+def _shares(w13: torch.Tensor, w2: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rank `rank`'s experts of RANKS: (w13, w2, the first one's id)."""
+    local = w13.shape[0] // RANKS
+    first = rank * local
+    return w13[first : first + local].contiguous(), w2[first : first + local].contiguous(), first
+
+
+def test_the_ranks_reference_sums_add_up_to_the_layer() -> None:
+    T, E, k, H, inter = 13, 8, 2, 16, 12
+    x, w13, w2 = moe_inputs(T, E, H, inter, torch.float64, seed=3)
+    weights, ids = torch.sort(torch.softmax(torch.randn(T, E, dtype=torch.float64), -1), -1, descending=True)
+    weights, ids = weights[:, :k], ids[:, :k]
+    ids[0] = torch.tensor([0, E - 1])  # one token split over both ranks
+    whole = reference_moe(x, w13, w2, weights, ids)
+    parts = [reference_moe(x, *_shares(w13, w2, r)[:2], weights, ids, first=_shares(w13, w2, r)[2]) for r in range(RANKS)]
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(parts[0], whole) and parts[1].abs().sum() > 0  # each rank holds a real share
+
+
+def check_fused_moe_shares(device: str, cases: list[tuple[int, int, int, int, int]], dtype: torch.dtype, tol: float) -> None:
+    """Each rank's fused_moe(others=True) on its experts, another rank's ids as E_r: the ranks'
+    outputs add up to the whole layer's reference; unused held experts are NaN."""
+    from engine.kernels.fused_moe import fused_moe, topk_softmax
+
+    for T, E, k, H, inter in cases:
+        x, w13, w2 = moe_inputs(T, E, H, inter, dtype, seed=T + E + k, device=device)
+        weights, ids = topk_softmax(skewed_logits(T, E, seed=T, device=device), k, True)
+        total = torch.zeros((T, H), dtype=torch.float32, device=device)
+        for rank in range(RANKS):
+            a, b, first = _shares(w13, w2, rank)
+            local = ids.long() - first
+            local = torch.where((local >= 0) & (local < a.shape[0]), local, a.shape[0]).to(ids.dtype)
+            poison_unused(a, b, local[local < a.shape[0]])
+            out = fused_moe(x, a, b, weights, local, others=True)
+            assert torch.isfinite(out).all(), (T, E, k, rank)
+            total += out.float()
+        err = rel_err(total, ref_moe(x, w13, w2, weights, ids))
+        assert err <= tol, (T, E, k, err)
+
+
+def test_fused_moe_shares_interpreted() -> None:
+    # T=1: one tile a pair (another rank's pairs read expert E_r and write zeros); the rest sorted
+    cases = "[(1, 16, 2, 64, 32), (7, 16, 4, 64, 32), (40, 16, 4, 32, 48)]"
+    interpret("test_expert_parallel", f"check_fused_moe_shares('cpu', {cases}, torch.float32, 1e-5)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_moe_shares_on_the_gpu() -> None:
+    check_fused_moe_shares("cuda", [(1, 128, 8, 2048, 768), (3, 128, 8, 256, 128), (64, 128, 8, 256, 128),
+                                    (513, 16, 2, 256, 128)], torch.bfloat16, 2e-2)
+
+
+def _rank_model(path: str, rank: int, device: str = "cpu") -> torch.nn.Module:
+    config = ModelConfig.from_hf(path)
+    with torch.device(device):
+        return get_model_class(config.architecture)(config, tp=TensorParallel(rank, RANKS, expert_parallel=True))
+
+
+def test_each_rank_loads_its_own_experts_whole(qwen3_moe_dir: str) -> None:
+    full = dict(iterate_checkpoint(qwen3_moe_dir))
+    packed = hf_named_parameters(qwen3_moe_dir)
+    for rank in range(RANKS):
+        model = _rank_model(qwen3_moe_dir, rank)
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape == (4, 64, 64) and experts.down_proj.shape == (4, 64, 32)
+        assert len(dict(iterate_checkpoint(qwen3_moe_dir, checkpoint_targets(_rank_model(qwen3_moe_dir, rank, "meta"))))) == len(full)
+        load_checkpoint(model, qwen3_moe_dir)
+        for i in range(4):
+            e = 4 * rank + i
+            assert torch.equal(experts.gate_up_proj[i, :32], full[f"{EXPERTS}.{e}.gate_proj.weight"])
+            assert torch.equal(experts.gate_up_proj[i, 32:], full[f"{EXPERTS}.{e}.up_proj.weight"])
+            assert torch.equal(experts.down_proj[i], full[f"{EXPERTS}.{e}.down_proj.weight"])
+        loaded = {k: v.clone() for k, v in model.state_dict().items()}
+        for p in model.parameters():
+            p.data.zero_()
+        load_named_tensors(model, packed, require_all=True)  # transformers 5's packed names: dim 0 sliced
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, loaded[k]), k
+
+
+def test_every_rank_checks_every_expert(qwen3_moe_dir: str) -> None:
+    """Another rank's expert at a wrong shape is refused here too, before any byte lands; an
+    expert the model does not have is refused by name."""
+    good = list(iterate_checkpoint(qwen3_moe_dir))
+    for rank in range(RANKS):
+        model = _rank_model(qwen3_moe_dir, rank)
+        load_checkpoint(model, qwen3_moe_dir)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        other = 7 - 4 * rank  # held by the other rank
+        for name, bad, message in [(f"{EXPERTS}.{other}.up_proj.weight", torch.ones(31, 64), "shape"),
+                                   (f"{EXPERTS}.{other}.down_proj.weight", torch.ones(64, 16), "shape"),
+                                   (f"{EXPERTS}.8.up_proj.weight", torch.ones(32, 64), "unexpected")]:
+            with pytest.raises(WeightLoadError, match=message):
+                load_named_tensors(model, [*good, (name, bad)])
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), f"{k} changed by a refused load"
+
+
+def _distributed(llm: Engine, pairs: list[tuple[str, torch.Tensor]], load_format: str | None) -> dict:
+    """One update_weights_from_distributed into both ranks, the test as the trainer (rank 0 of a
+    gloo group of 3)."""
+    import threading
+
+    from server_util import free_port
+
+    from engine.weights.groups import broadcast_from_trainer, trainer_group
+
+    port, answers = free_port(), []
+    group = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=1 + RANKS,
+                 group_name="ep", backend="gloo")  # fmt: skip
+    joiner = threading.Thread(target=lambda: answers.append(llm.init_weights_update_group(**group)))
+    joiner.start()
+    handle = trainer_group("127.0.0.1", port, 1 + RANKS, "ep", "gloo", timeout_s=60)
+    joiner.join(60)
+    meta = dict(names=[n for n, _ in pairs], dtypes=["float32"] * len(pairs),
+                shapes=[list(t.shape) for _, t in pairs], group_name="ep", load_format=load_format)  # fmt: skip
+    updater = threading.Thread(target=lambda: answers.append(llm.update_weights_from_distributed(**meta)))
+    updater.start()
+    broadcast_from_trainer(handle, pairs, load_format)
+    updater.join(60)
+    llm.destroy_weights_update_group("ep")
+    return answers[-1]
+
+
+def _push(llm: Engine, pairs: list[tuple[str, torch.Tensor]]) -> dict:
+    """update_weights_from_tensor of copies of `pairs`, alive until it returns. On a CPU the payload
+    is shared memory, which two ranks' reads leave unreadable for a second push of the same tensors."""
+    from engine.weights.payload import serialize_named_tensors
+
+    copies = [(n, t.clone()) for n, t in pairs]
+    return llm.update_weights_from_tensor([serialize_named_tensors(copies)])
+
+
+def test_two_ranks_of_whole_experts_equal_one_rank(qwen3_moe_dir: str, qwen3_moe_next_dir: str) -> None:
+    """Tokens as transformers', logprobs as one rank's; updates by both namings per tensor, in a
+    flattened bucket, by broadcast and from disk; a bad expert of either rank writes nothing; the
+    weights survive a release and resume."""
+    from engine.weights.payload import flatten_bucket, serialize_payload
+
+    want = expected(qwen3_moe_dir, qwen3_moe_next_dir)
+    per_expert = [(n, t.clone()) for n, t in iterate_checkpoint(qwen3_moe_next_dir)]
+    packed = hf_named_parameters(qwen3_moe_next_dir)
+    with Engine(model=qwen3_moe_dir, tp_size=2, enable_expert_parallel=True, **KNOBS) as llm:
+        info = llm.get_server_info()
+        assert info["tp_size"] == 2 and info["ep_size"] == 2
+        ids, lps = _outputs(llm)
+        assert ids == want["old"]
+        _assert_logprobs_close(lps, _one_rank_logprobs(qwen3_moe_dir, PROMPTS, ids))
+        for e in (1, 6):  # held by rank 0, by rank 1
+            name = f"{EXPERTS}.{e}.down_proj.weight"
+            with pytest.raises(InvalidRequest, match=name.replace(".", r"\.")):
+                _push(llm, [*per_expert, (name, torch.ones(64, 31))])
+        assert _outputs(llm)[0] == want["old"]
+        assert _push(llm, per_expert)["success"]
+        assert _outputs(llm)[0] == want["new"]
+        llm.update_weights_from_disk(qwen3_moe_dir)
+        assert _outputs(llm)[0] == want["old"]
+        assert _push(llm, packed)["success"]
+        assert _outputs(llm)[0] == want["new"]
+        llm.update_weights_from_disk(qwen3_moe_dir)
+        bucket = serialize_payload(flatten_bucket(packed))
+        assert llm.update_weights_from_tensor([bucket], load_format="flattened_bucket")["success"]
+        assert _outputs(llm)[0] == want["new"]
+        llm.release_memory_occupation()
+        llm.resume_memory_occupation()
+        assert _outputs(llm)[0] == want["new"]
+        assert _distributed(llm, hf_named_parameters(qwen3_moe_dir), None)["success"]
+        assert _outputs(llm)[0] == want["old"]
+        assert _distributed(llm, per_expert, "flattened_bucket")["success"]
+        assert _outputs(llm)[0] == want["new"]
