@@ -166,12 +166,10 @@ def _distributed(llm: Engine, pairs: list[tuple[str, torch.Tensor]], load_format
 
 
 def _push(llm: Engine, pairs: list[tuple[str, torch.Tensor]]) -> dict:
-    """update_weights_from_tensor of copies of `pairs`, alive until it returns. On a CPU the payload
-    is shared memory, which two ranks' reads leave unreadable for a second push of the same tensors."""
+    """update_weights_from_tensor of `pairs`: one payload both ranks read."""
     from engine.weights.payload import serialize_named_tensors
 
-    copies = [(n, t.clone()) for n, t in pairs]
-    return llm.update_weights_from_tensor([serialize_named_tensors(copies)])
+    return llm.update_weights_from_tensor([serialize_named_tensors(pairs)])
 
 
 def test_two_ranks_of_whole_experts_equal_one_rank(qwen3_moe_dir: str, qwen3_moe_next_dir: str) -> None:

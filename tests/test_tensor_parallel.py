@@ -198,6 +198,13 @@ def test_updates_from_disk_and_tensor_on_both_ranks(server: ServerProcess, qwen3
         assert _generate(http) == expected["new"]
         http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
         assert _generate(http) == expected["old"]
+        # The same tensors pushed again, as a trainer pushes its parameters every step: two ranks
+        # read each shared-memory payload, and the tensors stay readable for the next one.
+        again = [serialize_named_tensors(pairs)]
+        assert http.post("/update_weights_from_tensor", json={"serialized_named_tensors": again}).status_code == 200
+        assert _generate(http) == expected["new"]
+        http.post("/update_weights_from_disk", json={"model_path": qwen3_dir})
+        assert _generate(http) == expected["old"]
 
 
 def test_update_from_distributed_joins_every_rank(server: ServerProcess, qwen3_dir: str, qwen3_next_dir: str, expected) -> None:

@@ -168,10 +168,29 @@ _SGLANG_NAMES: dict[str, Any] = {
 }
 
 
+def _rebuild_storage_filename_again(*args: Any) -> Any:
+    """torch's rebuild of a `file_system` CPU storage for a second reader of one pickle. The sender
+    counts one reader per pickle (`_shared_incref` as it pickles) and each rebuild gives one back
+    (`_shared_decref`). When several tensor-parallel ranks read one payload, the extra readers
+    take theirs back, so the count never reaches zero while the sender still holds the tensor.
+    At zero, torch's shm manager unlinks the segment, and the sender's next pickle of the same
+    tensor would name a file that is gone."""
+    storage = reductions.rebuild_storage_filename(*args)
+    storage._shared_incref()
+    return storage
+
+
 class _PayloadUnpickler(pickle.Unpickler):
-    """Resolves only the allow-listed globals; anything else is an UnpicklingError."""
+    """Resolves only the allow-listed globals; anything else is an UnpicklingError. `again`: this
+    process is not the first to read the pickle (see `_rebuild_storage_filename_again`)."""
+
+    def __init__(self, file: io.BytesIO, again: bool = False) -> None:
+        super().__init__(file)
+        self.again = again
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.again and (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return _rebuild_storage_filename_again
         found = _ALLOWED_GLOBALS.get((module, name))
         if found is not None:
             return found
@@ -182,8 +201,9 @@ class _PayloadUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a weight payload")
 
 
-def deserialize_payload(payload: str | bytes) -> Any:
-    """The object of one payload: base64 str (or raw pickle bytes) -> unpickled object."""
+def deserialize_payload(payload: str | bytes, again: bool = False) -> Any:
+    """The object of one payload: base64 str (or raw pickle bytes) -> unpickled object. `again`:
+    another process reads the same payload first (a tensor-parallel rank after rank 0)."""
     if isinstance(payload, str):
         try:
             data = base64.b64decode(payload, validate=True)
@@ -194,7 +214,7 @@ def deserialize_payload(payload: str | bytes) -> Any:
     else:
         raise WeightPayloadError(f"payload must be a base64 string, got {type(payload).__name__}")
     try:
-        return _PayloadUnpickler(io.BytesIO(data)).load()
+        return _PayloadUnpickler(io.BytesIO(data), again).load()
     except Exception as e:  # any failure of an untrusted pickle is a bad payload
         raise WeightPayloadError(f"payload is not a readable tensor pickle: {type(e).__name__}: {e}") from e
 
@@ -276,7 +296,8 @@ def decode_update(serialized_named_tensors: list[str], load_format: str | None, 
             f"serialized_named_tensors must be a list with one payload per tp rank, or one for all (need rank {tp_rank})"
         )
     # One payload serves every rank; each rank keeps its slice of the full tensors in it.
-    obj = deserialize_payload(payloads[tp_rank if len(payloads) > 1 else 0])
+    shared = len(payloads) == 1
+    obj = deserialize_payload(payloads[0 if shared else tp_rank], again=shared and tp_rank > 0)
     if load_format == "flattened_bucket":
         return unflatten_bucket(obj)
     if load_format == "vllm_ipc":
