@@ -24,7 +24,7 @@ from test_moe import (
 from test_moe_kernels import moe_inputs, poison_unused, ref_moe, rel_err, skewed_logits
 
 from engine import Engine
-from engine.config import ModelConfig
+from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.errors import InvalidRequest
 from engine.models import get_model_class
 from engine.models.moe import reference_moe
@@ -91,6 +91,17 @@ def test_fused_moe_shares_interpreted() -> None:
 def test_fused_moe_shares_on_the_gpu() -> None:
     check_fused_moe_shares("cuda", [(1, 128, 8, 2048, 768), (3, 128, 8, 256, 128), (64, 128, 8, 256, 128),
                                     (513, 16, 2, 256, 128)], torch.bfloat16, 2e-2)
+
+
+def test_the_flag_and_sglangs_ep_size(qwen3_moe_dir: str) -> None:
+    from server.cli import build_parser, engine_config_from
+
+    args = build_parser().parse_args(["serve", "--model", qwen3_moe_dir, "--tp-size", "2", "--ep-size", "2"])
+    assert engine_config_from(args).enable_expert_parallel
+    assert EngineConfig(model=qwen3_moe_dir, tp_size=2, enable_expert_parallel=True).ep_size == 1  # vLLM's form
+    assert not EngineConfig(model=qwen3_moe_dir, tp_size=2).enable_expert_parallel
+    with pytest.raises(ConfigError, match="ep_size must be 1 or tp_size"):
+        EngineConfig(model=qwen3_moe_dir, tp_size=2, ep_size=4)
 
 
 def _rank_model(path: str, rank: int, device: str = "cpu") -> torch.nn.Module:

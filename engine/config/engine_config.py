@@ -67,6 +67,9 @@ class EngineConfig:
         metadata={"help": "at tp_size > 1, each rank holds num_experts / tp_size whole experts instead of a slice of every "
                           "expert (vLLM's flag); attention stays tensor-parallel"},
     )
+    ep_size: int = field(
+        default=1, metadata={"help": "SGLang's form of the above: 1 (experts sliced) or tp_size (whole experts per rank)"}
+    )
     disable_custom_all_reduce: bool = field(
         default=False,
         metadata={"help": "at tp_size > 1 on CUDA, all-reduce with NCCL instead of the fused NVLink kernel (engine/kernels/tp_reduce.py)"},
@@ -135,6 +138,11 @@ class EngineConfig:
             raise ConfigError(f"weights_backup must be host or none, got {self.weights_backup!r}")
         if self.dtype != "auto":
             dtype_name(self.dtype)
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"ep_size must be 1 or tp_size ({self.tp_size}): experts are spread over the "
+                              f"tensor-parallel ranks, got {self.ep_size}")
+        if self.ep_size > 1:
+            object.__setattr__(self, "enable_expert_parallel", True)
         if self.speculative_config is not None:
             self._take_speculative_config(self.speculative_config)
         if self.speculative_algorithm is not None:
