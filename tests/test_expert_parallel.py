@@ -17,6 +17,7 @@ from test_moe import (
     KNOBS,
     PROMPTS,
     _assert_logprobs_close,
+    _distributed,
     _one_rank_logprobs,
     _outputs,
     expected,
@@ -150,32 +151,6 @@ def test_every_rank_checks_every_expert(qwen3_moe_dir: str) -> None:
             assert torch.equal(v, before[k]), f"{k} changed by a refused load"
 
 
-def _distributed(llm: Engine, pairs: list[tuple[str, torch.Tensor]], load_format: str | None) -> dict:
-    """One update_weights_from_distributed into both ranks, the test as the trainer (rank 0 of a
-    gloo group of 3)."""
-    import threading
-
-    from server_util import free_port
-
-    from engine.weights.groups import broadcast_from_trainer, trainer_group
-
-    port, answers = free_port(), []
-    group = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=1 + RANKS,
-                 group_name="ep", backend="gloo")  # fmt: skip
-    joiner = threading.Thread(target=lambda: answers.append(llm.init_weights_update_group(**group)))
-    joiner.start()
-    handle = trainer_group("127.0.0.1", port, 1 + RANKS, "ep", "gloo", timeout_s=60)
-    joiner.join(60)
-    meta = dict(names=[n for n, _ in pairs], dtypes=["float32"] * len(pairs),
-                shapes=[list(t.shape) for _, t in pairs], group_name="ep", load_format=load_format)  # fmt: skip
-    updater = threading.Thread(target=lambda: answers.append(llm.update_weights_from_distributed(**meta)))
-    updater.start()
-    broadcast_from_trainer(handle, pairs, load_format)
-    updater.join(60)
-    llm.destroy_weights_update_group("ep")
-    return answers[-1]
-
-
 def _push(llm: Engine, pairs: list[tuple[str, torch.Tensor]]) -> dict:
     """update_weights_from_tensor of `pairs`: one payload both ranks read."""
     from engine.weights.payload import serialize_named_tensors
@@ -216,7 +191,7 @@ def test_two_ranks_of_whole_experts_equal_one_rank(qwen3_moe_dir: str, qwen3_moe
         llm.release_memory_occupation()
         llm.resume_memory_occupation()
         assert _outputs(llm)[0] == want["new"]
-        assert _distributed(llm, hf_named_parameters(qwen3_moe_dir), None)["success"]
+        assert _distributed(llm, hf_named_parameters(qwen3_moe_dir), None, RANKS)["success"]
         assert _outputs(llm)[0] == want["old"]
-        assert _distributed(llm, per_expert, "flattened_bucket")["success"]
+        assert _distributed(llm, per_expert, "flattened_bucket", RANKS)["success"]
         assert _outputs(llm)[0] == want["new"]

@@ -126,8 +126,9 @@ def _assert_logprobs_close(got: list[list[float]], want: list[list[float]]) -> N
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
 
 
-def _distributed(llm: Engine, pairs: list[tuple[str, torch.Tensor]], load_format: str | None) -> dict:
-    """One update_weights_from_distributed, the test as the trainer (rank 0 of a gloo group of 2)."""
+def _distributed(llm: Engine, pairs: list[tuple[str, torch.Tensor]], load_format: str | None, ranks: int = 1) -> dict:
+    """One update_weights_from_distributed into the engine's `ranks` ranks, the test as the trainer
+    (rank 0 of a gloo group of 1 + ranks)."""
     import threading
 
     from server_util import free_port
@@ -135,11 +136,11 @@ def _distributed(llm: Engine, pairs: list[tuple[str, torch.Tensor]], load_format
     from engine.weights.groups import broadcast_from_trainer, trainer_group
 
     port, answers = free_port(), []
-    group = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+    group = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=1 + ranks,
                  group_name="moe", backend="gloo")  # fmt: skip
     joiner = threading.Thread(target=lambda: answers.append(llm.init_weights_update_group(**group)))
     joiner.start()
-    handle = trainer_group("127.0.0.1", port, 2, "moe", "gloo", timeout_s=60)
+    handle = trainer_group("127.0.0.1", port, 1 + ranks, "moe", "gloo", timeout_s=60)
     joiner.join(60)
     meta = dict(names=[n for n, _ in pairs], dtypes=["float32"] * len(pairs),
                 shapes=[list(t.shape) for _, t in pairs], group_name="moe", load_format=load_format)  # fmt: skip
