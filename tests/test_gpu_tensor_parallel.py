@@ -1,5 +1,5 @@
 """Tensor parallelism on two GPUs (`pytest -m gpu` on nvidia-h200-x2): two ranks with CUDA graphs
-(the all-reduces captured in them) against one rank; memory released and resumed on both GPUs
+(the all-reduces captured in them) against one rank, a mixture of experts sliced or whole per rank; memory released and resumed on both GPUs
 (reclaim and residual per GPU, measured device-wide from this process); 20 cycles with traffic
 and identical outputs; a weight update; a killed rank (a dead NCCL peer never answers: the
 watchdog must end the engine); `--deterministic` at two ranks (the ordered all-reduce inside the
@@ -78,6 +78,24 @@ def test_two_ranks_fp32_equal_one_rank_and_transformers_with_graphs(qwen3_dir: s
                                                   one.input_top_logprobs[1:], two.input_top_logprobs[1:], strict=True):
             assert abs(lp1 - lp2) < 1e-3 and top1[0][0] == top2[0][0]
             assert max(abs(v1 - v2) for (_, v1), (_, v2) in zip(top1, top2, strict=True)) < 1e-3
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "whole"])
+def test_a_mixture_of_experts_on_two_ranks_with_graphs(qwen3_moe_dir: str, expert_parallel: bool) -> None:
+    """Qwen3-MoE in fp32 at TP=2 through the fused kernels, every expert sliced or half of them
+    whole per rank (another rank's pairs the extra bucket): transformers' greedy tokens, and one
+    rank's logprobs within 1e-3."""
+    expected = hf_greedy(qwen3_moe_dir, PROMPTS, GREEDY.max_new_tokens)
+    runs = {}
+    for tp in (1, 2):
+        with Engine(model=qwen3_moe_dir, dtype="float32", tp_size=tp, enable_expert_parallel=expert_parallel,
+                    **KNOBS) as llm:  # fmt: skip
+            assert llm.info["cuda_graph_batch_sizes"], "decode graphs were captured"
+            assert llm.info["ep_size"] == (2 if expert_parallel and tp == 2 else 1)
+            runs[tp] = _generate(llm)
+    assert [ids for ids, _ in runs[1]] == [ids for ids, _ in runs[2]] == expected
+    for (_, a), (_, b) in zip(runs[1], runs[2], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
 
 
 def test_two_ranks_bf16_within_rounding_of_one_rank(qwen3_bf16_dir: str) -> None:
