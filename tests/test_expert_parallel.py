@@ -195,3 +195,19 @@ def test_two_ranks_of_whole_experts_equal_one_rank(qwen3_moe_dir: str, qwen3_moe
         assert _outputs(llm)[0] == want["old"]
         assert _distributed(llm, per_expert, "flattened_bucket", RANKS)["success"]
         assert _outputs(llm)[0] == want["new"]
+
+
+def test_routed_experts_are_the_global_choices(qwen3_moe_dir: str) -> None:
+    """Routing replay at TP=2 with whole experts: every rank routes over all E experts, and the
+    ids returned are transformers' router choices, not a rank's local indices."""
+    from test_models import random_tokens
+    from test_routed_experts import KNOBS as ROUTES
+    from test_routed_experts import ask, rows, want
+
+    prompt = random_tokens(30, seed=11)
+    with Engine(model=qwen3_moe_dir, tp_size=2, enable_expert_parallel=True, **ROUTES) as llm:
+        out = llm.generate(input_ids=[prompt], sampling_params=ask(6))[0]
+    tokens = prompt + out.output_ids
+    routed = rows(out.routed_experts)
+    assert torch.equal(routed, want(qwen3_moe_dir, tokens[:-1]))
+    assert (routed[:, 0] >= 4).any() and (routed[:, 0] < 4).any()  # experts of both ranks chosen
