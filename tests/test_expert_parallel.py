@@ -3,8 +3,10 @@ whole instead of half of every expert. On the CPU: the ranks' sums add up to the
 torch reference, and fused_moe's kernels under Triton's interpreter with another rank's pairs as
 the extra bucket); each rank loads its own experts from Hugging Face's per-expert names and
 transformers 5's packed ones, and checks another rank's at their full shape; the engine at TP=2
-over gloo gives transformers' greedy tokens and one rank's logprobs, and takes updates by both
-namings. On a GPU: fused_moe with another rank's pairs, in bf16 (`pytest -m gpu`)."""
+over gloo gives transformers' greedy tokens and one rank's logprobs, takes updates by both
+namings through every route, and returns transformers' router choices for routing replay; the
+flag and SGLang's `--ep-size`. On a GPU: fused_moe with another rank's pairs, in bf16 (`pytest -m
+gpu`; the engine at TP=2: tests/test_gpu_tensor_parallel.py)."""
 
 from __future__ import annotations
 
