@@ -101,7 +101,7 @@ def test_the_flag_and_sglangs_ep_size(qwen3_moe_dir: str) -> None:
 
     args = build_parser().parse_args(["serve", "--model", qwen3_moe_dir, "--tp-size", "2", "--ep-size", "2"])
     assert engine_config_from(args).enable_expert_parallel
-    assert EngineConfig(model=qwen3_moe_dir, tp_size=2, enable_expert_parallel=True).ep_size == 1  # vLLM's form
+    assert EngineConfig(model=qwen3_moe_dir, tp_size=2, enable_expert_parallel=True).ep_size == 2  # vLLM's form
     assert not EngineConfig(model=qwen3_moe_dir, tp_size=2).enable_expert_parallel
     with pytest.raises(ConfigError, match="ep_size must be 1 or tp_size"):
         EngineConfig(model=qwen3_moe_dir, tp_size=2, ep_size=4)

@@ -141,8 +141,9 @@ class EngineConfig:
         if self.ep_size not in (1, self.tp_size):
             raise ConfigError(f"ep_size must be 1 or tp_size ({self.tp_size}): experts are spread over the "
                               f"tensor-parallel ranks, got {self.ep_size}")
-        if self.ep_size > 1:
+        if self.ep_size > 1 or (self.enable_expert_parallel and self.tp_size > 1):  # one switch, both forms
             object.__setattr__(self, "enable_expert_parallel", True)
+            object.__setattr__(self, "ep_size", self.tp_size)
         if self.speculative_config is not None:
             self._take_speculative_config(self.speculative_config)
         if self.speculative_algorithm is not None:
