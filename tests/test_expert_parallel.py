@@ -24,7 +24,7 @@ from test_moe import (
     _outputs,
     expected,
 )
-from test_moe_kernels import moe_inputs, poison_unused, ref_moe, rel_err, skewed_logits
+from test_moe_kernels import moe_inputs, poison_unused, ref_align, ref_moe, rel_err, skewed_logits
 
 from engine import Engine
 from engine.config import ConfigError, EngineConfig, ModelConfig
@@ -63,8 +63,8 @@ def test_the_ranks_reference_sums_add_up_to_the_layer() -> None:
 
 
 def check_fused_moe_shares(device: str, cases: list[tuple[int, int, int, int, int]], dtype: torch.dtype, tol: float) -> None:
-    """Each rank's fused_moe(others=True) on its experts, another rank's ids as E_r: the ranks'
-    outputs add up to the whole layer's reference; unused held experts are NaN."""
+    """Each rank's fused_moe(first=) on its experts, with the model's ids: the ranks' outputs add
+    up to the whole layer's reference; unused held experts are NaN."""
     from engine.kernels.fused_moe import fused_moe, topk_softmax
 
     for T, E, k, H, inter in cases:
@@ -74,13 +74,33 @@ def check_fused_moe_shares(device: str, cases: list[tuple[int, int, int, int, in
         for rank in range(RANKS):
             a, b, first = _shares(w13, w2, rank)
             local = ids.long() - first
-            local = torch.where((local >= 0) & (local < a.shape[0]), local, a.shape[0]).to(ids.dtype)
-            poison_unused(a, b, local[local < a.shape[0]])
-            out = fused_moe(x, a, b, weights, local, others=True)
+            poison_unused(a, b, local[(local >= 0) & (local < a.shape[0])])
+            out = fused_moe(x, a, b, weights, ids, first=first)
             assert torch.isfinite(out).all(), (T, E, k, rank)
             total += out.float()
         err = rel_err(total, ref_moe(x, w13, w2, weights, ids))
         assert err <= tol, (T, E, k, err)
+
+
+def check_align_shares(device: str, cases: list[tuple[int, int, int, int]]) -> None:
+    """moe_align of the model's ids for each rank's half of E experts: the sort of the ids mapped
+    to the rank's experts, another rank's to the last bucket (one program, and three launches)."""
+    from engine.kernels.moe_align import moe_align
+
+    for T, E, k, block_m in cases:
+        ids = torch.sort(torch.softmax(skewed_logits(T, E, seed=T, device=device), -1), -1, descending=True)[1][:, :k]
+        for rank in range(RANKS):
+            first, held = rank * E // RANKS, E // RANKS
+            local = ids - first
+            slots, experts = ref_align(torch.where((local >= 0) & (local < held), local, held), held + 1, block_m)
+            sorted_ids, expert_ids, num_padded = moe_align(ids.to(torch.int32), held + 1, block_m, first=first)
+            n = num_padded.item()
+            assert sorted_ids[:n].tolist() == slots and expert_ids[: n // block_m].tolist() == experts, (T, E, k, rank)
+
+
+def test_align_shares_interpreted() -> None:
+    # 9 buckets: 512 pairs a chunk, so 4,400 pairs take the three-launch path
+    interpret("test_expert_parallel", "check_align_shares('cpu', [(7, 16, 4, 16), (1100, 16, 4, 64)])")
 
 
 def test_fused_moe_shares_interpreted() -> None:

@@ -29,10 +29,11 @@ where e = topk_ids[t, j], P = T * k. Rules:
   gate_up's BLOCK_N halved: one program holds a gate and an up accumulator).
 - Buffers come from a `MoeWorkspace` (moe_workspace.py), the shared one by default: no
   allocation when `out` is given, grids fixed by T: CUDA-graph capturable.
-- Expert parallelism (`others`): w13 / w2 hold this rank's E experts, and an id of E stands for
-  an expert another rank holds. Such pairs are sorted into one more bucket; their tiles skip the
-  K loop and write zeros, so they add nothing to the weighted sum. Without `others` the kernels
-  are compiled as before (HELD = 0).
+- Expert parallelism (`first`): w13 / w2 hold this rank's E experts, the model's experts
+  first .. first + E - 1, and topk_ids are the model's ids. Another rank's pairs sort into one
+  more bucket (moe_align.py) or, one tile a pair, map to it as their tile reads its id. Their
+  tiles skip the K loop and write zeros, so they add nothing to the weighted sum. No extra
+  launch. Without `first` the kernels compile as before (HELD = 0).
 
 Measured (H200, bench/kernels/moe.py, 30B-A3B layer, CUDA graphs, before the unsorted few-token
 path): T=1 40 us against a 18 us roofline of its 8 experts (moe_align alone 9 us); T=8, 64, 256 at
@@ -131,7 +132,8 @@ def _grouped_gemm_kernel(
     sum_w_ptr, sum_out_ptr, count_ptr,  # SUM_K: routing weights [T, SUM_K], out [T, N], arrivals [T, grid n]
     P, N, K, stride_am, stride_om, stride_so,
     TOP_K: tl.constexpr, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
-    PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr, HELD: tl.constexpr,  # HELD > 0: experts >= HELD are others'
+    PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr,
+    FIRST: tl.constexpr, HELD: tl.constexpr,  # HELD > 0: this rank's experts FIRST.. (HELD of them), ids the model's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share an expert's weight columns
@@ -145,6 +147,9 @@ def _grouped_gemm_kernel(
     valid = pairs < P  # padding slots hold P
     rows = (pairs // TOP_K).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if HELD > 0 and PAIR_TILES:  # the model's id of the pair's expert: another rank's is the bucket HELD
+        expert = expert - FIRST
+        expert = tl.where((expert >= 0) & (expert < HELD), expert, HELD)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N read row N-1, never stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -243,12 +248,12 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [T, k] int32/int64 in [0, E)
     out: torch.Tensor | None = None,  # [T, H] of x's dtype, unit last stride: written in place
     workspace: MoeWorkspace | None = None,  # None: the process's shared one (moe_workspace.py)
-    others: bool = False,  # topk_ids in [0, E]: E is an expert another rank holds (expert parallelism)
+    first: int | None = None,  # expert parallelism: w13 / w2 hold the model's experts first.., ids are the model's
 ) -> torch.Tensor:  # [T, H]
     _check(x, w13, w2, topk_weights, topk_ids)
     (T, H), (E, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     inter_dim = two_i // 2
-    buckets = E + 1 if others else E  # the ids' values: the sort's buckets
+    buckets = E if first is None else E + 1  # the sort's: another rank's experts, one more
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     elif out.shape != (T, H) or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -269,7 +274,7 @@ def fused_moe(
         sorted_ids = expert_ids = num_padded = flat
         blocks = P
     else:
-        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, buckets, up.block_m, ws.align)
+        sorted_ids, expert_ids, num_padded = moe_align(topk_ids, buckets, up.block_m, ws.align, first)
         blocks = max_blocks(P, buckets, up.block_m)
     inter, y = ws.inter[:P], ws.expert_out[:P]
     gemms = ((up, x, w13, inter, inter_dim, H, k, True, 0), (down, inter, w2, y, H, inter_dim, 1, False, k if pair_tiles else 0))
@@ -278,7 +283,7 @@ def fused_moe(
             a, w, dst, sorted_ids, expert_ids, num_padded, weights, out, ws.sum_counts,
             P, n, kdim, a.stride(0), dst.stride(0), out.stride(0),
             TOP_K=rows_per_token, SILU_MUL=silu_mul, EVEN_K=kdim % cfg.block_k == 0, INTERPRET=_INTERPRET,
-            PAIR_TILES=pair_tiles, SUM_K=sum_k, HELD=E if others else 0,
+            PAIR_TILES=pair_tiles, SUM_K=sum_k, FIRST=first or 0, HELD=0 if first is None else E,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -20,7 +20,10 @@ Rules:
 - Up to ONE_PROGRAM_CHUNKS chunks of pairs (decode steps), one program does it all in one
   launch; above, three launches: per-chunk counts (one program a chunk), one program for the
   prefix sums over chunks and experts, then the scatter (one program a chunk).
-- topk_ids values must lie in [0, E); ids are read as int32 or int64.
+- topk_ids values must lie in [0, E); ids are read as int32 or int64. With expert parallelism
+  (`first`), they are the model's ids: this rank's experts first .. first + E - 2 sort into
+  buckets 0 .. E - 2 and every other expert into the last bucket, E - 1 (constexprs FIRST and
+  HELD; HELD 0 compiles the kernels as before).
 """
 
 from __future__ import annotations
@@ -82,11 +85,14 @@ class AlignBuffers:
 
 
 @triton.jit
-def _chunk(ids_ptr, c, P, CH: tl.constexpr, E_PAD: tl.constexpr):
+def _chunk(ids_ptr, c, P, CH: tl.constexpr, E_PAD: tl.constexpr, FIRST: tl.constexpr, HELD: tl.constexpr):
     """Pair ids [CH] of chunk c, their mask, experts and one-hot over the experts [CH, E_PAD]."""
     p = c * CH + tl.arange(0, CH)
     ok = p < P
     ids = tl.load(ids_ptr + p, mask=ok, other=E_PAD).to(tl.int32)  # masked: matches no expert
+    if HELD > 0:  # the model's ids: this rank's experts, another rank's the bucket HELD
+        local = ids - FIRST
+        ids = tl.where(ok, tl.where((local >= 0) & (local < HELD), local, HELD), E_PAD)
     onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
     return p, ok, ids, onehot
 
@@ -127,16 +133,16 @@ def _align_one_kernel(
     ids_ptr,  # [P] expert of each pair
     sorted_ptr, expert_ids_ptr, num_padded_ptr,
     P, num_chunks,
-    BLOCK_M: tl.constexpr, CH: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, CH: tl.constexpr, E_PAD: tl.constexpr, FIRST: tl.constexpr, HELD: tl.constexpr,
 ):  # fmt: skip
     # One program: count, lay out, then scatter each chunk after the pairs of the chunks before it.
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for c in range(0, num_chunks):
-        _, _, _, onehot = _chunk(ids_ptr, c, P, CH, E_PAD)
+        _, _, _, onehot = _chunk(ids_ptr, c, P, CH, E_PAD, FIRST, HELD)
         counts += tl.sum(onehot, axis=0)
     base = _layout(counts, sorted_ptr, expert_ids_ptr, num_padded_ptr, P, BLOCK_M, E_PAD)
     for c in range(0, num_chunks):
-        p, ok, _, onehot = _chunk(ids_ptr, c, P, CH, E_PAD)
+        p, ok, _, onehot = _chunk(ids_ptr, c, P, CH, E_PAD, FIRST, HELD)
         pos = tl.sum(onehot * base[None, :], axis=1) + _rank_in_chunk(onehot)
         tl.store(sorted_ptr + pos, p, mask=ok)
         base += tl.sum(onehot, axis=0)
@@ -144,9 +150,10 @@ def _align_one_kernel(
 
 @Launcher
 @triton.jit(do_not_specialize=["P"])
-def _align_count_kernel(ids_ptr, chunk_base_ptr, P, CH: tl.constexpr, E_PAD: tl.constexpr):
+def _align_count_kernel(ids_ptr, chunk_base_ptr, P, CH: tl.constexpr, E_PAD: tl.constexpr, FIRST: tl.constexpr,
+                        HELD: tl.constexpr):  # fmt: skip
     c = tl.program_id(0)
-    _, _, _, onehot = _chunk(ids_ptr, c, P, CH, E_PAD)
+    _, _, _, onehot = _chunk(ids_ptr, c, P, CH, E_PAD, FIRST, HELD)
     tl.store(chunk_base_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
 
 
@@ -173,9 +180,10 @@ def _align_scan_kernel(
 
 @Launcher
 @triton.jit(do_not_specialize=["P"])
-def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, P, CH: tl.constexpr, E_PAD: tl.constexpr):
+def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, P, CH: tl.constexpr, E_PAD: tl.constexpr,
+                          FIRST: tl.constexpr, HELD: tl.constexpr):  # fmt: skip
     c = tl.program_id(0)
-    p, ok, ids, onehot = _chunk(ids_ptr, c, P, CH, E_PAD)
+    p, ok, ids, onehot = _chunk(ids_ptr, c, P, CH, E_PAD, FIRST, HELD)
     base = tl.load(chunk_base_ptr + c * E_PAD + ids, mask=ok, other=0)
     tl.store(sorted_ptr + base + _rank_in_chunk(onehot), p, mask=ok)
 
@@ -185,6 +193,7 @@ def moe_align(
     num_experts: int,
     block_m: int,  # one of BLOCK_MS
     buffers: AlignBuffers | None = None,  # preallocated for at least T * k pairs; None: fresh ones
+    first: int | None = None,  # expert parallelism: the ids are the model's, this rank's from `first`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_ids [max_padded] int32, expert_ids [max_blocks] int32, num_padded [1] int32): views
     of `buffers`' fronts, valid up to num_padded (see the module docstring)."""
@@ -205,18 +214,20 @@ def moe_align(
         buffers.num_padded.zero_()
         return sorted_ids, expert_ids, buffers.num_padded
     ch, e_pad = chunk_pairs(num_experts), _next_pow2(num_experts)
+    held = dict(FIRST=first or 0, HELD=0 if first is None else num_experts - 1)
     chunks = triton.cdiv(pairs, ch)
     warps = 8 if ch * e_pad >= 4096 else 4
     if chunks <= ONE_PROGRAM_CHUNKS:
         _align_one_kernel[(1,)](
             ids, sorted_ids, expert_ids, buffers.num_padded, pairs, chunks,
-            BLOCK_M=block_m, CH=ch, E_PAD=e_pad, num_warps=warps,
+            BLOCK_M=block_m, CH=ch, E_PAD=e_pad, **held, num_warps=warps,
         )  # fmt: skip
         return sorted_ids, expert_ids, buffers.num_padded
-    _align_count_kernel[(chunks,)](ids, buffers.chunk_base, pairs, CH=ch, E_PAD=e_pad, num_warps=warps)
+    _align_count_kernel[(chunks,)](ids, buffers.chunk_base, pairs, CH=ch, E_PAD=e_pad, **held, num_warps=warps)
     _align_scan_kernel[(1,)](
         buffers.chunk_base, sorted_ids, expert_ids, buffers.num_padded, pairs, chunks,
         BLOCK_M=block_m, E_PAD=e_pad, BC=max(1, 8192 // e_pad), num_warps=8,
     )  # fmt: skip
-    _align_scatter_kernel[(chunks,)](ids, buffers.chunk_base, sorted_ids, pairs, CH=ch, E_PAD=e_pad, num_warps=warps)
+    _align_scatter_kernel[(chunks,)](ids, buffers.chunk_base, sorted_ids, pairs, CH=ch, E_PAD=e_pad, **held,
+                                     num_warps=warps)  # fmt: skip
     return sorted_ids, expert_ids, buffers.num_padded

@@ -22,8 +22,8 @@ expert as a dense MLP) and the whole router and shared gate, so every rank route
 output is this rank's partial sum, which the RMSNorm after the layer all-reduces
 (`tp.defers_reduce`: there is no bias), as a dense MLP's. Expert parallelism
 (`--enable-expert-parallel`, `tp.whole_experts`): each rank holds E / tp_size whole experts
-(`PackedExperts.held`) and sums the pairs routed to them; the same all-reduce adds the ranks'
-sums. Another rank's expert names are validated at their full shape and land nowhere (a shard
+(`PackedExperts.held`) and sums the pairs routed to them (the kernels take the model's ids and
+skip another rank's pairs); the same all-reduce adds the ranks' sums. Another rank's expert names are validated at their full shape and land nowhere (a shard
 of length 0), so every rank checks a whole update.
 
 Devices: a CUDA forward runs the Triton kernels of engine/kernels/moe_routing.py (`topk_softmax`)
@@ -172,11 +172,6 @@ class PackedExperts(nn.Module):
         """The torch reference (`reference_moe`) over these experts."""
         return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.linear_fn, self.held.start)
 
-    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids [T, k] -> indices of the experts held, another rank's as E_r (fused_moe's
-        `others`)."""
-        local = ids - self.held.start
-        return torch.where((local >= 0) & (local < self.held.length), local, self.held.length)
 
 
 class SparseMoE(nn.Module):
@@ -243,9 +238,8 @@ class SparseMoE(nn.Module):
                 weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
             if self.routed is not None:
                 self.routed.record(self.layer_id, ids)
-            if not held.whole:
-                ids = self.experts.local_ids(ids)
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, others=not held.whole)
+            first = None if held.whole else held.start  # expert parallelism: the kernels skip another rank's pairs
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, first=first)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.routed is not None:
             self.routed.record(self.layer_id, ids)
