@@ -233,3 +233,26 @@ def test_routed_experts_are_the_global_choices(qwen3_moe_dir: str) -> None:
     routed = rows(out.routed_experts)
     assert torch.equal(routed, want(qwen3_moe_dir, tokens[:-1]))
     assert (routed[:, 0] >= 4).any() and (routed[:, 0] < 4).any()  # experts of both ranks chosen
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe_dir", "qwen2_moe_dir", "mixtral_dir"])
+@torch.no_grad()
+def test_each_family_splits_its_experts_whole(family: str, request: pytest.FixtureRequest) -> None:
+    """Qwen2-MoE (its shared expert stays sliced) and Mixtral (w1 / w3 / w2 names) too: each rank
+    loads its experts from the checkpoint, and the ranks' sparse-layer outputs add up to one rank's."""
+    path = request.getfixturevalue(family)
+    config = ModelConfig.from_hf(path)
+    whole = get_model_class(config.architecture)(config)
+    load_checkpoint(whole, path)
+    ranks = [_rank_model(path, r) for r in range(RANKS)]
+    for model in ranks:
+        load_checkpoint(model, path)
+    layer = next(i for i, block in enumerate(whole.model.layers) if hasattr(block.mlp, "experts"))
+    x = torch.randn(11, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    parts = [model.model.layers[layer].mlp(x) for model in ranks]
+    torch.testing.assert_close(parts[0] + parts[1], whole.model.layers[layer].mlp(x), rtol=1e-5, atol=1e-5)
+    held = whole.model.layers[layer].mlp.experts.gate_up_proj.shape[0] // RANKS
+    for r, model in enumerate(ranks):
+        mine = model.model.layers[layer].mlp.experts
+        assert torch.equal(mine.gate_up_proj, whole.model.layers[layer].mlp.experts.gate_up_proj[r * held : (r + 1) * held])
+        assert torch.equal(mine.down_proj, whole.model.layers[layer].mlp.experts.down_proj[r * held : (r + 1) * held])
