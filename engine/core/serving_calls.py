@@ -82,7 +82,7 @@ class ServingCalls:
             "device": str(self.runner.device),
             "tp_size": self.config.tp_size,
             # SGLang's ep_size: the ranks the experts are spread over whole (1: sliced, or no experts)
-            "ep_size": self.config.tp_size if self.runner.tp.whole_experts and mc.num_experts else 1,
+            "ep_size": self.config.ep_size if mc.num_experts else 1,
             "tp_worker_pids": self.ranks.pids,
             "max_context_length": self.max_model_len,
             "vocab_size": mc.vocab_size,

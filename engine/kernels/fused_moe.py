@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from engine.kernels.launcher import Launcher
-from engine.kernels.moe_align import max_blocks, moe_align
+from engine.kernels.moe_align import held_bucket, max_blocks, moe_align
 from engine.kernels.moe_routing import topk_softmax
 from engine.kernels.moe_workspace import PAIR_TILE_PAIRS, MoeWorkspace, shared_workspace
 from engine.kernels.split_kv import last_to_arrive
@@ -147,9 +147,8 @@ def _grouped_gemm_kernel(
     valid = pairs < P  # padding slots hold P
     rows = (pairs // TOP_K).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if HELD > 0 and PAIR_TILES:  # the model's id of the pair's expert: another rank's is the bucket HELD
-        expert = expert - FIRST
-        expert = tl.where((expert >= 0) & (expert < HELD), expert, HELD)
+    if HELD > 0 and PAIR_TILES:  # the model's id of the pair's expert (sorted tiles hold buckets already)
+        expert = held_bucket(expert, FIRST, HELD)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N read row N-1, never stored
     offs_k = tl.arange(0, BLOCK_K)

@@ -85,14 +85,21 @@ class AlignBuffers:
 
 
 @triton.jit
+def held_bucket(ids, FIRST: tl.constexpr, HELD: tl.constexpr):
+    """The model's expert ids -> this rank's bucket: FIRST .. FIRST + HELD - 1 to 0 .. HELD - 1,
+    another rank's expert to HELD (expert parallelism)."""
+    local = ids - FIRST
+    return tl.where((local >= 0) & (local < HELD), local, HELD)
+
+
+@triton.jit
 def _chunk(ids_ptr, c, P, CH: tl.constexpr, E_PAD: tl.constexpr, FIRST: tl.constexpr, HELD: tl.constexpr):
     """Pair ids [CH] of chunk c, their mask, experts and one-hot over the experts [CH, E_PAD]."""
     p = c * CH + tl.arange(0, CH)
     ok = p < P
     ids = tl.load(ids_ptr + p, mask=ok, other=E_PAD).to(tl.int32)  # masked: matches no expert
-    if HELD > 0:  # the model's ids: this rank's experts, another rank's the bucket HELD
-        local = ids - FIRST
-        ids = tl.where(ok, tl.where((local >= 0) & (local < HELD), local, HELD), E_PAD)
+    if HELD > 0:  # the model's ids
+        ids = tl.where(ok, held_bucket(ids, FIRST, HELD), E_PAD)
     onehot = (ids[:, None] == tl.arange(0, E_PAD)[None, :]).to(tl.int32)
     return p, ok, ids, onehot
 

@@ -136,18 +136,15 @@ class PackedExperts(nn.Module):
         s, part, held = self.shard, self.shard.length, self.held
         rows = None if s.whole else s  # of gate_proj / up_proj [I, hidden]
         cols = None if s.whole else Shard(1, s.start, s.length, s.total)  # of down_proj [hidden, I]
+        no_rows = ExpertSlot("gate_up_proj", (0, slice(0, 0)), Shard(0, 0, 0, s.total))  # another rank's
+        no_cols = ExpertSlot("down_proj", (0, slice(None), slice(0, 0)), Shard(1, 0, 0, s.total))
         parts: dict[str, ExpertSlot] = {}
         for e in range(self.num_experts):
             i = e - held.start
-            if 0 <= i < held.length:
-                parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (i, slice(0, part)), rows)
-                parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (i, slice(part, 2 * part)), rows)
-                parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (i,), cols)
-                continue
-            none = Shard(0, 0, 0, s.total)
-            parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (0, slice(0, 0)), none)
-            parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (0, slice(0, 0)), none)
-            parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (0, slice(None), slice(0, 0)), Shard(1, 0, 0, s.total))
+            mine = 0 <= i < held.length
+            parts[f"{e}.gate_proj.weight"] = ExpertSlot("gate_up_proj", (i, slice(0, part)), rows) if mine else no_rows
+            parts[f"{e}.up_proj.weight"] = ExpertSlot("gate_up_proj", (i, slice(part, 2 * part)), rows) if mine else no_rows
+            parts[f"{e}.down_proj.weight"] = ExpertSlot("down_proj", (i,), cols) if mine else no_cols
         return parts
 
     def packed_parts(self) -> dict[str, tuple[ExpertSlot, ...]]:
