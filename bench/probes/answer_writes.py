@@ -96,7 +96,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     port = free_port()
-    env = os.environ | {"PYTHONPATH": os.path.dirname(BENCH)}
+    paths = [os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     argv = [sys.executable, "-c", SERVER, str(port), str(args.answers), str(args.positions), str(ROW_BYTES)]
     proc = subprocess.Popen(argv, env=env)
     try:
