@@ -191,10 +191,3 @@ def join_group(tp: TensorParallel, device: torch.device, address: str, store: di
         )
     else:
         dist.init_process_group("gloo", store=store, rank=tp.rank, world_size=tp.size, timeout=GROUP_TIMEOUT)
-
-
-def leave_group(tp: TensorParallel) -> None:
-    """Undo `join_group` (a no-op at size 1): the default group and every group made beside it
-    are destroyed, so another engine in this process can join a group of its own."""
-    if tp.enabled and dist.is_initialized():
-        dist.destroy_process_group()

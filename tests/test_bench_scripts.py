@@ -253,6 +253,25 @@ def test_bench_flip_tiny_at_tp_size_2(tmp_path: str) -> None:
     assert res["verify"]["restored_exactly"] and res["verify"]["pushed_weights_taken"] is True
 
 
+def test_bench_tp_tiny_moe_measures_every_mode_in_one_run(tmp_path: str) -> None:
+    """TP=1, TP=2 with sliced experts and TP=2 with whole experts, one engine each (each in a
+    process of its own: two tensor-parallel engines cannot share one process's default group),
+    every batch size measured in each, and the table compares them."""
+    out = os.path.join(tmp_path, "tp.json")
+    p = run_script(os.path.join("bench", "bench_tp.py"), "--shape", "tiny-moe", "--model-dir", os.path.join(tmp_path, "ckpt"),
+                   "--device", "cpu", "--batch-sizes", "1,2", "--decode-steps", "2", "--decode-warmup", "1",
+                   "--max-model-len", "256", "--decode-context", "64", "--expert-parallel", "--out", out)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    with open(out) as f:
+        res = json.load(f)
+    assert {bs: sorted(by_mode) for bs, by_mode in res["steps_s"].items()} == {"1": ["1", "2", "2 ep"], "2": ["1", "2", "2 ep"]}
+    assert all(s > 0 for by_mode in res["steps_s"].values() for s in by_mode.values())
+    assert [r["metric"] for r in res["table"]] == [
+        "decode step bs=1: TP=2 (ms); ref = TP=1", "decode step bs=1: TP=2 whole experts (ms); ref = TP=2 sliced",
+        "decode step bs=2: TP=2 (ms); ref = TP=1", "decode step bs=2: TP=2 whole experts (ms); ref = TP=2 sliced",
+    ]
+
+
 def test_the_layers_attention_kernel_compiles_for_every_head_dim(tmp_path: str) -> None:
     """Every head dim the Triton backend takes (powers of two, 16..256), bf16 and fp32 caches; a
     compile error here is an engine that fails at its first decode step on a GPU."""

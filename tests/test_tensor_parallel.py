@@ -17,14 +17,12 @@ import time
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
 from oracle import hf_greedy, hf_named_parameters
 from server_util import BackgroundStream, ServerProcess, free_port, logged_server
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine import Engine, EngineDeadError, SamplingParams
-from engine.config import EngineConfig, ModelConfig
-from engine.core.engine_core import EngineCore
+from engine.config import ModelConfig
 from engine.models import get_model_class
 from engine.parallel import TensorParallel
 from engine.weights.loader import checkpoint_targets, iterate_checkpoint
@@ -102,18 +100,6 @@ def test_two_ranks_equal_one_rank_and_transformers(which: str, request: pytest.F
         for (lp1, top1), (lp2, top2) in zip(a[1:], b[1:], strict=True):
             assert abs(lp1 - lp2) < 1e-4 and [t for t, _ in top1] == [t for t, _ in top2]
             assert max(abs(v1 - v2) for (_, v1), (_, v2) in zip(top1, top2, strict=True)) < 1e-4
-
-
-def test_engines_at_two_ranks_one_after_another_in_one_process(qwen3_dir: str) -> None:
-    """Rank 0 runs in the caller's process (bench_tp builds one engine per mode): closing an engine
-    leaves its process group, so the next one can make its own."""
-    for _ in range(2):
-        core = EngineCore(EngineConfig(model=qwen3_dir, tp_size=2, num_kv_blocks=16, **KNOBS))
-        try:
-            assert dist.is_initialized() and dist.get_world_size() == 2
-        finally:
-            core.close()
-        assert not dist.is_initialized()
 
 
 def test_each_rank_reads_only_its_slice(odd_vocab_dir: str) -> None:

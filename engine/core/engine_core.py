@@ -30,7 +30,7 @@ from engine.core.serving_calls import ServingCalls
 from engine.core.weight_calls import WeightUpdateCalls
 from engine.limits import RequestLimits, prompt_error
 from engine.memory.kv_cache import BlockManager
-from engine.parallel import TensorParallel, leave_group
+from engine.parallel import TensorParallel
 from engine.request import FINISH_ABORT, FINISH_ERROR, Request
 from engine.runner.grammar import Grammars
 from engine.runner.launched_step import LaunchedStep
@@ -54,7 +54,6 @@ class EngineCore(ServingCalls, MemoryCalls, WeightUpdateCalls, WeightCheckCalls,
             self.ranks.attach(self.rank)
         except BaseException:
             self.ranks.close()
-            leave_group(tp)
             raise
         self.runner = self.rank.runner
         self.block_manager = BlockManager(
@@ -235,9 +234,8 @@ class EngineCore(ServingCalls, MemoryCalls, WeightUpdateCalls, WeightCheckCalls,
         self.ranks.after_reply()
 
     def close(self) -> None:
-        """Stop the other ranks' workers and leave their group."""
+        """Stop the other ranks' workers."""
         self.ranks.close()
-        leave_group(self.rank.tp)
 
     def has_work(self) -> bool:
         """A step may run (not paused, every tag resident: one forward sees all of them), or one
