@@ -1,8 +1,10 @@
 """engine/kernels/invariant_matmul.py on a GPU (`pytest -m gpu` on the device machine):
 - a fixed row placed at random positions (and last) among random companions of another scale,
-  in batches of 1 to 1100 rows (16-, 64- and 128-row tiles), gets bit for bit the output it gets alone, at the Qwen3-8B linear
+  in batches of 1 to 2100 rows (16-, 64-, 128- and 256-row tiles), gets bit for bit the output it gets alone, at the Qwen3-8B linear
   shapes (qkv, gate_up, down, lm_head) and at small ones whose N and K no tile divides; a batch
   that is a slice of a larger one (rows, or the first K columns) too;
+- TMA descriptor loads (the default on Hopper) give the pointer loads' bits at every shape and
+  batch above;
 - the output equals F.linear in fp32 on the same bf16 inputs within bf16 rounding;
 - a launch into a preallocated `out` captures in a CUDA graph and replays to the eager bits, new
   inputs included;
@@ -26,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # (K, N): Qwen3-8B's qkv, gate_up, down and lm_head, then shapes no tile divides (K < BLOCK_K too).
 SHAPES = [(4096, 6144), (4096, 24576), (12288, 4096), (4096, 151936), (1024, 1000), (200, 100), (48, 10), (64, 32)]
-ROWS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 1100]  # across FEW_ROWS and MANY_ROWS
+ROWS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 1100, 2100]  # across FEW_ROWS, MANY_ROWS and the 128 x 256 tiles
 
 
 def _bf16(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -78,6 +80,20 @@ def test_a_row_has_its_bits_alone_in_every_batch(k: int, n: int) -> None:
     assert torch.equal(invariant_matmul(big[3:, :k], w)[4], alone[0])
     rows = big[:, :k].contiguous()
     assert torch.equal(invariant_matmul(rows[3:], w)[4], alone[0])
+
+
+@pytest.mark.parametrize("k,n", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
+def test_tma_loads_give_the_pointer_loads_bits(k: int, n: int) -> None:
+    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul, tma_loads
+
+    arrivals = Arrivals(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(k * 7 + n)
+    w = _bf16(n, k, g=g, scale=0.02)
+    for m in ROWS:
+        x = _bf16(m, k, g=g)
+        assert tma_loads(x, w), (k, n)
+        for a in (None, arrivals):
+            assert torch.equal(invariant_matmul(x, w, arrivals=a), invariant_matmul(x, w, arrivals=a, tma=False)), (m, a)
 
 
 @pytest.mark.parametrize("with_arrivals", [False, True])

@@ -4,7 +4,9 @@ a tile's last chunk to arrive sums the chunks, gives the bits of the two-launch 
 kernel sums them) and of the same row alone, and leaves every counter at zero for the next call;
 the counters' zeroing after a resume; a program that walks every chunk of its tile (many
 tiles), in one loop or a pipeline a chunk, gives the split path's bits, K a whole number of steps
-or not. The GPU's bits: tests/test_gpu_invariant_matmul.py.
+or not; TMA descriptor loads give the pointer loads' bits on every path, and a tensor the copy
+engine cannot take (unaligned) loads through pointers; the tile follows the rows, K's order
+never. The GPU's bits: tests/test_gpu_invariant_matmul.py.
 """
 
 from __future__ import annotations
@@ -74,3 +76,57 @@ def check_walk(device: str) -> None:
 
 def test_a_program_walking_every_chunk_gives_the_split_bits_interpreted() -> None:
     interpret("test_invariant_matmul", "check_walk('cpu')", timeout=600)
+
+
+def check_tma(device: str) -> None:
+    from engine.kernels.invariant_matmul import Arrivals, config, invariant_matmul, tma_loads
+
+    g = torch.Generator().manual_seed(2)
+    # (n, k, m, tile override): the split path with its last-chunk sum; 4 chunks walked in one loop
+    # and 2 summed as two pipelines (many small tiles); K not a whole number of steps; rows past M
+    # and columns past N in partial tiles.
+    cases = ((256, 2048, 5, None), (256, 2048, 144, dict(block_m=16, block_n=16, split_k=4)),
+             (256, 2048, 144, dict(block_m=16, block_n=16, split_k=2)), (256, 2000, 144, dict(block_m=16, block_n=16, split_k=4)),
+             (200, 1000, 20, None), (96, 64, 33, None))  # fmt: skip
+    for n, k, m, tile in cases:
+        c = config(n, k)._replace(**tile) if tile else None
+        w = (torch.randn(n, k, generator=g) * 0.02).half().to(device)
+        x = torch.randn(m, k, generator=g).half().to(device)
+        assert tma_loads(x, w), (n, k)
+        arrivals = Arrivals(torch.device(device))
+        pointers = invariant_matmul(x, w, cfg=c, arrivals=arrivals, tma=False)
+        assert torch.equal(invariant_matmul(x, w, cfg=c, arrivals=arrivals), pointers), (n, k, m)
+        ref = x.float() @ w.float().T
+        assert (pointers.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    # A row stride of 1001 halves (not 16-byte aligned): pointer loads, the contiguous rows' bits.
+    wide = torch.randn(9, 1001, generator=g).half().to(device)
+    x, w = wide[:, :1000], (torch.randn(64, 1000, generator=g) * 0.02).half().to(device)
+    assert not tma_loads(x, w) and tma_loads(x.contiguous(), w)
+    assert torch.equal(invariant_matmul(x, w), invariant_matmul(x.contiguous(), w))
+
+
+def test_tma_loads_give_the_pointer_loads_bits_interpreted() -> None:
+    interpret("test_invariant_matmul", "check_tma('cpu')", timeout=600)
+
+
+def check_tiles() -> None:
+    from engine.kernels.invariant_matmul import MANY_ROWS, chunking, config, rows_tile
+
+    # The Qwen3-0.6B and -8B linear weights (N, K): qkv, o_proj, gate_up, down, lm_head.
+    weights = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
+               (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]  # fmt: skip
+    seen = set()
+    for n, k in weights:
+        cfg = config(n, k)
+        for m in (1, 16, 17, 64, 256, 1000, MANY_ROWS, 2048, 8192):
+            t = rows_tile(cfg, n, k, m)
+            assert (t.block_k, chunking(k, t)) == (cfg.block_k, chunking(k, cfg)), (n, k, m)  # K's order is the weight's
+            assert t.block_m * t.block_n <= 128 * 256 and t.num_warps * 32 * 128 >= t.block_m * t.block_n  # <= 128 fp32 a thread
+            if t.block_n == 256:  # two accumulators of 128 registers a thread: only a walk of > 2 chunks
+                assert chunking(k, cfg)[1] > 2 and m >= MANY_ROWS, (n, k, m)
+            seen.add((t.block_m, t.block_n))
+    assert {(16, 64), (16, 128), (64, 64), (128, 64), (128, 128), (128, 256), (256, 128)} <= seen
+
+
+def test_the_tile_follows_the_rows_and_the_k_order_the_weight_interpreted() -> None:
+    interpret("test_invariant_matmul", "check_tiles()")
