@@ -125,7 +125,8 @@ def test_a_preallocated_out_captures_and_replays_to_the_eager_bits(with_arrivals
 
 
 def test_the_8b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:
-    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES, chunking, config
+    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES
+    from engine.kernels.invariant_tiles import chunking, config
 
     for n, k in ((4096, 4096), (4096, 12288)):  # the 8B's o_proj and down
         c = config(n, k)

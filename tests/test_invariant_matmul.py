@@ -16,13 +16,8 @@ from interpreted import interpret
 
 
 def check_last_sums(device: str) -> None:
-    from engine.kernels.invariant_matmul import (
-        SPLIT_BELOW_TILES,
-        Arrivals,
-        chunking,
-        config,
-        invariant_matmul,
-    )
+    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES, Arrivals, invariant_matmul
+    from engine.kernels.invariant_tiles import chunking, config
 
     n, k = 256, 2048  # 4 column tiles of 64, K in 4 chunks: the split path at a few rows
     c = config(n, k)
@@ -50,13 +45,8 @@ def test_the_last_chunk_sums_the_split_path_interpreted() -> None:
 
 
 def check_walk(device: str) -> None:
-    from engine.kernels.invariant_matmul import (
-        SPLIT_BELOW_TILES,
-        Arrivals,
-        chunking,
-        config,
-        invariant_matmul,
-    )
+    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES, Arrivals, invariant_matmul
+    from engine.kernels.invariant_tiles import chunking, config
 
     g = torch.Generator().manual_seed(1)
     # 4 chunks of 8 steps (one loop: WALK_CHUNKS); the last step masked; 2 chunks (a pipeline each)
@@ -79,7 +69,8 @@ def test_a_program_walking_every_chunk_gives_the_split_bits_interpreted() -> Non
 
 
 def check_tma(device: str) -> None:
-    from engine.kernels.invariant_matmul import Arrivals, config, invariant_matmul, tma_loads
+    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul, tma_loads
+    from engine.kernels.invariant_tiles import config
 
     g = torch.Generator().manual_seed(2)
     # (n, k, m, tile override): the split path with its last-chunk sum; 4 chunks walked in one loop
@@ -109,8 +100,8 @@ def test_tma_loads_give_the_pointer_loads_bits_interpreted() -> None:
     interpret("test_invariant_matmul", "check_tma('cpu')", timeout=600)
 
 
-def check_tiles() -> None:
-    from engine.kernels.invariant_matmul import MANY_ROWS, chunking, config, rows_tile
+def test_the_tile_follows_the_rows_and_the_k_order_the_weight() -> None:
+    from engine.kernels.invariant_tiles import MANY_ROWS, chunking, config, rows_tile
 
     # The Qwen3-0.6B and -8B linear weights (N, K): qkv, o_proj, gate_up, down, lm_head.
     weights = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
@@ -126,7 +117,3 @@ def check_tiles() -> None:
                 assert chunking(k, cfg)[1] > 2 and m >= MANY_ROWS, (n, k, m)
             seen.add((t.block_m, t.block_n))
     assert {(16, 64), (16, 128), (64, 64), (128, 64), (128, 128), (128, 256), (256, 128)} <= seen
-
-
-def test_the_tile_follows_the_rows_and_the_k_order_the_weight_interpreted() -> None:
-    interpret("test_invariant_matmul", "check_tiles()")

@@ -53,13 +53,8 @@ GRID = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for 
 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
-    from engine.kernels.invariant_matmul import (
-        Arrivals,
-        Config,
-        config,
-        invariant_matmul,
-        rows_tile,
-    )
+    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
+    from engine.kernels.invariant_tiles import Config, config, rows_tile
 
     n, k = SHAPES[name]
     dev = torch.device("cuda")

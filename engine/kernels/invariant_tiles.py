@@ -1,0 +1,103 @@
+"""The tiles of the batch-invariant GEMM (engine/kernels/invariant_matmul.py): K's order per
+weight shape (`config`: BLOCK_K and the chunks, the bits) and the output tile per number of rows
+(`rows_tile`: where the arithmetic runs, never what it computes). Plain Python: no Triton.
+
+The configuration rule (`config`), reasoned for an H100 / H200 (132 SMs, wgmma), then timed
+on one (bench/kernels/invariant_matmul.py times it against cuBLAS and `--sweep` ranks a grid of
+configs per weight shape over all M at once, the only way a config may be chosen here):
+- BLOCK_M = 64, 4 warps: one warp group, Hopper's smallest wgmma M. A decode step's few rows
+  take 16-row tiles instead, 128 columns wide from N >= FEW_WIDE_N: at M = 1 that halves the
+  64-row tile's time (the 0.6B lm_head 166 -> 84 us, cuBLAS 76; the 8B gate_up 96 -> 55, cuBLAS
+  48; bench/history/2026-11-29.md, 2026-11-29t). From MANY_ROWS rows, `rows_tile`.
+- BLOCK_N trades M = 1 bandwidth (programs to stream the weight) against large-M intensity
+  (MACs per loaded element): 128 columns where N >= WIDE_N (>= 64 column tiles; the 8B's gate_up
+  and every lm_head have 192 and more), else 64.
+- SPLIT_K brings a few-rows GEMM's programs to about TARGET_PROGRAMS (two an SM), with chunks of
+  at least MIN_CHUNK_STEPS BLOCK_K steps: the 8B's o_proj (64 column tiles, K 4096) takes 5
+  chunks of 832, its down (K 12288) 5 of 2496, its gate_up (192 column tiles) 2, the lm_heads 1.
+- BLOCK_K = 64 and 4 stages: 24 KB of shared memory a stage at 64 x 128, two programs an SM.
+  K < 64 (tiny test models) takes one step of K rounded up to a power of two (>= 16).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+BLOCK_M = 64  # rows of a tile: one warp group's wgmma M
+WIDE_N = 8192  # N from which a tile is 128 columns wide, below it 64
+TARGET_PROGRAMS = 264  # two an SM of an H100 / H200 (132 SMs)
+MIN_CHUNK_STEPS = 8  # BLOCK_K steps a chunk of K walks at least
+FEW_ROWS = 16  # at most this many rows: 16-row tiles (`rows_tile`)
+FEW_WIDE_N = 4096  # N from which a few-rows tile is 128 columns wide, below it 64
+MID_ROWS = 256  # at least this many rows (a large decode): a large weight's tiles 128 rows high
+MANY_ROWS = 1024  # at least this many rows (prefill): 128-row tiles of 8 warps where SMS of them or more
+WIDE_TILES = 256  # from this many 128 x 256 tiles (two waves of SMS), prefill's walked weights take them
+SMS = 132  # an H100's / H200's
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # chunks of K (fewer where K has fewer whole BLOCK_K steps)
+
+
+def config(n: int, k: int) -> Config:
+    """The one configuration of a weight [N = n, K = k], whatever the rows: the rules above."""
+    block_n = min(128 if n >= WIDE_N else 64, max(16, next_power_of_2(n)))
+    block_k = 64 if k >= 64 else max(16, next_power_of_2(k))
+    tiles_n = cdiv(n, block_n)
+    split = max(1, min(cdiv(TARGET_PROGRAMS, tiles_n), cdiv(k, block_k) // MIN_CHUNK_STEPS))
+    return Config(BLOCK_M, block_n, block_k, num_warps=4, num_stages=4, split_k=split)
+
+
+def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
+    """The output tile that runs m rows of the weight whose configuration is `cfg`: 16-row tiles
+    up to FEW_ROWS rows; from MANY_ROWS where SMS tiles of 128 x 128 or more, 8 warps: 256 x 128
+    (3 stages) for a weight of one chunk (the lm_heads), 128 x 256 (3 stages) for one of more than
+    2 chunks (walked in one loop) where WIDE_TILES of them or more, else 128 x 128 (4 stages);
+    from MID_ROWS, a weight of N or K >= WIDE_N (the lm_heads, the 8B's gate_up and down)
+    128-row tiles (128 x 128 of two warp groups, or 128 x 64 of one where only K is wide); else
+    cfg's. K's order (BLOCK_K, the chunks) is cfg's whatever m.
+    The MID_ROWS tiles, timed at 256 rows on an H200 against cuBLAS (bench/kernels/
+    invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x, lm_head
+    1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64 rows and for the 0.6B's layers the
+    64-row tile stays the best of the grid (bench/history/2026-11-30.md). From MANY_ROWS, fewer
+    128 x 128 tiles than SMS keep the 64-row tile: the 0.6B's o_proj and down at 1024 rows,
+    2.66x / 2.97x -> 1.59x / 1.65x (64 tiles -> 256).
+    The MANY_ROWS tiles, timed with TMA loads at 8192 rows against cuBLAS (2026-11-30h): 128 x 256
+    the 8B's down, qkv, o 1.10x / 1.17x / 1.20x and the 0.6B's o, down 1.17x / 1.16x (128 x 128:
+    1.47-1.57x); a weight of 2 chunks keeps 128 x 128, since 128 x 256 holds two fp32
+    accumulators of 128 registers a thread there and spills (3.4-4.7x), and 4 stages (the 8B's
+    gate_up 1.36x -> 1.18x); 256 x 128 the lm_heads 1.04x-1.15x (1.11x-1.19x)."""
+    width = max(16, next_power_of_2(n))
+    if m <= FEW_ROWS:
+        return cfg._replace(block_m=16, block_n=min(128 if n >= FEW_WIDE_N else 64, width))
+    if m >= MANY_ROWS and cdiv(m, 128) * cdiv(n, 128) >= SMS:
+        chunks = chunking(k, cfg)[1]
+        if chunks == 1 and cdiv(m, 256) * cdiv(n, 128) >= SMS:
+            return cfg._replace(block_m=256, block_n=min(128, width), num_warps=8, num_stages=3)
+        if chunks > 2 and cdiv(m, 128) * cdiv(n, 256) >= WIDE_TILES:
+            return cfg._replace(block_m=128, block_n=min(256, width), num_warps=8, num_stages=3)
+        return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
+    if m >= MID_ROWS and n >= WIDE_N:
+        return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
+    if m >= MID_ROWS and k >= WIDE_N:
+        return cfg._replace(block_m=128, block_n=min(64, width), num_warps=4, num_stages=4)
+    return cfg
+
+
+def chunking(k: int, cfg: Config) -> tuple[int, int]:
+    """(chunk_k, chunks): K cut into chunks of whole BLOCK_K steps, none empty."""
+    chunk_k = cdiv(cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    return chunk_k, cdiv(k, chunk_k)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
