@@ -93,7 +93,7 @@ def test_tma_loads_give_the_pointer_loads_bits(k: int, n: int) -> None:
         x = _bf16(m, k, g=g)
         assert tma_loads(x, w), (k, n)
         for a in (None, arrivals):
-            assert torch.equal(invariant_matmul(x, w, arrivals=a), invariant_matmul(x, w, arrivals=a, tma=False)), (m, a)
+            assert torch.equal(invariant_matmul(x, w, arrivals=a, tma=True), invariant_matmul(x, w, arrivals=a, tma=False)), (m, a)
 
 
 @pytest.mark.parametrize("with_arrivals", [False, True])

@@ -86,7 +86,7 @@ def check_tma(device: str) -> None:
         assert tma_loads(x, w), (n, k)
         arrivals = Arrivals(torch.device(device))
         pointers = invariant_matmul(x, w, cfg=c, arrivals=arrivals, tma=False)
-        assert torch.equal(invariant_matmul(x, w, cfg=c, arrivals=arrivals), pointers), (n, k, m)
+        assert torch.equal(invariant_matmul(x, w, cfg=c, arrivals=arrivals, tma=True), pointers), (n, k, m)
         ref = x.float() @ w.float().T
         assert (pointers.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
     # A row stride of 1001 halves (not 16-byte aligned): pointer loads, the contiguous rows' bits.

@@ -31,8 +31,8 @@ came in (issue 76). Rules that make this kernel invariant:
   in one loop over K that folds each chunk's partial into the sum as the chunk ends
   (`_walk_chunks`), so the loads run on across chunks; fewer chunks a pipeline each. The same
   partials, added in the same order, give the same bits every way.
-- Tiles load through TMA descriptors on Hopper (`tma_loads`: 16-byte aligned tensors), else
-  through pointers; the same tiles either way. Rows past M and columns past N read zeros (TMA)
+- Tiles load through TMA descriptors on Hopper (`tma_loads`: 16-byte aligned tensors; not the
+  programs of chunks shorter than TMA_SPLIT_STEPS), else through pointers: the same tiles. Rows past M and columns past N read zeros (TMA)
   or row M-1 / N-1 (pointers) and are never stored; a K that BLOCK_K does not divide reads
   its last step's columns past K as zeros (fixed by K).
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
@@ -60,6 +60,10 @@ GROUP_M = 8  # row tiles visited together: their programs share the weight's col
 REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
 SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (more: one per tile)
 WALK_CHUNKS = 4  # a program walking this many chunks (3 from MANY_ROWS) walks them in one loop
+# A program per chunk of fewer BLOCK_K steps loads through pointers: its TMA setup is not paid back
+# (2026-11-30h: the 0.6B's o_proj and down, 8-step chunks, at 64 rows 1.21x / 1.10x cuBLAS with
+# pointers, 1.42x / 1.40x with TMA; chunks of 13 steps and more, the 8B's, alike or faster).
+TMA_SPLIT_STEPS = 16
 
 
 @functools.cache
@@ -225,7 +229,7 @@ def invariant_matmul(
     out: torch.Tensor | None = None,  # [M, N] of x's dtype, unit last stride: written in place (a graph's buffer)
     cfg: Config | None = None,  # tuning override (bench/kernels/invariant_matmul.py --sweep); None: the rules
     arrivals: Arrivals | None = None,  # x's device's: split calls sum in their last chunk (else a second launch)
-    tma: bool | None = None,  # load through TMA descriptors; None: where `tma_loads` allows (False: A/B, tests)
+    tma: bool | None = None,  # load through TMA descriptors; None: where `tma_loads` allows, but short split chunks
 ) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once
     if x.dim() != 2 or not (x.is_cuda or triton.knobs.runtime.interpret) or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"invariant_matmul: x must be a CUDA bf16/fp16 [M, K], got {tuple(x.shape)} {x.dtype} on {x.device}")
@@ -252,7 +256,8 @@ def invariant_matmul(
     ws = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     last_sums = split and arrivals is not None
     walk = chunks >= WALK_CHUNKS or (chunks > 2 and m >= MANY_ROWS)
-    tma = tma_loads(x, w) if tma is None else tma
+    if tma is None:
+        tma = tma_loads(x, w) and not (split and chunk_k // c.block_k < TMA_SPLIT_STEPS)
     x_src = TensorDescriptor(x, [m, k], [x.stride(0), 1], [c.block_m, c.block_k]) if tma else x
     w_src = TensorDescriptor(w, [n, k], [k, 1], [c.block_n, c.block_k]) if tma else w
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
