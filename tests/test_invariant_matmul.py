@@ -94,6 +94,10 @@ def check_tma(device: str) -> None:
     x, w = wide[:, :1000], (torch.randn(64, 1000, generator=g) * 0.02).half().to(device)
     assert not tma_loads(x, w) and tma_loads(x.contiguous(), w)
     assert torch.equal(invariant_matmul(x, w), invariant_matmul(x.contiguous(), w))
+    # One row broadcast to 8 (row stride 0): pointer loads, every row the row's own bits.
+    x = x[2:3].contiguous().expand(8, 1000)
+    assert not tma_loads(x, w)
+    assert torch.equal(invariant_matmul(x, w), invariant_matmul(x[:1], w).expand(8, 64))
 
 
 def test_tma_loads_give_the_pointer_loads_bits_interpreted() -> None:

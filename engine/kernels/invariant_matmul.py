@@ -73,8 +73,10 @@ def _has_tma(device: torch.device) -> bool:
 
 def tma_loads(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the tiles load through TMA descriptors: Hopper or later (or Triton's interpreter),
-    16-byte aligned bases and row strides. The bits are the pointer loads' either way."""
-    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, w))
+    16-byte aligned bases and row strides, rows that do not overlap (no broadcast rows). The bits
+    are the pointer loads' either way."""
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(0) >= t.shape[1]
+                  for t in (x, w))  # fmt: skip
     return aligned and (triton.knobs.runtime.interpret or _has_tma(x.device))
 
 
