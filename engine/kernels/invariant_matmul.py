@@ -32,9 +32,9 @@ came in (issue 76). Rules that make this kernel invariant:
   (`_walk_chunks`), so the loads run on across chunks; fewer chunks a pipeline each. The same
   partials, added in the same order, give the same bits every way.
 - Tiles load through TMA descriptors on Hopper (`tma_loads`: 16-byte aligned tensors; not the
-  programs of chunks shorter than TMA_SPLIT_STEPS), else through pointers: the same tiles. Rows past M and columns past N read zeros (TMA)
-  or row M-1 / N-1 (pointers) and are never stored; a K that BLOCK_K does not divide reads
-  its last step's columns past K as zeros (fixed by K).
+  programs of chunks shorter than TMA_SPLIT_STEPS), else through pointers: the same tiles. Rows
+  past M and columns past N read zeros (TMA) or row M-1 / N-1 (pointers) and are never stored;
+  a K that BLOCK_K does not divide reads its last step's columns past K as zeros (fixed by K).
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
   program computes a tile changes, how it computes it does not.
 - Grid and output are fixed by the shapes, no host read of a device value: CUDA-graph capturable
@@ -63,7 +63,7 @@ WALK_CHUNKS = 4  # a program walking this many chunks (3 from MANY_ROWS) walks t
 # A program per chunk of fewer BLOCK_K steps loads through pointers: its TMA setup is not paid back
 # (2026-11-30h: the 0.6B's o_proj and down, 8-step chunks, at 64 rows 1.21x / 1.10x cuBLAS with
 # pointers, 1.42x / 1.40x with TMA; chunks of 13 steps and more, the 8B's, alike or faster).
-TMA_SPLIT_STEPS = 16
+TMA_SPLIT_STEPS = 12
 
 
 @functools.cache
