@@ -50,11 +50,15 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from engine.kernels.invariant_tiles import MANY_ROWS, Config, chunking, config, rows_tile
 from engine.kernels.launcher import Launcher
 from engine.kernels.split_kv import last_to_arrive
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before 3.3: pointer loads only
+    TensorDescriptor = None
 
 GROUP_M = 8  # row tiles visited together: their programs share the weight's column tiles in L2
 REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
@@ -77,7 +81,7 @@ def tma_loads(x: torch.Tensor, w: torch.Tensor) -> bool:
     are the pointer loads' either way."""
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 and t.stride(0) >= t.shape[1]
                   for t in (x, w))  # fmt: skip
-    return aligned and (triton.knobs.runtime.interpret or _has_tma(x.device))
+    return TensorDescriptor is not None and aligned and (triton.knobs.runtime.interpret or _has_tma(x.device))
 
 
 @triton.jit
