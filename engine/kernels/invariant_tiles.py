@@ -1,6 +1,6 @@
 """The tiles of the batch-invariant GEMM (engine/kernels/invariant_matmul.py): K's order per
 weight shape (`config`: BLOCK_K and the chunks, the bits) and the output tile per number of rows
-(`rows_tile`: where the arithmetic runs, never what it computes). Plain Python: no Triton.
+(`rows_tile`: where the arithmetic runs, never what it computes).
 
 The configuration rule (`config`), reasoned for an H100 / H200 (132 SMs, wgmma), then timed
 on one (bench/kernels/invariant_matmul.py times it against cuBLAS and `--sweep` ranks a grid of
@@ -22,6 +22,8 @@ configs per weight shape over all M at once, the only way a config may be chosen
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from triton import cdiv, next_power_of_2
 
 BLOCK_M = 64  # rows of a tile: one warp group's wgmma M
 WIDE_N = 8192  # N from which a tile is 128 columns wide, below it 64
@@ -93,11 +95,3 @@ def chunking(k: int, cfg: Config) -> tuple[int, int]:
     """(chunk_k, chunks): K cut into chunks of whole BLOCK_K steps, none empty."""
     chunk_k = cdiv(cdiv(k, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
     return chunk_k, cdiv(k, chunk_k)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
