@@ -239,6 +239,18 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
                          f"{ids.dtype} for {T} tokens")  # fmt: skip
 
 
+def workspace_for(tokens: int, w2: torch.Tensor, top_k: int, first: int | None = None) -> MoeWorkspace:
+    """The shared workspace `fused_moe` uses for up to `tokens` tokens of the experts w2 [E, H, I]
+    (`first`: as fused_moe's; another rank's experts sort into one more bucket)."""
+    E, H, inter_dim = w2.shape
+    return shared_workspace(tokens, _buckets(E, first), top_k, H, inter_dim, w2.dtype, w2.device)
+
+
+def _buckets(held: int, first: int | None) -> int:
+    """The sort's buckets: the experts held, and with expert parallelism one for another rank's."""
+    return held if first is None else held + 1
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H], bf16/fp16/fp32, unit last stride
     w13: torch.Tensor,  # [E, 2I, H]: expert e's gate_proj rows, then its up_proj rows
@@ -252,7 +264,7 @@ def fused_moe(
     _check(x, w13, w2, topk_weights, topk_ids)
     (T, H), (E, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     inter_dim = two_i // 2
-    buckets = E if first is None else E + 1  # the sort's: another rank's experts, one more
+    buckets = _buckets(E, first)
     if out is None:
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     elif out.shape != (T, H) or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -261,7 +273,7 @@ def fused_moe(
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
-    ws = workspace or shared_workspace(T, buckets, k, H, inter_dim, x.dtype, x.device)
+    ws = workspace or workspace_for(T, w2, k, first)
     ws.check(T, buckets, k, H, inter_dim, x.dtype)
     if torch.cuda.is_available() and x.is_cuda and torch.cuda.is_current_stream_capturing():
         ws.captured = True

@@ -23,8 +23,9 @@ output is this rank's partial sum, which the RMSNorm after the layer all-reduces
 (`tp.defers_reduce`: there is no bias), as a dense MLP's. Expert parallelism
 (`--enable-expert-parallel`, `tp.whole_experts`): each rank holds E / tp_size whole experts
 (`PackedExperts.held`) and sums the pairs routed to them (the kernels take the model's ids and
-skip another rank's pairs); the same all-reduce adds the ranks' sums. Another rank's expert names are validated at their full shape and land nowhere (a shard
-of length 0), so every rank checks a whole update.
+skip another rank's pairs); the same all-reduce adds the ranks' sums. Another rank's expert
+names are validated at their full shape and land nowhere (a shard of length 0), so every rank
+checks a whole update.
 
 Devices: a CUDA forward runs the Triton kernels of engine/kernels/moe_routing.py (`topk_softmax`)
 and fused_moe.py (`fused_moe`), or for a decode step of few tokens in half precision the router's
@@ -130,6 +131,12 @@ class PackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * part, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(local, hidden_size, part), requires_grad=False)
 
+    @property
+    def first(self) -> int | None:
+        """The model's id of this rank's first expert with expert parallelism (the fused kernels'
+        `first`); None where it holds every expert."""
+        return None if self.held.whole else self.held.start
+
     def checkpoint_parts(self) -> dict[str, ExpertSlot]:
         """Hugging Face's per-expert names (below this module) -> where each lands, expert by
         expert in checkpoint order. Another rank's expert lands nowhere: a shard of length 0."""
@@ -170,7 +177,6 @@ class PackedExperts(nn.Module):
         return reference_moe(x, self.gate_up_proj, self.down_proj, weights, ids, self.linear_fn, self.held.start)
 
 
-
 class SparseMoE(nn.Module):
     """The MoE MLP of decoder layer `layer_id`: x [T, hidden] -> [T, hidden] (at tp > 1 this
     rank's partial sum). `routed` (attached by the model, `RoutedExperts`): where each forward
@@ -206,12 +212,9 @@ class SparseMoE(nn.Module):
     def reserve(self, max_tokens: int) -> MoeWorkspace:
         """CUDA: the fused kernels' shared workspace for this layer's shapes and steps of up to
         `max_tokens` tokens, allocated now if it is not yet (engine/kernels/moe_workspace.py)."""
-        from engine.kernels.moe_workspace import shared_workspace
+        from engine.kernels.fused_moe import workspace_for
 
-        e = self.experts
-        w = e.down_proj  # [E_r, hidden, I_r]
-        buckets = e.num_experts if e.held.whole else e.held.length + 1  # another rank's experts: one more
-        return shared_workspace(max_tokens, buckets, self.top_k, w.shape[1], w.shape[2], w.dtype, w.device)
+        return workspace_for(max_tokens, self.experts.down_proj, self.top_k, self.experts.first)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         out = self._routed(x)
@@ -235,8 +238,8 @@ class SparseMoE(nn.Module):
                 weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
             if self.routed is not None:
                 self.routed.record(self.layer_id, ids)
-            first = None if held.whole else held.start  # expert parallelism: the kernels skip another rank's pairs
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, first=first)
+            # expert parallelism: the kernels skip another rank's pairs
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, first=self.experts.first)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.routed is not None:
             self.routed.record(self.layer_id, ids)
