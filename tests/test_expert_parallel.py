@@ -57,7 +57,7 @@ def test_the_ranks_reference_sums_add_up_to_the_layer() -> None:
     weights, ids = weights[:, :k], ids[:, :k]
     ids[0] = torch.tensor([0, E - 1])  # one token split over both ranks
     whole = reference_moe(x, w13, w2, weights, ids)
-    parts = [reference_moe(x, *_shares(w13, w2, r)[:2], weights, ids, first=_shares(w13, w2, r)[2]) for r in range(RANKS)]
+    parts = [reference_moe(x, a, b, weights, ids, first=f) for a, b, f in (_shares(w13, w2, r) for r in range(RANKS))]
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-12, atol=1e-12)
     assert not torch.equal(parts[0], whole) and parts[1].abs().sum() > 0  # each rank holds a real share
 
