@@ -1,9 +1,9 @@
-"""Tensor parallelism on two GPUs (`pytest -m gpu` on nvidia-h200-x2): two ranks with CUDA graphs
-(the all-reduces captured in them) against one rank, a mixture of experts sliced or whole per
-rank; memory released and resumed on both GPUs (reclaim and residual per GPU, measured
-device-wide from this process); 20 cycles with traffic and identical outputs; a weight update; a killed rank (a dead NCCL peer never answers: the
-watchdog must end the engine); `--deterministic` at two ranks (the ordered all-reduce inside the
-graphs). `SIESTA_TP_REPORT=FILE` writes the measured numbers as JSON."""
+"""Tensor parallelism on two GPUs (`pytest -m gpu` on nvidia-h200-x2): two ranks with CUDA graphs (the
+all-reduces captured in them) against one rank, a mixture of experts sliced or whole per rank;
+memory released and resumed on both GPUs (reclaim and residual per GPU, measured device-wide from
+this process); 20 cycles with traffic and identical outputs; a weight update; a killed rank (a dead
+NCCL peer never answers: the watchdog must end the engine); `--deterministic` at two ranks (the
+ordered all-reduce inside the graphs). `SIESTA_TP_REPORT=FILE` writes the measured numbers as JSON."""
 
 from __future__ import annotations
 
