@@ -101,6 +101,17 @@ class AttentionBackend(ABC):
         last sequence are zero. With `out`, the result is written there and nothing is allocated
         for it (piecewise CUDA graphs read it from a static buffer)."""
 
+    def kv_target(self, layer_id: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache, v_cache [num_blocks, block_size, Hkv, D], slot_mapping [T]): where the kernel
+        that makes the step's k and v may store them itself, `attend` then taking the place of
+        `forward` (one launch fewer a layer). None (here): `forward` stores them."""
+        return None
+
+    def attend(self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` of q [T, num_heads, head_dim] with the step's new K/V rows already in the
+        cache at `kv_target`'s slots -> [T, num_heads, head_dim]."""
+        raise NotImplementedError(f"{type(self).__name__} stores its K/V rows in forward")
+
     def layer_forward(self, meta: AttentionMetadata, num_tokens: int) -> LayerForward:
         """A step's attention for one layer after another, planned once per step: call it with
         (layer_id, q, k, v, out), tensors of T_pad >= num_tokens rows whose first num_tokens are

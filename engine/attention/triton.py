@@ -1,7 +1,8 @@
 """`TritonBackend`: paged attention with the Triton kernels of `engine/kernels/attention.py` (layout, K/V store,
 graph metadata), `engine/kernels/attention_prefill.py` and `engine/kernels/attention_decode.py` (split-KV, its pieces in `engine/kernels/split_kv.py`), for CUDA.
 
-- Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing).
+- Every step first writes the new K/V rows into the cache (`store_kv`, slot -1 writes nothing),
+  or the model's fused rope kernel writes them itself (`kv_target`; then `attend`, no `forward`).
 - Prefill (any step with a sequence of more than one new token): one ragged-batch kernel, causal
   with each sequence's cached prefix; eager only (its grid uses the host's `max_query_len`). In
   a mixed step the sequences of one new token (decodes) run the decode kernels instead, at their
@@ -139,6 +140,17 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = self.layer_caches[layer_id]
         tk.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         self._attend(layer_id, q, k_cache, v_cache, meta, out)
+        return out
+
+    def kv_target(self, layer_id: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's caches and the step's slots: the fused rope kernel stores the rows
+        (fused_ops.rotary's `kv_store`), as `store_kv` would."""
+        return (*self.layer_caches[layer_id], meta.slot_mapping)
+
+    def attend(self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._attend(layer_id, q, *self.layer_caches[layer_id], meta, out)
         return out
 
     def _attend(

@@ -5,7 +5,8 @@ launch a layer whatever the step, against the row-wise SDPA's one call per query
 (engine/attention/sdpa_rows.py).
 
 Rules:
-- The step's new K/V rows are stored first (the Triton backend's `forward`), then every row of
+- The step's new K/V rows are stored first (the Triton backend's `forward`, or the fused rope
+  kernel through `kv_target`), then every row of
   the step, decode, prefill or mixed, runs the one kernel; a step of few tokens (a decode) takes
   its split path, with the same bits, through `workspace` (the `cuda_graph` region, as the
   backend: [16, max_model_len / 256, H, D] fp32, 21 MiB for Qwen3-0.6B at 40,960).

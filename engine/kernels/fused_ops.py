@@ -16,6 +16,8 @@ results are the same bits or within one bfloat16 ULP of them (reduction order di
   and sin are rounded to the model dtype, then `x * cos + rotate_half(x) * sin` rounds each product
   and the sum to the model dtype (what torch's elementwise ops do; in fp32 every rounding is exact
   and this is plain fp32 rope). Compiled without FMA contraction, which would skip a rounding.
+  With `kv_store` the same program also writes the token's rotated K and its V into the paged
+  cache (attention.store_kv's writes, one launch a layer fewer: a Triton backend's `kv_target`).
 - `silu_and_mul`: [T, 2I] (gate | up) -> silu(gate) * up [T, I]; silu in fp32 with an IEEE
   division and libdevice's expf (as torch's CUDA kernel), rounded to the model dtype, then times
   up, rounded.
@@ -167,10 +169,11 @@ def _norm_rope_heads(
         w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         x1 = _round(w1 * _round(x1 * rstd, dtype), dtype)
         x2 = _round(w2 * _round(x2 * rstd, dtype), dtype)
-    o1 = _round(x1 * cos, dtype) - _round(x2 * sin, dtype)
-    o2 = _round(x2 * cos, dtype) + _round(x1 * sin, dtype)
-    tl.store(p1, o1.to(dtype), mask=mask)
-    tl.store(p1 + HALF, o2.to(dtype), mask=mask)
+    o1 = (_round(x1 * cos, dtype) - _round(x2 * sin, dtype)).to(dtype)
+    o2 = (_round(x2 * cos, dtype) + _round(x1 * sin, dtype)).to(dtype)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
+    return o1, o2  # [BLOCK_H, BLOCK_D] each: the heads' halves as stored
 
 
 @Launcher
@@ -181,10 +184,13 @@ def _rotary_kernel(
     pos_ptr,  # [T] positions
     cache_ptr,  # [max_positions, D] fp32: cos | sin
     qw_ptr, kw_ptr,  # [D] per-head norm weights (read only when HAS_NORM)
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    v_ptr,  # STORE: [T, Hkv, D] the new values, last dim contiguous
+    k_cache_ptr, v_cache_ptr,  # STORE: [slots, Hkv, D] the layer's paged cache (blocks x block size slots)
+    slot_ptr,  # STORE: [T] int64 each token's cache slot; -1 writes nothing
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_vt, stride_vh, stride_cslot, stride_chead,
     num_q_heads, num_k_heads, inv_d, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -197,10 +203,22 @@ def _rotary_kernel(
         q_ptr + t * stride_qt, stride_qh, num_q_heads, qw_ptr, cos, sin, inv_d, eps,
         HAS_NORM, HALF, BLOCK_HQ, BLOCK_D,
     )  # fmt: skip
-    _norm_rope_heads(
+    k1, k2 = _norm_rope_heads(
         k_ptr + t * stride_kt, stride_kh, num_k_heads, kw_ptr, cos, sin, inv_d, eps,
         HAS_NORM, HALF, BLOCK_HK, BLOCK_D,
     )  # fmt: skip
+    if STORE:  # the token's rotated K and its V into the cache (attention.store_kv's writes)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            h = tl.arange(0, BLOCK_HK)[:, None]
+            mask = (h < num_k_heads) & (d < HALF)
+            dst = slot * stride_cslot + h * stride_chead + d  # first half of each head
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+            v_src = v_ptr + t * stride_vt + h * stride_vh + d
+            tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_dtype), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask).to(cache_dtype), mask=mask)
 
 
 def rotary(
@@ -211,9 +229,12 @@ def rotary(
     q_weight: torch.Tensor | None = None,  # [D]: per-head RMSNorm of q before rope (Qwen3)
     k_weight: torch.Tensor | None = None,  # [D]: the same for k
     eps: float = 0.0,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rope (after the per-head RMSNorm when weights are given) applied to q and k in place;
-    returns them."""
+    returns them. `kv_store` = (v [T, Hkv, D], k_cache, v_cache [num_blocks, block_size, Hkv, D]
+    contiguous, slot_mapping [T] int64): the same launch also writes each token's rotated K and
+    its V into the cache at its slot (slot -1: nothing), as attention.store_kv would after it."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
@@ -223,6 +244,17 @@ def rotary(
     has_norm = q_weight is not None
     if has_norm != (k_weight is not None):
         raise ValueError("rotary: give both q and k norm weights or neither")
+    if kv_store is not None:
+        v, k_cache, v_cache, slots = kv_store
+        if v.shape != k.shape or v.stride(-1) != 1 or slots.shape != (num_tokens,):
+            raise ValueError(f"rotary: v {tuple(v.shape)} (last dim contiguous) and slots {tuple(slots.shape)} "
+                             f"for k {tuple(k.shape)}")  # fmt: skip
+        if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:] or not k_cache.is_contiguous():
+            raise ValueError(f"rotary: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} (contiguous "
+                             f"[blocks, block_size, {num_kv_heads}, {head_dim}])")  # fmt: skip
+        store = (v, k_cache, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2))
+    else:
+        store = (q, q, q, positions, 0, 0, 0, 0)  # not read
     if num_tokens == 0:
         return q, k
     half = head_dim // 2
@@ -230,11 +262,11 @@ def rotary(
     block_hq = _next_pow2(num_heads)
     _rotary_kernel[(num_tokens,)](
         q, k, positions, cos_sin_cache,
-        q_weight if has_norm else q, k_weight if has_norm else k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q_weight if has_norm else q, k_weight if has_norm else k, *store[:4],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), *store[4:],
         num_heads, num_kv_heads, 1.0 / head_dim, eps,
         HAS_NORM=has_norm, HALF=half, BLOCK_D=block_d,
-        BLOCK_HQ=block_hq, BLOCK_HK=_next_pow2(num_kv_heads),
+        BLOCK_HQ=block_hq, BLOCK_HK=_next_pow2(num_kv_heads), STORE=kv_store is not None,
         num_warps=max(1, min(8, _warps(block_hq * block_d))),
         # No FMA contraction: the compiler narrows `round(x1 * cos) - round(x2 * sin)` to bf16
         # ops and would fuse a multiply into the subtraction, skipping a rounding torch does

@@ -275,11 +275,16 @@ class Attention(nn.Module):
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.fused and hidden.is_cuda:
-            # One kernel: the q/k norm (if any) and rope, in place in the qkv output.
+            # One kernel: the q/k norm (if any) and rope, in place in the qkv output, and the K/V
+            # rows into the cache where the backend lets it (then it only attends).
             qw = self.q_norm.weight if self.q_norm is not None else None
             kw = self.k_norm.weight if self.k_norm is not None else None
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps)
+            target = ctx.backend.kv_target(self.layer_id, ctx.meta)
+            store = None if target is None else (v, *target)
+            q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps, kv_store=store)
+            if target is not None:
+                return self.o_proj(ctx.backend.attend(self.layer_id, q, ctx.meta).view(T, H * D))
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
