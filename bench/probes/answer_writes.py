@@ -11,7 +11,9 @@ meta_info, then sending them from uvicorn in its own process (this interpreter):
   by `JsonParts` in 1 MiB writes (what `/generate` does now).
 
 The reader is a raw socket with a 1 MiB buffer, so the time is the server's building and writing
-and the kernel's copy, not a client's parsing. Rounds alternate the three.
+and the kernel's copy, not a client's parsing. Rounds alternate the three, then read `pieces`
+with bench_serving's client (an httpx.AsyncClient `post`: `httpx read`), and time its `json()`
+apart (`json parse`, which bench_serving's clock leaves out): the client's share of the tail.
 
     python3 bench/probes/answer_writes.py --out /tmp/writes.json
     python3 bench/probes/answer_writes.py --answers 8 --positions 20 --rounds 2 --out /tmp/w.json   # smoke
@@ -20,6 +22,7 @@ and the kernel's copy, not a client's parsing. Rounds alternate the three.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import socket
 import statistics
@@ -88,6 +91,22 @@ def _fetch(port: int, path: str) -> tuple[float, int]:
         return time.perf_counter() - t0, length
 
 
+async def _httpx_reads(port: int, rounds: int) -> tuple[list[float], list[float]]:
+    """bench_serving's client on /pieces: (seconds to the body's last byte, seconds of its json())."""
+    import httpx
+
+    read, parse = [], []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            r = await client.post("/pieces", content=b"")
+            read.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert len(r.json()) > 0
+            parse.append(time.perf_counter() - t0)
+    return read, parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answers", type=int, default=256)
@@ -115,12 +134,14 @@ def main() -> None:
                 times[way].append(seconds)
                 lengths.add(length)
             say(f"round {r}: " + ", ".join(f"{w} {times[w][-1]:.3f} s" for w in WAYS))
+        times["httpx read"], times["json parse"] = asyncio.run(_httpx_reads(port, args.rounds))
     finally:
         proc.kill()
     assert len(lengths) == 1, f"the three ways gave bodies of different lengths: {lengths}"
     med = {w: statistics.median(v) for w, v in times.items()}
     say(f"{lengths.pop() / 1e6:.1f} MB, Python {sys.version.split()[0]}: median " + ", ".join(f"{w} {med[w]:.3f} s" for w in WAYS)
-        + f"; pieces / joined {med['pieces'] / med['joined']:.3f}")
+        + f"; pieces / joined {med['pieces'] / med['joined']:.3f}; pieces read by httpx {med['httpx read']:.3f} s, "
+        f"its json() {med['json parse']:.3f} s")
     write_json(args.out, {"python": sys.version, "answers": args.answers, "positions": args.positions,
                           "seconds": times, "median": med})
 
