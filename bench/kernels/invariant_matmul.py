@@ -11,6 +11,9 @@ chunks) and whether both loads give the same bits, our TFLOP/s, whether the last
 bits it has alone (ours: it must; cuBLAS: often not) and the largest error against fp32 math on
 the same bf16 inputs, relative to the largest output.
 
+For the gate_up weights a second table times the MLP's pair, gate_up and its SiLU·mul: the
+product then fused_ops.silu_and_mul (two launches) against `silu_mul=True` (one).
+
 `--sweep` also times a grid of output tiles (rows, columns, warps, stages) at every (shape, M),
 each with the rule's K order (BLOCK_K and the chunks: the bits), and prints per (shape, M) the
 rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not.
@@ -89,6 +92,17 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
     cublas_invariant = torch.equal(F.linear(x, ws[0])[-1], F.linear(x[-1:], ws[0])[0])
     del ref, got
 
+    def act(one_launch: bool) -> Callable[[], None]:  # gate_up and its SiLU·mul (the MLP's pair)
+        from engine.kernels.fused_ops import silu_and_mul
+
+        def run() -> None:
+            for w in ws:
+                if one_launch:
+                    invariant_matmul(x, w, arrivals=arrivals, silu_mul=True)
+                else:
+                    silu_and_mul(invariant_matmul(x, w, arrivals=arrivals))
+        return run
+
     t_cublas = time_graph(cublas, len(ws), reps)
     t_ours = time_graph(ours(), len(ws), reps)
     t_pointers = time_graph(ours(tma=False), len(ws), reps)
@@ -98,6 +112,9 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                            "tma_ratio": t_tma / t_cublas,
                            "loads_alike": loads_alike, "ours_tflops": flops / t_ours / 1e6,
                            "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err}
+    if name.endswith("gate_up"):
+        row["act_two_us"] = time_graph(act(False), len(ws), reps)
+        row["act_one_us"] = time_graph(act(True), len(ws), reps)
     if sweep:
         row["sweep"] = {}
         rule = config(n, k)
@@ -139,6 +156,11 @@ def main() -> None:
                  "TMA loads / cuBLAS", "TMA bits = pointers'", "invariant TFLOP/s", "row bits alone = in batch", "cuBLAS: same", "max rel err"],
                 [[r["shape"], r["m"], r["cublas_us"], r["ours_us"], r["ratio"], r["pointers_ratio"], r["tma_ratio"], r["loads_alike"],
                   r["ours_tflops"], r["invariant"], r["cublas_invariant"], r["max_rel_err"]] for r in rows])  # fmt: skip
+    pairs = [r for r in rows if "act_one_us" in r]
+    if pairs:
+        print_table("gate_up and SiLU·mul: two launches (product, then fused_ops.silu_and_mul) against one (silu_mul)",
+                    ["shape", "M", "two launches us", "one launch us", "one / two"],
+                    [[r["shape"], r["m"], r["act_two_us"], r["act_one_us"], r["act_one_us"] / r["act_two_us"]] for r in pairs])  # fmt: skip
     if args.sweep:
         print_table("output tiles per (shape, M), invariant / cuBLAS, K order the rule's",
                     ["shape", "M", "rule's tile (bm, bn, bk, warps, stages, split)", "rule",

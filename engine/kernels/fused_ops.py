@@ -279,6 +279,18 @@ def rotary(
 # ---- SiLU and multiply --------------------------------------------------------------------------
 
 
+@triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up, rounded as layers.SiluAndMul rounds (gate, up: fp32 values of the model
+    dtype `dtype`): `silu_and_mul`'s arithmetic, and invariant_matmul's gate_up epilogue's."""
+    if _LIBDEVICE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    act = _round(tl.math.div_rn(gate, 1.0 + e), dtype)
+    return (act * up).to(dtype)
+
+
 @Launcher
 @triton.jit
 def _silu_and_mul_kernel(
@@ -293,12 +305,7 @@ def _silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    if _LIBDEVICE_EXP:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
-    act = _round(tl.math.div_rn(gate, 1.0 + e), dtype)
-    tl.store(out_ptr + row * stride_o + offs, (act * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, silu_mul(gate, up, dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
