@@ -4,6 +4,7 @@ depends on its own inputs only, never on how many other rows share its matmuls.
     linear(x [T, K], weight [N, K], bias [N]) -> [T, N]     F.linear on ROW_BLOCK-row blocks
     logits(hidden [T, H], weight [V, H], out) -> [T, V]     the same, into `out` when given
     cuda_linear / cuda_logits                               on CUDA in bf16 / fp16: engine/kernels/invariant_matmul.py
+    cuda_gate_up_act(x, gate_up_proj, act) -> [T, I]        an MLP's gate_up and SiLU·mul, one launch where it can
 
 Rules:
 - A GEMM's reduction order over K is chosen by its shape (BLAS kernels block M, N and K by the
