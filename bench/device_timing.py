@@ -123,10 +123,11 @@ def matmul_tflops(m: int, k: int, n: int, device: torch.device, reps: int = 20) 
 
 
 def linear_rows_args(doc: str, rows: str, shapes: list[str], rotate_mib: int, rotate_help: str,
-                     sweep_help: str | None = None) -> argparse.Namespace:
+                     sweep_help: str | None = None, rounds: bool = False) -> argparse.Namespace:
     """The command line of a per-weight-shape linear benchmark (bench/kernels/linear.py and its
     kind): `--rows` per `--shapes` name, `--sweep` over tile configs, `--reps` graph replays,
-    `--rotate-mib` of distinct weight copies cycled through, `--out` JSON."""
+    `--rotate-mib` of distinct weight copies cycled through, `--rounds` of the variants
+    interleaved (`rounds`: a script that times several), `--out` JSON."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
     p.add_argument("--rows", default=rows)
@@ -134,6 +135,8 @@ def linear_rows_args(doc: str, rows: str, shapes: list[str], rotate_mib: int, ro
     p.add_argument("--sweep", action="store_true", help=sweep_help)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rotate-mib", type=int, default=rotate_mib, help=rotate_help)
+    if rounds:
+        p.add_argument("--rounds", type=int, default=1, help="time every variant this many times, interleaved; medians")
     return p.parse_args()
 
 

@@ -14,6 +14,9 @@ the same bf16 inputs, relative to the largest output.
 For the gate_up weights a second table times the MLP's pair, gate_up and its SiLU·mul: the
 product then fused_ops.silu_and_mul (two launches) against `silu_mul=True` (one).
 
+`--rounds R` times the variants R times, interleaved, and reports each one's median (one run's
+drift, up to 14 % between two columns of the same kernel on 2026-11-30, hits them all alike).
+
 `--sweep` also times a grid of output tiles (rows, columns, warps, stages) at every (shape, M),
 each with the rule's K order (BLOCK_K and the chunks: the bits), and prints per (shape, M) the
 rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not.
@@ -24,6 +27,7 @@ rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K ord
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +60,8 @@ GRID = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for 
         if bm * bn <= 128 * 64 or w == 8] + [(128, 256, 8, 3), (256, 128, 8, 3)]  # fmt: skip
 
 
-def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
+def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES,
+                n_rounds: int = 1) -> dict[str, Any]:  # fmt: skip
     from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
     from engine.kernels.invariant_tiles import Config, config, rows_tile
 
@@ -103,18 +108,22 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                     silu_and_mul(invariant_matmul(x, w, arrivals=arrivals))
         return run
 
-    t_cublas = time_graph(cublas, len(ws), reps)
-    t_ours = time_graph(ours(), len(ws), reps)
-    t_pointers = time_graph(ours(tma=False), len(ws), reps)
-    t_tma = time_graph(ours(tma=True), len(ws), reps)
+    timed = {"cublas": cublas, "ours": ours(), "pointers": ours(tma=False), "tma": ours(tma=True)}
+    if name.endswith("gate_up"):
+        timed |= {"act_two": act(False), "act_one": act(True)}
+    rounds: dict[str, list[float]] = {key: [] for key in timed}
+    for _ in range(max(1, n_rounds)):  # the variants interleaved, round after round: a drift hits all
+        for key, fn in timed.items():
+            rounds[key].append(time_graph(fn, len(ws), reps))
+    t = {key: statistics.median(v) for key, v in rounds.items()}
+    t_cublas, t_ours = t["cublas"], t["ours"]
     row: dict[str, Any] = {"shape": name, "n": n, "k": k, "m": m, "config": list(config(n, k)), "cublas_us": t_cublas,
-                           "ours_us": t_ours, "ratio": t_ours / t_cublas, "pointers_ratio": t_pointers / t_cublas,
-                           "tma_ratio": t_tma / t_cublas,
+                           "ours_us": t_ours, "ratio": t_ours / t_cublas, "pointers_ratio": t["pointers"] / t_cublas,
+                           "tma_ratio": t["tma"] / t_cublas, "rounds_us": rounds,
                            "loads_alike": loads_alike, "ours_tflops": flops / t_ours / 1e6,
                            "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err}
-    if name.endswith("gate_up"):
-        row["act_two_us"] = time_graph(act(False), len(ws), reps)
-        row["act_one_us"] = time_graph(act(True), len(ws), reps)
+    if "act_one" in t:
+        row["act_two_us"], row["act_one_us"] = t["act_two"], t["act_one"]
     if sweep:
         row["sweep"] = {}
         rule = config(n, k)
@@ -142,10 +151,10 @@ def sweep_table(rows: list[dict[str, Any]]) -> list[list[Any]]:
 def main() -> None:
     args = linear_rows_args(__doc__, "1,16,64,256,1024", list(SHAPES), ROTATE_BYTES >> 20,
                             "distinct weight copies cycled through (0: one copy, which may stay in L2)",
-                            "also time GRID's output tiles and print the best per (shape, M)")
+                            "also time GRID's output tiles and print the best per (shape, M)", rounds=True)
     rows = []
     for name, m in shape_rows(args):
-        r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
+        r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20, args.rounds)
         rows.append(r)
         say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, invariant {r['ours_us']:.2f} us ({r['ratio']:.2f}x)")
     device = torch.cuda.get_device_name()
