@@ -15,8 +15,8 @@ Rules:
   the sum.
 - `silu_mul`: the gate and up columns of a packed gate_up weight are computed by the same
   program and the activation is applied in the epilogue with the rounding of the unfused ops
-  (gate and up rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE
-  division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
+  (gate and up rounded to the model dtype, then fused_ops.silu_mul: silu in fp32 with libdevice's
+  expf and an IEEE division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
 - Grid and output are fixed by the shapes: CUDA-graph capturable.
 - `prefetch` (on Hopper; engine/kernels/pdl.py): launched with PDL, the kernel prefetches the
   first columns of its weight rows (up to PREFETCH_BYTES in all) into L2 before it waits for x.
@@ -32,9 +32,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from engine.kernels import pdl
+from engine.kernels import fused_ops, pdl
 from engine.kernels.launcher import Launcher
 
 # Rows up to which layers use the skinny kernel (bench/kernels/linear.py, H200, the 0.6B and 8B
@@ -77,15 +76,6 @@ def _prefetch_lines(weight_bytes: int, k: int, line: int) -> int:
     """Lines per weight row to prefetch: a power of two (0 for none), at most the row."""
     lines = min(k // line, PREFETCH_BYTES * (k // line) // max(1, weight_bytes))
     return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
-
-
-@triton.jit
-def _silu_mul(gate, up, DTYPE: tl.constexpr):
-    # gate, up: fp32 accumulators; rounds as layers.SiluAndMul on the rounded matmul outputs.
-    g = gate.to(DTYPE).to(tl.float32)
-    u = up.to(DTYPE).to(tl.float32)
-    act = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(DTYPE).to(tl.float32)
-    return act * u
 
 
 @Launcher
@@ -147,7 +137,7 @@ def _skinny_kernel(
         if SILU_MUL:
             acc_up += tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:
-        acc = _silu_mul(acc, acc_up, dtype)
+        acc = fused_ops.silu_mul(acc.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32), dtype)  # the rounded outputs
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
