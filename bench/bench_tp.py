@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.mode is not None:
-        with open(args.out, "w") as f:
-            json.dump(measure(args, args.mode), f)
+        write_json(args.out, measure(args, args.mode))
         return 0
     device = torch.device(args.device)
     ckpt = checkpoint(args.shape, args.model_dir, device, 0)  # built once, before the modes read it
