@@ -36,8 +36,8 @@ def check_store(device: str, dtype: torch.dtype, qk_norm: bool) -> None:
         return x, kv
 
     (x_ref, kv_ref), (x, kv) = run(False), run(True)
-    assert torch.equal(x.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       x_ref.view(torch.int16 if dtype != torch.float32 else torch.int32)), "q/k/v not as without the store"  # fmt: skip
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(x.view(bits), x_ref.view(bits)), "q/k/v not as without the store"
     assert torch.equal(kv, kv_ref), "the cache differs from rope + store_kv"
     flat = kv.view(2, blocks * block_size, Hkv, D)
     untouched = [s for s in range(blocks * block_size) if s not in slots.tolist()]
