@@ -11,8 +11,7 @@
 - K split into chunks (the 8B's o_proj and down): few rows run a program per chunk and a chunk-
   order sum (a second kernel's, or with `Arrivals` the tile's last chunk to arrive), many rows
   one program per tile walking the chunks; all give a row the same bits (the batches above cross
-  from one to the other, with and without `Arrivals`), in a CUDA graph's replays too;
-- gate_up with its SiLU·mul in one launch (`silu_mul`) gives the two launches' bits, call after call.
+  from one to the other, with and without `Arrivals`), in a CUDA graph's replays too.
 GPU only: every test skips without CUDA.
 """
 
@@ -123,34 +122,6 @@ def test_a_preallocated_out_captures_and_replays_to_the_eager_bits(with_arrivals
         assert torch.equal(out, invariant_matmul(x, w)), step
         assert torch.equal(out[m // 2], invariant_matmul(x[m // 2 : m // 2 + 1], w)[0]), step
     _close_to_fp32(out, x, w)
-
-
-@pytest.mark.parametrize("k,n", [(1024, 6144), (4096, 24576), (4096, 12288)], ids=["0.6b", "8b", "8b-tp2"])
-def test_gate_up_and_silu_in_one_launch_give_the_two_launches_bits(k: int, n: int) -> None:
-    """gate_up's `silu_mul` (tile pairs: the second tile of each pair to arrive writes the act
-    tile) against the product, then fused_ops.silu_and_mul; repeated, as the pairs race on a GPU,
-    and replayed from a CUDA graph."""
-    from engine.kernels import fused_ops
-    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
-
-    arrivals = Arrivals(torch.device("cuda"))
-    g = torch.Generator(device="cuda").manual_seed(k + n)
-    w = _bf16(n, k, g=g, scale=0.02)
-    for m in (1, 2, 16, 17, 64, 100, 256, 1000, 1100):
-        x = _bf16(m, k, g=g)
-        two = fused_ops.silu_and_mul(invariant_matmul(x, w, arrivals=arrivals))
-        for _ in range(20):
-            assert torch.equal(invariant_matmul(x, w, arrivals=arrivals, silu_mul=True), two), m
-        assert not arrivals.pairs.any() and not arrivals.counts.any()
-    x = _bf16(5, k, g=g)
-    invariant_matmul(x, w, arrivals=arrivals, silu_mul=True)  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        act = invariant_matmul(x, w, arrivals=arrivals, silu_mul=True)
-    for _ in range(3):
-        x.copy_(_bf16(5, k, g=g))
-        graph.replay()
-        assert torch.equal(act, fused_ops.silu_and_mul(invariant_matmul(x, w)))
 
 
 def test_the_8b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:

@@ -6,8 +6,7 @@ the counters' zeroing after a resume; a program that walks every chunk of its ti
 tiles), in one loop or a pipeline a chunk, gives the split path's bits, K a whole number of steps
 or not; TMA descriptor loads give the pointer loads' bits on every path, and a tensor the copy
 engine cannot take (unaligned) loads through pointers; the tile follows the rows, K's order
-never; gate_up with its SiLU·mul in one launch (tile pairs) gives the bits of the product, then
-fused_ops.silu_and_mul, on every path. The GPU's bits: tests/test_gpu_invariant_matmul.py.
+never. The GPU's bits: tests/test_gpu_invariant_matmul.py.
 """
 
 from __future__ import annotations
@@ -103,40 +102,6 @@ def check_tma(device: str) -> None:
 
 def test_tma_loads_give_the_pointer_loads_bits_interpreted() -> None:
     interpret("test_invariant_matmul", "check_tma('cpu')", timeout=600)
-
-
-def check_silu_pairs(device: str) -> None:
-    from engine.kernels import fused_ops
-    from engine.kernels.invariant_matmul import invariant_matmul
-    from engine.kernels.invariant_sums import Arrivals
-    from engine.kernels.invariant_tiles import config
-
-    g = torch.Generator().manual_seed(3)
-    arrivals = Arrivals(torch.device(device))
-    # (2I, K, M, tile override): the split path (each tile's last chunk sums, then the pair's second
-    # tile); every chunk walked by one program; a half that BLOCK_N does not divide (two launches).
-    cases = ((512, 2048, 5, None), (256, 2048, 144, dict(block_m=16, block_n=16, split_k=4)), (200, 256, 3, None))
-    for n, k, m, tile in cases:
-        c = config(n, k)._replace(**tile) if tile else None
-        w = (torch.randn(n, k, generator=g) * 0.05).half().to(device)
-        x = torch.randn(m, k, generator=g).half().to(device)
-        for tma in (False, True):
-            two = fused_ops.silu_and_mul(invariant_matmul(x, w, cfg=c, arrivals=arrivals, tma=tma))
-            one = invariant_matmul(x, w, cfg=c, arrivals=arrivals, tma=tma, silu_mul=True)
-            assert one.shape == (m, n // 2) and torch.equal(one, two), (n, k, m, tma)
-            assert not arrivals.pairs.any() and not arrivals.counts.any()
-        gate, up = (x.float() @ w.float().T).chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate) * up
-        assert (one.float() - ref).abs().max().item() < 3e-2 * ref.abs().max().item()
-        assert torch.equal(invariant_matmul(x[-1:], w, cfg=c, arrivals=arrivals, silu_mul=True)[0], one[-1])
-    assert torch.equal(invariant_matmul(x, w, cfg=c, silu_mul=True), one)  # no counters: two launches
-    arrivals.pairs.fill_(1)  # what a resume may hand back
-    arrivals.after_resume()
-    assert not arrivals.pairs.any()
-
-
-def test_gate_up_and_its_activation_in_one_launch_give_the_two_launches_bits_interpreted() -> None:
-    interpret("test_invariant_matmul", "check_silu_pairs('cpu')", timeout=600)
 
 
 def test_the_tile_follows_the_rows_and_the_k_order_the_weight() -> None:

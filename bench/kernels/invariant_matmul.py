@@ -11,9 +11,6 @@ chunks) and whether both loads give the same bits, our TFLOP/s, whether the last
 bits it has alone (ours: it must; cuBLAS: often not) and the largest error against fp32 math on
 the same bf16 inputs, relative to the largest output.
 
-For the gate_up weights a second table times the MLP's pair, gate_up and its SiLU·mul: the
-product then fused_ops.silu_and_mul (two launches) against `silu_mul=True` (one).
-
 `--rounds R` times the variants R times, interleaved, and reports each one's median (one run's
 drift, up to 14 % between two columns of the same kernel on 2026-11-30, hits them all alike).
 
@@ -97,20 +94,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
     cublas_invariant = torch.equal(F.linear(x, ws[0])[-1], F.linear(x[-1:], ws[0])[0])
     del ref, got
 
-    def act(one_launch: bool) -> Callable[[], None]:  # gate_up and its SiLU·mul (the MLP's pair)
-        from engine.kernels.fused_ops import silu_and_mul
-
-        def run() -> None:
-            for w in ws:
-                if one_launch:
-                    invariant_matmul(x, w, arrivals=arrivals, silu_mul=True)
-                else:
-                    silu_and_mul(invariant_matmul(x, w, arrivals=arrivals))
-        return run
-
     timed = {"cublas": cublas, "ours": ours(), "pointers": ours(tma=False), "tma": ours(tma=True)}
-    if name.endswith("gate_up"):
-        timed |= {"act_two": act(False), "act_one": act(True)}
     rounds: dict[str, list[float]] = {key: [] for key in timed}
     for _ in range(max(1, n_rounds)):  # the variants interleaved, round after round: a drift hits all
         for key, fn in timed.items():
@@ -122,8 +106,6 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                            "tma_ratio": t["tma"] / t_cublas, "rounds_us": rounds,
                            "loads_alike": loads_alike, "ours_tflops": flops / t_ours / 1e6,
                            "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err}
-    if "act_one" in t:
-        row["act_two_us"], row["act_one_us"] = t["act_two"], t["act_one"]
     if sweep:
         row["sweep"] = {}
         rule = config(n, k)
@@ -165,11 +147,6 @@ def main() -> None:
                  "TMA loads / cuBLAS", "TMA bits = pointers'", "invariant TFLOP/s", "row bits alone = in batch", "cuBLAS: same", "max rel err"],
                 [[r["shape"], r["m"], r["cublas_us"], r["ours_us"], r["ratio"], r["pointers_ratio"], r["tma_ratio"], r["loads_alike"],
                   r["ours_tflops"], r["invariant"], r["cublas_invariant"], r["max_rel_err"]] for r in rows])  # fmt: skip
-    pairs = [r for r in rows if "act_one_us" in r]
-    if pairs:
-        print_table("gate_up and SiLU·mul: two launches (product, then fused_ops.silu_and_mul) against one (silu_mul)",
-                    ["shape", "M", "two launches us", "one launch us", "one / two"],
-                    [[r["shape"], r["m"], r["act_two_us"], r["act_one_us"], r["act_one_us"] / r["act_two_us"]] for r in pairs])  # fmt: skip
     if args.sweep:
         print_table("output tiles per (shape, M), invariant / cuBLAS, K order the rule's",
                     ["shape", "M", "rule's tile (bm, bn, bk, warps, stages, split)", "rule",

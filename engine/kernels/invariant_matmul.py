@@ -37,14 +37,11 @@ came in (issue 76). Rules that make this kernel invariant:
   a K that BLOCK_K does not divide reads its last step's columns past K as zeros (fixed by K).
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
   program computes a tile changes, how it computes it does not.
-- `silu_mul` (an MLP's gate | up weight): below MANY_ROWS rows the same launch also writes
-  silu(gate) * up, by the second program of each (gate, up) tile pair to store its tile
-  (invariant_sums.py): the product's bits, then the activation's, as in two launches.
 - Grid and output are fixed by the shapes, no host read of a device value: CUDA-graph capturable
   with a preallocated `out`. No PDL (no decode graph launches it yet).
 
-The tiles and K's chunks: engine/kernels/invariant_tiles.py; the sums and pairs across programs,
-and their counters: engine/kernels/invariant_sums.py.
+The tiles and K's chunks: engine/kernels/invariant_tiles.py; the chunk sums across programs and
+their counters: engine/kernels/invariant_sums.py.
 """
 
 from __future__ import annotations
@@ -55,14 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import fused_ops
-from engine.kernels.invariant_sums import (
-    PAIR_COUNTERS,
-    SPLIT_BELOW_TILES,
-    Arrivals,
-    chunk_order_sum,
-    silu_pair,
-)
+from engine.kernels.invariant_sums import SPLIT_BELOW_TILES, Arrivals, chunk_order_sum
 from engine.kernels.invariant_tiles import MANY_ROWS, Config, chunking, config, rows_tile
 from engine.kernels.launcher import Launcher
 from engine.kernels.split_kv import last_to_arrive
@@ -158,11 +148,8 @@ def _invariant_matmul_kernel(
     out_ptr,  # [M, N], unit last stride
     ws_ptr,  # SPLIT_PROGRAMS: fp32 [CHUNKS, M, N], contiguous
     count_ptr,  # LAST_SUMS: int32 [tiles], zeros: the chunks arrived per tile (Arrivals)
-    act_ptr,  # SILU_PAIRS: [M, HALF_N] silu(gate) * up of out = gate | up
-    pair_ptr,  # SILU_PAIRS: int32 [tiles / 2], zeros: the tiles arrived per pair (Arrivals.pairs)
-    M, N, K, stride_xm, stride_om, CHUNK_K, stride_am, HALF_N,
+    M, N, K, stride_xm, stride_om, CHUNK_K,
     CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, LAST_SUMS: tl.constexpr, WALK: tl.constexpr, EVEN_K: tl.constexpr,
-    SILU_PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -203,8 +190,6 @@ def _invariant_matmul_kernel(
                     acc += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
                 tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-                if SILU_PAIRS:
-                    silu_pair(out_ptr, act_ptr, pair_ptr, pid_m, pid_n, offs_m, M, stride_om, stride_am, HALF_N, BLOCK_N)
     else:  # every chunk here, summed in chunk order: one loop (WALK), or a pipeline a chunk
         if WALK:
             acc = _walk_chunks(x_ptrs, w_ptrs, K, CHUNK_K // BLOCK_K, m0, n0, TMA, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -216,8 +201,6 @@ def _invariant_matmul_kernel(
                                   BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if SILU_PAIRS:
-            silu_pair(out_ptr, act_ptr, pair_ptr, pid_m, pid_n, offs_m, M, stride_om, stride_am, HALF_N, BLOCK_N)
 
 
 def invariant_matmul(
@@ -227,21 +210,13 @@ def invariant_matmul(
     cfg: Config | None = None,  # tuning override (bench/kernels/invariant_matmul.py --sweep); None: the rules
     arrivals: Arrivals | None = None,  # x's device's: split calls sum in their last chunk (else a second launch)
     tma: bool | None = None,  # load through TMA descriptors; None: where `tma_loads` allows, but short split chunks
-    silu_mul: bool = False,  # w is gate | up [2I, K]: return silu(gate) * up [M, I] (`out` not taken)
-) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once (silu_mul: [M, N / 2])
-    """silu_mul: the gate | up product as without it (the same bits), then layers.SiluAndMul's
-    arithmetic (fused_ops.silu_mul): in the same launch below MANY_ROWS rows, with `arrivals`,
-    where BLOCK_N divides I; else a second launch (fused_ops.silu_and_mul)."""
+) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once
     if x.dim() != 2 or not (x.is_cuda or triton.knobs.runtime.interpret) or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"invariant_matmul: x must be a CUDA bf16/fp16 [M, K], got {tuple(x.shape)} {x.dtype} on {x.device}")
     m, k = x.shape
     if w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
         raise ValueError(f"invariant_matmul: w {tuple(w.shape)} {w.dtype} (contiguous [N, {k}] {x.dtype}) for x {tuple(x.shape)}")
     n = w.shape[0]
-    if silu_mul:
-        if out is not None or n % 2:
-            raise ValueError(f"invariant_matmul: silu_mul takes an even [2I, K] gate | up weight and no out, got {tuple(w.shape)}")
-        return _gate_up_act(x if x.stride(-1) == 1 else x.contiguous(), w, cfg, arrivals, tma)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
@@ -252,36 +227,7 @@ def invariant_matmul(
         return out.zero_()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    c = _tile(cfg, n, k, m)
-    _launch(x, w, out, c, arrivals, tma)
-    return out
-
-
-def _tile(cfg: Config | None, n: int, k: int, m: int) -> Config:
-    """The config an [m, k] x [n, k].T call runs: `cfg` as given, else the rules'."""
-    return cfg or rows_tile(config(n, k), n, k, m)
-
-
-def _gate_up_act(x: torch.Tensor, w: torch.Tensor, cfg: Config | None, arrivals: Arrivals | None,
-                 tma: bool | None) -> torch.Tensor:  # fmt: skip
-    """silu(gate) * up [M, I] of gate | up = x @ w.T [M, 2I] (`invariant_matmul`'s silu_mul)."""
-    (m, k), n = x.shape, w.shape[0]
-    gate_up = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return gate_up[:, : n // 2]
-    c = _tile(cfg, n, k, m)
-    pairs = triton.cdiv(m, c.block_m) * (n // 2 // c.block_n)
-    if m >= MANY_ROWS or arrivals is None or k == 0 or (n // 2) % c.block_n or pairs > PAIR_COUNTERS:
-        return fused_ops.silu_and_mul(invariant_matmul(x, w, gate_up, cfg, arrivals, tma))
-    act = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
-    _launch(x, w, gate_up, c, arrivals, tma, act)
-    return act
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, c: Config, arrivals: Arrivals | None,
-            tma: bool | None, act: torch.Tensor | None = None) -> None:  # fmt: skip
-    """out [M, N] = x @ w.T in config c (and act = silu(gate) * up of it, by tile pairs, where given)."""
-    (m, k), n = x.shape, w.shape[0]
+    c = cfg or rows_tile(config(n, k), n, k, m)
     chunk_k, chunks = chunking(k, c)
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
     split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes
@@ -292,14 +238,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, c: Config, arri
         tma = tma_loads(x, w) and not (split and chunk_k // c.block_k < TMA_SPLIT_STEPS)
     x_src = TensorDescriptor(x, [m, k], [x.stride(0), 1], [c.block_m, c.block_k]) if tma else x
     w_src = TensorDescriptor(w, [n, k], [k, 1], [c.block_n, c.block_k]) if tma else w
-    pairs = act is not None and arrivals is not None
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
-        x_src, w_src, out, ws, arrivals.counts if last_sums else out, act if pairs else out,
-        arrivals.pairs if pairs else out, m, n, k, x.stride(0), out.stride(0), chunk_k,
-        act.stride(0) if pairs else 0, n // 2 if pairs else 1,
-        CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, WALK=walk, EVEN_K=k % c.block_k == 0, SILU_PAIRS=pairs,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, TMA=tma, num_warps=c.num_warps,
-        num_stages=c.num_stages,
+        x_src, w_src, out, ws, arrivals.counts if last_sums else out, m, n, k, x.stride(0), out.stride(0), chunk_k,
+        CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, WALK=walk, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     if split and not last_sums:
         chunk_order_sum(ws, out)
+    return out

@@ -4,7 +4,6 @@ depends on its own inputs only, never on how many other rows share its matmuls.
     linear(x [T, K], weight [N, K], bias [N]) -> [T, N]     F.linear on ROW_BLOCK-row blocks
     logits(hidden [T, H], weight [V, H], out) -> [T, V]     the same, into `out` when given
     cuda_linear / cuda_logits                               on CUDA in bf16 / fp16: engine/kernels/invariant_matmul.py
-    cuda_gate_up_act(x, gate_up_proj, act) -> [T, I]        an MLP's gate_up and SiLU·mul, one launch where it can
 
 Rules:
 - A GEMM's reduction order over K is chosen by its shape (BLAS kernels block M, N and K by the
@@ -17,9 +16,8 @@ Rules:
 - `install(model, device, arrivals)` switches every linear of a built model to these, once, at
   startup (on CUDA with `reserve`'s counters: a split matmul sums its chunks in its last
   program), and turns off the few-row kernels that bypass them (the skinny and split-K linears,
-  the MLP's skinny gate_up + SiLU, the skinny lm_head, a decode graph's logits pieces), and on
-  CUDA runs an MLP's gate_up and SiLU·mul as one call (`cuda_gate_up_act`: invariant_matmul's
-  `silu_mul`, the bits of the two apart): the default mode's forward keeps its own code.
+  the MLP's skinny gate_up + SiLU, the skinny lm_head, a decode graph's logits pieces): the
+  default mode's forward keeps its own code (no branch per call).
 - Attention is the backend's (engine/attention/triton_fixed.py on CUDA, with CUDA graphs;
   sdpa_rows.py elsewhere); norms (one row a program on CUDA), rotary, activations and the
   sampler's row-wise ops are invariant as they are. A mixture of experts runs the torch reference
@@ -74,17 +72,6 @@ def cuda_linear(
     return out if bias is None else out + bias
 
 
-def cuda_gate_up_act(x: torch.Tensor, proj: nn.Module, act: nn.Module, arrivals: Arrivals | None = None) -> torch.Tensor:
-    """act(proj(x)) ([..., 2I] gate | up -> [..., I]) on CUDA: in half precision without a bias,
-    invariant_matmul's `silu_mul` (the same bits, one launch where it can); else the two modules."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or proj.bias is not None:
-        return act(proj(x))
-    from engine.kernels.invariant_matmul import invariant_matmul
-
-    lead, k = x.shape[:-1], x.shape[-1]
-    return invariant_matmul(x.reshape(-1, k), proj.weight, arrivals=arrivals, silu_mul=True).reshape(*lead, -1)
-
-
 def cuda_logits(
     hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, arrivals: Arrivals | None = None
 ) -> torch.Tensor:
@@ -117,8 +104,6 @@ def install(model: nn.Module, device: torch.device, arrivals: Arrivals | None = 
     for module in model.modules():
         if isinstance(module, MLP):
             module.fused = False  # no skinny gate_up + SiLU kernel: gate_up_proj's hook, then the activation
-            if cuda:  # the two in one invariant launch where it can (models/layers.py MLP)
-                module.gate_up_act_fn = partial(cuda_gate_up_act, arrivals=arrivals)
         if isinstance(module, SparseMoE):
             module.kernels = False  # the torch reference: the experts' hook, a token's experts in expert order
         if hasattr(type(module), "linear_fn"):

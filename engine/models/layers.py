@@ -309,15 +309,9 @@ class MLP(nn.Module):
         self.act = SiluAndMul(fused)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, fused, tp)
 
-    # gate_up and the activation as one call, fn(x, gate_up_proj, act) -> [T, I]: None, or
-    # models/invariant.py's (`--deterministic` on CUDA: one launch where the invariant matmul can).
-    gate_up_act_fn = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         skinny = skinny_for(x) if self.fused else None
         if skinny is not None:
             w = self.gate_up_proj
             return self.down_proj(skinny.skinny_linear(x, w.weight, w.bias, silu_mul=True, prefetch=w.prefetch))
-        if self.gate_up_act_fn is not None:
-            return self.down_proj(self.gate_up_act_fn(x, self.gate_up_proj, self.act))
         return self.down_proj(self.act(self.gate_up_proj(x)))
