@@ -4,8 +4,10 @@
   tokens equal plain decoding's in float32, and with `--deterministic` seeded sampled tokens and
   logprobs equal plain decoding's bit for bit.
 - tests/test_draft_model.py's engine tests on the GPU (a draft model: its Triton attention over
-  its own cache on the target's blocks), and a bf16 model of Qwen3-0.6B's widths drafting for
-  itself: nearly every draft stands, several tokens a step.
+  its own cache on the target's blocks, its forwards replayed from its own decode graphs), and a
+  bf16 model of Qwen3-0.6B's widths drafting for itself: nearly every draft stands, several
+  tokens a step, every drafting step's catch-up replayed as verify rows and each further draft a
+  replay of one row a request.
 - A verify step is planned as decode rows (engine/runner/step_plan.py `_plan_verify`) and replays
   a verify graph, captured without the decode paths that store one row while another reads
   (ForwardContext.verify). On a model the decode paths serve (bf16, Qwen3-0.6B's widths), the
@@ -25,6 +27,9 @@ from test_draft_model import (  # noqa: F401  (collected here, on CUDA, with the
     test_draft_weights_update_by_name_release_resume_and_target_updates,
     test_greedy_tokens_are_plain_decodings_whatever_the_draft,
     test_without_a_host_copy_a_release_loses_the_draft_not_the_engine,
+)
+from test_draft_model import (  # noqa: F401  (collected under a name of its own)
+    test_deterministic_sampled_tokens_and_logprobs_are_bitwise_plain_decodings as test_draft_model_deterministic_bits,
 )
 from test_models import random_tokens
 from test_speculative import (  # noqa: F401  (collected here, on CUDA)
@@ -72,9 +77,24 @@ def test_a_wide_bf16_model_as_its_own_draft_drafts_what_it_generates(wide_qwen3_
     core = EngineCore(EngineConfig(model=wide_qwen3_dir, device="cuda", dtype="bfloat16", max_model_len=512,
                                    max_num_seqs=8, speculative_algorithm="draft",
                                    speculative_draft_model_path=wide_qwen3_dir))  # fmt: skip
+    graphs = core.runner.draft.graphs
+    assert graphs is not None and graphs.verify_graphs
+    replays: list[tuple[int, bool]] = []
+    replay = graphs.replay
+
+    def counted(parts, temps, n, verify=False, long_kv=False):  # calls through
+        replays.append((n, verify))
+        return replay(parts, temps, n, verify, long_kv)
+
+    graphs.replay = counted
     greedy = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
     out = run_core(core, [(f"r{i}", random_tokens(40, seed=i), greedy) for i in range(3)])
     assert all(len(ids) == 96 for ids, _, _ in out.values())
     info = core.get_info()
     assert info["spec_accepted_tokens"] > 0.8 * info["spec_draft_tokens"] > 0, info
     assert core.num_steps < 0.5 * 96, core.num_steps
+    # A proposal is one replay of catch-up rows (past the prompts, 1-2 a request; the prompts' own
+    # catch-up, 120 tokens, runs eagerly), then one of a row a request per further draft (k = 4: 3).
+    catch_ups = [n for n, verify in replays if verify]
+    assert sum(n <= 2 * 3 for n in catch_ups) >= 10, replays
+    assert len(replays) - len(catch_ups) >= 3 * len(catch_ups), replays

@@ -38,24 +38,35 @@ def test_default_cuda_captures_decode_and_piecewise_graphs(dense: ModelConfig) -
 
 
 def test_none_on_a_cpu_or_when_disabled(dense: ModelConfig) -> None:
-    assert _sizes(dense, device=torch.device("cpu")) == GraphSizes(0, 0, 0)
-    assert _sizes(dense, disable_cuda_graph=True) == GraphSizes(0, 0, 0)
+    assert _sizes(dense, device=torch.device("cpu")) == GraphSizes(0, 0, 0, 0)
+    assert _sizes(dense, disable_cuda_graph=True) == GraphSizes(0, 0, 0, 0)
     assert _sizes(dense, piecewise_cuda_graph_max_tokens=0).piecewise(10_000) == []
 
 
 def test_a_backend_without_graphs_keeps_piecewise_graphs_outside_the_mode(dense: ModelConfig) -> None:
-    assert _sizes(dense, SdpaBackend) == GraphSizes(0, 0, 2048)  # attention runs eagerly between pieces
-    assert _sizes(dense, SdpaBackend, deterministic=True) == GraphSizes(0, 0, 0)
-    assert _sizes(dense, deterministic=True) == GraphSizes(32, 0, 2048)
+    assert _sizes(dense, SdpaBackend) == GraphSizes(0, 0, 0, 2048)  # attention runs eagerly between pieces
+    assert _sizes(dense, SdpaBackend, deterministic=True) == GraphSizes(0, 0, 0, 0)
+    assert _sizes(dense, deterministic=True) == GraphSizes(32, 0, 0, 2048)
 
 
 def test_verify_graphs_for_drafting_rows_outside_the_mode(dense: ModelConfig) -> None:
     spec = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3, "speculative_disable_by_batch_size": 8}
     assert _sizes(dense, **spec).verify_rows == 8 * 4
     assert _sizes(dense, deterministic=True, **spec).verify_rows == 0
+    assert _sizes(dense, **spec).draft_rows == 0  # no draft model
+
+
+def test_a_draft_model_gets_graphs_of_its_drafting_rows_in_both_modes(dense: ModelConfig) -> None:
+    spec = {"speculative_algorithm": "draft", "speculative_draft_model_path": dense.path, "speculative_num_draft_tokens": 3,
+            "speculative_disable_by_batch_size": 8}  # fmt: skip
+    assert _sizes(dense, **spec).draft_rows == 8 * 4
+    assert _sizes(dense, deterministic=True, **spec).draft_rows == 8 * 4  # its plain graphs serve the catch-up rows
+    assert _sizes(dense, max_num_seqs=16, cuda_graph_max_bs=16, **spec).draft_rows == 16
+    assert _sizes(dense, disable_cuda_graph=True, **spec).draft_rows == 0
+    assert _sizes(dense, SdpaBackend, **spec).draft_rows == 0  # no decode graphs, none for the draft
 
 
 def test_the_deterministic_mixture_of_experts_runs_eagerly(dense: ModelConfig) -> None:
     moe = replace(dense, num_experts=8)
-    assert _sizes(moe, deterministic=True) == GraphSizes(0, 0, 0)  # the torch reference syncs per expert
-    assert _sizes(moe) == GraphSizes(32, 0, 2048)
+    assert _sizes(moe, deterministic=True) == GraphSizes(0, 0, 0, 0)  # the torch reference syncs per expert
+    assert _sizes(moe) == GraphSizes(32, 0, 0, 2048)

@@ -197,13 +197,19 @@ class CudaGraphRunner:
         """Replay the step `plan` (`can_run`); its logits are `logits[:n]` until the next run, its
         greedy samples in `io` (`GraphIO.landed` of the slot returned)."""
         assert plan.sampling is not None
-        n = plan.num_seqs
+        return self.replay(plan.parts, plan.sampling.scalars[: plan.num_seqs], plan.num_seqs, plan.verify, plan.long_kv)
+
+    def replay(self, parts: list[list[int]], temps: list[float], n: int, verify: bool = False,
+               long_kv: bool = False) -> int:  # fmt: skip
+        """Replay the graph of n <= max_bs decode rows staged from `parts` (a StepPlan's) with
+        temperatures `temps`: the verify graph where `verify` and one exists, the long-context
+        one where `long_kv` and one exists; returns the result slot (`run`)."""
         bs = self.padded_size(n)
-        slot = self.io.stage_step(plan.parts, plan.sampling.scalars[:n], n, bs)
-        if plan.verify and self.verify_graphs:
+        slot = self.io.stage_step(parts, temps, n, bs)
+        if verify and self.verify_graphs:
             graphs = self.verify_graphs
         else:
-            graphs = self.long_graphs if bs in self.long_graphs and plan.long_kv else self.graphs
+            graphs = self.long_graphs if bs in self.long_graphs and long_kv else self.graphs
         graphs[bs].replay()
         self.io.replayed(slot)
         return slot

@@ -17,17 +17,26 @@ Where it lives:
 
 A proposal for requests whose tokens are all known (n = num_tokens - 1 computed by the target):
 1. Catch-up: forwards over each request's tokens from `valid` (positions whose draft KV holds
-   the request's own tokens) through n, at most `chunk` tokens a forward; the last row of a
-   request gives draft 1.
+   the request's own tokens, at most n) through n, at most `chunk` tokens a forward; the last
+   row of a request gives draft 1.
 2. k - 1 forwards of one row per request: draft j - 1 at position n + j - 1 gives draft j.
 The draft KV then holds the request's tokens through n and drafts 1..k-1 at n+1..n+k-1; the
 next proposal keeps those the request's tokens confirm. A preemption (new blocks) starts it over
-at 0. A wrong or stale draft KV costs acceptance only. Eager forwards; one tensor-parallel rank.
+at 0. A wrong or stale draft KV costs acceptance only. One tensor-parallel rank.
+
+With decode graphs (`graphs`, GraphSizes.draft_rows): the forwards are replays. The catch-up's
+tokens, where they fit the largest graph (1 or 2 a request once drafting runs: the bonus token,
+and the last draft when all were taken), run as rows, each a sequence of its own over the
+request's block table, of length position + 1, as a verify step's rows (step_plan.py
+`_plan_verify`; ForwardContext.verify); a longer catch-up (a prompt) runs eagerly. Each step of
+(2) is a replay of one row a request whose input token is the one the replay before sampled for
+it, read on the device (GraphIO's pending rows). One read of the drafts at the end.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +46,10 @@ from engine.config import ModelConfig
 from engine.memory.kv_budget import kv_block_bytes, make_kv_cache
 from engine.request import Request
 from engine.runner.step_inputs import Uploader, build_metadata
+from engine.runner.step_plan import metadata_values
+
+if TYPE_CHECKING:
+    from engine.runner.cuda_graph import CudaGraphRunner
 
 
 @dataclass
@@ -57,6 +70,7 @@ class DraftModel:
         self.block_size, self.chunk = block_size, chunk
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.graphs: CudaGraphRunner | None = None
         self._held: dict[str, _Held] = {}
 
     def block_bytes(self, dtype: torch.dtype) -> int:
@@ -69,6 +83,17 @@ class DraftModel:
         self.kv_cache = make_kv_cache(self.config, num_blocks, self.block_size, dtype, device)
         return self.kv_cache
 
+    def make_graphs(self, rows: int, verify_rows: int, device: torch.device, pool: Any) -> CudaGraphRunner:
+        """Its decode graphs of up to `rows` rows over its backend (verify graphs of as many rows
+        where `verify_rows`: the target's rule), sharing the target's `pool`; built inside the
+        caller's `cuda_graph` region, captured by the caller."""
+        from engine.runner.cuda_graph import CudaGraphRunner
+
+        assert self.backend is not None, "the draft's backend comes with the KV cache"
+        self.graphs = CudaGraphRunner(self.model, self.backend, rows, self.config.vocab_size, device, pool=pool,
+                                      verify_rows=rows if verify_rows else 0)  # fmt: skip
+        return self.graphs
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int], upload: Uploader) -> list[list[int]]:
         """Drafts of ks[i] tokens for requests[i] (module docstring, steps 1-2); every request's
@@ -76,9 +101,19 @@ class DraftModel:
         assert self.backend is not None, "the draft's cache and backend come with the KV cache"
         if len(self._held) > 4 * max(len(requests), 16):  # requests aborted or finished away
             self._held = {r.request_id: self._held[r.request_id] for r in requests if r.request_id in self._held}
-        starts = [self._valid(r) for r in requests]
         ends = [r.num_tokens for r in requests]  # catch-up through position n = num_tokens - 1
-        # Each forward's tokens feed the next on the device; one read at the end.
+        starts = [min(self._valid(r), end - 1) for r, end in zip(requests, ends, strict=True)]
+        if self.graphs is not None:
+            drafts = self._replayed(requests, ks, starts, ends, upload)
+        else:
+            drafts = self._eager(requests, ks, starts, ends, upload)
+        for req, end, d in zip(requests, ends, drafts, strict=True):
+            self._held[req.request_id] = _Held(end, d[:-1], req.num_preemptions)
+        return drafts
+
+    def _eager(self, requests: list[Request], ks: list[int], starts: list[int], ends: list[int],
+               upload: Uploader) -> list[list[int]]:  # fmt: skip
+        """`propose`'s forwards, eagerly: each forward's tokens feed the next on the device."""
         first = self._catch_up(requests, starts, ends, upload)  # [R]
         steps: list[tuple[list[int], torch.Tensor]] = [(list(range(len(requests))), first)]
         for j in range(1, max(ks, default=0)):
@@ -94,15 +129,57 @@ class DraftModel:
             for i, token in zip(rows, flat[at : at + len(rows)], strict=True):
                 drafts[i].append(token)
             at += len(rows)
-        for req, end, d in zip(requests, ends, drafts, strict=True):
-            self._held[req.request_id] = _Held(end, d[:-1], req.num_preemptions)
         return drafts
+
+    def _replayed(self, requests: list[Request], ks: list[int], starts: list[int], ends: list[int],
+                  upload: Uploader) -> list[list[int]]:  # fmt: skip
+        """`propose`'s forwards as graph replays (module docstring); their samples stay in the
+        graphs' `io.tokens` until the next replay, a copy of each kept for the one read."""
+        graphs = self.graphs
+        assert graphs is not None
+        cells = [(i, p) for i, (s, e) in enumerate(zip(starts, ends, strict=True)) for p in range(s, e)]
+        if len(cells) <= graphs.max_bs:
+            ids = [requests[i].token_ids[p] for i, p in cells]
+            graphs.replay(self._rows(requests, cells, ids, []), [1.0] * len(cells), len(cells), verify=True)
+            samples = [graphs.io.tokens[: len(cells)].clone()]
+            picks = [{i: r for r, (i, _) in enumerate(cells)}]  # a request's last row samples its draft 1
+        else:
+            samples = [graphs.io.keep(self._catch_up(requests, starts, ends, upload)).clone()]
+            picks = [{i: i for i in range(len(requests))}]
+        for j in range(1, max(ks, default=0)):
+            rows = [i for i, k in enumerate(ks) if k > j]
+            cells = [(i, ends[i] - 1 + j) for i in rows]  # draft j - 1 at position n + j - 1
+            sources = [picks[-1][i] for i in rows]  # where the last replay left each row's input
+            graphs.replay(self._rows(requests, cells, [0] * len(rows), sources), [1.0] * len(rows), len(rows))
+            samples.append(graphs.io.tokens[: len(rows)].clone())
+            picks.append({i: r for r, i in enumerate(rows)})
+        flat = torch.cat(samples).tolist()
+        drafts: list[list[int]] = [[] for _ in requests]
+        at = 0
+        for sample, pick in zip(samples, picks, strict=True):
+            for i, r in pick.items():
+                drafts[i].append(flat[at + r])
+            at += sample.numel()
+        return drafts
+
+    def _rows(self, requests: list[Request], cells: list[tuple[int, int]], ids: list[int],
+              sources: list[int]) -> list[list[int]]:  # fmt: skip
+        """A graph step's parts (StepPlan's order) of one row a (request, position) cell, each a
+        sequence of its own of length position + 1 over the request's block table; `sources`
+        (one a row, or none): the rows of the last replay's samples that are their input tokens."""
+        positions = [p for _, p in cells]
+        tables = [requests[i].block_table for i, _ in cells]
+        _, values = metadata_values([p + 1 for p in positions], positions, tables, self.block_size)
+        fill_rows = list(range(len(cells))) if sources else []
+        return [ids, positions, list(range(len(cells))), fill_rows, sources, *values]
 
     def after_resume(self) -> None:
         """The caches came back undefined: no request's draft KV holds anything."""
         self._held.clear()
         if self.backend is not None:
             self.backend.after_resume()
+        if self.graphs is not None:
+            self.graphs.after_resume()
 
     def forget(self, request_id: str) -> None:
         """`request_id` is done: nothing of it is kept."""

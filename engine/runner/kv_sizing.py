@@ -82,9 +82,9 @@ def num_kv_blocks(runner: SizedRunner) -> int:
 def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     """One forward at the largest token budget over a scratch KV cache just big enough for it;
     torch's peak allocation, less that scratch cache, is what a step may need besides KV. The
-    reserve: the decode graphs' static logits and the piecewise graphs' pool (at most that peak
-    less what was resident before it, the weights above all, plus their largest size's buffers),
-    each with a margin."""
+    reserve: the decode graphs' static logits (the draft model's too) and the piecewise graphs'
+    pool (at most that peak less what was resident before it, the weights above all, plus their
+    largest size's buffers), each with a margin."""
     config, mc, device, block_size = runner.config, runner.model_config, runner.device, runner.block_size
     max_len = runner.max_model_len
     budget = min(config.max_num_batched_tokens, config.max_num_seqs * max_len)
@@ -117,6 +117,7 @@ def _profile(runner: SizedRunner) -> GpuMemoryProfile:
     itemsize = torch.finfo(runner.dtype).bits // 8
     graph_max_bs = runner.graph_sizes.decode_max_bs
     reserve = graph_max_bs * mc.vocab_size * itemsize + _GRAPH_MARGIN if graph_max_bs else 0
+    reserve += runner.graph_sizes.draft_rows * mc.vocab_size * itemsize  # the draft's graphs' logits (same vocabulary)
     pieces = runner.graph_sizes.piecewise(budget)
     if pieces:  # the piecewise graphs' pool holds a forward's activations, not the weights again
         reserve += peak - resident + pieces[-1] * (runner.num_heads * mc.head_dim + mc.hidden_size) * itemsize + _GRAPH_MARGIN

@@ -173,12 +173,15 @@ class ModelRunner:
                     self.model, self.attn_backend, piecewise_sizes, mc.hidden_size, self.num_heads, mc.head_dim,
                     self.dtype, self.device, pool=pool,
                 )  # fmt: skip
-        self.graph_bytes = 0  # the shared pool and every static buffer of both runners
-        for runner in (self.graphs, self.piecewise):
+            if self.draft is not None and self.graph_sizes.draft_rows:  # the draft's forwards (draft_model.py)
+                self.draft.make_graphs(self.graph_sizes.draft_rows, self.graph_sizes.verify_rows, self.device, pool)
+        self.graph_bytes = 0  # the shared pool and every static buffer of the runners
+        runners = (self.graphs, self.piecewise, self.draft.graphs if self.draft is not None else None)
+        for runner in runners:
             if runner is not None:
                 runner.capture(self.memory.graph_capture)
                 self.graph_bytes += runner.static_bytes
-        pool_bytes = max((r.pool_bytes for r in (self.graphs, self.piecewise) if r is not None), default=0)
+        pool_bytes = max((r.pool_bytes for r in runners if r is not None), default=0)
         self.memory.bytes["cuda_graph"] += pool_bytes
         self.graph_bytes += pool_bytes
         self.memory.holds("cuda_graph", self._graph_region_tensors)
@@ -224,7 +227,8 @@ class ModelRunner:
         their owners keep are not the region's)."""
         owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise, self.arrivals,
                   *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed,
-                  self.draft.backend if self.draft is not None else None]  # fmt: skip
+                  *((self.draft.backend, self.draft.graphs, self.draft.graphs and self.draft.graphs.io)
+                    if self.draft is not None else ())]  # fmt: skip
         others = {t.untyped_storage().data_ptr() for t in (*self.kv_caches, self.weights.flat)}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
