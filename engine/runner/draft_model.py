@@ -43,12 +43,14 @@ from torch import nn
 
 from engine.attention import AttentionBackend, ForwardContext
 from engine.config import ModelConfig
+from engine.decode.rules import LONG_KV_TOKENS
 from engine.memory.kv_budget import kv_block_bytes, make_kv_cache
 from engine.request import Request
 from engine.runner.step_inputs import Uploader, build_metadata
 from engine.runner.step_plan import metadata_values
 
 if TYPE_CHECKING:
+    from engine.models.hooks import DecodeStepPath
     from engine.runner.cuda_graph import CudaGraphRunner
 
 
@@ -71,6 +73,7 @@ class DraftModel:
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.decode_paths: list[DecodeStepPath] = []  # the target's kinds, over its own backend (decode/attach.py)
         self._held: dict[str, _Held] = {}
 
     def block_bytes(self, dtype: torch.dtype) -> int:
@@ -83,15 +86,16 @@ class DraftModel:
         self.kv_cache = make_kv_cache(self.config, num_blocks, self.block_size, dtype, device)
         return self.kv_cache
 
-    def make_graphs(self, rows: int, verify_rows: int, device: torch.device, pool: Any) -> CudaGraphRunner:
+    def make_graphs(self, rows: int, verify_rows: int, device: torch.device, pool: Any,
+                    long_kv_rows: int = 0) -> CudaGraphRunner:  # fmt: skip
         """Its decode graphs of up to `rows` rows over its backend (verify graphs of as many rows
-        where `verify_rows`: the target's rule), sharing the target's `pool`; built inside the
-        caller's `cuda_graph` region, captured by the caller."""
+        where `verify_rows`, long-context ones up to `long_kv_rows`: the target's rules), sharing
+        the target's `pool`; built inside the caller's `cuda_graph` region, captured by the caller."""
         from engine.runner.cuda_graph import CudaGraphRunner
 
         assert self.backend is not None, "the draft's backend comes with the KV cache"
         self.graphs = CudaGraphRunner(self.model, self.backend, rows, self.config.vocab_size, device, pool=pool,
-                                      verify_rows=rows if verify_rows else 0)  # fmt: skip
+                                      long_kv_rows=long_kv_rows, verify_rows=rows if verify_rows else 0)  # fmt: skip
         return self.graphs
 
     @torch.inference_mode()
@@ -150,7 +154,9 @@ class DraftModel:
             rows = [i for i, k in enumerate(ks) if k > j]
             cells = [(i, ends[i] - 1 + j) for i in rows]  # draft j - 1 at position n + j - 1
             sources = [picks[-1][i] for i in rows]  # where the last replay left each row's input
-            graphs.replay(self._rows(requests, cells, [0] * len(rows), sources), [1.0] * len(rows), len(rows))
+            long_kv = sum(p + 1 for _, p in cells) >= LONG_KV_TOKENS  # as StepPlan.long_kv
+            graphs.replay(self._rows(requests, cells, [0] * len(rows), sources), [1.0] * len(rows), len(rows),
+                          long_kv=long_kv)  # fmt: skip
             samples.append(graphs.io.tokens[: len(rows)].clone())
             picks.append({i: r for r, i in enumerate(rows)})
         flat = torch.cat(samples).tolist()
@@ -180,6 +186,8 @@ class DraftModel:
             self.backend.after_resume()
         if self.graphs is not None:
             self.graphs.after_resume()
+        for path in self.decode_paths:
+            path.after_resume()
 
     def forget(self, request_id: str) -> None:
         """`request_id` is done: nothing of it is kept."""

@@ -162,6 +162,8 @@ class ModelRunner:
                 self.draft.backend = self.make_backend(self.kv_caches[1], self.draft.config)
             if self.device.type == "cuda" and not config.deterministic:  # their kernels reduce in their own orders
                 self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
+                if self.draft is not None:
+                    self.draft.decode_paths = attach_decode_paths(self.draft.model, self.draft.backend, config)
             pool = torch.cuda.graph_pool_handle() if graph_max_bs > 0 or piecewise_sizes else None
             if graph_max_bs > 0:
                 self.graphs = CudaGraphRunner(
@@ -174,7 +176,8 @@ class ModelRunner:
                     self.dtype, self.device, pool=pool,
                 )  # fmt: skip
             if self.draft is not None and self.graph_sizes.draft_rows:  # the draft's forwards (draft_model.py)
-                self.draft.make_graphs(self.graph_sizes.draft_rows, self.graph_sizes.verify_rows, self.device, pool)
+                self.draft.make_graphs(self.graph_sizes.draft_rows, self.graph_sizes.verify_rows, self.device, pool,
+                                       long_kv_rows(self.draft.decode_paths))  # fmt: skip
         self.graph_bytes = 0  # the shared pool and every static buffer of the runners
         runners = (self.graphs, self.piecewise, self.draft.graphs if self.draft is not None else None)
         for runner in runners:
@@ -227,8 +230,8 @@ class ModelRunner:
         their owners keep are not the region's)."""
         owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise, self.arrivals,
                   *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed,
-                  *((self.draft.backend, self.draft.graphs, self.draft.graphs and self.draft.graphs.io)
-                    if self.draft is not None else ())]  # fmt: skip
+                  *((self.draft.backend, self.draft.graphs, self.draft.graphs and self.draft.graphs.io,
+                     *self.draft.decode_paths) if self.draft is not None else ())]  # fmt: skip
         others = {t.untyped_storage().data_ptr() for t in (*self.kv_caches, self.weights.flat)}
         return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
 
