@@ -7,6 +7,8 @@ whatever the draft proposes.
   weights (the same vocabulary), and one whose context (48) is shorter than the requests: still
   plain decoding's tokens.
 - `--deterministic`, seeded sampled requests: bitwise plain decoding's tokens and logprobs.
+- Drafts proposed twice before a step verifies them: the same drafts (the catch-up reruns
+  position n, which the draft KV already holds), then plain decoding's tokens.
 - Weights: the draft's ride as `draft.`-named tensors. An update of them through the
   update-from-tensors call changes what is drafted (a target-weight draft accepts almost all, a
   one-layer draft's weights pushed over it fewer), never the tokens; a full update of the target
@@ -160,3 +162,30 @@ def test_without_a_host_copy_a_release_loses_the_draft_not_the_engine(qwen3_dir:
         same(run(llm, PROMPTS[:1], params), want_next)
         p1, k1, _ = drafted(llm)
         assert p1 > p0 and k1 > 0.9 * (p1 - p0)  # the draft is the target again: its drafts stand
+
+
+def test_a_proposal_again_before_any_verify_drafts_the_same(qwen3_dir: str) -> None:
+    """Drafts proposed, then proposed again before a step verified them (no new token): the draft
+    KV already holds position n, and the catch-up runs it again (a catch-up never starts past n),
+    so the same drafts come back; then the request runs on to plain decoding's tokens."""
+    from engine.core.engine_core import EngineCore
+    from engine.core.protocol import AddRequest
+
+    params = greedy(20)
+    with Engine(model=qwen3_dir, dtype="float32", **KNOBS) as llm:
+        (want, _), = run(llm, PROMPTS[:1], [params])
+    core = EngineCore(EngineConfig(model=qwen3_dir, dtype="float32", device="cpu", **spec_knobs(qwen3_dir)))
+    assert core.add_request(AddRequest(request_id="a", prompt_token_ids=PROMPTS[0], sampling_params=params)) is None
+    for _ in range(3):
+        core.step()
+    core.drain()
+    (req,) = core.scheduler.running
+    core.drafter.propose([req])
+    first = list(req.draft_token_ids)
+    core.drafter.propose([req])
+    assert len(first) == 4 and req.draft_token_ids == first
+    for _ in range(200):
+        if not core.has_work():
+            break
+        core.step()
+    assert not core.has_work() and req.output_token_ids == want
