@@ -4,13 +4,14 @@ a tile's last chunk to arrive sums the chunks, gives the bits of the two-launch 
 kernel sums them) and of the same row alone, and leaves every counter at zero for the next call;
 the counters' zeroing after a resume; a program that walks every chunk of its tile (many
 tiles), in one loop or a pipeline a chunk, gives the split path's bits, K a whole number of steps
-or not; TMA descriptor loads give the pointer loads' bits on every path, and a tensor the copy
-engine cannot take (unaligned) loads through pointers; the tile follows the rows, K's order
-never. The GPU's bits: tests/test_gpu_invariant_matmul.py.
+or not, also where the rule would split (`split_below`, the bench's override); TMA descriptor
+loads give the pointer loads' bits on every path, and a tensor the copy engine cannot take
+(unaligned) loads through pointers; the tile follows the rows, K's order never. The GPU's bits: tests/test_gpu_invariant_matmul.py.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from interpreted import interpret
 
@@ -60,8 +61,18 @@ def check_walk(device: str) -> None:
         walked = invariant_matmul(x, w, cfg=c)
         split = invariant_matmul(x[-16:], w, cfg=c, arrivals=Arrivals(torch.device(device)))
         assert torch.equal(walked[-16:], split), k
+        # The same 16 rows, one program a tile where the rule splits (split_below, the bench's
+        # override): counters that never reach a tile's last chunk stop the split path, not it.
+        stuck = Arrivals(torch.device(device))
+        stuck.counts.fill_(1 << 20)
+        for below, same in ((0, True), (SPLIT_BELOW_TILES, False)):
+            got = torch.full_like(split, float("nan"))
+            invariant_matmul(x[-16:], w, out=got, cfg=c, arrivals=stuck, split_below=below)
+            assert torch.equal(got, split) is same, (k, below)
         ref = x.float() @ w.float().T
         assert (walked.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    with pytest.raises(ValueError, match="split_below"):  # more tiles than Arrivals counts
+        invariant_matmul(x, w, split_below=SPLIT_BELOW_TILES + 1)
 
 
 def test_a_program_walking_every_chunk_gives_the_split_bits_interpreted() -> None:

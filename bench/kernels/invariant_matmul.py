@@ -14,6 +14,10 @@ the same bf16 inputs, relative to the largest output.
 `--rounds R` times the variants R times, interleaved, and reports each one's median (one run's
 drift, up to 14 % between two columns of the same kernel on 2026-11-30, hits them all alike).
 
+Where the rule splits K over programs (fewer output tiles than SPLIT_BELOW_TILES), a second table
+times the same tile with one program a tile (`split_below=0`: a walk over the chunks; the same
+bits, checked): whether the split threshold is where it should be.
+
 `--sweep` also times a grid of output tiles (rows, columns, warps, stages) at every (shape, M),
 each with the rule's K order (BLOCK_K and the chunks: the bits), and prints per (shape, M) the
 rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not.
@@ -59,8 +63,8 @@ GRID = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES,
                 n_rounds: int = 1) -> dict[str, Any]:  # fmt: skip
-    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
-    from engine.kernels.invariant_tiles import Config, config, rows_tile
+    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES, Arrivals, invariant_matmul
+    from engine.kernels.invariant_tiles import Config, chunking, config, rows_tile
 
     n, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -79,11 +83,15 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
 
     arrivals = Arrivals(dev)  # as the engine runs it: a split call's last chunk sums the chunks
 
-    def ours(cfg: Config | None = None, tma: bool | None = None) -> Callable[[], None]:
+    def ours(cfg: Config | None = None, tma: bool | None = None, split_below: int = SPLIT_BELOW_TILES) -> Callable[[], None]:
         def run() -> None:
             for w in ws:
-                invariant_matmul(x, w, out=out, cfg=cfg, arrivals=arrivals, tma=tma)
+                invariant_matmul(x, w, out=out, cfg=cfg, arrivals=arrivals, tma=tma, split_below=split_below)
         return run
+
+    tile = rows_tile(config(n, k), n, k, m)
+    tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), chunking(k, tile)[1]
+    splits = chunks > 1 and tiles < SPLIT_BELOW_TILES  # the rule's call runs a program per chunk
 
     # Correctness first: fp32 math on the same inputs, and the last row's bits alone and in the batch.
     ref = F.linear(x.float(), ws[0].float())
@@ -95,6 +103,8 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
     del ref, got
 
     timed = {"cublas": cublas, "ours": ours(), "pointers": ours(tma=False), "tma": ours(tma=True)}
+    if splits:
+        timed["walk"] = ours(split_below=0)
     rounds: dict[str, list[float]] = {key: [] for key in timed}
     for _ in range(max(1, n_rounds)):  # the variants interleaved, round after round: a drift hits all
         for key, fn in timed.items():
@@ -105,7 +115,11 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                            "ours_us": t_ours, "ratio": t_ours / t_cublas, "pointers_ratio": t["pointers"] / t_cublas,
                            "tma_ratio": t["tma"] / t_cublas, "rounds_us": rounds,
                            "loads_alike": loads_alike, "ours_tflops": flops / t_ours / 1e6,
-                           "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err}
+                           "invariant": invariant, "cublas_invariant": cublas_invariant, "max_rel_err": err,
+                           "tiles": tiles, "chunks": chunks}
+    if splits:
+        row["walk_ratio"] = t["walk"] / t_cublas
+        row["walk_bits"] = torch.equal(invariant_matmul(x, ws[0], split_below=0), invariant_matmul(x, ws[0], arrivals=arrivals))
     if sweep:
         row["sweep"] = {}
         rule = config(n, k)
@@ -147,6 +161,11 @@ def main() -> None:
                  "TMA loads / cuBLAS", "TMA bits = pointers'", "invariant TFLOP/s", "row bits alone = in batch", "cuBLAS: same", "max rel err"],
                 [[r["shape"], r["m"], r["cublas_us"], r["ours_us"], r["ratio"], r["pointers_ratio"], r["tma_ratio"], r["loads_alike"],
                   r["ours_tflops"], r["invariant"], r["cublas_invariant"], r["max_rel_err"]] for r in rows])  # fmt: skip
+    split = [r for r in rows if "walk_ratio" in r]
+    if split:
+        print_table("where the rule splits K over programs: the same tile, one program a tile (split_below=0)",
+                    ["shape", "M", "tiles", "chunks", "split / cuBLAS", "one program a tile / cuBLAS", "same bits"],
+                    [[r["shape"], r["m"], r["tiles"], r["chunks"], r["ratio"], r["walk_ratio"], r["walk_bits"]] for r in split])  # fmt: skip
     if args.sweep:
         print_table("output tiles per (shape, M), invariant / cuBLAS, K order the rule's",
                     ["shape", "M", "rule's tile (bm, bn, bk, warps, stages, split)", "rule",

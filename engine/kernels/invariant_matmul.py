@@ -210,6 +210,7 @@ def invariant_matmul(
     cfg: Config | None = None,  # tuning override (bench/kernels/invariant_matmul.py --sweep); None: the rules
     arrivals: Arrivals | None = None,  # x's device's: split calls sum in their last chunk (else a second launch)
     tma: bool | None = None,  # load through TMA descriptors; None: where `tma_loads` allows, but short split chunks
+    split_below: int = SPLIT_BELOW_TILES,  # tuning override (the bench): a program per chunk below this many tiles
 ) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once
     if x.dim() != 2 or not (x.is_cuda or triton.knobs.runtime.interpret) or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"invariant_matmul: x must be a CUDA bf16/fp16 [M, K], got {tuple(x.shape)} {x.dtype} on {x.device}")
@@ -217,6 +218,8 @@ def invariant_matmul(
     if w.dim() != 2 or w.shape[1] != k or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous():
         raise ValueError(f"invariant_matmul: w {tuple(w.shape)} {w.dtype} (contiguous [N, {k}] {x.dtype}) for x {tuple(x.shape)}")
     n = w.shape[0]
+    if not 0 <= split_below <= SPLIT_BELOW_TILES:  # a split call counts its tiles' arrivals in Arrivals.counts
+        raise ValueError(f"invariant_matmul: split_below must be in [0, {SPLIT_BELOW_TILES}], got {split_below}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
@@ -230,7 +233,7 @@ def invariant_matmul(
     c = cfg or rows_tile(config(n, k), n, k, m)
     chunk_k, chunks = chunking(k, c)
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    split = chunks > 1 and tiles < SPLIT_BELOW_TILES  # where it runs, never what it computes
+    split = chunks > 1 and tiles < split_below  # where it runs, never what it computes
     ws = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     last_sums = split and arrivals is not None
     walk = chunks >= WALK_CHUNKS or (chunks > 2 and m >= MANY_ROWS)
