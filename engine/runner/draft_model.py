@@ -43,11 +43,10 @@ from torch import nn
 
 from engine.attention import AttentionBackend, ForwardContext
 from engine.config import ModelConfig
-from engine.decode.rules import LONG_KV_TOKENS
 from engine.memory.kv_budget import kv_block_bytes, make_kv_cache
 from engine.request import Request
 from engine.runner.step_inputs import Uploader, build_metadata
-from engine.runner.step_plan import metadata_values
+from engine.runner.step_plan import holds_long_kv, metadata_values
 
 if TYPE_CHECKING:
     from engine.models.hooks import DecodeStepPath
@@ -118,22 +117,16 @@ class DraftModel:
     def _eager(self, requests: list[Request], ks: list[int], starts: list[int], ends: list[int],
                upload: Uploader) -> list[list[int]]:  # fmt: skip
         """`propose`'s forwards, eagerly: each forward's tokens feed the next on the device."""
-        first = self._catch_up(requests, starts, ends, upload)  # [R]
-        steps: list[tuple[list[int], torch.Tensor]] = [(list(range(len(requests))), first)]
+        samples = [self._catch_up(requests, starts, ends, upload)]  # [R]
+        picks = [{i: i for i in range(len(requests))}]
         for j in range(1, max(ks, default=0)):
             rows = [i for i, k in enumerate(ks) if k > j]  # draft j of these (their blocks hold its KV)
-            prev_rows, prev = steps[-1]
-            feed = prev if len(rows) == len(prev_rows) else prev[upload([[prev_rows.index(i) for i in rows]])[0]]
+            prev = samples[-1]
+            feed = prev if len(rows) == prev.numel() else prev[upload([[picks[-1][i] for i in rows]])[0]]
             pos = [ends[i] - 1 + j for i in rows]
-            steps.append((rows, self._forward([requests[i] for i in rows], feed, pos, [p + 1 for p in pos], upload)))
-        flat = torch.cat([t for _, t in steps]).tolist()
-        drafts: list[list[int]] = [[] for _ in requests]
-        at = 0
-        for rows, _ in steps:
-            for i, token in zip(rows, flat[at : at + len(rows)], strict=True):
-                drafts[i].append(token)
-            at += len(rows)
-        return drafts
+            samples.append(self._forward([requests[i] for i in rows], feed, pos, [p + 1 for p in pos], upload))
+            picks.append({i: r for r, i in enumerate(rows)})
+        return _drafts(samples, picks, len(requests))
 
     def _replayed(self, requests: list[Request], ks: list[int], starts: list[int], ends: list[int],
                   upload: Uploader) -> list[list[int]]:  # fmt: skip
@@ -154,19 +147,11 @@ class DraftModel:
             rows = [i for i, k in enumerate(ks) if k > j]
             cells = [(i, ends[i] - 1 + j) for i in rows]  # draft j - 1 at position n + j - 1
             sources = [picks[-1][i] for i in rows]  # where the last replay left each row's input
-            long_kv = sum(p + 1 for _, p in cells) >= LONG_KV_TOKENS  # as StepPlan.long_kv
             graphs.replay(self._rows(requests, cells, [0] * len(rows), sources), [1.0] * len(rows), len(rows),
-                          long_kv=long_kv)  # fmt: skip
+                          long_kv=holds_long_kv([p + 1 for _, p in cells]))  # fmt: skip
             samples.append(graphs.io.tokens[: len(rows)].clone())
             picks.append({i: r for r, i in enumerate(rows)})
-        flat = torch.cat(samples).tolist()
-        drafts: list[list[int]] = [[] for _ in requests]
-        at = 0
-        for sample, pick in zip(samples, picks, strict=True):
-            for i, r in pick.items():
-                drafts[i].append(flat[at + r])
-            at += sample.numel()
-        return drafts
+        return _drafts(samples, picks, len(requests))
 
     def _rows(self, requests: list[Request], cells: list[tuple[int, int]], ids: list[int],
               sources: list[int]) -> list[list[int]]:  # fmt: skip
@@ -236,3 +221,16 @@ class DraftModel:
         hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta))
         (last,) = upload([[q - 1 for q in meta.query_start_loc_cpu[1:]]])
         return self.model.compute_logits(hidden[last]).argmax(dim=-1)
+
+
+def _drafts(samples: list[torch.Tensor], picks: list[dict[int, int]], num_requests: int) -> list[list[int]]:
+    """Each request's drafts, one a forward: forward f's sampled tokens samples[f] [rows], row
+    picks[f][i] request i's; one read of them all."""
+    flat = torch.cat(samples).tolist()
+    drafts: list[list[int]] = [[] for _ in range(num_requests)]
+    at = 0
+    for sample, pick in zip(samples, picks, strict=True):
+        for i, r in pick.items():
+            drafts[i].append(flat[at + r])
+        at += sample.numel()
+    return drafts

@@ -68,9 +68,14 @@ class StepPlan(msgspec.Struct, array_like=True):
 
     @property
     def long_kv(self) -> bool:
-        """A decode step whose rows hold LONG_KV_TOKENS context tokens or more together
-        (engine/decode/rules.py: few rows then leave the one-kernel layers)."""
-        return self.max_query_len == 1 and sum(self.seq_lens_cpu) >= LONG_KV_TOKENS
+        """A decode step whose rows hold LONG_KV_TOKENS context tokens or more together."""
+        return self.max_query_len == 1 and holds_long_kv(self.seq_lens_cpu)
+
+
+def holds_long_kv(seq_lens: list[int]) -> bool:
+    """Decode rows of these lengths hold LONG_KV_TOKENS context tokens or more together
+    (engine/decode/rules.py: few rows then leave the one-kernel layers)."""
+    return sum(seq_lens) >= LONG_KV_TOKENS
 
 
 INT32_FIELDS = 3  # the metadata's last parts: query_start_loc, seq_lens, block tables
