@@ -20,7 +20,9 @@ bits, checked): whether the split threshold is where it should be.
 
 `--sweep` also times a grid of output tiles (rows, columns, warps, stages) at every (shape, M),
 each with the rule's K order (BLOCK_K and the chunks: the bits), and prints per (shape, M) the
-rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not.
+rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not. A
+grid tile the split threshold would run a program per chunk is timed both ways (its key ends in
+"split" or "walk"): the tile and where its chunks run are chosen together.
 
     python3 bench/kernels/invariant_matmul.py --out $OUT/invariant_matmul.json [--rows 1,16,64,256,1024] [--sweep]
 """
@@ -126,10 +128,14 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
         row["tile"] = list(rows_tile(rule, n, k, m))
         for bm, bn, w, st in GRID:
             c = rule._replace(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-            try:
-                row["sweep"][str((bm, bn, w, st))] = time_graph(ours(c), len(ws), reps) / t_cublas
-            except Exception as e:  # out of shared memory and the like
-                say(f"{name} m={m} {c}: {type(e).__name__}")
+            grid_splits = chunks > 1 and -(-m // bm) * -(-n // bn) < SPLIT_BELOW_TILES
+            ways = {"split": SPLIT_BELOW_TILES, "walk": 0} if grid_splits else {"": SPLIT_BELOW_TILES}
+            for way, below in ways.items():
+                key = str((bm, bn, w, st, way) if way else (bm, bn, w, st))
+                try:
+                    row["sweep"][key] = time_graph(ours(c, split_below=below), len(ws), reps) / t_cublas
+                except Exception as e:  # out of shared memory and the like
+                    say(f"{name} m={m} {c} {way}: {type(e).__name__}")
     ws.clear()
     torch.cuda.empty_cache()
     return row
@@ -153,9 +159,9 @@ def main() -> None:
         r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20, args.rounds)
         rows.append(r)
         say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, invariant {r['ours_us']:.2f} us ({r['ratio']:.2f}x)")
+        if args.out:  # after every row: a sweep cut short by a time limit keeps what it timed
+            write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
     device = torch.cuda.get_device_name()
-    if args.out:
-        write_json(args.out, {"device": device, "rows": rows})
     print_table(f"batch-invariant GEMM against cuBLAS, bf16, CUDA graphs: {device}",
                 ["shape", "M", "cuBLAS us", "invariant us", "invariant / cuBLAS", "pointer loads / cuBLAS",
                  "TMA loads / cuBLAS", "TMA bits = pointers'", "invariant TFLOP/s", "row bits alone = in batch", "cuBLAS: same", "max rel err"],
@@ -169,7 +175,7 @@ def main() -> None:
     if args.sweep:
         print_table("output tiles per (shape, M), invariant / cuBLAS, K order the rule's",
                     ["shape", "M", "rule's tile (bm, bn, bk, warps, stages, split)", "rule",
-                     "best of the grid (bm, bn, warps, stages)", "best"], sweep_table(rows))  # fmt: skip
+                     "best of the grid (bm, bn, warps, stages[, split | walk])", "best"], sweep_table(rows))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ came in (issue 76). Rules that make this kernel invariant:
   dots into fp32; bf16/fp16 products are exact in fp32); the output is
   ((p_0 + p_1) + p_2) + ... in fp32, rounded once to x's dtype. The MMA never mixes rows, so the
   other rows of a tile change nothing of row r's bits.
-- Where that arithmetic runs may follow M, the bits may not: with fewer output tiles than SMs
-  (SPLIT_BELOW_TILES) each chunk is a program of its own, writing its fp32 partial to a
+- Where that arithmetic runs may follow M, the bits may not: with fewer output tiles than a wave
+  of one an SM (SPLIT_BELOW_TILES) each chunk is a program of its own, writing its fp32 partial to a
   workspace [SPLIT_K, M, N] (`SPLIT_PROGRAMS`: K's parallelism for a GEMV), and the tile's last
   chunk to arrive (`Arrivals`, split_kv.last_to_arrive) sums the tile's partials in chunk order;
   without `Arrivals` a second kernel sums them the same way. With many tiles one program walks

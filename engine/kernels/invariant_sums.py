@@ -17,7 +17,10 @@ import triton.language as tl
 from engine.kernels.launcher import Launcher
 
 REDUCE_BLOCK = 1024  # output elements a program of the chunk sum adds up
-SPLIT_BELOW_TILES = 132  # fewer output tiles than SMs: a program per chunk (more: one per tile)
+# Fewer output tiles than this: a program per chunk (more: one per tile, walking its chunks). 128
+# of 132 SMs count as a full wave: 128 tiles walking beat their split (the 8B down at 256 rows,
+# 1.53x against 1.64x cuBLAS; bench/kernels/invariant_matmul.py --sweep, 2026-11-30m).
+SPLIT_BELOW_TILES = 128
 
 
 @Launcher

@@ -35,6 +35,7 @@ MID_ROWS = 256  # at least this many rows (a large decode): a large weight's til
 MANY_ROWS = 1024  # at least this many rows (prefill): 128-row tiles of 8 warps where SMS of them or more
 WIDE_TILES = 256  # from this many 128 x 256 tiles (two waves of SMS), prefill's walked weights take them
 SMS = 132  # an H100's / H200's
+DEEP_STAGES = 6  # the pipeline of a tile that runs alone on its SM (one wave), or a narrow one
 
 
 class Config(NamedTuple):
@@ -60,9 +61,16 @@ def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
     up to FEW_ROWS rows; from MANY_ROWS where SMS tiles of 128 x 128 or more, 8 warps: 256 x 128
     (3 stages) for a weight of one chunk (the lm_heads), 128 x 256 (3 stages) for one of more than
     2 chunks (walked in one loop) where WIDE_TILES of them or more, else 128 x 128 (4 stages);
-    from MID_ROWS, a weight of N or K >= WIDE_N (the lm_heads, the 8B's gate_up and down)
-    128-row tiles (128 x 128 of two warp groups, or 128 x 64 of one where only K is wide); else
-    cfg's. K's order (BLOCK_K, the chunks) is cfg's whatever m.
+    from MID_ROWS, a weight of N >= WIDE_N (the lm_heads, the 8B's gate_up) 128 x 128 tiles of two
+    warp groups; one whose 64 x 128 tiles make one wave of more than SMS / 2 (the 8B's o_proj and
+    down, the 0.6B's qkv at 256 rows: 128 tiles) those, one program an SM, DEEP_STAGES deep and
+    walking their chunks (invariant_sums.SPLIT_BELOW_TILES); else 128 x 64 where K >= WIDE_N;
+    up to 64 rows, a weight of K and N below FEW_WIDE_N and WIDE_N (the 0.6B's layers) 64 x 32
+    tiles, DEEP_STAGES deep; else cfg's. K's order (BLOCK_K, the chunks) is cfg's whatever m.
+    The last two, from `--sweep` (one round, the split and the walk of each grid tile; H200,
+    2026-11-30m): at 256 rows the 8B down 1.64x -> 1.26x, o_proj 1.45x -> 1.24x, the 0.6B qkv
+    1.32x -> 1.25x; at 64 rows the 0.6B o_proj 1.21x -> 1.01x, gate_up 1.45x -> 1.23x, down
+    1.10x -> 0.99x (the 8B's layers at 64 rows: no tile of the grid better by more than 5 %).
     The MID_ROWS tiles, timed at 256 rows on an H200 against cuBLAS (bench/kernels/
     invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x, lm_head
     1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64 rows and for the 0.6B's layers the
@@ -86,8 +94,12 @@ def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
         return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
     if m >= MID_ROWS and n >= WIDE_N:
         return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
+    if m >= MID_ROWS and SMS // 2 < cdiv(m, 64) * cdiv(n, 128) <= SMS:
+        return cfg._replace(block_m=64, block_n=min(128, width), num_warps=4, num_stages=DEEP_STAGES)
     if m >= MID_ROWS and k >= WIDE_N:
         return cfg._replace(block_m=128, block_n=min(64, width), num_warps=4, num_stages=4)
+    if m <= 64 and n < WIDE_N and k < FEW_WIDE_N:
+        return cfg._replace(block_n=min(32, width), num_stages=DEEP_STAGES)
     return cfg
 
 
