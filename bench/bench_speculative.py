@@ -98,14 +98,15 @@ def main() -> int:
     if args.draft_model:
         path = ckpt["path"] if args.draft_model == "target" else args.draft_model
         drafts |= dict(speculative_algorithm="draft", speculative_draft_model_path=path)
-    for mode, extra in (("plain", {}), ("ngram", drafts)):
+    algorithm = drafts["speculative_algorithm"]  # the speculative engine's mode in the JSON: ngram or draft
+    for mode, extra in (("plain", {}), (algorithm, drafts)):
         say(f"{mode}: starting the engine")
         with Engine(model=ckpt["path"], **knobs, **extra) as llm:
             res["modes"][mode] = rounds(llm, prompts, fresh, output_len)
             info = llm.get_server_info()
             res["modes"][mode]["drafted"] = (info["spec_draft_tokens"], info["spec_accepted_tokens"])
         write_json(args.out, res)
-    plain, spec = res["modes"]["plain"], res["modes"]["ngram"]
+    plain, spec = res["modes"]["plain"], res["modes"][algorithm]
     rows = []
     for key in (k for k in plain if "|" in k):
         name, b = key.split("|")
@@ -116,8 +117,8 @@ def main() -> int:
                      round(output_len / plain[key]["wall_s"], 1), round(ratio, 3), f">= {target}" if target else "-",
                      "PASS" if target and ratio >= target and same else ("FAIL" if target else "-"), same])  # fmt: skip
     drafted, kept = spec["drafted"]
-    algorithm = f"draft model {args.draft_model}" if args.draft_model else "ngram"
-    print_table(f"siesta speculative decoding ({algorithm}) against plain decoding, " + ("CPU tiny" if args.tiny else str(device)),
+    drafter = f"draft model {args.draft_model}" if args.draft_model else "ngram"
+    print_table(f"siesta speculative decoding ({drafter}) against plain decoding, " + ("CPU tiny" if args.tiny else str(device)),
                 ["metric", "draft model" if args.draft_model else "ngram", "plain", "ratio", "target", "ok", "outputs identical"], rows,
                 [f"draft tokens {drafted}, accepted {kept} ({kept / max(drafted, 1):.2f})"])  # fmt: skip
     res["table"] = rows
