@@ -6,6 +6,9 @@ the same bits (they must).
 
     python3 bench/kernels/attention_fixed.py --steps 1x1@512,1x1@32768,8x1@8192,64x1@512,4x512@2048 --out $OUT/af.json
 
+`--split S` times pieces of S context tokens in place of SPLIT (the bits follow it: both paths
+still agree, checked).
+
 A step `BxQ@C`: B sequences of C context tokens each, the last Q of them this step's queries
 (Q = 1: decodes), Qwen3's 128-wide heads (`--heads`, `--kv-heads`: the 0.6B's 16 and 8).
 """
@@ -70,8 +73,13 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=40960, help="the split path's workspace: pieces of it")
     p.add_argument("--per", type=int, default=10, help="calls per graph")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--split", type=int, default=af.SPLIT,
+                   help="context tokens a piece (a multiple of BLOCK_N): what the bits follow, to place SPLIT")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.split <= 0 or args.split % af.BLOCK_N:
+        p.error(f"--split must be a positive multiple of {af.BLOCK_N}")
+    af.SPLIT = args.split  # read by fixed_split_attention and Workspace.allocate at each call
     bw = copy_bandwidth(torch.device("cuda"), 1024, 20)["bandwidth_bytes_per_s"]
     workspace = af.Workspace.allocate(args.heads, HEAD_DIM, args.max_model_len, torch.device("cuda"))
     rows = [step(s, args, bw, workspace) for s in args.steps.split(",")]
