@@ -9,7 +9,7 @@ Rules:
   kernel through `kv_target`), then every row of
   the step, decode, prefill or mixed, runs the one kernel; a step of few tokens (a decode) takes
   its split path, with the same bits, through `workspace` (the `cuda_graph` region, as the
-  backend: [16, max_model_len / 256, H, D] fp32, 21 MiB for Qwen3-0.6B at 40,960).
+  backend: [16, max_model_len / SPLIT, H, D] fp32, 42 MiB for Qwen3-0.6B at 40,960).
 - CUDA graphs, decode and piecewise, replay the same kernel on the Triton backend's static
   metadata: its grid is the padded row count, and a padding row (seq_len 0, or past the last
   sequence) writes zeros, so a graph's rows carry the bits of eager rows.

@@ -58,7 +58,12 @@ from engine.kernels.fixed_rows import attend_rows, locate, merge_piece, query_ro
 from engine.kernels.launcher import Launcher
 from engine.kernels.split_kv import attend_tiles, last_to_arrive
 
-SPLIT = 256  # context tokens per piece: a fixed position grid, multiple of BLOCK_N
+# Context tokens a piece: a fixed position grid, a multiple of BLOCK_N. What the bits follow: a
+# piece is BLOCK_N tiles in sequence, the length of a one-row decode's chain. H200, 8B heads (32 /
+# 8), microseconds a call at SPLIT 256 / 128 / 64 (bench/kernels/attention_fixed.py --split,
+# 2026-11-30m): one row at 512 tokens, split path, 11.3 / 8.2 / 7.5; 256 rows at 512, one token a
+# program, 132.3 / 136.3 / 137.1; 4 x 512-token chunks at 2k, tiles, 579 / 626 / 719.
+SPLIT = 128
 BLOCK_N = 32  # keys per tile
 FEW_TOKENS = 16  # steps of at most this many tokens may take the split path (a workspace this wide)
 TARGET_PROGRAMS = 264  # the split path's programs: about two an SM of an H200 (132 SMs)
