@@ -362,7 +362,8 @@ def test_bench_deterministic_tiny_measures_both_modes(tmp_path: str) -> None:
     assert modes["default"]["attention_backend"] == "sdpa" and modes["deterministic (auto)"]["attention_backend"] == "sdpa_rows"
     for mode in modes.values():
         assert sorted(mode["decode"]) == ["1", "4"] and all(d["steps"] == 30 for d in mode["decode"].values())
-        assert mode["rl"]["tokens"] == 4 * 16
+        assert mode["rl"]["tokens"] == 4 * 16 and len(mode["rl"]["rounds_tok_s"]) == 3 and mode["rl"]["warmup_tok_s"] > 0
+        assert mode["rl"]["tokens_per_s"] == sorted(mode["rl"]["rounds_tok_s"])[1]  # the median round
     assert [row[0] for row in res["table"]] == [f"deterministic (auto): decode step, bs={b}" for b in (1, 4)] + [
         "deterministic (auto): RL rollouts (engine), tok/s"]
 
