@@ -72,9 +72,9 @@ def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
     1.32x -> 1.25x; at 64 rows the 0.6B o_proj 1.21x -> 1.01x, gate_up 1.45x -> 1.23x, down
     1.10x -> 0.99x (the 8B's layers at 64 rows: no tile of the grid better by more than 5 %).
     The MID_ROWS tiles, timed at 256 rows on an H200 against cuBLAS (bench/kernels/
-    invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x, lm_head
-    1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64 rows and for the 0.6B's layers the
-    64-row tile stays the best of the grid (bench/history/2026-11-30.md). From MANY_ROWS, fewer
+    invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x (128 x 64,
+    before its one-wave tile above), lm_head 1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64
+    rows and for the 0.6B's layers 64 rows high stays the best of the grid (bench/history/2026-11-30.md). From MANY_ROWS, fewer
     128 x 128 tiles than SMS keep the 64-row tile: the 0.6B's o_proj and down at 1024 rows,
     2.66x / 2.97x -> 1.59x / 1.65x (64 tiles -> 256).
     The MANY_ROWS tiles, timed with TMA loads at 8192 rows against cuBLAS (2026-11-30h): 128 x 256
