@@ -65,8 +65,13 @@ GRID = [(bm, bn, w, st) for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for 
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES,
                 n_rounds: int = 1) -> dict[str, Any]:  # fmt: skip
-    from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES, Arrivals, invariant_matmul
-    from engine.kernels.invariant_tiles import Config, chunking, config, rows_tile
+    from engine.kernels.invariant_matmul import (
+        SPLIT_BELOW_TILES,
+        Arrivals,
+        invariant_matmul,
+        placement,
+    )
+    from engine.kernels.invariant_tiles import Config, config, rows_tile
 
     n, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -91,9 +96,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                 invariant_matmul(x, w, out=out, cfg=cfg, arrivals=arrivals, tma=tma, split_below=split_below)
         return run
 
-    tile = rows_tile(config(n, k), n, k, m)
-    tiles, chunks = -(-m // tile.block_m) * -(-n // tile.block_n), chunking(k, tile)[1]
-    splits = chunks > 1 and tiles < SPLIT_BELOW_TILES  # the rule's call runs a program per chunk
+    _, chunks, tiles, splits = placement(rows_tile(config(n, k), n, k, m), m, n, k)  # splits: a program per chunk
 
     # Correctness first: fp32 math on the same inputs, and the last row's bits alone and in the batch.
     ref = F.linear(x.float(), ws[0].float())
@@ -128,8 +131,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
         row["tile"] = list(rows_tile(rule, n, k, m))
         for bm, bn, w, st in GRID:
             c = rule._replace(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-            grid_splits = chunks > 1 and -(-m // bm) * -(-n // bn) < SPLIT_BELOW_TILES
-            ways = {"split": SPLIT_BELOW_TILES, "walk": 0} if grid_splits else {"": SPLIT_BELOW_TILES}
+            ways = {"split": SPLIT_BELOW_TILES, "walk": 0} if placement(c, m, n, k)[3] else {"": SPLIT_BELOW_TILES}
             for way, below in ways.items():
                 key = str((bm, bn, w, st, way) if way else (bm, bn, w, st))
                 try:

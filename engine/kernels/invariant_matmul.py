@@ -203,6 +203,14 @@ def _invariant_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def placement(c: Config, m: int, n: int, k: int, split_below: int = SPLIT_BELOW_TILES) -> tuple[int, int, int, bool]:
+    """Where an [m, k] x [n, k].T call in config c runs, never what it computes: (chunk_k, chunks,
+    output tiles, split: a program per chunk, with fewer than `split_below` tiles)."""
+    chunk_k, chunks = chunking(k, c)
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    return chunk_k, chunks, tiles, chunks > 1 and tiles < split_below
+
+
 def invariant_matmul(
     x: torch.Tensor,  # [M, K] bf16 (or fp16), any M >= 0
     w: torch.Tensor,  # [N, K], x's dtype, contiguous (an nn.Linear's weight)
@@ -231,9 +239,7 @@ def invariant_matmul(
     if x.stride(-1) != 1:
         x = x.contiguous()
     c = cfg or rows_tile(config(n, k), n, k, m)
-    chunk_k, chunks = chunking(k, c)
-    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    split = chunks > 1 and tiles < split_below  # where it runs, never what it computes
+    chunk_k, chunks, tiles, split = placement(c, m, n, k, split_below)
     ws = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     last_sums = split and arrivals is not None
     walk = chunks >= WALK_CHUNKS or (chunks > 2 and m >= MANY_ROWS)
