@@ -85,16 +85,16 @@ class DraftModel:
         self.kv_cache = make_kv_cache(self.config, num_blocks, self.block_size, dtype, device)
         return self.kv_cache
 
-    def make_graphs(self, rows: int, verify_rows: int, device: torch.device, pool: Any,
+    def make_graphs(self, rows: int, verify: bool, device: torch.device, pool: Any,
                     long_kv_rows: int = 0) -> CudaGraphRunner:  # fmt: skip
         """Its decode graphs of up to `rows` rows over its backend (verify graphs of as many rows
-        where `verify_rows`, long-context ones up to `long_kv_rows`: the target's rules), sharing
+        where `verify`, long-context ones up to `long_kv_rows`: the target's rules), sharing
         the target's `pool`; built inside the caller's `cuda_graph` region, captured by the caller."""
         from engine.runner.cuda_graph import CudaGraphRunner
 
         assert self.backend is not None, "the draft's backend comes with the KV cache"
         self.graphs = CudaGraphRunner(self.model, self.backend, rows, self.config.vocab_size, device, pool=pool,
-                                      long_kv_rows=long_kv_rows, verify_rows=rows if verify_rows else 0)  # fmt: skip
+                                      long_kv_rows=long_kv_rows, verify_rows=rows if verify else 0)  # fmt: skip
         return self.graphs
 
     @torch.inference_mode()

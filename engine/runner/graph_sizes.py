@@ -53,11 +53,11 @@ class GraphSizes:
         elif backend.supports_cuda_graph:
             small = torch.cuda.get_device_properties(device).total_memory < SMALL_GPU_BYTES
             decode = min(config.max_num_seqs, SMALL_GPU_MAX_BS if small else DEFAULT_MAX_BS)
+        drafting_rows = config.speculative_disable_by_batch_size * (config.speculative_num_draft_tokens + 1)
         if config.speculative_algorithm is not None and not config.deterministic:
-            verify = config.speculative_disable_by_batch_size * (config.speculative_num_draft_tokens + 1)
+            verify = drafting_rows
         if config.speculative_algorithm == "draft" and decode:
-            rows = config.speculative_disable_by_batch_size * (config.speculative_num_draft_tokens + 1)
-            draft = min(rows, config.max_num_seqs)
+            draft = min(drafting_rows, config.max_num_seqs)
         limit = config.piecewise_cuda_graph_max_tokens
         if limit != 0 and (backend.supports_cuda_graph or not config.deterministic):
             pieces = min(config.max_num_batched_tokens, limit or config.max_num_batched_tokens)

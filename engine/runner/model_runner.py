@@ -176,7 +176,7 @@ class ModelRunner:
                     self.dtype, self.device, pool=pool,
                 )  # fmt: skip
             if self.draft is not None and self.graph_sizes.draft_rows:  # the draft's forwards (draft_model.py)
-                self.draft.make_graphs(self.graph_sizes.draft_rows, self.graph_sizes.verify_rows, self.device, pool,
+                self.draft.make_graphs(self.graph_sizes.draft_rows, self.graph_sizes.verify_rows > 0, self.device, pool,
                                        long_kv_rows(self.draft.decode_paths))  # fmt: skip
         self.graph_bytes = 0  # the shared pool and every static buffer of the runners
         runners = (self.graphs, self.piecewise, self.draft.graphs if self.draft is not None else None)
