@@ -13,7 +13,7 @@ Rules:
   not depend on the other rows of its tile: the MMAs never mix rows, a row's max is exact in
   any order and its sum of p is an MMA's (split_kv.softmax_step's DOT_SUM, so neither the row's
   place nor the kernel's warps change it), and a row's state changes only on the K/V tiles
-  that hold its keys (fixed_rows.py `attend_rows`). So a chunk reads its K/V once for TOK
+  that hold its keys (fixed_rows.py `walk_rows`). So a chunk reads its K/V once for TOK
   tokens. A step of one token a sequence runs `_token_kernel`, grid (T, Hkv), rows 0..GROUP-1
   one token's heads (the tiled kernel's `where`s and idle tiles cost a decode of 256 rows 4 %).
 - The context 0..p is cut at fixed positions, every SPLIT tokens (not a count that follows the
@@ -54,7 +54,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import LOG2E, next_pow2
-from engine.kernels.fixed_rows import attend_rows, locate, merge_piece, query_rows, tile_rows
+from engine.kernels.fixed_rows import (
+    locate,
+    merge_piece,
+    query_rows,
+    tile_rows,
+    walk_pieces,
+    walk_rows,
+)
 from engine.kernels.launcher import Launcher
 from engine.kernels.split_kv import attend_tiles, last_to_arrive
 
@@ -89,16 +96,9 @@ def _token_kernel(
     seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
     heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, context, SPLIT_):
-        end = tl.minimum(start + SPLIT_, context)
-        m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
-                                       stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
-                                       BLOCK_N_, IEEE, True)  # fmt: skip
-        m, total, acc = merge_piece(m, total, acc, m_s, l_s, acc_s)
+    m, total, acc = walk_pieces(q, k_cache_ptr, v_cache_ptr, bt_row, context, g, sm_scale_log2, stride_cblk,
+                                stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N_, SPLIT_, IEEE)  # fmt: skip
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
 
@@ -121,21 +121,10 @@ def _tile_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=(context > 0)[:, None], other=0.0)  # fmt: skip
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    reach = tl.max(context, 0)
-    for start in range(0, reach, SPLIT_):
-        end = tl.minimum(start + SPLIT_, context)
-        m_s, l_s, acc_s = attend_rows(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, tl.max(end, 0), g,
-                                      sm_scale_log2, stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM,
-                                      BLOCK_SIZE, BLOCK_N_, IEEE)  # fmt: skip
-        m_n, total_n, acc_n = merge_piece(m, total, acc, m_s, l_s, acc_s)
-        on = start < context
-        m = tl.where(on, m_n, m)
-        total = tl.where(on, total_n, total)
-        acc = tl.where(on[:, None], acc_n, acc)
+    m, total, acc = walk_rows(q, k_cache_ptr, v_cache_ptr, bt_row, context, tl.max(context, 0), g, sm_scale_log2,
+                              stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N_, SPLIT_,
+                              IEEE)  # fmt: skip
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
     out_ptrs = out_ptr + t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mine[:, None])

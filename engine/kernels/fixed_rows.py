@@ -1,8 +1,9 @@
 """Triton functions the fixed-split attention's kernels (attention_fixed.py) inline, not kernels:
 where a program's query rows are (`locate`: a token's sequence and context; `tile_rows`: a
 prefill tile's tokens), their queries (`query_rows`), the online softmax of rows of their own
-ends over one piece (`attend_rows`) and the pieces' merge (`merge_piece`). The rules they keep
-are attention_fixed.py's; every function is the same arithmetic for a row wherever it runs.
+ends (`walk_rows`), one query's (`walk_pieces`: every piece in one loop over the tiles) and the
+pieces' merge (`merge_piece`). The rules they keep are attention_fixed.py's; every function is
+the same arithmetic for a row wherever it runs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,41 @@ def merge_piece(m, total, acc, m_s, l_s, acc_s):
     a = tl.exp2(m - m_new)
     b = tl.exp2(m_s - m_new)
     return m_new, total * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
+
+
+@triton.jit
+def walk_pieces(
+    q, k_cache_ptr, v_cache_ptr, bt_row, context, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
+    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr,
+    SPLIT_: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    # Every piece of one query's context 0..context-1 merged in ascending order: attend_tiles
+    # over each piece from a fresh state, then merge_piece, in one loop over the tiles (the loads
+    # run on across a piece's end). A tile never crosses a piece (BLOCK_N_ divides SPLIT_); the
+    # state a piece ends with is folded in, and the fresh one taken, by selects on the tile that
+    # ends it: the ops and the values of the loop of pieces, so its bits.
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    m_s = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_s = tl.zeros([BLOCK_H], tl.float32)
+    acc_s = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(0, context, BLOCK_N_):
+        offs_n = n0 + tl.arange(0, BLOCK_N_)
+        n_mask = offs_n < context
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, kv_head, sm_scale_log2,
+                           stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_s, l_s, acc_s = softmax_step(m_s, l_s, acc_s, s, v, IEEE, True)
+        ends = ((n0 + BLOCK_N_) % SPLIT_ == 0) | (n0 + BLOCK_N_ >= context)
+        m_n, total_n, acc_n = merge_piece(m, total, acc, m_s, l_s, acc_s)
+        m = tl.where(ends, m_n, m)
+        total = tl.where(ends, total_n, total)
+        acc = tl.where(ends, acc_n, acc)
+        m_s = tl.where(ends, float("-inf"), m_s)
+        l_s = tl.where(ends, 0.0, l_s)
+        acc_s = tl.where(ends, 0.0, acc_s)
+    return m, total, acc
 
 
 @triton.jit
@@ -84,26 +120,39 @@ def tile_rows(pid, qsl_ptr, seq_lens_ptr, num_seqs, tokens, TOK: tl.constexpr, G
 
 
 @triton.jit
-def attend_rows(
-    q, k_cache_ptr, v_cache_ptr, bt_row, start, end, end_max, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
+def walk_rows(
+    q, k_cache_ptr, v_cache_ptr, bt_row, context, reach, kv_head, sm_scale_log2, stride_cblk, stride_ctok,
     stride_chead, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr,
-    IEEE: tl.constexpr,
+    SPLIT_: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # split_kv.attend_tiles for rows of their own ends (end [BLOCK_H]; the tiles run to end_max,
-    # their largest): row r's state changes only on the tiles that hold one of its keys, by
-    # attend_tiles' step (softmax_step) for a query of end[r], so its bits are those of a program
-    # of its own. A row's masked keys still below end_max hold its sequence's K/V (finite; p is 0).
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
+    # walk_pieces for rows of their own contexts (context [BLOCK_H], reach their largest), as a
+    # prefill tile's: the tiles run to reach, and row r's state changes only on the tiles that hold
+    # one of its keys, by walk_pieces' step for a query of context[r] (a piece folded in where it
+    # starts below context[r]), so its bits are those of a program of its own. A row's masked
+    # keys still below reach hold its sequence's K/V (finite; p is 0).
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for n0 in range(start, end_max, BLOCK_N_):
+    m_s = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_s = tl.zeros([BLOCK_H], tl.float32)
+    acc_s = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for n0 in range(0, reach, BLOCK_N_):
         offs_n = n0 + tl.arange(0, BLOCK_N_)
-        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < end_max, kv_head, sm_scale_log2,
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < reach, kv_head, sm_scale_log2,
                            stride_cblk, stride_ctok, stride_chead, HEAD_DIM, BLOCK_SIZE, IEEE)  # fmt: skip
-        s = tl.where(offs_n[None, :] < end[:, None], s, float("-inf"))
-        m_n, l_n, acc_n = softmax_step(m_i, l_i, acc, s, v, IEEE, True)  # NaN only on a row the tile skips
-        on = n0 < end
-        m_i = tl.where(on, m_n, m_i)
-        l_i = tl.where(on, l_n, l_i)
-        acc = tl.where(on[:, None], acc_n, acc)
-    return m_i, l_i, acc
+        s = tl.where(offs_n[None, :] < context[:, None], s, float("-inf"))
+        m_n, l_n, acc_n = softmax_step(m_s, l_s, acc_s, s, v, IEEE, True)  # NaN only on a row the tile skips
+        on = n0 < context
+        m_s = tl.where(on, m_n, m_s)
+        l_s = tl.where(on, l_n, l_s)
+        acc_s = tl.where(on[:, None], acc_n, acc_s)
+        ends = ((n0 + BLOCK_N_) % SPLIT_ == 0) | (n0 + BLOCK_N_ >= reach)
+        fold = ends & ((n0 // SPLIT_) * SPLIT_ < context)  # [BLOCK_H]: the rows the piece reached
+        m_f, total_f, acc_f = merge_piece(m, total, acc, m_s, l_s, acc_s)
+        m = tl.where(fold, m_f, m)
+        total = tl.where(fold, total_f, total)
+        acc = tl.where(fold[:, None], acc_f, acc)
+        m_s = tl.where(ends, float("-inf"), m_s)
+        l_s = tl.where(ends, 0.0, l_s)
+        acc_s = tl.where(ends, 0.0, acc_s)
+    return m, total, acc
