@@ -6,8 +6,8 @@
 - tests/test_draft_model.py's engine tests on the GPU (a draft model: its Triton attention over
   its own cache on the target's blocks, its forwards replayed from its own decode graphs), and a
   bf16 model of Qwen3-0.6B's widths drafting for itself: nearly every draft stands, several
-  tokens a step, every drafting step's catch-up replayed as verify rows and each further draft a
-  replay of one row a request.
+  tokens a step, a drafting step's catch-up of two rows a request replayed as verify rows, and
+  each further draft (and a catch-up of one row a request) a replay of one row a request.
 - A verify step is planned as decode rows (engine/runner/step_plan.py `_plan_verify`) and replays
   a verify graph, captured without the decode paths that store one row while another reads
   (ForwardContext.verify). On a model the decode paths serve (bf16, Qwen3-0.6B's widths), the
@@ -94,7 +94,8 @@ def test_a_wide_bf16_model_as_its_own_draft_drafts_what_it_generates(wide_qwen3_
     assert info["spec_accepted_tokens"] > 0.8 * info["spec_draft_tokens"] > 0, info
     assert core.num_steps < 0.5 * 96, core.num_steps
     # A proposal is one replay of catch-up rows (past the prompts, 1-2 a request; the prompts' own
-    # catch-up, 120 tokens, runs eagerly), then one of a row a request per further draft (k = 4: 3).
+    # catch-up, 120 tokens, runs eagerly: two rows a request, verify rows, once every draft
+    # stood; one, a decode replay), then one of a row a request per further draft (k = 4: 3).
     catch_ups = [n for n, verify in replays if verify]
     assert sum(n <= 2 * 3 for n in catch_ups) >= 10, replays
     assert len(replays) - len(catch_ups) >= 3 * len(catch_ups), replays

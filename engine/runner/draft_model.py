@@ -27,8 +27,9 @@ at 0. A wrong or stale draft KV costs acceptance only. One tensor-parallel rank.
 With decode graphs (`graphs`, GraphSizes.draft_rows): the forwards are replays. The catch-up's
 tokens, where they fit the largest graph (1 or 2 a request once drafting runs: the bonus token,
 and the last draft when all were taken), run as rows, each a sequence of its own over the
-request's block table, of length position + 1, as a verify step's rows (step_plan.py
-`_plan_verify`; ForwardContext.verify); a longer catch-up (a prompt) runs eagerly. Each step of
+request's block table, of length position + 1: with a request of two, as a verify step's rows
+(step_plan.py `_plan_verify`; ForwardContext.verify), else as a decode step's, through the decode
+paths; a longer catch-up (a prompt) runs eagerly. Each step of
 (2) is a replay of one row a request whose input token is the one the replay before sampled for
 it, read on the device (GraphIO's pending rows). One read of the drafts at the end.
 """
@@ -137,7 +138,12 @@ class DraftModel:
         cells = [(i, p) for i, (s, e) in enumerate(zip(starts, ends, strict=True)) for p in range(s, e)]
         if len(cells) <= graphs.max_bs:
             ids = [requests[i].token_ids[p] for i, p in cells]
-            graphs.replay(self._rows(requests, cells, ids, []), [1.0] * len(cells), len(cells), verify=True)
+            # One row a request (a draft was rejected: the bonus token alone) is a decode step's
+            # row, which the decode paths serve; a request's second row reads the K/V its first
+            # stores in the same forward: verify rows.
+            verify = len(cells) > len(requests)
+            graphs.replay(self._rows(requests, cells, ids, []), [1.0] * len(cells), len(cells), verify=verify,
+                          long_kv=not verify and holds_long_kv([p + 1 for _, p in cells]))  # fmt: skip
             samples = [graphs.io.tokens[: len(cells)].clone()]
             picks = [{i: r for r, (i, _) in enumerate(cells)}]  # a request's last row samples its draft 1
         else:
