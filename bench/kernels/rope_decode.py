@@ -7,7 +7,9 @@ across split counts (programs an SM) and tile configs (BLOCK_N, warps, stages).
 
 A step `B@C`: B rows of C context tokens each, Qwen3's q/k norm and 128-wide heads, 8 KV heads
 and `--heads` query heads (16: the 0.6B; 32: the 8B). The first split count and the first config
-are the engine's (`TritonBackend.merged_decode_plan`, `batch_tile_config`).
+are the engine's (`TritonBackend.merged_decode_plan`, `batch_tile_config`). `--merge-splits M`
+merges the partials M splits a load in place of split_kv.MERGE_SPLITS (one value a process: the
+constant is compiled in).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import torch
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
+import triton.language as tl  # noqa: E402
 from bench_runtime import say, write_json  # noqa: E402
 from device_timing import copy_bandwidth, time_graph  # noqa: E402
 from report import print_table  # noqa: E402
 
-from engine.kernels import pdl  # noqa: E402
+from engine.kernels import pdl, split_kv  # noqa: E402
 from engine.kernels.rope_decode import batch_tile_config, kernel_consts, rope_decode  # noqa: E402
 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
@@ -66,7 +69,7 @@ def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[in
                                 (slots, tables, seq_lens), out, HEAD_DIM**-0.5, (splits, *plan), consts)  # fmt: skip
 
             us = time_graph(calls, layers, reps)
-            found.append(dict(step=spec, heads=heads, splits_per_sm=per_sm, splits=splits, config="x".join(map(str, config)),
+            found.append(dict(step=spec, heads=heads, splits_per_sm=per_sm, splits=splits, merge_splits=split_kv.MERGE_SPLITS.value, config="x".join(map(str, config)),
                               us_per_layer=us, of_copy=per_layer / (us * 1e-6) / bw))  # fmt: skip
             say(f"  {spec} h{heads} {per_sm}/SM ({splits} splits) {found[-1]['config']}: {us:.1f} us, {found[-1]['of_copy']:.3f} of copy")
     return found
@@ -79,8 +82,13 @@ def main() -> int:
     p.add_argument("--splits-per-sm", default="3,6,12", help="programs an SM the split count aims at; the first is the engine's")
     p.add_argument("--configs", default="", help="BLOCK_NxWARPSxSTAGES,... after the engine's")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--merge-splits", type=int, default=split_kv.MERGE_SPLITS.value,
+                   help="partials a load of the last split's merge (a power of two)")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.merge_splits < 1 or args.merge_splits & (args.merge_splits - 1):
+        p.error("--merge-splits must be a power of two")
+    split_kv.MERGE_SPLITS = tl.constexpr(args.merge_splits)  # before the first compile
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda"), 1024, 20)["bandwidth_bytes_per_s"]  # read + written, bench_engine's roofline
     configs = [batch_tile_config(HEAD_DIM, DTYPE.itemsize, max(int(s.split("@")[0]) for s in args.steps.split(",")))]
@@ -91,7 +99,7 @@ def main() -> int:
             found += step(spec, heads, [int(x) for x in args.splits_per_sm.split(",")], configs, bw, args.reps)
             torch.cuda.empty_cache()
     print_table(f"rope_decode, {torch.cuda.get_device_name()}: a layer's K/V bytes over the copy bandwidth "
-                f"({bw / 1e9:.0f} GB/s, read + written)",
+                f"({bw / 1e9:.0f} GB/s, read + written), merges of {split_kv.MERGE_SPLITS.value} partials a load",
                 ["step", "heads", "programs/SM", "splits", "config", "us a layer", "of copy"],
                 [[r["step"], r["heads"], r["splits_per_sm"], r["splits"], r["config"], round(r["us_per_layer"], 1),
                   round(r["of_copy"], 3)] for r in found])  # fmt: skip
