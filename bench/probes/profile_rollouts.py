@@ -1,0 +1,96 @@
+"""Where the device time of an RL rollout round goes: torch.profiler over one round of bench_deterministic's
+RL shape (N prompts of P random tokens, O sampled tokens each with logprobs) on an in-process EngineCore,
+after an untimed round and a timed one. Prints the kernels grouped by name (ms in the round, launches, share),
+the round's wall time and tok/s, and the sum of its kernels' time; run it once per mode to compare.
+
+    python3 bench/probes/profile_rollouts.py --shape 8b --out $OUT/roll.json
+    python3 bench/probes/profile_rollouts.py --shape 8b --deterministic --out $OUT/roll_det.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]
+
+from bench_runtime import say, write_json  # noqa: E402
+from engine_shapes import checkpoint  # noqa: E402
+from report import print_table  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.core.protocol import AddRequest  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+
+def rollout_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> tuple[int, float]:
+    """One round of fresh prompts run to the end: (engine steps, wall seconds)."""
+    n, prompt_len, out_len = shape
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=out_len, temperature=1.0, ignore_eos=True, logprobs=True)
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        assert core.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+    steps, t0 = 0, time.perf_counter()
+    for _ in range(100_000):  # bounded: a round ends in about prompt chunks + out_len steps
+        if not core.has_work():
+            break
+        core.step()
+        steps += 1
+    torch.cuda.synchronize()
+    return steps, time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py takes it)")
+    p.add_argument("--model-dir")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--top", type=int, default=16)
+    p.add_argument("--deterministic", action="store_true", help="the engine in --deterministic (issue 76)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    shape = (args.requests, args.prompt_len, args.output_len)
+    ckpt = checkpoint(args.shape, args.model_dir, torch.device("cuda"), seed=0)
+    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", load_format=ckpt.get("load_format", "auto"),
+                                   max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.requests,
+                                   deterministic=args.deterministic))  # fmt: skip
+    rng = random.Random(0)
+    rollout_round(core, "warm", shape, rng)  # the first compiles of every row count
+    steps, wall = rollout_round(core, "timed", shape, rng)
+    tok_s = args.requests * args.output_len / wall
+    say(f"timed round: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:90]][0] += 1
+            kernels[e.name[:90]][1] += e.device_time / 1e3
+    busy = sum(ms for _, ms in kernels.values())
+    rows = sorted(((name, n, ms) for name, (n, ms) in kernels.items()), key=lambda r: -r[2])
+    mode = "--deterministic" if args.deterministic else "default"
+    print_table(f"RL round ({mode}, {args.requests} x {args.prompt_len} + {args.output_len}): wall {prof_wall * 1e3:.0f} ms "
+                f"under the profiler in {prof_steps} steps, kernels {busy:.0f} ms",
+                ["kernel", "launches", "device ms", "share"],
+                [[f"`{n}`", c, ms, ms / busy] for n, c, ms in rows[: args.top]])  # fmt: skip
+    result: dict[str, Any] = {"shape": ckpt["shape"], "deterministic": args.deterministic, "steps": steps,
+                              "wall_s": wall, "tokens_per_s": tok_s, "profiled_wall_s": prof_wall, "kernel_ms": busy,
+                              "kernels": [{"name": n, "launches": c, "ms": ms} for n, c, ms in rows]}  # fmt: skip
+    write_json(args.out, result)
+    core.close()
+
+
+if __name__ == "__main__":
+    main()
