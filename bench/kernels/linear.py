@@ -5,7 +5,10 @@ Each op is timed as the decode step runs it: inside a CUDA graph, over as many d
 copies as make 512 MiB (so every call reads its weight from HBM, not from L2, as consecutive
 layers do), median of `--reps` replays; `--rotate-mib 0` times one copy, resident in L2 after the
 first call (what an L2 prefetch of the next layer's weights could at best give). Columns: microseconds per call, the weight-read bandwidth
-that implies, and the ratio cuBLAS time / skinny time. With `--sweep`, every (block_n, block_k,
+that implies, and the ratio cuBLAS time / skinny time; beside them `--deterministic`'s
+batch-invariant GEMM (engine/kernels/invariant_matmul.py, its rules, split calls summed by
+their last chunk; + the SiLU-and-mul for gate_up) and its ratio cuBLAS / invariant: which
+few-rows kernel streams each weight fastest. With `--sweep`, every (block_n, block_k,
 warps, stages) of a small grid is timed too, and the best is printed beside the default rule.
 
     python3 bench/kernels/linear.py --out $OUT/linear.json [--sweep]
@@ -50,6 +53,8 @@ GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5)))
 
 def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = ROTATE_BYTES) -> dict[str, Any]:
     from engine.kernels import fused_ops
+    from engine.kernels.invariant_matmul import invariant_matmul
+    from engine.kernels.invariant_sums import Arrivals
     from engine.kernels.skinny_linear import skinny_linear
 
     n, k, silu = SHAPES[name]
@@ -72,6 +77,14 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
                 skinny_linear(x, w, silu_mul=silu, **cfg)
         return run
 
+    arrivals, inv_out = Arrivals(dev), torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+
+    def invariant() -> None:
+        for w in ws:
+            invariant_matmul(x, w, out=inv_out, arrivals=arrivals)
+            if silu:
+                fused_ops.silu_and_mul(inv_out)
+
     # Correctness against fp32 math on the same bf16 inputs.
     ref = F.linear(x.float(), ws[0].float())
     if silu:
@@ -82,9 +95,11 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
 
     t_cublas = time_graph(cublas, len(ws), reps)
     t_default = time_graph(skinny(), len(ws), reps)
+    t_invariant = time_graph(invariant, len(ws), reps)
     row: dict[str, Any] = {"shape": name, "m": m, "cublas_us": t_cublas, "skinny_us": t_default,
                            "cublas_gbs": w_bytes / t_cublas / 1e3, "skinny_gbs": w_bytes / t_default / 1e3,
-                           "speedup": t_cublas / t_default, "max_rel_err": err}
+                           "speedup": t_cublas / t_default, "invariant_us": t_invariant,
+                           "invariant_speedup": t_cublas / t_invariant, "max_rel_err": err}
     if sweep:
         best = None
         for bn, bk, nw, ns in GRID:
@@ -110,14 +125,15 @@ def main() -> None:
     for name, m in shape_rows(args):
         r = bench_shape(name, m, args.sweep, args.reps, args.rotate_mib << 20)
         rows.append(r)
-        say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, skinny {r['skinny_us']:.2f} us")
+        say(f"{name} M={m}: cuBLAS {r['cublas_us']:.2f} us, skinny {r['skinny_us']:.2f} us, invariant {r['invariant_us']:.2f} us")
     if args.out:
         write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
     print_table(f"decode linears, bf16, CUDA graphs: {torch.cuda.get_device_name()}",
-                ["shape", "M", "cuBLAS us", "GB/s", "skinny us", "GB/s", "cuBLAS / skinny", "best sweep us (cfg)",
-                 "max rel err"],
+                ["shape", "M", "cuBLAS us", "GB/s", "skinny us", "GB/s", "cuBLAS / skinny", "invariant us",
+                 "cuBLAS / invariant", "best sweep us (cfg)", "max rel err"],
                 [[r["shape"], r["m"], r["cublas_us"], r["cublas_gbs"], r["skinny_us"], r["skinny_gbs"], r["speedup"],
-                  f"{r['best_us']:.2f} {r['best_cfg']}" if "best_us" in r else None, r["max_rel_err"]] for r in rows])
+                  r["invariant_us"], r["invariant_speedup"], f"{r['best_us']:.2f} {r['best_cfg']}" if "best_us" in r else None,
+                  r["max_rel_err"]] for r in rows])
 
 
 if __name__ == "__main__":
