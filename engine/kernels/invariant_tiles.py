@@ -57,31 +57,23 @@ def config(n: int, k: int) -> Config:
 
 
 def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
-    """The output tile that runs m rows of the weight whose configuration is `cfg`: 16-row tiles
-    up to FEW_ROWS rows; from MANY_ROWS where SMS tiles of 128 x 128 or more, 8 warps: 256 x 128
-    (3 stages) for a weight of one chunk (the lm_heads), 128 x 256 (3 stages) for one of more than
-    2 chunks (walked in one loop) where WIDE_TILES of them or more, else 128 x 128 (4 stages);
-    from MID_ROWS, a weight of N >= WIDE_N (the lm_heads, the 8B's gate_up) 128 x 128 tiles of two
-    warp groups; one whose 64 x 128 tiles make one wave of more than SMS / 2 (the 8B's o_proj and
-    down, the 0.6B's qkv at 256 rows: 128 tiles) those, one program an SM, DEEP_STAGES deep and
-    walking their chunks (invariant_sums.SPLIT_BELOW_TILES); else 128 x 64 where K >= WIDE_N;
-    up to 64 rows, a weight of K and N below FEW_WIDE_N and WIDE_N (the 0.6B's layers) 64 x 32
-    tiles, DEEP_STAGES deep; else cfg's. K's order (BLOCK_K, the chunks) is cfg's whatever m.
-    The last two, from `--sweep` (one round, the split and the walk of each grid tile; H200,
-    2026-11-30m): at 256 rows the 8B down 1.64x -> 1.26x, o_proj 1.45x -> 1.24x, the 0.6B qkv
-    1.32x -> 1.25x; at 64 rows the 0.6B o_proj 1.21x -> 1.01x, gate_up 1.45x -> 1.23x, down
-    1.10x -> 0.99x (the 8B's layers at 64 rows: no tile of the grid better by more than 5 %).
-    The MID_ROWS tiles, timed at 256 rows on an H200 against cuBLAS (bench/kernels/
-    invariant_matmul.py --sweep): the 8B gate_up 1.66x -> 1.46x, down 1.89x -> 1.55x (128 x 64,
-    before its one-wave tile above), lm_head 1.76x -> 1.47x, the 0.6B lm_head 1.63x -> 1.50x; at 64
-    rows and for the 0.6B's layers 64 rows high stays the best of the grid (bench/history/2026-11-30.md). From MANY_ROWS, fewer
-    128 x 128 tiles than SMS keep the 64-row tile: the 0.6B's o_proj and down at 1024 rows,
-    2.66x / 2.97x -> 1.59x / 1.65x (64 tiles -> 256).
-    The MANY_ROWS tiles, timed with TMA loads at 8192 rows against cuBLAS (2026-11-30h): 128 x 256
-    the 8B's down, qkv, o 1.10x / 1.17x / 1.20x and the 0.6B's o, down 1.17x / 1.16x (128 x 128:
-    1.47-1.57x); a weight of 2 chunks keeps 128 x 128, since 128 x 256 holds two fp32
-    accumulators of 128 registers a thread there and spills (3.4-4.7x), and 4 stages (the 8B's
-    gate_up 1.36x -> 1.18x); 256 x 128 the lm_heads 1.04x-1.15x (1.11x-1.19x)."""
+    """The output tile that runs m rows of the weight whose configuration is `cfg`; K's order
+    (BLOCK_K, the chunks) is cfg's whatever m, so the tile never changes the bits. First rule
+    that holds:
+    - m <= FEW_ROWS: 16-row tiles, 128 columns from N >= FEW_WIDE_N, else 64.
+    - m >= MANY_ROWS with SMS 128 x 128 tiles or more, 8 warps: 256 x 128 (3 stages) for a weight
+      of one chunk (the lm_heads); 128 x 256 (3 stages) for one of more than 2 chunks (walked in
+      one loop) where WIDE_TILES of them or more; else 128 x 128 (4 stages). (128 x 256 over 2
+      chunks holds two fp32 accumulators of 128 registers a thread and spills.)
+    - m >= MID_ROWS and N >= WIDE_N (the lm_heads, the 8B's gate_up): 128 x 128, two warp groups.
+    - m >= MID_ROWS where 64 x 128 tiles make one wave of more than SMS / 2 (the 8B's o_proj and
+      down, the 0.6B's qkv at 256 rows: 128 tiles): those, one program an SM, DEEP_STAGES deep,
+      walking their chunks (invariant_sums.SPLIT_BELOW_TILES).
+    - m >= MID_ROWS and K >= WIDE_N: 128 x 64.
+    - m <= 64, K below FEW_WIDE_N and N below WIDE_N (the 0.6B's layers): 64 x 32, DEEP_STAGES.
+    - else cfg's 64-row tile.
+    Each rule is the best of `bench/kernels/invariant_matmul.py --sweep` at its rows on an H200,
+    against cuBLAS (bench/history/2026-11-30.md, entries e, h and m; docs/KERNELS.md)."""
     width = max(16, next_power_of_2(n))
     if m <= FEW_ROWS:
         return cfg._replace(block_m=16, block_n=min(128 if n >= FEW_WIDE_N else 64, width))
