@@ -24,6 +24,19 @@ def merge_piece(m, total, acc, m_s, l_s, acc_s):
 
 
 @triton.jit
+def empty_state(BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # An online softmax's state before its first key: (max -inf, sum 0, acc 0 [BLOCK_H, HEAD_DIM]).
+    return (tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32),
+            tl.zeros([BLOCK_H, HEAD_DIM], tl.float32))  # fmt: skip
+
+
+@triton.jit
+def reset_where(ends, m_s, l_s, acc_s):
+    # The piece state, empty again where `ends` (a scalar: a piece ended on this tile).
+    return tl.where(ends, float("-inf"), m_s), tl.where(ends, 0.0, l_s), tl.where(ends, 0.0, acc_s)
+
+
+@triton.jit
 def walk_pieces(
     q, k_cache_ptr, v_cache_ptr, bt_row, context, kv_head, sm_scale_log2, stride_cblk, stride_ctok, stride_chead,
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr,
@@ -34,12 +47,8 @@ def walk_pieces(
     # run on across a piece's end). A tile never crosses a piece (BLOCK_N_ divides SPLIT_); the
     # state a piece ends with is folded in, and the fresh one taken, by selects on the tile that
     # ends it: the ops and the values of the loop of pieces, so its bits.
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    m_s = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_s = tl.zeros([BLOCK_H], tl.float32)
-    acc_s = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    m, total, acc = empty_state(BLOCK_H, HEAD_DIM)  # the sum of the pieces folded in
+    m_s, l_s, acc_s = empty_state(BLOCK_H, HEAD_DIM)  # the piece running
     for n0 in range(0, context, BLOCK_N_):
         offs_n = n0 + tl.arange(0, BLOCK_N_)
         n_mask = offs_n < context
@@ -52,9 +61,7 @@ def walk_pieces(
         m = tl.where(ends, m_n, m)
         total = tl.where(ends, total_n, total)
         acc = tl.where(ends, acc_n, acc)
-        m_s = tl.where(ends, float("-inf"), m_s)
-        l_s = tl.where(ends, 0.0, l_s)
-        acc_s = tl.where(ends, 0.0, acc_s)
+        m_s, l_s, acc_s = reset_where(ends, m_s, l_s, acc_s)
     return m, total, acc
 
 
@@ -130,12 +137,8 @@ def walk_rows(
     # one of its keys, by walk_pieces' step for a query of context[r] (a piece folded in where it
     # starts below context[r]), so its bits are those of a program of its own. A row's masked
     # keys still below reach hold its sequence's K/V (finite; p is 0).
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    m_s = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_s = tl.zeros([BLOCK_H], tl.float32)
-    acc_s = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    m, total, acc = empty_state(BLOCK_H, HEAD_DIM)  # the sum of the pieces folded in
+    m_s, l_s, acc_s = empty_state(BLOCK_H, HEAD_DIM)  # the piece running
     for n0 in range(0, reach, BLOCK_N_):
         offs_n = n0 + tl.arange(0, BLOCK_N_)
         s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, offs_n < reach, kv_head, sm_scale_log2,
@@ -152,7 +155,5 @@ def walk_rows(
         m = tl.where(fold, m_f, m)
         total = tl.where(fold, total_f, total)
         acc = tl.where(fold[:, None], acc_f, acc)
-        m_s = tl.where(ends, float("-inf"), m_s)
-        l_s = tl.where(ends, 0.0, l_s)
-        acc_s = tl.where(ends, 0.0, acc_s)
+        m_s, l_s, acc_s = reset_where(ends, m_s, l_s, acc_s)
     return m, total, acc
