@@ -141,7 +141,7 @@ class DraftModel:
             # One row a request (a draft was rejected: the bonus token alone) is a decode step's
             # row, which the decode paths serve; a request's second row reads the K/V its first
             # stores in the same forward: verify rows.
-            verify = len(cells) > len(requests)
+            verify = any(e - s > 1 for s, e in zip(starts, ends, strict=True))
             graphs.replay(self._rows(requests, cells, ids, []), [1.0] * len(cells), len(cells), verify=verify,
                           long_kv=not verify and holds_long_kv([p + 1 for _, p in cells]))  # fmt: skip
             samples = [graphs.io.tokens[: len(cells)].clone()]
