@@ -19,7 +19,7 @@ import triton.language as tl
 from engine.kernels import pdl
 from engine.kernels.attention import dot, kv_offsets
 
-MERGE_SPLITS: tl.constexpr = tl.constexpr(16)  # partials a load of the in-kernel merge (merge_splits)
+MERGE_SPLITS: tl.constexpr = tl.constexpr(4)  # partials a load of the in-kernel merge (merge_splits)
 
 
 @triton.jit
@@ -158,9 +158,10 @@ def merge_splits(
     # Called by every split after it stored its partial: the last of the num_valid splits to
     # arrive (last_to_arrive) merges them all into out, partials read from L2, MERGE_SPLITS
     # splits a load ([BLOCK_H, MERGE_SPLITS, HEAD_DIM]), rescaled by the running max between loads.
-    # One split a load made the merge of one row at 32k tokens (49 splits) a quarter of its layer;
-    # 16 a load beat 2, 4, 8 and 32 at 1-8 rows and 8k-32k tokens (32 spills: every step slower)
-    # (bench/kernels/rope_decode.py --merge-splits, bench/history/2026-11-30.md).
+    # One split a load made the merge of one row at 32k tokens (49 splits) a quarter of its layer.
+    # 16 a load is faster at 1-8 rows and 8k-32k tokens, but its registers (146 a thread) leave
+    # the layers' DecodeAttention 3 programs an SM, not the 4 its one wave of 64 rows needs
+    # (tests/test_bench_scripts.py; bench/history/2026-11-30.md, entry n).
     if last_to_arrive(count_ptr, num_valid):
         offs_d = tl.arange(0, HEAD_DIM)
         offs_s = tl.arange(0, MERGE_SPLITS)
