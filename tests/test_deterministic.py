@@ -143,12 +143,14 @@ def test_a_row_invariant_attention_on_every_device_and_no_other(qwen3_dir: str) 
 def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) -> None:
     """The fused CUDA model's few-row kernels (the skinny linears and MLP, split-K, the skinny
     lm_head, a decode graph's logits pieces) reduce in their own orders: after `install` for
-    CUDA none is left on, and every matmul goes through the invariant hooks."""
+    CUDA none is left on, and every matmul goes through the invariant hooks. The packed linears
+    (qkv, gate_up: each right after a norm) prefetch their weights under PDL, as the default
+    mode's skinny kernel; no other linear does."""
     import torch
 
     from engine.config import ModelConfig
     from engine.models import get_model_class
-    from engine.models.layers import MLP
+    from engine.models.layers import MLP, MergedLinear
 
     config = ModelConfig.from_hf(qwen3_dir)
     with torch.device("meta"):
@@ -156,12 +158,14 @@ def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) 
     assert any(getattr(m, "fused", False) for m in model.modules() if isinstance(m, MLP))
     arrivals = object()  # the split matmuls' counters (reserve's, on a GPU): every hook carries them
     assert invariant.install(model, torch.device("cuda"), arrivals) > 0  # type: ignore[arg-type]
+    assert sum(isinstance(m, MergedLinear) for m in model.modules()) == 2 * config.num_layers  # qkv, gate_up
     for name, module in model.named_modules():
         if isinstance(module, MLP) or (hasattr(type(module), "linear_fn") and hasattr(module, "weight")):
             assert module.fused is False, name
         if hasattr(type(module), "linear_fn"):
             assert module.linear_fn.func is invariant.cuda_linear, name
-            assert module.linear_fn.keywords == {"arrivals": arrivals}, name
+            prefetch = isinstance(module, MergedLinear)
+            assert module.linear_fn.keywords == {"arrivals": arrivals, "prefetch": prefetch}, name
         if hasattr(type(module), "logits_fn"):
             assert module.logits_fn.func is invariant.cuda_logits and not module.skinny_logits, name
             assert module.logits_fn.keywords == {"arrivals": arrivals}, name

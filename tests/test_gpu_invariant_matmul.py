@@ -8,6 +8,8 @@
 - the output equals F.linear in fp32 on the same bf16 inputs within bf16 rounding;
 - a launch into a preallocated `out` captures in a CUDA graph and replays to the eager bits, new
   inputs included;
+- `prefetch=True` (PDL launch, the weight's first lines into L2, then the wait) right after the
+  RMSNorm that writes its input gives the plain launch's bits, eagerly and in a graph's replays;
 - K split into chunks (the 8B's o_proj and down): few rows run a program per chunk and a chunk-
   order sum (a second kernel's, or with `Arrivals` the tile's last chunk to arrive), many rows
   one program per tile walking the chunks; all give a row the same bits (the batches above cross
@@ -122,6 +124,33 @@ def test_a_preallocated_out_captures_and_replays_to_the_eager_bits(with_arrivals
         assert torch.equal(out, invariant_matmul(x, w)), step
         assert torch.equal(out[m // 2], invariant_matmul(x[m // 2 : m // 2 + 1], w)[0]), step
     _close_to_fp32(out, x, w)
+
+
+@pytest.mark.parametrize("k,n", SHAPES[:4], ids=[f"K{k}-N{n}" for k, n in SHAPES[:4]])
+def test_a_prefetching_launch_after_the_norm_gives_the_plain_launch_bits(k: int, n: int) -> None:
+    from engine.kernels import fused_ops
+    from engine.kernels.invariant_matmul import Arrivals, invariant_matmul
+
+    arrivals = Arrivals(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(k + 3 * n)
+    w, norm_w = _bf16(n, k, g=g, scale=0.02), _bf16(k, g=g)
+    for m in (1, 16, 17, 64, 256, 1000):
+        x = _bf16(m, k, g=g)
+        plain = invariant_matmul(fused_ops.rms_norm(x, norm_w, 1e-6), w, arrivals=arrivals)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        # The norm writes what the GEMM reads, launched right after it: the GEMM's wait orders them.
+        assert torch.equal(invariant_matmul(fused_ops.rms_norm(x, norm_w, 1e-6), w, out=out, arrivals=arrivals, prefetch=True), plain), m
+        if m > 64:
+            continue
+        graph = torch.cuda.CUDAGraph()  # both kernels compiled above, outside the capture
+        with torch.cuda.graph(graph):
+            invariant_matmul(fused_ops.rms_norm(x, norm_w, 1e-6), w, out=out, arrivals=arrivals, prefetch=True)
+        for step in range(3):
+            x.copy_(_bf16(m, k, g=g))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, invariant_matmul(fused_ops.rms_norm(x, norm_w, 1e-6), w, arrivals=arrivals)), (m, step)
 
 
 def test_the_8b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:

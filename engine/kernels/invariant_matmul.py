@@ -38,7 +38,11 @@ came in (issue 76). Rules that make this kernel invariant:
 - Tiles are visited in groups of GROUP_M row tiles (L2 reuse of the weight at large M): which
   program computes a tile changes, how it computes it does not.
 - Grid and output are fixed by the shapes, no host read of a device value: CUDA-graph capturable
-  with a preallocated `out`. No PDL (no decode graph launches it yet).
+  with a preallocated `out`.
+- `prefetch` (on Hopper; engine/kernels/pdl.py): launched with PDL, a program pulls the first
+  PREFETCH_LINES lines of its chunk of its weight rows into L2 (the first row tile's programs
+  only), waits for the kernel before, then releases the next: for the GEMMs right after a norm
+  (qkv, gate_up, the lm_head), as skinny_linear.py's. Scheduling only: the same bits.
 
 The tiles and K's chunks: engine/kernels/invariant_tiles.py; the chunk sums across programs and
 their counters: engine/kernels/invariant_sums.py.
@@ -52,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.invariant_sums import SPLIT_BELOW_TILES, Arrivals, chunk_order_sum
 from engine.kernels.invariant_tiles import MANY_ROWS, Config, chunking, config, rows_tile
 from engine.kernels.launcher import Launcher
@@ -68,6 +73,10 @@ WALK_CHUNKS = 4  # a program walking this many chunks (3 from MANY_ROWS) walks t
 # (2026-11-30h: the 0.6B's o_proj and down, 8-step chunks, at 64 rows 1.21x / 1.10x cuBLAS with
 # pointers, 1.42x / 1.40x with TMA; chunks of 13 steps and more, the 8B's, alike or faster).
 TMA_SPLIT_STEPS = 12
+# Bytes of a weight pulled into L2 before the PDL wait in all: skinny_linear.py's budget (what HBM
+# streams while a norm of few rows runs).
+PREFETCH_BYTES = 16 << 20
+LINE_BYTES = 128
 
 
 @functools.cache
@@ -148,9 +157,11 @@ def _invariant_matmul_kernel(
     out_ptr,  # [M, N], unit last stride
     ws_ptr,  # SPLIT_PROGRAMS: fp32 [CHUNKS, M, N], contiguous
     count_ptr,  # LAST_SUMS: int32 [tiles], zeros: the chunks arrived per tile (Arrivals)
+    wp_ptr,  # [N, K]: the weight's pointer, TMA or not (the L2 prefetch's)
     M, N, K, stride_xm, stride_om, CHUNK_K,
     CHUNKS: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, LAST_SUMS: tl.constexpr, WALK: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -164,6 +175,13 @@ def _invariant_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
+    if USE_PDL:  # engine/kernels/pdl.py: the weights are no kernel's output
+        if PREFETCH_LINES > 0 and pid_m == 0:
+            k_first = tl.program_id(1) * CHUNK_K if SPLIT_PROGRAMS else 0
+            cols = tl.minimum(k_first + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)  # [PREFETCH_LINES]
+            pdl.prefetch_l2(wp_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K + cols[None, :])
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if TMA:
         x_ptrs = x_ptr
         w_ptrs = w_ptr
@@ -203,6 +221,13 @@ def _invariant_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def prefetch_lines(weight_bytes: int, chunk_k: int, line: int) -> int:
+    """Lines of each weight row's chunk to prefetch: a power of two (0 for none), at most the
+    chunk's, PREFETCH_BYTES over the whole weight."""
+    lines = min(chunk_k // line, PREFETCH_BYTES * (chunk_k // line) // max(1, weight_bytes))
+    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
+
+
 def placement(c: Config, m: int, n: int, k: int, split_below: int = SPLIT_BELOW_TILES) -> tuple[int, int, int, bool]:
     """Where an [m, k] x [n, k].T call in config c runs, never what it computes: (chunk_k, chunks,
     output tiles, split: a program per chunk, with fewer than `split_below` tiles)."""
@@ -219,6 +244,7 @@ def invariant_matmul(
     arrivals: Arrivals | None = None,  # x's device's: split calls sum in their last chunk (else a second launch)
     tma: bool | None = None,  # load through TMA descriptors; None: where `tma_loads` allows, but short split chunks
     split_below: int = SPLIT_BELOW_TILES,  # tuning override (the bench): a program per chunk below this many tiles
+    prefetch: bool = False,  # launch with PDL and prefetch the weight: for a GEMM right after a norm
 ) -> torch.Tensor:  # out: [M, N] = x @ w.T, fp32 sums rounded once
     if x.dim() != 2 or not (x.is_cuda or triton.knobs.runtime.interpret) or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"invariant_matmul: x must be a CUDA bf16/fp16 [M, K], got {tuple(x.shape)} {x.dtype} on {x.device}")
@@ -247,10 +273,14 @@ def invariant_matmul(
         tma = tma_loads(x, w) and not (split and chunk_k // c.block_k < TMA_SPLIT_STEPS)
     x_src = TensorDescriptor(x, [m, k], [x.stride(0), 1], [c.block_m, c.block_k]) if tma else x
     w_src = TensorDescriptor(w, [n, k], [k, 1], [c.block_n, c.block_k]) if tma else w
+    use_pdl = prefetch and pdl.enabled(x.device)
+    line = LINE_BYTES // x.element_size()
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
-        x_src, w_src, out, ws, arrivals.counts if last_sums else out, m, n, k, x.stride(0), out.stride(0), chunk_k,
+        x_src, w_src, out, ws, arrivals.counts if last_sums else out, w, m, n, k, x.stride(0), out.stride(0), chunk_k,
         CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, WALK=walk, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, TMA=tma, USE_PDL=use_pdl,
+        PREFETCH_LINES=prefetch_lines(w.numel() * w.element_size(), chunk_k, line) if use_pdl else 0, LINE=line,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
     if split and not last_sums:
         chunk_order_sum(ws, out)

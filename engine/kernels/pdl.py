@@ -24,6 +24,8 @@ waits for it anyway. Who does what in a decode layer:
   down_proj follows gate_up's GEMV, whose bandwidth a prefetch would only take; o_proj after the
   attention kernels made both TP=1 and TP=2 steps slower. Launched with PDL but no prefetch,
   the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; bench/history/2026-11-25.md).
+- `--deterministic`: the invariant GEMMs after a norm (qkv, gate_up, the lm_head:
+  kernels/invariant_matmul.py `prefetch=True`), as the skinny GEMVs above.
 - PDL launch, wait: the sampler's read of the logits (kernels/lse_argmax.py), scheduled while the
   lm_head streams.
 - The layers' decode attention (decode/decode_attention.py `DecodeAttention`: rope, K/V store and

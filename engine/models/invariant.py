@@ -15,9 +15,11 @@ Rules:
   shape, any rows); fp32 keeps the blocks (cuBLAS picks one kernel for one shape).
 - `install(model, device, arrivals)` switches every linear of a built model to these, once, at
   startup (on CUDA with `reserve`'s counters: a split matmul sums its chunks in its last
-  program), and turns off the few-row kernels that bypass them (the skinny and split-K linears,
-  the MLP's skinny gate_up + SiLU, the skinny lm_head, a decode graph's logits pieces): the
-  default mode's forward keeps its own code (no branch per call).
+  program; the linears that follow a norm, `prefetch` in layers.py, and the lm_head launch with
+  PDL and prefetch their weights, as the default mode's skinny kernel does), and turns off the
+  few-row kernels that bypass them (the skinny and split-K linears, the MLP's skinny gate_up +
+  SiLU, the skinny lm_head, a decode graph's logits pieces): the default mode's forward keeps
+  its own code (no branch per call).
 - Attention is the backend's (engine/attention/triton_fixed.py on CUDA, with CUDA graphs;
   sdpa_rows.py elsewhere); norms (one row a program on CUDA), rotary, activations and the
   sampler's row-wise ops are invariant as they are. A mixture of experts runs the torch reference
@@ -60,15 +62,17 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
 
 
 def cuda_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, arrivals: Arrivals | None = None
-) -> torch.Tensor:
-    """`linear` on CUDA: half precision through invariant_matmul (`arrivals`: `reserve`'s), fp32 in blocks."""
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, arrivals: Arrivals | None = None,
+    prefetch: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """`linear` on CUDA: half precision through invariant_matmul (`arrivals`: `reserve`'s; `prefetch`:
+    a GEMM right after a norm, launched with PDL), fp32 in blocks."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return linear(x, weight, bias)
     from engine.kernels.invariant_matmul import invariant_matmul
 
     lead, k = x.shape[:-1], x.shape[-1]
-    out = invariant_matmul(x.reshape(-1, k), weight, arrivals=arrivals).reshape(*lead, weight.shape[0])
+    out = invariant_matmul(x.reshape(-1, k), weight, arrivals=arrivals, prefetch=prefetch).reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -79,7 +83,7 @@ def cuda_logits(
         return logits(hidden, weight, out)
     from engine.kernels.invariant_matmul import invariant_matmul
 
-    return invariant_matmul(hidden, weight, out=out, arrivals=arrivals)
+    return invariant_matmul(hidden, weight, out=out, arrivals=arrivals, prefetch=True)  # behind the final norm
 
 
 def reserve(device: torch.device) -> Arrivals | None:
@@ -107,7 +111,8 @@ def install(model: nn.Module, device: torch.device, arrivals: Arrivals | None = 
         if isinstance(module, SparseMoE):
             module.kernels = False  # the torch reference: the experts' hook, a token's experts in expert order
         if hasattr(type(module), "linear_fn"):
-            module.linear_fn = partial(cuda_linear, arrivals=arrivals) if cuda else linear
+            prefetch = bool(getattr(module, "prefetch", False))  # the packed linears, after a norm (layers.py)
+            module.linear_fn = partial(cuda_linear, arrivals=arrivals, prefetch=prefetch) if cuda else linear
             if hasattr(module, "fused") and hasattr(module, "weight"):
                 module.fused = False  # a Linear: no skinny or split-K kernel
             changed += 1
