@@ -217,6 +217,7 @@ def decode_attention(
     pdl_launch: bool = False,  # engine/kernels/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
     counts: torch.Tensor | None = None,  # [>= B * Hkv] int32, zero: merge in the kernel, no reduce
+    merge: int = MERGE_SPLITS,  # with counts: partials a load of the in-kernel merge (a power of two)
     stamps: torch.Tensor | None = None,  # bench only: [B * Hkv * splits, 4] int64 (_stamp)
 ) -> None:
     """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
@@ -241,7 +242,7 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=query_rows(group),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=prefetch_line(head_dim, k_cache.element_size()),
-        MERGE=MERGE_SPLITS if counts is not None and num_splits > 1 else 0, stamp_ptr=stamps, TIMING=stamps is not None,
+        MERGE=merge if counts is not None and num_splits > 1 else 0, stamp_ptr=stamps, TIMING=stamps is not None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
     if num_splits > 1 and counts is None:
