@@ -99,7 +99,7 @@ def decode_kernel(config: tuple[int, int, int]) -> dict[str, object]:
     types.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", qsl_ptr="*i32", count_ptr="*i32",
                  part_out_ptr="*fp32", part_lse_ptr="*fp32", sm_scale_log2="fp32")  # fmt: skip
     consts = dict(NUM_HEADS=H, GROUP=H // HKV, BLOCK_H=16, HEAD_DIM=D, BLOCK_SIZE=BLOCK, BLOCK_N=block_n, IEEE=False,
-                  USE_PDL=True, LINE=64, MERGE=False, stamp_ptr=None, TIMING=False)  # fmt: skip
+                  USE_PDL=True, LINE=64, MERGE=0, stamp_ptr=None, TIMING=False)  # fmt: skip
     out = compile_sm90(td._decode_kernel, types, consts, {"num_warps": warps, "num_stages": stages, "launch_pdl": True},
                        ("num_splits", "stride_bt", "mixed"))  # fmt: skip
     return _pipeline(out, block_n)

@@ -8,8 +8,7 @@ across split counts (programs an SM) and tile configs (BLOCK_N, warps, stages).
 A step `B@C`: B rows of C context tokens each, Qwen3's q/k norm and 128-wide heads, 8 KV heads
 and `--heads` query heads (16: the 0.6B; 32: the 8B). The first split count and the first config
 are the engine's (`TritonBackend.merged_decode_plan`, `batch_tile_config`). `--merge-splits M`
-merges the partials M splits a load in place of split_kv.MERGE_SPLITS (one value a process: the
-constant is compiled in).
+merges the partials M splits a load in place of the engine's (`merge_for` the step's rows).
 """
 
 from __future__ import annotations
@@ -24,19 +23,19 @@ import torch
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-import triton.language as tl  # noqa: E402
 from bench_runtime import say, write_json  # noqa: E402
 from device_timing import copy_bandwidth, time_graph  # noqa: E402
 from report import print_table  # noqa: E402
 
-from engine.kernels import pdl, split_kv  # noqa: E402
-from engine.kernels.rope_decode import batch_tile_config, kernel_consts, rope_decode  # noqa: E402
+from engine.kernels import pdl  # noqa: E402
+from engine.kernels.rope_decode import batch_tile_config, kernel_consts, merge_for, rope_decode  # noqa: E402
 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[int, int, int]], bw: float, reps: int) -> list[dict[str, Any]]:
+def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[int, int, int]], bw: float, reps: int,
+         merge: int = 0) -> list[dict[str, Any]]:  # fmt: skip
     """One `B@C` step at every (split count, config): a row each."""
     rows, ctx = (int(x) for x in spec.split("@"))
     dev = torch.device("cuda")
@@ -53,6 +52,7 @@ def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[in
     norm = torch.ones(HEAD_DIM, device=dev, dtype=DTYPE)
     out = torch.empty(rows, heads, HEAD_DIM, device=dev, dtype=DTYPE)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    merge = merge or merge_for(rows)
     found = []
     for per_sm in splits_per_sm:
         splits = max(1, min(-(-ctx // 16), per_sm * sms // (rows * KV_HEADS)))
@@ -61,7 +61,7 @@ def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[in
         counts = torch.zeros(rows * KV_HEADS, dtype=torch.int32, device=dev)
         for config in configs:
             consts = kernel_consts(heads, KV_HEADS, HEAD_DIM, 1, 0, False, True, BLOCK_SIZE, DTYPE.itemsize,
-                                   pdl.enabled(dev), config)  # fmt: skip
+                                   pdl.enabled(dev), config, merge)  # fmt: skip
 
             def calls(splits: int = splits, plan: tuple = (part_out, part_lse, counts), consts: dict = consts) -> None:
                 for layer in range(layers):
@@ -69,7 +69,7 @@ def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[in
                                 (slots, tables, seq_lens), out, HEAD_DIM**-0.5, (splits, *plan), consts)  # fmt: skip
 
             us = time_graph(calls, layers, reps)
-            found.append(dict(step=spec, heads=heads, splits_per_sm=per_sm, splits=splits, merge_splits=split_kv.MERGE_SPLITS.value, config="x".join(map(str, config)),
+            found.append(dict(step=spec, heads=heads, splits_per_sm=per_sm, splits=splits, merge_splits=merge, config="x".join(map(str, config)),
                               us_per_layer=us, of_copy=per_layer / (us * 1e-6) / bw))  # fmt: skip
             say(f"  {spec} h{heads} {per_sm}/SM ({splits} splits) {found[-1]['config']}: {us:.1f} us, {found[-1]['of_copy']:.3f} of copy")
     return found
@@ -82,13 +82,12 @@ def main() -> int:
     p.add_argument("--splits-per-sm", default="3,6,12", help="programs an SM the split count aims at; the first is the engine's")
     p.add_argument("--configs", default="", help="BLOCK_NxWARPSxSTAGES,... after the engine's")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--merge-splits", type=int, default=split_kv.MERGE_SPLITS.value,
-                   help="partials a load of the last split's merge (a power of two)")
+    p.add_argument("--merge-splits", type=int, default=0,
+                   help="partials a load of the last split's merge (a power of two; 0: the engine's for the step's rows)")
     p.add_argument("--out")
     args = p.parse_args()
-    if args.merge_splits < 1 or args.merge_splits & (args.merge_splits - 1):
-        p.error("--merge-splits must be a power of two")
-    split_kv.MERGE_SPLITS = tl.constexpr(args.merge_splits)  # before the first compile
+    if args.merge_splits < 0 or args.merge_splits & (args.merge_splits - 1):
+        p.error("--merge-splits must be a power of two (or 0)")
     torch.manual_seed(0)
     bw = copy_bandwidth(torch.device("cuda"), 1024, 20)["bandwidth_bytes_per_s"]  # read + written, bench_engine's roofline
     configs = [batch_tile_config(HEAD_DIM, DTYPE.itemsize, max(int(s.split("@")[0]) for s in args.steps.split(",")))]
@@ -96,12 +95,12 @@ def main() -> int:
     found = []
     for heads in (int(h) for h in args.heads.split(",")):
         for spec in args.steps.split(","):
-            found += step(spec, heads, [int(x) for x in args.splits_per_sm.split(",")], configs, bw, args.reps)
+            found += step(spec, heads, [int(x) for x in args.splits_per_sm.split(",")], configs, bw, args.reps, args.merge_splits)
             torch.cuda.empty_cache()
     print_table(f"rope_decode, {torch.cuda.get_device_name()}: a layer's K/V bytes over the copy bandwidth "
-                f"({bw / 1e9:.0f} GB/s, read + written), merges of {split_kv.MERGE_SPLITS.value} partials a load",
-                ["step", "heads", "programs/SM", "splits", "config", "us a layer", "of copy"],
-                [[r["step"], r["heads"], r["splits_per_sm"], r["splits"], r["config"], round(r["us_per_layer"], 1),
+                f"({bw / 1e9:.0f} GB/s, read + written)",
+                ["step", "heads", "programs/SM", "splits", "merge a load", "config", "us a layer", "of copy"],
+                [[r["step"], r["heads"], r["splits_per_sm"], r["splits"], r["merge_splits"], r["config"], round(r["us_per_layer"], 1),
                   round(r["of_copy"], 3)] for r in found])  # fmt: skip
     if args.out:
         write_json(args.out, dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=found))

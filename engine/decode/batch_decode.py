@@ -104,7 +104,7 @@ class BatchDecode:
         self.attention_consts = [rope_decode.kernel_consts(
             self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
             self.shape.qk_norm, backend.kv_cache.shape[3], elem_bytes, self.pdl,
-            rope_decode.batch_tile_config(self.shape.d, elem_bytes, m),
+            rope_decode.batch_tile_config(self.shape.d, elem_bytes, m), rope_decode.merge_for(m),
         ) for m in (rope_decode.FEW_ROWS, rows)]  # fmt: skip
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)

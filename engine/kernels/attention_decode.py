@@ -31,6 +31,7 @@ import triton.language as tl
 from engine.kernels.attention import LOG2E, next_pow2, stamp_row
 from engine.kernels.launcher import Launcher
 from engine.kernels.split_kv import (
+    MERGE_SPLITS,
     attend_tiles,
     prefetch_first_tile,
     split_chunk,
@@ -85,7 +86,7 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (tl.dot's smallest M)
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     USE_PDL: tl.constexpr = False, LINE: tl.constexpr = 64,
-    MERGE: tl.constexpr = False,  # the last split of (seq, kv_head) to finish merges the partials
+    MERGE: tl.constexpr = 0,  # > 0: the last split of (seq, kv_head) to finish merges the partials, MERGE a load
     stamp_ptr=None,  # [programs, 4] int64 (TIMING only: per-program timestamps)
     TIMING: tl.constexpr = False,
 ):  # fmt: skip
@@ -109,7 +110,7 @@ def _decode_kernel(
     out_ptrs = out_ptr + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]  # [BLOCK_H, D]
     if num_splits > 1:
         if start >= end:  # past this row's end (or a padding row): the reduce skips this split
-            if MERGE and split == 0:  # a padding row: zeros, as the reduce writes
+            if MERGE > 0 and split == 0:  # a padding row: zeros, as the reduce writes
                 write_zeros(out_ptrs, h_mask, BLOCK_H, HEAD_DIM, USE_PDL)
             return
 
@@ -216,6 +217,7 @@ def decode_attention(
     pdl_launch: bool = False,  # engine/kernels/pdl.py: the kernel before writes q and the new K/V rows
     query_start_loc: torch.Tensor | None = None,  # [B + 1] int32: mixed step (see below)
     counts: torch.Tensor | None = None,  # [>= B * Hkv] int32, zero: merge in the kernel, no reduce
+    merge: int = MERGE_SPLITS,  # with counts: partials a load of the in-kernel merge (a power of two)
     stamps: torch.Tensor | None = None,  # bench only: [B * Hkv * splits, 4] int64 (_stamp)
 ) -> None:
     """Split-KV decode of B sequences, q [B, H, D] and out row i sequence i's. With
@@ -240,7 +242,7 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, BLOCK_H=query_rows(group),
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         IEEE=k_cache.dtype == torch.float32, USE_PDL=pdl_launch, LINE=prefetch_line(head_dim, k_cache.element_size()),
-        MERGE=counts is not None and num_splits > 1, stamp_ptr=stamps, TIMING=stamps is not None,
+        MERGE=merge if counts is not None and num_splits > 1 else 0, stamp_ptr=stamps, TIMING=stamps is not None,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl_launch,
     )  # fmt: skip
     if num_splits > 1 and counts is None:

@@ -42,6 +42,7 @@ from engine.kernels.grid_phases import rnd
 from engine.kernels.launcher import Launcher
 from engine.kernels.layer_attention import norm_rope_w, norm_weights
 from engine.kernels.split_kv import (
+    MERGE_SPLITS,
     attend_tiles,
     prefetch_first_tile,
     split_chunk,
@@ -75,7 +76,7 @@ def rope_decode_kernel(
     eps, sm_scale_log2, num_splits, stride_cblk, stride_ctok, stride_chead, stride_bt,
     NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, KS: tl.constexpr, STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, LINE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, LINE: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr, MERGE: tl.constexpr,
 ):  # fmt: skip
     DTYPE: tl.constexpr = k_cache_ptr.dtype.element_ty
     GROUP: tl.constexpr = NH // NKV
@@ -151,7 +152,7 @@ def rope_decode_kernel(
         m_i = m_new
     write_split(
         m_i, l_i, acc, out_ptrs, part_out_ptr, part_lse_ptr, count_ptr, seq, g, split, num_splits,
-        tl.cdiv(seq_len, chunk), heads, h_mask, NH, D, BLOCK_H, True,
+        tl.cdiv(seq_len, chunk), heads, h_mask, NH, D, BLOCK_H, MERGE,
     )  # fmt: skip
 
 
@@ -160,6 +161,18 @@ def rope_decode_kernel(
 # us a layer: 1 row at 8k / 32k 27.0 / 57.2 against 29.0 / 61.0, 4 rows at 32k 146.5 against
 # 172.9, 8 rows at 8k 81.2 against 89.3; level at 8 rows of 512, 2026-11-28).
 FEW_ROWS = 8
+# Partials a load of the last split's merge (split_kv.merge_splits) in a step of at most FEW_ROWS
+# rows: one long row's 49 splits merge in 4 loads, not 13 (H200, us a layer, 16 query heads:
+# 1 row at 32k 49.6 -> 41.1, at 8k 21.2 -> 17.0; 4 rows at 32k 147.7 -> 134.9; 8 rows at 8k
+# 80.3 -> 72.1; bench/kernels/rope_decode.py --merge-splits, bench/history/2026-11-30.md entry n).
+# Steps of more rows keep split_kv.MERGE_SPLITS: at 16 the kernel takes 146 registers a thread,
+# 3 programs an SM, where one wave of 64 rows x 8 KV heads needs 4.
+FEW_ROWS_MERGE = 16
+
+
+def merge_for(rows: int) -> int:
+    """Partials a load of the merge in a step of `rows` rows."""
+    return FEW_ROWS_MERGE if rows <= FEW_ROWS else MERGE_SPLITS
 
 
 def batch_tile_config(d: int, elem_bytes: int, rows: int) -> tuple[int, int, int]:
@@ -181,18 +194,18 @@ def batch_tile_config(d: int, elem_bytes: int, rows: int) -> tuple[int, int, int
 
 def kernel_consts(
     nh: int, nkv: int, d: int, ks: int, stride: int, has_bias: bool, qk_norm: bool, block_size: int, elem_bytes: int,
-    use_pdl: bool, config: tuple[int, int, int] | None = None,
+    use_pdl: bool, config: tuple[int, int, int] | None = None, merge: int = MERGE_SPLITS,
 ) -> dict[str, object]:  # fmt: skip
     """The kernel's constexprs and launch options for a layer of nh / nkv heads of d, qkv partials
     [ks, *, *] at `stride`, KV blocks of block_size (no device needed: bench/kernels/occupancy.py
     compiles them). The tile config (BLOCK_N, warps, stages) is `config`, else the backend's
-    decode kernel's."""
+    decode kernel's; the merge loads `merge` partials at a time (`merge_for` the step's rows)."""
     block_n, num_warps, num_stages = config or attention_decode.decode_config(d, elem_bytes)
     return dict(
         NH=nh, NKV=nkv, D=d, KS=ks, STRIDE=stride, HAS_BIAS=has_bias, QK_NORM=qk_norm,
         BLOCK_H=attention_decode.query_rows(nh // nkv), BLOCK_SIZE=block_size, BLOCK_N=block_n, LINE=attention_decode.prefetch_line(d, elem_bytes),
         IEEE=elem_bytes == 4,  # fp32 caches: fp32 dots, not tf32 (as the backend's kernel)
-        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl, enable_fp_fusion=False,
+        USE_PDL=use_pdl, MERGE=merge, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl, enable_fp_fusion=False,
     )  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from engine.kernels import pdl
 from engine.kernels.attention import dot, kv_offsets
 
-MERGE_SPLITS: tl.constexpr = tl.constexpr(4)  # partials a load of the in-kernel merge (merge_splits)
+MERGE_SPLITS = 4  # partials a load of the in-kernel merge (merge_splits), unless a launch says otherwise
 
 
 @triton.jit
@@ -117,8 +117,8 @@ def write_split(
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, MERGE: tl.constexpr,
 ):  # fmt: skip
     # One split: the output itself (num_splits 1; seq_len 0 leaves l == 0 and acc == 0: zeros,
-    # not NaN), else its normalized partial and log-sum-exp, merged here (MERGE) by the last of
-    # the row's num_valid splits to arrive.
+    # not NaN), else its normalized partial and log-sum-exp, merged here (MERGE > 0: that many
+    # partials a load) by the last of the row's num_valid splits to arrive.
     if num_splits == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=h_mask[:, None])
@@ -127,10 +127,10 @@ def write_split(
         offs_d = tl.arange(0, HEAD_DIM)
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=h_mask[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
-        if MERGE:
+        if MERGE > 0:
             merge_splits(
                 part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
-                (seq * NUM_HEADS + heads) * num_splits, h_mask, num_valid, BLOCK_H, HEAD_DIM,
+                (seq * NUM_HEADS + heads) * num_splits, h_mask, num_valid, BLOCK_H, HEAD_DIM, MERGE,
             )  # fmt: skip
 
 
@@ -153,23 +153,23 @@ def merge_splits(
     part_out_ptr, part_lse_ptr, count_ptr,
     out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
     base,  # [BLOCK_H] index of each head's split 0 in the partials
-    h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PER_LOAD: tl.constexpr,
 ):  # fmt: skip
     # Called by every split after it stored its partial: the last of the num_valid splits to
-    # arrive (last_to_arrive) merges them all into out, partials read from L2, MERGE_SPLITS
-    # splits a load ([BLOCK_H, MERGE_SPLITS, HEAD_DIM]), rescaled by the running max between loads.
+    # arrive (last_to_arrive) merges them all into out, partials read from L2, PER_LOAD splits a
+    # load ([BLOCK_H, PER_LOAD, HEAD_DIM]), rescaled by the running max between loads.
     # One split a load made the merge of one row at 32k tokens (49 splits) a quarter of its layer.
     # 16 a load is faster at 1-8 rows and 8k-32k tokens, but its registers (146 a thread) leave
     # the layers' DecodeAttention 3 programs an SM, not the 4 its one wave of 64 rows needs
     # (tests/test_bench_scripts.py; bench/history/2026-11-30.md, entry n).
     if last_to_arrive(count_ptr, num_valid):
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_s = tl.arange(0, MERGE_SPLITS)
+        offs_s = tl.arange(0, PER_LOAD)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        for s0 in range(0, num_valid, MERGE_SPLITS):
-            idx = base[:, None] + s0 + offs_s[None, :]  # [BLOCK_H, MERGE_SPLITS]
+        for s0 in range(0, num_valid, PER_LOAD):
+            idx = base[:, None] + s0 + offs_s[None, :]  # [BLOCK_H, PER_LOAD]
             ok = h_mask[:, None] & (s0 + offs_s < num_valid)[None, :]
             lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
             part = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None],
@@ -177,7 +177,7 @@ def merge_splits(
             m_new = tl.maximum(m, tl.max(lse, 1))  # -inf only in a masked head's row
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             scale = tl.exp2(m - m_safe)  # 0 on the first load
-            w = tl.exp2(lse - m_safe[:, None])  # [BLOCK_H, MERGE_SPLITS]; 0 where masked
+            w = tl.exp2(lse - m_safe[:, None])  # [BLOCK_H, PER_LOAD]; 0 where masked
             acc = acc * scale[:, None] + tl.sum(part * w[:, :, None], 1)
             total = total * scale + tl.sum(w, 1)
             m = m_new
