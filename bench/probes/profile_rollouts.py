@@ -2,6 +2,8 @@
 RL shape (N prompts of P random tokens, O sampled tokens each with logprobs) on an in-process EngineCore,
 after an untimed round and a timed one. Prints the kernels grouped by name (ms in the round, launches, share),
 the round's wall time and tok/s, and the sum of its kernels' time; run it once per mode to compare.
+Then one more round with the device synchronized after every step, its wall time by the kind of step
+launched (decode: one token a row; prefill: any row with more): the steps where a mode's cost lies.
 
     python3 bench/probes/profile_rollouts.py --shape 8b --out $OUT/roll.json
     python3 bench/probes/profile_rollouts.py --shape 8b --deterministic --out $OUT/roll_det.json
@@ -50,6 +52,32 @@ def rollout_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: 
     return steps, time.perf_counter() - t0
 
 
+def step_kinds_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> dict[str, dict[str, float]]:
+    """One round of fresh prompts, synchronized after each step: per kind of step launched
+    (`decode`, `prefill`), its steps, scheduled tokens and wall seconds (host work plus that step's
+    device time: the step read in the same call finished before it)."""
+    n, prompt_len, out_len = shape
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_new_tokens=out_len, temperature=1.0, ignore_eos=True, logprobs=True)
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        assert core.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+    kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "tokens": 0, "s": 0.0})
+    torch.cuda.synchronize()
+    for _ in range(100_000):  # bounded, as rollout_round
+        if not core.has_work():
+            break
+        t0 = time.perf_counter()
+        core.step()
+        torch.cuda.synchronize()
+        launched = core.in_flight.batch if core.in_flight is not None else None
+        kind = kinds["decode" if launched is not None and launched.is_decode else "prefill" if launched is not None else "read only"]
+        kind["steps"] += 1
+        kind["tokens"] += launched.num_tokens if launched is not None else 0
+        kind["s"] += time.perf_counter() - t0
+    return dict(kinds)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py takes it)")
@@ -88,6 +116,11 @@ def main() -> None:
     result: dict[str, Any] = {"shape": ckpt["shape"], "deterministic": args.deterministic, "steps": steps,
                               "wall_s": wall, "tokens_per_s": tok_s, "profiled_wall_s": prof_wall, "kernel_ms": busy,
                               "kernels": [{"name": n, "launches": c, "ms": ms} for n, c, ms in rows]}  # fmt: skip
+    kinds = step_kinds_round(core, "kinds", shape, rng)
+    print_table(f"RL round ({mode}), synchronized after each step: wall by the kind of step launched",
+                ["step", "steps", "tokens", "wall ms", "ms a step"],
+                [[k, v["steps"], v["tokens"], v["s"] * 1e3, v["s"] * 1e3 / max(v["steps"], 1)] for k, v in kinds.items()])  # fmt: skip
+    result["step_kinds"] = kinds
     write_json(args.out, result)
     core.close()
 
