@@ -4,6 +4,7 @@ after an untimed round and a timed one. Prints the kernels grouped by name (ms i
 the round's wall time and tok/s, and the sum of its kernels' time; run it once per mode to compare.
 Then one more round with the device synchronized after every step, its wall time by the kind of step
 launched (decode: one token a row; prefill: any row with more): the steps where a mode's cost lies.
+`--cprofile K`: one more round under cProfile, its K functions of most own time (the host's share).
 
     python3 bench/probes/profile_rollouts.py --shape 8b --out $OUT/roll.json
     python3 bench/probes/profile_rollouts.py --shape 8b --deterministic --out $OUT/roll_det.json
@@ -12,7 +13,10 @@ launched (decode: one token a row; prefill: any row with more): the steps where 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import random
 import sys
 import time
@@ -86,6 +90,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--top", type=int, default=16)
+    p.add_argument("--cprofile", type=int, default=0, help="then a round under cProfile: its K functions of most own time")
     p.add_argument("--deterministic", action="store_true", help="the engine in --deterministic (issue 76)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -121,6 +126,15 @@ def main() -> None:
                 ["step", "steps", "tokens", "wall ms", "ms a step"],
                 [[k, v["steps"], v["tokens"], v["s"] * 1e3, v["s"] * 1e3 / max(v["steps"], 1)] for k, v in kinds.items()])  # fmt: skip
     result["step_kinds"] = kinds
+    if args.cprofile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _, host_wall = rollout_round(core, "cprofile", shape, rng)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+        print(f"## RL round ({mode}) under cProfile: wall {host_wall * 1e3:.0f} ms\n{text.getvalue()}")
+        result["cprofile"] = text.getvalue()
     write_json(args.out, result)
     core.close()
 
