@@ -80,7 +80,7 @@ class SamplingBatch:
             banned_pairs=pairs(plan.banned_pairs),
             bias_pairs=pairs(plan.bias_pairs),
             bias_values=floats(plan.bias_values),
-            seed_rows=upload([[r for r, _ in plan.seeds] + [x for _, x in plan.seeds]])[0].view(2, -1) if plan.seeds else None,
+            seed_rows=pairs(plan.seed_pairs),
             top_logprobs_nums=plan.top_logprobs_nums,
             all_greedy=plan.all_greedy,
             use_top_k=plan.use_top_k,

@@ -41,7 +41,7 @@ class SamplingPlan(msgspec.Struct, array_like=True):
     banned_pairs: list[int] | None  # (row, token) masked by min_new_tokens
     bias_pairs: list[int] | None  # (row, token) with a logit_bias ...
     bias_values: list[float] | None  # ... and the bias
-    seeds: list[tuple[int, int]]  # (row, generator seed) of every sampled (non-greedy) seeded row
+    seed_pairs: list[int] | None  # (row, generator seed) of every sampled (non-greedy) seeded row
     top_logprobs_nums: list[int]  # [B]
     all_greedy: bool
     use_top_k: bool
@@ -68,11 +68,8 @@ class SamplingPlan(msgspec.Struct, array_like=True):
         # The fixed entries, one column each (SamplingParams.plan_row; top_k 0 when off, so > 1 is "on").
         columns = zip(*(p.plan_row for p in params), strict=True) if params else [()] * 9
         temps, greedy, top_k, top_p, min_p, rep, freq, pres, top_n = columns
-        seeds = [
-            (i, step_seed(p.seed, out(i)))
-            for i, p in enumerate(params)
-            if p.seed is not None and not greedy[i]
-        ]
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
+        seeds = [step_seed(params[i].seed, out(i)) for i in seeded]  # type: ignore[arg-type]
         use_rep = any(x != 1.0 for x in rep)
         use_out = any(x != 0.0 for x in freq) or any(x != 0.0 for x in pres)
         seen = outputs = counts = None
@@ -117,7 +114,7 @@ class SamplingPlan(msgspec.Struct, array_like=True):
             banned_pairs=ban_rows + ban_cols if ban_rows else None,
             bias_pairs=bias_rows + [t for t, _ in bias] if bias else None,
             bias_values=[b for _, b in bias] if bias else None,
-            seeds=seeds,
+            seed_pairs=seeded + seeds if seeded else None,
             top_logprobs_nums=list(top_n),
             all_greedy=not any(sampled),
             use_top_k=any(k > 1 and s for k, s in zip(top_k, sampled, strict=True)),
