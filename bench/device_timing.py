@@ -1,6 +1,7 @@
 """Timing on the device, shared by the suites, the kernel benchmarks and the probes: syncs and
 frees, one timed copy, the copy bandwidth a roofline is measured against, the dense bf16 matmul
-rate a FLOP/s target is measured against, and the median time of an op replayed from a CUDA graph."""
+rate a FLOP/s target is measured against, the median time of an op replayed from a CUDA graph, and
+the idle gaps between a profile's kernels."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import gc
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,3 +147,21 @@ def shape_rows(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     for name in args.shapes.split(","):
         for m in (int(r) for r in args.rows.split(",")):
             yield name, m
+
+
+def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:
+    """Device idle time between consecutive kernels, grouped by (kernel before, kernel after),
+    per step, largest first: where the device waits for the host or for a launch."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events)
+    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    end, before = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            g = gaps[(before, name)]
+            g[0] += 1
+            g[1] += start - end
+        if stop > end:
+            end, before = stop, name
+    rows = sorted(gaps.items(), key=lambda kv: -kv[1][1])
+    return [{"before": b, "after": a, "count_per_step": n / steps, "us_per_step": us / steps}
+            for (b, a), (n, us) in rows[:20]]

@@ -61,6 +61,31 @@ def test_the_report_helper_prints_the_table_it_is_given() -> None:
                            target="-", ok=None, note="valid", cpu=37.1)  # the JSON keeps the rows as they are
 
 
+def test_idle_gaps_are_grouped_by_the_ops_around_them() -> None:
+    """device_timing.idle_gaps on a real profile (CPU ops here, kernels on a GPU): a 30 ms wait
+    between two ops is the largest gap, named by the op before and the op after."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from device_timing import idle_gaps
+    finally:
+        sys.path.remove(str(BENCH))
+    a = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            torch.mm(a, a)
+            time.sleep(0.03)
+            torch.sub(a, a)
+    events = [e for e in prof.events() if e.name in ("aten::mm", "aten::sub")]
+    gaps = idle_gaps(events, steps=2)
+    top = gaps[0]
+    assert (top["before"], top["after"]) == ("aten::mm", "aten::sub"), gaps
+    assert top["count_per_step"] == 1.0 and 30_000 <= top["us_per_step"] < 300_000, top
+
+
 def test_results_is_the_current_state_and_every_row_says_where_and_how() -> None:
     text = (BENCH / "RESULTS.md").read_text()
     assert len(text.splitlines()) <= 200

@@ -30,6 +30,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
+from device_timing import idle_gaps  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -109,24 +110,6 @@ def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: rand
             "kernel_us_per_step": busy, "kernels_per_step": sum(n for _, n, _ in rows),
             "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows],
             "gaps": idle_gaps(device_events, steps)}
-
-
-def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:
-    """Device idle time between consecutive kernels, grouped by (kernel before, kernel after),
-    per step, largest first: where the device waits for the host or for a launch."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events)
-    gaps: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
-    end, before = spans[0][1], spans[0][2]
-    for start, stop, name in spans[1:]:
-        if start > end:
-            g = gaps[(before, name)]
-            g[0] += 1
-            g[1] += start - end
-        if stop > end:
-            end, before = stop, name
-    rows = sorted(gaps.items(), key=lambda kv: -kv[1][1])
-    return [{"before": b, "after": a, "count_per_step": n / steps, "us_per_step": us / steps}
-            for (b, a), (n, us) in rows[:20]]
 
 
 def print_profile(r: dict[str, Any], top: int) -> None:

@@ -1,7 +1,8 @@
 """Where the device time of an RL rollout round goes: torch.profiler over one round of bench_deterministic's
 RL shape (N prompts of P random tokens, O sampled tokens each with logprobs) on an in-process EngineCore,
 after an untimed round and a timed one. Prints the kernels grouped by name (ms in the round, launches, share),
-the round's wall time and tok/s, and the sum of its kernels' time; run it once per mode to compare.
+the round's wall time and tok/s, the sum of its kernels' time, and the device's idle gaps between kernels by
+the pair of kernels around them (device_timing.idle_gaps); run it once per mode to compare.
 Then one more round with the device synchronized after every step, its wall time by the kind of step
 launched (decode: one token a row; prefill: any row with more): the steps where a mode's cost lies.
 `--cprofile K`: one more round under cProfile, its K functions of most own time (the host's share).
@@ -29,6 +30,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
+from device_timing import idle_gaps  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -107,10 +109,11 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name[:90]][0] += 1
-            kernels[e.name[:90]][1] += e.device_time / 1e3
+    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in device_events:
+        kernels[e.name[:90]][0] += 1
+        kernels[e.name[:90]][1] += e.device_time / 1e3
+    gaps = idle_gaps(device_events, prof_steps)
     busy = sum(ms for _, ms in kernels.values())
     rows = sorted(((name, n, ms) for name, (n, ms) in kernels.items()), key=lambda r: -r[2])
     mode = "--deterministic" if args.deterministic else "default"
@@ -118,9 +121,13 @@ def main() -> None:
                 f"under the profiler in {prof_steps} steps, kernels {busy:.0f} ms",
                 ["kernel", "launches", "device ms", "share"],
                 [[f"`{n}`", c, ms, ms / busy] for n, c, ms in rows[: args.top]])  # fmt: skip
+    print_table(f"RL round ({mode}): the device's idle gaps between kernels (top 20 pairs: "
+                f"{sum(g['us_per_step'] for g in gaps) * prof_steps / 1e3:.0f} ms in the round)",
+                ["kernel before", "kernel after", "gaps a step", "idle us a step"],
+                [[f"`{g['before']}`", f"`{g['after']}`", g["count_per_step"], g["us_per_step"]] for g in gaps[: args.top]])  # fmt: skip
     result: dict[str, Any] = {"shape": ckpt["shape"], "deterministic": args.deterministic, "steps": steps,
                               "wall_s": wall, "tokens_per_s": tok_s, "profiled_wall_s": prof_wall, "kernel_ms": busy,
-                              "kernels": [{"name": n, "launches": c, "ms": ms} for n, c, ms in rows]}  # fmt: skip
+                              "kernels": [{"name": n, "launches": c, "ms": ms} for n, c, ms in rows], "gaps": gaps}  # fmt: skip
     kinds = step_kinds_round(core, "kinds", shape, rng)
     print_table(f"RL round ({mode}), synchronized after each step: wall by the kind of step launched",
                 ["step", "steps", "tokens", "wall ms", "ms a step"],
