@@ -40,14 +40,19 @@ from engine.core.protocol import AddRequest  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 
-def rollout_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> tuple[int, float]:
-    """One round of fresh prompts run to the end: (engine steps, wall seconds)."""
+def add_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> None:
+    """A round's requests: N fresh prompts of P random tokens, each sampling O tokens with logprobs."""
     n, prompt_len, out_len = shape
     vocab = core.model_config.vocab_size
     params = SamplingParams(max_new_tokens=out_len, temperature=1.0, ignore_eos=True, logprobs=True)
     for i in range(n):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         assert core.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+
+
+def rollout_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> tuple[int, float]:
+    """One round of fresh prompts run to the end: (engine steps, wall seconds)."""
+    add_round(core, tag, shape, rng)
     steps, t0 = 0, time.perf_counter()
     for _ in range(100_000):  # bounded: a round ends in about prompt chunks + out_len steps
         if not core.has_work():
@@ -62,12 +67,7 @@ def step_kinds_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rn
     """One round of fresh prompts, synchronized after each step: per kind of step launched
     (`decode`, `prefill`), its steps, scheduled tokens and wall seconds (host work plus that step's
     device time: the step read in the same call finished before it)."""
-    n, prompt_len, out_len = shape
-    vocab = core.model_config.vocab_size
-    params = SamplingParams(max_new_tokens=out_len, temperature=1.0, ignore_eos=True, logprobs=True)
-    for i in range(n):
-        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
-        assert core.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+    add_round(core, tag, shape, rng)
     kinds: dict[str, dict[str, float]] = defaultdict(lambda: {"steps": 0, "tokens": 0, "s": 0.0})
     torch.cuda.synchronize()
     for _ in range(100_000):  # bounded, as rollout_round
