@@ -73,10 +73,6 @@ WALK_CHUNKS = 4  # a program walking this many chunks (3 from MANY_ROWS) walks t
 # (2026-11-30h: the 0.6B's o_proj and down, 8-step chunks, at 64 rows 1.21x / 1.10x cuBLAS with
 # pointers, 1.42x / 1.40x with TMA; chunks of 13 steps and more, the 8B's, alike or faster).
 TMA_SPLIT_STEPS = 12
-# Bytes of a weight pulled into L2 before the PDL wait in all: skinny_linear.py's budget (what HBM
-# streams while a norm of few rows runs).
-PREFETCH_BYTES = 16 << 20
-LINE_BYTES = 128
 
 
 @functools.cache
@@ -221,13 +217,6 @@ def _invariant_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def prefetch_lines(weight_bytes: int, chunk_k: int, line: int) -> int:
-    """Lines of each weight row's chunk to prefetch: a power of two (0 for none), at most the
-    chunk's, PREFETCH_BYTES over the whole weight."""
-    lines = min(chunk_k // line, PREFETCH_BYTES * (chunk_k // line) // max(1, weight_bytes))
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
-
-
 def placement(c: Config, m: int, n: int, k: int, split_below: int = SPLIT_BELOW_TILES) -> tuple[int, int, int, bool]:
     """Where an [m, k] x [n, k].T call in config c runs, never what it computes: (chunk_k, chunks,
     output tiles, split: a program per chunk, with fewer than `split_below` tiles)."""
@@ -274,12 +263,12 @@ def invariant_matmul(
     x_src = TensorDescriptor(x, [m, k], [x.stride(0), 1], [c.block_m, c.block_k]) if tma else x
     w_src = TensorDescriptor(w, [n, k], [k, 1], [c.block_n, c.block_k]) if tma else w
     use_pdl = prefetch and pdl.enabled(x.device)
-    line = LINE_BYTES // x.element_size()
+    line = pdl.LINE_BYTES // x.element_size()
     _invariant_matmul_kernel[(tiles, chunks if split else 1)](
         x_src, w_src, out, ws, arrivals.counts if last_sums else out, w, m, n, k, x.stride(0), out.stride(0), chunk_k,
         CHUNKS=chunks, SPLIT_PROGRAMS=split, LAST_SUMS=last_sums, WALK=walk, EVEN_K=k % c.block_k == 0, BLOCK_M=c.block_m,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=GROUP_M, TMA=tma, USE_PDL=use_pdl,
-        PREFETCH_LINES=prefetch_lines(w.numel() * w.element_size(), chunk_k, line) if use_pdl else 0, LINE=line,
+        PREFETCH_LINES=pdl.prefetch_lines(w.numel() * w.element_size(), chunk_k, line) if use_pdl else 0, LINE=line,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
     if split and not last_sums:

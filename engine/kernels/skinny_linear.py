@@ -19,7 +19,7 @@ Rules:
   expf and an IEEE division, rounded; times up, rounded): the [M, 2I] intermediate is never written.
 - Grid and output are fixed by the shapes: CUDA-graph capturable.
 - `prefetch` (on Hopper; engine/kernels/pdl.py): launched with PDL, the kernel prefetches the
-  first columns of its weight rows (up to PREFETCH_BYTES in all) into L2 before it waits for x.
+  first columns of its weight rows (up to pdl.PREFETCH_BYTES in all) into L2 before it waits for x.
   For the GEMVs after a norm (qkv, gate_up): the norm, or at TP > 1 the cross-rank reduce, is
   one latency-bound program per row and leaves HBM idle. Between back-to-back GEMVs it would
   only take bandwidth from the running one (bench/kernels/linear.py: slower), so they launch plainly.
@@ -65,17 +65,6 @@ def block_m(m: int) -> int:
 def _block_n(n: int, sms: int) -> int:
     """32 columns per program while that keeps half the SMs busy, else 16 (the sweep's best)."""
     return 32 if triton.cdiv(n, 32) >= sms // 2 else 16
-
-
-# Bytes of a weight pulled into L2 before the wait (engine/kernels/pdl.py): what HBM streams in
-# the ~4 us of a cross-rank reduce; a third of a Hopper GPU's L2.
-PREFETCH_BYTES = 16 << 20
-
-
-def _prefetch_lines(weight_bytes: int, k: int, line: int) -> int:
-    """Lines per weight row to prefetch: a power of two (0 for none), at most the row."""
-    lines = min(k // line, PREFETCH_BYTES * (k // line) // max(1, weight_bytes))
-    return 0 if lines < 1 else 1 << (lines.bit_length() - 1)
 
 
 @Launcher
@@ -170,14 +159,14 @@ def skinny_linear(
     block_k = block_k or (128 if k >= 128 else max(16, 1 << (k - 1).bit_length()))
     programs = triton.cdiv(n, block_n)
     use_pdl = pdl.enabled(x.device)
-    line = 128 // x.element_size()  # elements per 128-byte line
+    line = pdl.LINE_BYTES // x.element_size()  # elements a line
     _skinny_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m(m), BLOCK_N=block_n, BLOCK_K=block_k,
         USE_PDL=use_pdl, LINE=line,
-        PREFETCH_LINES=_prefetch_lines(weight.numel() * x.element_size(), k, line) if prefetch else 0,
+        PREFETCH_LINES=pdl.prefetch_lines(weight.numel() * x.element_size(), k, line) if prefetch else 0,
         num_warps=num_warps or 4, num_stages=num_stages or 5, launch_pdl=use_pdl and prefetch,
     )  # fmt: skip
     return out
