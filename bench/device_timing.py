@@ -1,7 +1,7 @@
 """Timing on the device, shared by the suites, the kernel benchmarks and the probes: syncs and
 frees, one timed copy, the copy bandwidth a roofline is measured against, the dense bf16 matmul
 rate a FLOP/s target is measured against, the median time of an op replayed from a CUDA graph, and
-the idle gaps between a profile's kernels."""
+a profile's kernels: their time by name and the idle gaps between them."""
 
 from __future__ import annotations
 
@@ -147,6 +147,21 @@ def shape_rows(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     for name in args.shapes.split(","):
         for m in (int(r) for r in args.rows.split(",")):
             yield name, m
+
+
+def device_events(prof: Any) -> list[Any]:
+    """A torch.profiler profile's device (CUDA) events: its kernels, copies and memsets."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_times(events: list[Any]) -> list[tuple[str, int, float]]:
+    """(name, launches, device us in all) of each kernel name (its first 90 characters), most time first."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        k = kernels[e.name[:90]]
+        k[0] += 1
+        k[1] += e.device_time
+    return sorted(((name, int(n), us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
 
 
 def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:

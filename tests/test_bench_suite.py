@@ -63,14 +63,15 @@ def test_the_report_helper_prints_the_table_it_is_given() -> None:
 
 def test_idle_gaps_are_grouped_by_the_ops_around_them() -> None:
     """device_timing.idle_gaps on a real profile (CPU ops here, kernels on a GPU): a 30 ms wait
-    between two ops is the largest gap, named by the op before and the op after."""
+    between two ops is the largest gap, named by the op before and the op after; kernel_times
+    counts each op's launches."""
     import time
 
     import torch
 
     sys.path.insert(0, str(BENCH))
     try:
-        from device_timing import idle_gaps
+        from device_timing import idle_gaps, kernel_times
     finally:
         sys.path.remove(str(BENCH))
     a = torch.randn(64, 64)
@@ -84,6 +85,7 @@ def test_idle_gaps_are_grouped_by_the_ops_around_them() -> None:
     top = gaps[0]
     assert (top["before"], top["after"]) == ("aten::mm", "aten::sub"), gaps
     assert top["count_per_step"] == 1.0 and 30_000 <= top["us_per_step"] < 300_000, top
+    assert {name: n for name, n, _ in kernel_times(events)} == {"aten::mm": 2, "aten::sub": 2}
 
 
 def test_results_is_the_current_state_and_every_row_says_where_and_how() -> None:

@@ -21,7 +21,6 @@ import pstats
 import random
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import idle_gaps  # noqa: E402
+from device_timing import device_events, idle_gaps, kernel_times  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -95,21 +94,15 @@ def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: rand
             core.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for e in device_events:
-        k = kernels[e.name[:90]]
-        k[0] += 1
-        k[1] += e.device_time
+    events = device_events(prof)
     core.abort(None)
     while core.has_work():
         core.step()
-    busy = sum(us for _, us in kernels.values()) / steps
-    rows = sorted(((name, n / steps, us / steps) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
+    rows = [(name, n / steps, us / steps) for name, n, us in kernel_times(events)]
     return {"batch_size": bs, "context": context, "steps": steps, "wall_us_per_step": wall * 1e6,
-            "kernel_us_per_step": busy, "kernels_per_step": sum(n for _, n, _ in rows),
+            "kernel_us_per_step": sum(us for _, _, us in rows), "kernels_per_step": sum(n for _, n, _ in rows),
             "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows],
-            "gaps": idle_gaps(device_events, steps)}
+            "gaps": idle_gaps(events, steps)}
 
 
 def print_profile(r: dict[str, Any], top: int) -> None:

@@ -30,7 +30,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import idle_gaps  # noqa: E402
+from device_timing import device_events, idle_gaps, kernel_times  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -108,14 +108,10 @@ def main() -> None:
     say(f"timed round: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    device_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for e in device_events:
-        kernels[e.name[:90]][0] += 1
-        kernels[e.name[:90]][1] += e.device_time / 1e3
-    gaps = idle_gaps(device_events, prof_steps)
-    busy = sum(ms for _, ms in kernels.values())
-    rows = sorted(((name, n, ms) for name, (n, ms) in kernels.items()), key=lambda r: -r[2])
+    events = device_events(prof)
+    rows = [(name, n, us / 1e3) for name, n, us in kernel_times(events)]  # ms in the round
+    busy = sum(ms for _, _, ms in rows)
+    gaps = idle_gaps(events, prof_steps)
     mode = "--deterministic" if args.deterministic else "default"
     print_table(f"RL round ({mode}, {args.requests} x {args.prompt_len} + {args.output_len}): wall {prof_wall * 1e3:.0f} ms "
                 f"under the profiler in {prof_steps} steps, kernels {busy:.0f} ms",
