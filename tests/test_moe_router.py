@@ -71,3 +71,36 @@ def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
         fused_moe(x, w13, w2, *out, workspace=ws)  # one tile a pair: the down GEMM sums
         torch.cuda.synchronize()
         assert ws.router_count.item() == 0 and int(ws.sum_counts.abs().sum()) == 0, T
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_prefetching_router_after_the_norm_gives_the_plain_launch_outputs() -> None:
+    """router_topk(prefetch=True), launched with PDL right after the norm that writes its x (as
+    in a MoE layer: the post-attention norm, then the router), gives the plain launch's weights
+    and ids, eagerly and replayed from a graph; its counter back at zero."""
+    from engine.kernels import fused_ops
+    from engine.kernels.moe_router import router_topk
+    from engine.kernels.moe_workspace import MoeWorkspace
+
+    ws = MoeWorkspace.allocate(4, 128, 8, 2048, 768, torch.bfloat16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    gate = (torch.randn(128, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
+    norm_w = torch.randn(2048, generator=g, device="cuda").to(torch.bfloat16)
+    for T in (1, 2, 4):
+        h = torch.randn(T, 2048, generator=g, device="cuda").to(torch.bfloat16)
+        plain = router_topk(fused_ops.rms_norm(h, norm_w, 1e-6), gate, 8, True, ws)
+        got = router_topk(fused_ops.rms_norm(h, norm_w, 1e-6), gate, 8, True, ws, prefetch=True)
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]), T
+        out = (torch.empty(T, 8, device="cuda"), torch.empty(T, 8, dtype=torch.int32, device="cuda"))
+        graph = torch.cuda.CUDAGraph()  # both kernels compiled above, outside the capture
+        with torch.cuda.graph(graph):
+            router_topk(fused_ops.rms_norm(h, norm_w, 1e-6), gate, 8, True, ws, out=out, prefetch=True)
+        for step in range(3):
+            h.copy_(torch.randn(T, 2048, generator=g, device="cuda").to(torch.bfloat16))
+            out[0].fill_(float("nan"))
+            graph.replay()
+            want = router_topk(fused_ops.rms_norm(h, norm_w, 1e-6), gate, 8, True, ws)
+            assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), (T, step)
+        torch.cuda.synchronize()
+        assert ws.router_count.item() == 0, T

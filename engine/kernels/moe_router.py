@@ -16,6 +16,10 @@ Rules:
   then zeroes the counter for the next layer. The counter lives in the MoE workspace (the
   `cuda_graph` region), zeroed again after a resume (MoeWorkspace.after_resume).
 - Grid fixed by E: CUDA-graph capturable; no allocation when the workspace and `out` are given.
+- `prefetch` (on Hopper; engine/kernels/pdl.py): launched with PDL, a program pulls its experts'
+  router rows into L2 (pdl.prefetch_lines: the whole 0.5 MB of a 128 x 2048 router) while the
+  post-attention norm before it runs, then waits for x; as the skinny GEMVs after a norm.
+  Scheduling only: the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 from engine.kernels.moe_routing import MAX_EXPERTS, topk_outputs, topk_rows
 from engine.kernels.moe_workspace import ROUTER_ROWS, MoeWorkspace
@@ -57,12 +62,20 @@ def _router_topk_kernel(
     T, E, H, stride_x,
     K: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_T: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_KS: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     offs_t = tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(0) * TILE + tl.arange(0, TILE)
     offs_k = tl.arange(0, BLOCK_K)
     t_ok = offs_t < T
     e_ok = offs_e < E
+    if USE_PDL:  # engine/kernels/pdl.py: the router's weight is no kernel's output
+        if PREFETCH_LINES > 0:
+            w_rows = tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * H  # [TILE, 1]
+            w_lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, H - 1)[None, :]  # [1, PREFETCH_LINES]
+            pdl.prefetch_l2(w_ptr + w_rows + w_lines)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x_ptrs = x_ptr + offs_t[:, None] * stride_x + offs_k[None, :]  # [BLOCK_T, BLOCK_K]
     w_ptrs = w_ptr + offs_e.to(tl.int64)[:, None] * H + offs_k[None, :]  # [TILE, BLOCK_K]
     acc = tl.zeros((BLOCK_T, TILE), dtype=tl.float32)
@@ -96,6 +109,7 @@ def router_topk(
     renormalize: bool,
     workspace: MoeWorkspace,  # its router scratch and counter
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, k] fp32, [T, k] int32)
+    prefetch: bool = False,  # launch with PDL and prefetch the router's weight: right after a norm
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_weights [T, k] fp32, topk_ids [T, k] int32), largest first
     T, H = x.shape
     E = gate.shape[0]
@@ -108,11 +122,14 @@ def router_topk(
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights, ids = topk_outputs(T, k, x.device, out)
     block_k = BLOCK_K if H >= BLOCK_K else max(16, _next_pow2(H))
+    use_pdl = prefetch and pdl.enabled(x.device)
+    line = pdl.LINE_BYTES // x.element_size()
     _router_topk_kernel[(triton.cdiv(E, TILE_E),)](
         x, gate, workspace.router_logits, weights, ids, workspace.router_count,
         T, E, H, x.stride(0),
         K=k, RENORMALIZE=renormalize, LIBDEVICE_EXP=_LIBDEVICE_EXP, EVEN_K=H % block_k == 0,
         BLOCK_T=ROUTER_ROWS, TILE=TILE_E, BLOCK_K=block_k, BLOCK_E=_next_pow2(E), BLOCK_KS=_next_pow2(k),
-        num_warps=4, num_stages=5,
+        USE_PDL=use_pdl, PREFETCH_LINES=pdl.prefetch_lines(gate.numel() * gate.element_size(), H, line) if use_pdl else 0,
+        LINE=line, num_warps=4, num_stages=5, launch_pdl=use_pdl,
     )  # fmt: skip
     return weights, ids

@@ -26,6 +26,10 @@ waits for it anyway. Who does what in a decode layer:
   the two made the 8B batch-1 step slower too (4.77 -> 5.11 ms; bench/history/2026-11-25.md).
 - `--deterministic`: the invariant GEMMs after a norm (qkv, gate_up, the lm_head:
   kernels/invariant_matmul.py `prefetch=True`), as the skinny GEMVs above.
+- A mixture-of-experts layer of few tokens: its router after the post-attention norm
+  (kernels/moe_router.py `prefetch=True`: the whole router weight, 0.5 MB at 128 x 2048), as the
+  skinny GEMVs above. The expert GEMMs after it launch plainly: which weights they read is the
+  router's answer.
 - PDL launch, wait: the sampler's read of the logits (kernels/lse_argmax.py), scheduled while the
   lm_head streams.
 - The layers' decode attention (decode/decode_attention.py `DecodeAttention`: rope, K/V store and

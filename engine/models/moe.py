@@ -232,7 +232,8 @@ class SparseMoE(nn.Module):
             # The one-launch router keeps its logits in the experts' workspace, sized for all E.
             if held.whole and self.gate.fused and moe_router.applies(x, E) and pair_tiles_apply(T * self.top_k, E):
                 ws = self.reserve(T)  # the shared workspace: its router scratch
-                weights, ids = moe_router.router_topk(x, self.gate.weight, self.top_k, self.renormalize, ws)
+                # Right after the post-attention norm: PDL and the router's weight prefetched into L2.
+                weights, ids = moe_router.router_topk(x, self.gate.weight, self.top_k, self.renormalize, ws, prefetch=True)
             else:
                 logits = self.gate(x)  # [T, E] in the model dtype, as transformers computes them
                 weights, ids = topk_softmax(logits, self.top_k, self.renormalize)  # fp32, int32
