@@ -30,7 +30,7 @@ from typing import Any
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from bench_runtime import checkpoint_args, checkpoint_spec, say, write_json  # noqa: E402
+from bench_runtime import checkpoint_args, checkpoint_spec, engine_process_heap, say, write_json  # noqa: E402
 from report import cell, print_table, verdict  # noqa: E402
 
 DECODE_TARGET = 1.10  # the mode's decode step over the default's, at most
@@ -84,21 +84,22 @@ def measure(args: argparse.Namespace, path: str, knobs: dict[str, Any]) -> dict[
     core = EngineCore(EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                                    max_num_seqs=max(sizes + [args.rl_requests]), seed=args.seed, **knobs))  # fmt: skip
     try:
-        info = core.get_info()
-        out: dict[str, Any] = {"attention_backend": info["attention_backend"],
-                               "graph_batch_sizes": info["cuda_graph_batch_sizes"][-1:], "decode": {}}  # fmt: skip
-        say(f"  engine: backend {out['attention_backend']}, graphs up to bs {out['graph_batch_sizes'] or 'none'}")
-        replays, rng = count_graph_replays(core), random.Random(args.seed + 1)
-        for bs in sizes:
-            step = decode_steps(core, args, bs, rng, 0, 0, None, replays)
-            out["decode"][bs] = {k: step[k] for k in ("step_mean_s", "step_median_s", "graph_replayed_steps", "steps")}
-        vocab = core.model_config.vocab_size
-        warmup = rl_rollouts(core, args, vocab, 0)
-        rounds = sorted((rl_rollouts(core, args, vocab, r) for r in range(1, args.rl_rounds + 1)),
-                        key=lambda r: r["tokens_per_s"])  # fmt: skip
-        out["rl"] = rounds[(len(rounds) - 1) // 2] | {"rounds_tok_s": [r["tokens_per_s"] for r in rounds],
-                                                      "warmup_tok_s": warmup["tokens_per_s"]}  # fmt: skip
-        return out
+        with engine_process_heap():  # as the engine process runs (engine/core/loop.py)
+            info = core.get_info()
+            out: dict[str, Any] = {"attention_backend": info["attention_backend"],
+                                   "graph_batch_sizes": info["cuda_graph_batch_sizes"][-1:], "decode": {}}  # fmt: skip
+            say(f"  engine: backend {out['attention_backend']}, graphs up to bs {out['graph_batch_sizes'] or 'none'}")
+            replays, rng = count_graph_replays(core), random.Random(args.seed + 1)
+            for bs in sizes:
+                step = decode_steps(core, args, bs, rng, 0, 0, None, replays)
+                out["decode"][bs] = {k: step[k] for k in ("step_mean_s", "step_median_s", "graph_replayed_steps", "steps")}
+            vocab = core.model_config.vocab_size
+            warmup = rl_rollouts(core, args, vocab, 0)
+            rounds = sorted((rl_rollouts(core, args, vocab, r) for r in range(1, args.rl_rounds + 1)),
+                            key=lambda r: r["tokens_per_s"])  # fmt: skip
+            out["rl"] = rounds[(len(rounds) - 1) // 2] | {"rounds_tok_s": [r["tokens_per_s"] for r in rounds],
+                                                          "warmup_tok_s": warmup["tokens_per_s"]}  # fmt: skip
+            return out
     finally:
         del core
         free_memory(device)

@@ -6,6 +6,8 @@ the pair of kernels around them (device_timing.idle_gaps); run it once per mode 
 Then one more round with the device synchronized after every step, its wall time by the kind of step
 launched (decode: one token a row; prefill: any row with more): the steps where a mode's cost lies.
 `--cprofile K`: one more round under cProfile, its K functions of most own time (the host's share).
+`--host-phases`: one more round with the host's time split by phase of EngineCore.step (schedule, plan,
+graph replay, sampling inputs, sampler launch, the wait for a step's tokens, applying them).
 
     python3 bench/probes/profile_rollouts.py --shape 8b --out $OUT/roll.json
     python3 bench/probes/profile_rollouts.py --shape 8b --deterministic --out $OUT/roll_det.json
@@ -29,7 +31,7 @@ import torch
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from bench_runtime import say, write_json  # noqa: E402
+from bench_runtime import engine_process_heap, say, write_json  # noqa: E402
 from device_timing import device_events, idle_gaps, kernel_times  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
@@ -84,6 +86,54 @@ def step_kinds_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rn
     return dict(kinds)
 
 
+def phases_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> dict[str, Any]:
+    """One round with the host's seconds and calls in each phase of a step (a phase's time includes
+    the phases it calls): the methods below wrapped by a timer for the round, then put back."""
+    from engine.runner import model_runner
+    from engine.runner.pinned import PinnedRing
+    from engine.runner.sampler import SampledOnDevice
+    from engine.runner.step_inputs import Uploader
+
+    runner = core.runner
+    targets: list[tuple[str, Any, str]] = [
+        ("step", core, "step"), ("schedule", core.scheduler, "schedule"), ("launch", runner, "launch"),
+        ("plan", model_runner, "plan_step"), ("graph replay", runner.graphs, "run"),
+        ("sampling inputs", model_runner.SamplingBatch, "from_plan"), ("sampler", runner.sampler, "sample"),
+        ("uploads", Uploader, "_copy"), ("pinned buffers", PinnedRing, "take"), ("event waits", torch.cuda.Event, "synchronize"),
+        ("read", core, "_read"), ("wait for tokens", SampledOnDevice, "wait"), ("resolve", core.scheduler, "resolve"),
+    ]  # fmt: skip
+    targets = [t for t in targets if t[1] is not None]  # no graphs: every step eager
+    seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    saved = [(obj, attr, obj.__dict__.get(attr, None)) for _, obj, attr in targets]
+
+    def timer(name: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                seconds[name] += time.perf_counter() - t0
+                calls[name] += 1
+        return timed
+
+    for name, obj, attr in targets:
+        fn = getattr(obj, attr)
+        if isinstance(obj.__dict__.get(attr), classmethod):
+            setattr(obj, attr, staticmethod(timer(name, fn)))  # the bound classmethod, as a static one
+        else:
+            setattr(obj, attr, timer(name, fn))  # an instance's method, or a class's plain function
+    try:
+        steps, wall = rollout_round(core, tag, shape, rng)
+    finally:
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+    return {"steps": steps, "wall_s": wall, "seconds": dict(seconds), "calls": dict(calls)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py takes it)")
@@ -93,6 +143,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--cprofile", type=int, default=0, help="then a round under cProfile: its K functions of most own time")
+    p.add_argument("--host-phases", action="store_true", help="then a round with the host's time by phase of a step")
     p.add_argument("--deterministic", action="store_true", help="the engine in --deterministic (issue 76)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -101,44 +152,52 @@ def main() -> None:
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", load_format=ckpt.get("load_format", "auto"),
                                    max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.requests,
                                    deterministic=args.deterministic))  # fmt: skip
-    rng = random.Random(0)
-    rollout_round(core, "warm", shape, rng)  # the first compiles of every row count
-    steps, wall = rollout_round(core, "timed", shape, rng)
-    tok_s = args.requests * args.output_len / wall
-    say(f"timed round: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
-    events = device_events(prof)
-    rows = [(name, n, us / 1e3) for name, n, us in kernel_times(events)]  # ms in the round
-    busy = sum(ms for _, _, ms in rows)
-    gaps = idle_gaps(events, prof_steps)
-    mode = "--deterministic" if args.deterministic else "default"
-    print_table(f"RL round ({mode}, {args.requests} x {args.prompt_len} + {args.output_len}): wall {prof_wall * 1e3:.0f} ms "
-                f"under the profiler in {prof_steps} steps, kernels {busy:.0f} ms",
-                ["kernel", "launches", "device ms", "share"],
-                [[f"`{n}`", c, ms, ms / busy] for n, c, ms in rows[: args.top]])  # fmt: skip
-    print_table(f"RL round ({mode}): the device's idle gaps between kernels (top 20 pairs: "
-                f"{sum(g['us_per_step'] for g in gaps) * prof_steps / 1e3:.0f} ms in the round)",
-                ["kernel before", "kernel after", "gaps a step", "idle us a step"],
-                [[f"`{g['before']}`", f"`{g['after']}`", g["count_per_step"], g["us_per_step"]] for g in gaps[: args.top]])  # fmt: skip
-    result: dict[str, Any] = {"shape": ckpt["shape"], "deterministic": args.deterministic, "steps": steps,
-                              "wall_s": wall, "tokens_per_s": tok_s, "profiled_wall_s": prof_wall, "kernel_ms": busy,
-                              "kernels": [{"name": n, "launches": c, "ms": ms} for n, c, ms in rows], "gaps": gaps}  # fmt: skip
-    kinds = step_kinds_round(core, "kinds", shape, rng)
-    print_table(f"RL round ({mode}), synchronized after each step: wall by the kind of step launched",
-                ["step", "steps", "tokens", "wall ms", "ms a step"],
-                [[k, v["steps"], v["tokens"], v["s"] * 1e3, v["s"] * 1e3 / max(v["steps"], 1)] for k, v in kinds.items()])  # fmt: skip
-    result["step_kinds"] = kinds
-    if args.cprofile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        _, host_wall = rollout_round(core, "cprofile", shape, rng)
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.cprofile)
-        print(f"## RL round ({mode}) under cProfile: wall {host_wall * 1e3:.0f} ms\n{text.getvalue()}")
-        result["cprofile"] = text.getvalue()
-    write_json(args.out, result)
+    with engine_process_heap():  # as the engine process runs (engine/core/loop.py)
+        rng = random.Random(0)
+        rollout_round(core, "warm", shape, rng)  # the first compiles of every row count
+        steps, wall = rollout_round(core, "timed", shape, rng)
+        tok_s = args.requests * args.output_len / wall
+        say(f"timed round: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
+        events = device_events(prof)
+        rows = [(name, n, us / 1e3) for name, n, us in kernel_times(events)]  # ms in the round
+        busy = sum(ms for _, _, ms in rows)
+        gaps = idle_gaps(events, prof_steps)
+        mode = "--deterministic" if args.deterministic else "default"
+        print_table(f"RL round ({mode}, {args.requests} x {args.prompt_len} + {args.output_len}): wall {prof_wall * 1e3:.0f} ms "
+                    f"under the profiler in {prof_steps} steps, kernels {busy:.0f} ms",
+                    ["kernel", "launches", "device ms", "share"],
+                    [[f"`{n}`", c, ms, ms / busy] for n, c, ms in rows[: args.top]])  # fmt: skip
+        print_table(f"RL round ({mode}): the device's idle gaps between kernels (top 20 pairs: "
+                    f"{sum(g['us_per_step'] for g in gaps) * prof_steps / 1e3:.0f} ms in the round)",
+                    ["kernel before", "kernel after", "gaps a step", "idle us a step"],
+                    [[f"`{g['before']}`", f"`{g['after']}`", g["count_per_step"], g["us_per_step"]] for g in gaps[: args.top]])  # fmt: skip
+        result: dict[str, Any] = {"shape": ckpt["shape"], "deterministic": args.deterministic, "steps": steps,
+                                  "wall_s": wall, "tokens_per_s": tok_s, "profiled_wall_s": prof_wall, "kernel_ms": busy,
+                                  "kernels": [{"name": n, "launches": c, "ms": ms} for n, c, ms in rows], "gaps": gaps}  # fmt: skip
+        kinds = step_kinds_round(core, "kinds", shape, rng)
+        print_table(f"RL round ({mode}), synchronized after each step: wall by the kind of step launched",
+                    ["step", "steps", "tokens", "wall ms", "ms a step"],
+                    [[k, v["steps"], v["tokens"], v["s"] * 1e3, v["s"] * 1e3 / max(v["steps"], 1)] for k, v in kinds.items()])  # fmt: skip
+        result["step_kinds"] = kinds
+        if args.cprofile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            _, host_wall = rollout_round(core, "cprofile", shape, rng)
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+            print(f"## RL round ({mode}) under cProfile: wall {host_wall * 1e3:.0f} ms\n{text.getvalue()}")
+            result["cprofile"] = text.getvalue()
+        if args.host_phases:
+            ph = phases_round(core, "phases", shape, rng)
+            n = ph["steps"]
+            print_table(f"RL round ({mode}): the host's time by phase, {n} steps in {ph['wall_s'] * 1e3:.0f} ms (a phase includes those it calls)",
+                        ["phase", "calls a step", "ms in the round", "us a step"],
+                        [[k, ph["calls"][k] / n, v * 1e3, v * 1e6 / n] for k, v in ph["seconds"].items()])  # fmt: skip
+            result["host_phases"] = ph
+        write_json(args.out, result)
     core.close()
 
 
