@@ -52,7 +52,7 @@ def engine_process_heap() -> Iterator[None]:
     """The heap as an engine process has it once built (engine/core/loop.py): what startup made,
     frozen, so the collector's full passes skip it. Without it an in-process `EngineCore` pays a full
     pass of its ~200,000 startup objects (about 0.1 s at 0.6B) every few rollout rounds, which the
-    engine process never pays (bench/history/2026-12-01.md). Unfrozen on exit, so a core deleted
+    engine process never pays (bench/history/2026-11-30.md, entry q). Unfrozen on exit, so a core deleted
     afterwards can be collected."""
     gc.collect()
     gc.freeze()
