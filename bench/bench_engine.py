@@ -52,7 +52,7 @@ import traceback
 from typing import Any
 
 import torch
-from bench_runtime import GIB, MIB, elapsed, run_section, say, write_json
+from bench_runtime import GIB, MIB, elapsed, engine_process_heap, run_section, say, write_json
 from device_timing import copy_bandwidth, free_memory
 from engine_decode import decode_new_tokens, decode_steps, decode_weight_bytes
 from engine_experts import ExpertBytes
@@ -202,38 +202,39 @@ def main(argv: list[str] | None = None) -> int:
             f"{info['kv_cache_bytes'] / GIB:.2f} GiB ({info['kv_blocks_total']} blocks), graphs "
             f"{info['cuda_graph_bytes'] / MIB:.0f} MiB for bs {info['cuda_graph_batch_sizes'][-1:] or 'none'}")
         try:
-            work.extend(workload(args, core.model_config.vocab_size))
-            weight_bytes = decode_weight_bytes(core)
-            kv_token_bytes = kv_block_bytes(core.model_config, 1, core.runner.dtype)
-            bandwidth = copy["bandwidth_bytes_per_s"] if copy else float("nan")
-            replays = count_graph_replays(core)
-            rng = random.Random(args.seed + 1)
-            res["decode"] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
-                             "bandwidth_bytes_per_s": bandwidth, "batches": []}
-            experts = ExpertBytes(core) if moe else None
-            routes = (lambda c, b: experts.measure(c, b, args.moe_route_steps)) if experts else None
-            if experts:
-                res["decode"]["moe"] = experts.summary()
-            if "decode" not in args.skip:
-                capacity = info["kv_blocks_total"] * core.config.block_size  # KV tokens the cache holds
-                for context, bs in [(c, int(b)) for c in contexts for b in args.decode_batch_sizes.split(",")]:
-                    if bs * (context + decode_new_tokens(args) + core.config.block_size) > capacity:
-                        say(f"decode bs={bs} context={context}: skipped (needs more KV than the cache's {capacity} tokens)")
-                        res["decode"].setdefault("skipped", []).append({"batch_size": bs, "context": context})
-                        continue
-                    try:
-                        res["decode"]["batches"].append(decode_steps(
-                            core, args, bs, rng, weight_bytes, kv_token_bytes, bandwidth, replays, routes, context))
-                    except Exception:
-                        key = f"decode_bs{bs}" + (f"_ctx{context}" if len(contexts) > 1 else "")
-                        res["errors"][key] = traceback.format_exc()
-                        say(f"decode bs={bs} context={context}: FAILED\n{res['errors'][key]}")
-                        core.abort(None)
-                    write_json(args.out, res)
-            if moe:
-                section("prefill", prefill_steps, core, args, random.Random(args.seed + 3), replays)
-            section("mixed", mixed_steps, core, args, random.Random(args.seed + 2), replays)
-            section("throughput", throughput, core, args, work)
+            with engine_process_heap():  # as the engine process runs (engine/core/loop.py)
+                work.extend(workload(args, core.model_config.vocab_size))
+                weight_bytes = decode_weight_bytes(core)
+                kv_token_bytes = kv_block_bytes(core.model_config, 1, core.runner.dtype)
+                bandwidth = copy["bandwidth_bytes_per_s"] if copy else float("nan")
+                replays = count_graph_replays(core)
+                rng = random.Random(args.seed + 1)
+                res["decode"] = {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
+                                 "bandwidth_bytes_per_s": bandwidth, "batches": []}
+                experts = ExpertBytes(core) if moe else None
+                routes = (lambda c, b: experts.measure(c, b, args.moe_route_steps)) if experts else None
+                if experts:
+                    res["decode"]["moe"] = experts.summary()
+                if "decode" not in args.skip:
+                    capacity = info["kv_blocks_total"] * core.config.block_size  # KV tokens the cache holds
+                    for context, bs in [(c, int(b)) for c in contexts for b in args.decode_batch_sizes.split(",")]:
+                        if bs * (context + decode_new_tokens(args) + core.config.block_size) > capacity:
+                            say(f"decode bs={bs} context={context}: skipped (needs more KV than the cache's {capacity} tokens)")
+                            res["decode"].setdefault("skipped", []).append({"batch_size": bs, "context": context})
+                            continue
+                        try:
+                            res["decode"]["batches"].append(decode_steps(
+                                core, args, bs, rng, weight_bytes, kv_token_bytes, bandwidth, replays, routes, context))
+                        except Exception:
+                            key = f"decode_bs{bs}" + (f"_ctx{context}" if len(contexts) > 1 else "")
+                            res["errors"][key] = traceback.format_exc()
+                            say(f"decode bs={bs} context={context}: FAILED\n{res['errors'][key]}")
+                            core.abort(None)
+                        write_json(args.out, res)
+                if moe:
+                    section("prefill", prefill_steps, core, args, random.Random(args.seed + 3), replays)
+                section("mixed", mixed_steps, core, args, random.Random(args.seed + 2), replays)
+                section("throughput", throughput, core, args, work)
         finally:
             del core
             free_memory(device)
