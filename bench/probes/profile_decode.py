@@ -8,6 +8,10 @@ time and the sum of its kernels' time (the gap between them is idle device time)
     python3 bench/probes/profile_decode.py --batch-sizes 64 --mixed 512 --host --out $OUT/p.json  # mixed steps
     python3 bench/probes/profile_decode.py --shape 8b --batch-sizes 1,64,256 --deterministic --out $OUT/p.json
 
+`--no-pdl`: the engine without programmatic dependent launch. With it on, a kernel starts while the
+one before finishes and waits for it, so its time includes that wait and the kernels' sum can
+exceed the step; off, each kernel's time is its own.
+
 `--mixed C`: every profiled step also admits a fresh prompt of C random tokens with
 max_new_tokens 1, prefilled whole beside the B decodes (bench_engine.py's mixed step).
 """
@@ -130,6 +134,8 @@ def main() -> None:
     p.add_argument("--mixed", type=int, default=0, help="C: each step also prefills a fresh C-token prompt")
     p.add_argument("--routed-experts", action="store_true", help="record routed experts; every request asks for them")
     p.add_argument("--deterministic", action="store_true", help="the engine in --deterministic (issue 76)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="kernels launched without PDL: each kernel's time is its own, not overlapped with the one before")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     device = torch.device("cuda")
@@ -140,7 +146,7 @@ def main() -> None:
                                    max_num_seqs=max(sizes) + (args.mixed > 0), cuda_graph_max_bs=max(sizes), tp_size=args.tp_size,
                                    load_format=ckpt.get("load_format", "auto"), weights_backup="none",
                                    enable_return_routed_experts=args.routed_experts,
-                                   deterministic=args.deterministic))  # fmt: skip
+                                   deterministic=args.deterministic, pdl=not args.no_pdl))  # fmt: skip
     rng = random.Random(0)
     results = []
     for bs in sizes:
