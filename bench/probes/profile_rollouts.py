@@ -6,8 +6,10 @@ the pair of kernels around them (device_timing.idle_gaps); run it once per mode 
 Then one more round with the device synchronized after every step, its wall time by the kind of step
 launched (decode: one token a row; prefill: any row with more): the steps where a mode's cost lies.
 `--cprofile K`: one more round under cProfile, its K functions of most own time (the host's share).
-`--host-phases`: one more round with the host's time split by phase of EngineCore.step (schedule, plan,
-graph replay, sampling inputs, sampler launch, the wait for a step's tokens, applying them).
+`--host-phases`: one more round with the host's time and calls by phase of EngineCore.step (`phases_round`'s
+list: schedule, plan, graph replay, sampling inputs and their uploads, pinned buffers and event waits, the
+sampler's launch, the read of a step's tokens and the wait for them, applying them).
+Every round runs with the startup heap frozen, as the engine process runs (bench_runtime.engine_process_heap).
 
     python3 bench/probes/profile_rollouts.py --shape 8b --out $OUT/roll.json
     python3 bench/probes/profile_rollouts.py --shape 8b --deterministic --out $OUT/roll_det.json
