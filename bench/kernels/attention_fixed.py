@@ -6,8 +6,9 @@ the same bits (they must).
 
     python3 bench/kernels/attention_fixed.py --steps 1x1@512,1x1@32768,8x1@8192,64x1@512,4x512@2048 --out $OUT/af.json
 
-`--split S` times pieces of S context tokens in place of SPLIT (the bits follow it: both paths
-still agree, checked).
+`--split S` times pieces of S context tokens in place of SPLIT, `--block-n B` tiles of B keys in
+place of BLOCK_N (the bits follow both: the paths still agree, checked); `--warps T,K,P` runs
+the tile, token and split paths' programs with those warps (the bits do not follow them).
 
 A step `BxQ@C`: B sequences of C context tokens each, the last Q of them this step's queries
 (Q = 1: decodes), Qwen3's 128-wide heads (`--heads`, `--kv-heads`: the 0.6B's 16 and 8).
@@ -75,17 +76,24 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--split", type=int, default=af.SPLIT,
                    help="context tokens a piece (a multiple of BLOCK_N): what the bits follow, to place SPLIT")
+    p.add_argument("--block-n", type=int, default=af.BLOCK_N, help="keys a tile (a power of two): what the bits follow")
+    p.add_argument("--warps", default=",".join(map(str, (af.TILE_WARPS, af.TOKEN_WARPS, af.PIECE_WARPS))),
+                   help="T,K,P: warps a program of the tile, token and split paths")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if args.split <= 0 or args.split % af.BLOCK_N:
-        p.error(f"--split must be a positive multiple of {af.BLOCK_N}")
-    af.SPLIT = args.split  # read by fixed_split_attention and Workspace.allocate at each call
+    if args.block_n < 16 or args.block_n & (args.block_n - 1):
+        p.error("--block-n must be a power of two >= 16")
+    if args.split <= 0 or args.split % args.block_n:
+        p.error(f"--split must be a positive multiple of {args.block_n}")
+    # Read by fixed_split_attention and Workspace.allocate at each call.
+    af.SPLIT, af.BLOCK_N = args.split, args.block_n
+    af.TILE_WARPS, af.TOKEN_WARPS, af.PIECE_WARPS = (int(w) for w in args.warps.split(","))
     bw = copy_bandwidth(torch.device("cuda"), 1024, 20)["bandwidth_bytes_per_s"]
     workspace = af.Workspace.allocate(args.heads, HEAD_DIM, args.max_model_len, torch.device("cuda"))
     rows = [step(s, args, bw, workspace) for s in args.steps.split(",")]
     write_json(args.out, {"args": vars(args), "copy_bandwidth": bw, "rows": rows})
     print_table(f"fixed-split attention (--deterministic), {torch.cuda.get_device_name()}, {args.heads} heads / "
-                f"{args.kv_heads} KV heads of {HEAD_DIM}, SPLIT {af.SPLIT}",
+                f"{args.kv_heads} KV heads of {HEAD_DIM}, SPLIT {af.SPLIT}, BLOCK_N {af.BLOCK_N}, warps {args.warps}",
                 ["step BxQ@context", "one-program us", "split us", "K/V read / copy bandwidth", "bits same"],
                 [[r["step"], r["us"]["one"], r["us"].get("split"), r["of_copy"], r["bitwise_same"]] for r in rows])  # fmt: skip
 

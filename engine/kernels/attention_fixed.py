@@ -71,14 +71,19 @@ from engine.kernels.split_kv import attend_tiles, last_to_arrive
 # 2026-11-30m): one row at 512 tokens, split path, 11.3 / 8.2 / 7.5; 256 rows at 512, one token a
 # program, 132.3 / 136.3 / 137.1; 4 x 512-token chunks at 2k, tiles, 579 / 626 / 719.
 SPLIT = 128
-BLOCK_N = 32  # keys per tile
+# Keys per tile, a divisor of SPLIT; the bits follow it too. H200, microseconds a call at 32
+# (warps 1, 1, 4) / 64 (warps 2, 2, 4), 0.6B heads (bench/kernels/attention_fixed.py --block-n,
+# 2026-12-01a): 64 rows at 512, one token a program, 44.8 / 36.1 (8B heads 45.4 / 36.2); one row
+# at 32k, split path, 153.1 / 144.9; 4 rows at 8k 86.4 / 78.6; 256 rows at 512 132.8 / 131.7; one
+# 2,048-token prefill, tiles, 250.4 / 199.9 (8B heads 404.3 / 345.7); 4 x 512-token chunks alike.
+BLOCK_N = 64
 FEW_TOKENS = 16  # steps of at most this many tokens may take the split path (a workspace this wide)
 TARGET_PROGRAMS = 264  # the split path's programs: about two an SM of an H200 (132 SMs)
 # Warps a program, per path (free, since every sum a row's bits depend on is an MMA's:
-# softmax_step's DOT_SUM). H200, 0.6B heads, microseconds a layer at 4 / 1 warps: one decode
-# row at 576 tokens (split) 12.3 / 14.7, 256 rows (one token a program) 164 / 152, 4 x 512-token
-# chunks at 2k (tiles) 425 / 311.
-TILE_WARPS, TOKEN_WARPS, PIECE_WARPS = 1, 1, 4
+# softmax_step's DOT_SUM). At BLOCK_N 64 a program of one warp runs slow (64 rows at 512: 69.4 us
+# against 36.1 at two warps); the tiles at 4 warps: 4 x 512-token chunks at 2k 406.4 us against
+# 283.9 at 2 (0.6B heads; 2026-12-01a).
+TILE_WARPS, TOKEN_WARPS, PIECE_WARPS = 2, 2, 4
 
 
 @Launcher
