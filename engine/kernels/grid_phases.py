@@ -29,15 +29,20 @@ a producer's items.
 Scratch written by other programs in an earlier phase is read with `.cg` (L2, not L1).
 Roundings are the unfused layers' (fused_ops.py, skinny_linear.py): a GEMV rounds its fp32 sum
 (plus bias) once; a residual add rounds the sum of its fp32 partials, then the add.
+
+K order: a GEMV phase's splits may be `--deterministic`'s chunks (invariant_tiles.config,
+CHUNK long, the last one shorter) and an item may walk them (WALK), each from zero, added in
+chunk order: then a GEMV phase, its partials summed in order, has invariant_matmul's bits
+(tests/test_grid_phases.py).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from engine.kernels.attention import stamp_row
+from engine.kernels.fused_ops import silu_mul
 from engine.kernels.lamport import await_rows, await_sum, sentinel_like, written
 from engine.kernels.pdl import prefetch_l2
 
@@ -187,14 +192,14 @@ def norm_phase(
 
 
 @triton.jit
-def _item(item, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BN: tl.constexpr):
-    # A GEMV phase's item (of (N + BN - 1) // BN * KS: tiles of BN output columns x K splits) ->
-    # (its K split c, its columns offs_n [BN], their weight rows' offsets w_rows [BN, 1] int64,
-    # clamped to row N - 1, its split's first K index).
+def _item(item, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr):
+    # A GEMV phase's item (of (N + BN - 1) // BN * KS: tiles of BN output columns x K splits of
+    # KC, the last one shorter where KC * KS > K) -> (its K split c, its columns offs_n [BN], their
+    # weight rows' offsets w_rows [BN, 1] int64, clamped to row N - 1, its split's first K index).
     c = item % KS
     offs_n = (item // KS) * BN + tl.arange(0, BN)
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
-    return c, offs_n, w_rows, c * (K // KS)
+    return c, offs_n, w_rows, c * KC
 
 
 @triton.jit
@@ -202,33 +207,51 @@ def gemv_phase(
     x_ptr, stride_x, w_ptr, b_ptr, out_ptr, stride_out, M,
     N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
-    X_LAMPORT: tl.constexpr = False, OUT_LAMPORT: tl.constexpr = False,
+    X_LAMPORT: tl.constexpr = False, OUT_LAMPORT: tl.constexpr = False, CHUNK: tl.constexpr = 0, WALK: tl.constexpr = 1,
 ):  # fmt: skip
     # Items (tile of BN cols, K split c) dealt round-robin (item i -> program i % P); x [M, K] at
-    # row stride stride_x, M <= BM. PARTIAL: out[c] [M, N] fp32 partial sums of x[:, c-th K/KS] @
-    # w[:, c-th K/KS].T, at stride_out. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded once,
+    # row stride stride_x, M <= BM. PARTIAL: out[c] [M, N] fp32 partial sums of x[:, c-th split] @
+    # w[:, c-th split].T, at stride_out. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded once,
     # or silu(gate) * up of w = gate | up with SILU.
+    # Splits are K / KS long, or CHUNK (a multiple of BK; the last split shorter where CHUNK * KS
+    # > K). WALK > 1 (KS 1): an item walks WALK chunks of CHUNK, each summed from zero and added
+    # in order, ((p_0 + p_1) + p_2) + ...: invariant_matmul.py's K order (`--deterministic`).
     # Lamport buffers (lamport.py), so no grid barrier between producer and consumer: X_LAMPORT,
     # an item first waits until its x slice holds no sentinel; OUT_LAMPORT, out gets no -0.0.
     pid = tl.program_id(0)
     rows = tl.arange(0, BM)
     m_ok = rows < M
     offs_k = tl.arange(0, BK)
-    KC: tl.constexpr = K // KS
+    KC: tl.constexpr = CHUNK if CHUNK > 0 else K // (KS * WALK)
+    SHORT: tl.constexpr = KC * KS * WALK > K  # the last chunk ends at K
+    tl.static_assert(WALK == 1 or KS == 1, "an item walks its chunks only when the items do not split K")
     items: tl.constexpr = (N + BN - 1) // BN * KS
     for item in range(pid, items, P):
-        c, offs_n, w_rows, k_lo = _item(item, N, K, KS, BN)
+        c, offs_n, w_rows, k_lo = _item(item, N, K, KS, BN, KC)
         n_ok = offs_n < N
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_up = tl.zeros([BM, BN], tl.float32)
         if X_LAMPORT:
             await_rows(x_ptr, stride_x, M, k_lo, KC, BM, BK)
-        for k0 in range(k_lo, k_lo + KC, BK):
-            cols = (k0 + offs_k)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-            acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), acc)
-            if SILU:
-                acc_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), acc_up)
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = tl.zeros([BM, BN], tl.float32)
+        for j in tl.static_range(WALK):
+            part = tl.zeros([BM, BN], tl.float32)
+            part_up = tl.zeros([BM, BN], tl.float32)
+            lo = k_lo + j * KC
+            hi = lo + KC
+            if SHORT:
+                hi = tl.minimum(hi, K)
+            for k0 in range(lo, hi, BK):
+                cols = (k0 + offs_k)[None, :]
+                x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+                part = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), part)
+                if SILU:
+                    part_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), part_up)
+            if j == 0:
+                acc = part
+                acc_up = part_up
+            else:
+                acc += part
+                acc_up += part_up
         mask = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:
             if OUT_LAMPORT:
@@ -238,9 +261,9 @@ def gemv_phase(
             if HAS_BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if SILU:
-                g = rnd(acc, DTYPE)
-                acc = rnd(tl.math.div_rn(g, 1.0 + libdevice.exp(-g)), DTYPE) * rnd(acc_up, DTYPE)
-            out = acc.to(DTYPE)
+                out = silu_mul(rnd(acc, DTYPE), rnd(acc_up, DTYPE), DTYPE)
+            else:
+                out = acc.to(DTYPE)
             if OUT_LAMPORT:
                 out = written(out)
             tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], out, mask=mask)
@@ -271,7 +294,7 @@ def prefetch_items(
     # pulled into L2: one prefetch per 128-byte line.
     items: tl.constexpr = (N + BN - 1) // BN * KS
     for item in range(tl.program_id(0), items, P):
-        _, _, w_rows, k_lo = _item(item, N, K, KS, BN)
+        _, _, w_rows, k_lo = _item(item, N, K, KS, BN, K // KS)
         ptrs = w_ptr + w_rows + k_lo + tl.arange(0, KPRE // 64)[None, :] * 64
         prefetch_l2(ptrs)
         if SILU:
