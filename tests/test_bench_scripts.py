@@ -311,7 +311,9 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     # Two layer kernels per SM: a layer's programs, launched with PDL, start beside the layer before.
     layer = kernels["decoder_layer_kernel"]
     assert min(layer["per_sm_regs"], layer["per_sm_shared"]) >= 2, layer
-    assert kernels["batch_layer_kernel"]["per_sm_shared"] >= 1
+    # The batch decode is cooperative: one program an SM must fit, `--deterministic`'s variant too.
+    for name in ("batch_layer_kernel", "batch_layer_kernel (--deterministic)"):
+        assert min(kernels[name]["per_sm_regs"], kernels[name]["per_sm_shared"]) >= 1, (name, kernels[name])
     # The decode graphs' logits run PROGRAMS_PER_SM programs an SM in one wave.
     from engine.kernels.logits_linear import PROGRAMS_PER_SM
 

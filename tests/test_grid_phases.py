@@ -4,7 +4,8 @@ layer_kernel.py) over `--deterministic`'s K order: with its splits the invariant
 gives invariant_matmul's bits; with an item walking those chunks and the SiLU epilogue, it gives
 silu_and_mul after invariant_matmul, bit for bit. A test kernel runs the phase, a program an
 item (no grid barrier). CPU: Triton's interpreter (tests/interpreted.py), fp16; GPU (`pytest -m
-gpu`): bf16, 1 to 64 rows.
+gpu`): bf16, 1 to 64 rows. And the batch decode's `--deterministic` constants
+(batch_decode.kernel_consts) are those chunks; the whole path: tests/test_gpu_deterministic_decode.py.
 """
 
 from __future__ import annotations
@@ -94,3 +95,26 @@ def test_gemv_phase_in_the_invariant_k_order_on_the_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     check_chunks("cuda", torch.bfloat16, [1, 5, 16, 17, 40, 64])
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_invariant_batch_decode_takes_each_weights_chunks() -> None:
+    """batch_decode.kernel_consts(invariant=True), Qwen3-0.6B's layer: each GEMV phase's splits
+    (or the gate_up items' walk) are its weight's invariant chunks, and no prefetch or PDL."""
+    from engine.decode.batch_decode import invariant_chunks, kernel_consts
+    from engine.decode.rules import LayerShape
+    from engine.kernels.invariant_tiles import chunking, config
+
+    shape = LayerShape(hidden=1024, inter=3072, nh=16, nkv=8, d=128, eps=1e-6, qk_norm=True, device=torch.device("cpu"),
+                       dtype=torch.bfloat16)  # fmt: skip
+    c = kernel_consts(shape, 132, 64, use_pdl=False, invariant=True)
+    weights = {"O": (1024, 2048), "D": (1024, 3072), "Q": (4096, 1024)}  # [N, K]: o_proj, down_proj, qkv_proj
+    for phase, (n, k) in weights.items():
+        chunk, chunks = chunking(k, config(n, k))
+        assert (c[f"KS_{phase}"], c[f"CK_{phase}"]) == (chunks, chunk), phase
+    chunk, chunks = chunking(1024, config(6144, 1024))  # gate | up
+    assert (c["WALK_G"], c["CK_G"]) == (chunks, chunk) == (2, 512)
+    assert c["INVARIANT"] and not c["USE_PDL"] and c["G_PRE"] == c["D_PRE"] == c["Q_PRE"] == 0
+    assert "INVARIANT" not in kernel_consts(shape, 132, 64, use_pdl=True)  # the default's constants as they were
+    with pytest.raises(ValueError, match="steps K by 64"):
+        invariant_chunks(1024, 2048, bk=128)

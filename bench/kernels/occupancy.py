@@ -59,6 +59,8 @@ def compile_sm90(fn: object, types: dict[str, str], consts: dict[str, object], o
     `types` (int32 by default)."""
     jit = _jit(fn)
     sig, attrs, constexprs = {}, {}, {}
+    # constexpr parameters left out take their defaults, as a launch does
+    consts = {**{p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}, **consts}
     for i, name in enumerate(jit.arg_names):
         if name in consts:
             sig[name], constexprs[(i,)] = "constexpr", consts[name]
@@ -118,7 +120,7 @@ def _pipeline(out: dict[str, object], block_n: int) -> dict[str, object]:
 
 
 def persistent_kernels() -> dict[str, dict[str, object]]:
-    """The batch decode's two kernels (persistent, attention), the layers' attention kernel (the
+    """The batch decode's two kernels (persistent, and its `--deterministic` variant; attention), the layers' attention kernel (the
     same on the qkv output), the split-K parts and their norm (splitk_kernels) and the fused
     decode's persistent kernel, with the constants their launches take by default
     (batch_decode.kernel_consts, rope_decode.kernel_consts, fused_decode.layer_consts)."""
@@ -141,6 +143,8 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
     batch = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
     batch.update(HEAD=False, TAIL=False, TIMING=False)
+    invariant = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=False, invariant=True)
+    invariant.update(HEAD=False, TAIL=False, TIMING=False)
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
     qkv = (H + 2 * HKV) * D
@@ -151,6 +155,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         **splitk_kernels(),
         **logits_kernels(),
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
+        "batch_layer_kernel (--deterministic)": compile_sm90(batch_layer_kernel, types, *_split(invariant), ("M",)),
         "rope_decode_kernel": _pipeline(
             compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")), tiles[0]
         ),

@@ -14,7 +14,8 @@ Rules:
   metadata: its grid is the padded row count, and a padding row (seq_len 0, or past the last
   sequence) writes zeros, so a graph's rows carry the bits of eager rows.
 - No decode path (engine/decode/attach.py) is attached in the mode: their kernels reduce in their
-  own orders.
+  own orders. batch_decode.py's `invariant` variant keeps the mode's orders; it is not attached
+  until measured on a GPU.
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@ Rules:
   (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
 
 `--no-batch-decode` turns it off (engine/decode/attach.py).
+
+`invariant` (`--deterministic`; rules.py `unsupported(..., invariant=True)`): the persistent
+kernel in the invariant GEMM's K order, its qkv summed into `qkv` (batch_kernel.py INVARIANT),
+and between the launches each layer's own rotary and the backend's fixed-split attention
+(layers.py `Attention.attend_qkv`), so that every row has the bits of the mode's layers one op
+at a time (tests/test_gpu_deterministic_decode.py). No L2 prefetch and no PDL there yet; the
+engine does not attach it yet (attach.py).
 """
 
 from __future__ import annotations
@@ -47,39 +54,61 @@ _STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
 _G_PRE, _D_PRE, _Q_PRE = 256, 512, 256
 
 
-def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why `BatchDecode` cannot serve this model and backend (None: it can): rules.py
-    (the same shapes, measured on the same one)."""
-    return rules.unsupported(model, backend)
+def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> str | None:
+    """Why `BatchDecode` (`invariant`: in `--deterministic`) cannot serve this model and backend
+    (None: it can): rules.py (the same shapes, measured on the same one)."""
+    return rules.unsupported(model, backend, invariant)
 
 
 def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
     bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
+    invariant: bool = False,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
-    `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them)."""
+    `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them).
+    `invariant`: the K splits are invariant_tiles.config's chunks (`--deterministic`), no prefetch."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
     ks_d = k_splits(shape.hidden // bn, shape.inter, programs, bk)
     ks_q = k_splits(-(-qkv // bn), shape.hidden, programs, bk)
+    ks_o = k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk)
+    order: dict[str, object] = {}
+    if invariant:
+        (ks_o, ck_o), (ks_d, ck_d), (ks_q, ck_q), (walk_g, ck_g) = (
+            invariant_chunks(n, k, bk) for n, k in
+            ((shape.hidden, shape.nh * shape.d), (shape.hidden, shape.inter), (qkv, shape.hidden), (2 * shape.inter, shape.hidden))
+        )  # fmt: skip
+        order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g)
+        g_pre = d_pre = q_pre = 0
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
-        KS_O=k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk), KS_D=ks_d,
-        KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
+        KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         G_PRE=prefetch_width(shape.hidden, g_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
-        Q_PRE=prefetch_width(shape.hidden // ks_q, q_pre),
+        Q_PRE=prefetch_width(shape.hidden // ks_q, q_pre), **order,
     )  # fmt: skip
+
+
+def invariant_chunks(n: int, k: int, bk: int) -> tuple[int, int]:
+    """(chunks, chunk length) of K for a weight [n, k] in `--deterministic`'s GEMM order
+    (invariant_tiles.config), whose BLOCK_K steps must be the kernel's bk."""
+    from engine.kernels.invariant_tiles import chunking, config
+
+    cfg = config(n, k)
+    if cfg.block_k != bk:
+        raise ValueError(f"weight [{n}, {k}]: the invariant GEMM steps K by {cfg.block_k}, the kernel by {bk}")
+    chunk, chunks = chunking(k, cfg)
+    return chunks, chunk
 
 
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
-        q_pre: int = _Q_PRE,
+        q_pre: int = _Q_PRE, invariant: bool = False,
     ) -> None:  # fmt: skip
         from engine.kernels import pdl, rope_decode
 
@@ -92,16 +121,18 @@ class BatchDecode:
         self.min_rows, self.max_rows = min_rows, min(max_rows, KERNEL_MAX_ROWS)
         rows = self.max_rows
         # engine/kernels/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
-        self.pdl = pdl.enabled(device) and bool(use_pdl)
+        self.invariant = invariant
+        self.pdl = pdl.enabled(device) and bool(use_pdl) and not invariant
         # The kernel's arguments that are the same at every layer and step; the first launch's plain.
-        self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre)
+        self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre,
+                                    q_pre, invariant)  # fmt: skip
         self.first_consts = {**self.consts, "launch_pdl": False}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
         elem_bytes = backend.kv_cache.element_size()
         # One set for steps of few rows and one for more (rope_decode.batch_tile_config).
-        self.attention_consts = [rope_decode.kernel_consts(
+        self.attention_consts = [] if invariant else [rope_decode.kernel_consts(
             self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
             self.shape.qk_norm, backend.kv_cache.shape[3], elem_bytes, self.pdl,
             rope_decode.batch_tile_config(self.shape.d, elem_bytes, m), rope_decode.merge_for(m),
@@ -116,10 +147,11 @@ class BatchDecode:
         self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
         self.down_part = torch.zeros(ks_d, rows, self.shape.hidden, **f32)
         self.qkv_part = torch.zeros(ks_q, rows, qkv, **f32)
+        self.qkv = torch.zeros(rows if invariant else 0, qkv, **half)  # invariant: the rounded qkv the layers' rotary takes
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(
             t.numel() * t.element_size()
-            for t in (self.h, self.h_mid, self.xn, self.act, self.attn, self.o_part, self.down_part, self.qkv_part)
+            for t in (self.h, self.h_mid, self.xn, self.act, self.attn, self.o_part, self.down_part, self.qkv_part, self.qkv)
         )
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
 
@@ -140,13 +172,19 @@ class BatchDecode:
         m = input_ids.shape[0]
         out = torch.empty(m, self.shape.hidden, dtype=self.h.dtype, device=self.h.device)
         layers = list(lm.layers)
-        plan = self.backend.merged_decode_plan(m)  # the attention's splits and workspace, every layer's
+        # the attention's splits and workspace, every layer's (the invariant path: the backend's own)
+        plan = None if self.invariant else self.backend.merged_decode_plan(m)
+        rope = lm.rotary_emb(positions, gather=False) if self.invariant else None
+        attn = self.attn
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
-            self._launch(prev, nxt, i, input_ids, out, timing[i] if timing is not None else None, m)
+            self._launch(prev, nxt, i, input_ids, attn, out, timing[i] if timing is not None else None, m)
             if nxt is not None:
-                self.attention(i, nxt, positions, meta, plan)
+                if self.invariant:
+                    attn = nxt.self_attn.attend_qkv(self.qkv[:m], rope, ctx)
+                else:
+                    self.attention(i, nxt, positions, meta, plan)
         return out
 
     def attention(
@@ -166,8 +204,8 @@ class BatchDecode:
         )  # fmt: skip
 
     def _launch(
-        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, out: torch.Tensor,
-        timing: torch.Tensor | None, m: int,
+        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, attn: torch.Tensor,
+        out: torch.Tensor, timing: torch.Tensor | None, m: int,
     ) -> None:  # fmt: skip
         from engine.kernels.batch_kernel import batch_layer_kernel
 
@@ -177,10 +215,11 @@ class BatchDecode:
         post = (prev or nxt).post_attention_layernorm.weight
         norm = nxt.input_layernorm.weight if nxt is not None else lm.norm.weight
         self.compiled = batch_layer_kernel[(self.programs,)](
-            lm.embed_tokens.weight, input_ids, self.attn, self.h, self.h_mid,
+            lm.embed_tokens.weight, input_ids, attn, self.h, self.h_mid,
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             norm, (nxt or prev).self_attn.qkv_proj.weight,
             self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
-            self.barrier, timing if timing is not None else self.barrier, m, self.shape.eps,
-            HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None, **(self.consts if i else self.first_consts),
+            self.qkv if self.invariant else self.qkv_part, self.barrier, timing if timing is not None else self.barrier, m,
+            self.shape.eps, HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None,
+            **(self.consts if i else self.first_consts),
         )  # fmt: skip

@@ -2,8 +2,9 @@
 batch_decode.py: up to 64 rows, two per layer) share: the models they serve (`unsupported`), the
 layer shape they compile for (`LayerShape`) and how they split a GEMV's K (`k_splits`).
 
-Models they serve: Triton attention, TP = 1, fused ops on, a half-precision CUDA model of dense
-MLPs (no mixture of experts) without o_proj or MLP biases, hidden <= MAX_HIDDEN (the one shape measured: at the 8B shape's 4096 one
+Models they serve: Triton attention (`--deterministic`: its fixed-split backend, and no qkv bias),
+TP = 1, fused ops on, a half-precision CUDA model of dense MLPs (no mixture of experts) without
+o_proj or MLP biases, hidden <= MAX_HIDDEN (the one shape measured: at the 8B shape's 4096 one
 program per SM streams a layer's 24-96 MB slower than the skinny GEMVs' own grids,
 bench/RESULTS.md), every GEMV K a multiple of 128, head_dim 64, 128 or 256.
 """
@@ -27,10 +28,14 @@ LONG_KV_TOKENS = 8192
 _K_UNIT = 128  # every K of a layer's GEMVs is a multiple of this (the kernels' K steps)
 
 
-def unsupported(model: nn.Module, backend: object) -> str | None:
-    """Why a persistent decode path cannot serve this model and backend (None: it can)."""
+def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> str | None:
+    """Why a persistent decode path cannot serve this model and backend (None: it can).
+    `invariant` (`--deterministic`'s batch decode): the fixed-split backend, no qkv bias."""
     from engine.attention.triton import TritonBackend
+    from engine.attention.triton_fixed import FixedSplitBackend
 
+    if invariant and not isinstance(backend, FixedSplitBackend):
+        return "attention backend is not triton_fixed"
     if not isinstance(backend, TritonBackend):
         return "attention backend is not triton"
     lm = model.model
@@ -45,6 +50,8 @@ def unsupported(model: nn.Module, backend: object) -> str | None:
         return "not a half-precision CUDA model"
     if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return "o_proj or MLP bias"
+    if invariant and attn.qkv_proj.bias is not None:
+        return "qkv bias (the invariant kernel's qkv sum adds none)"
     hidden, inter = w.shape[1], mlp.down_proj.weight.shape[1]
     if hidden > MAX_HIDDEN:
         return f"hidden {hidden} > {MAX_HIDDEN}: the layers' own GEMVs are faster there"

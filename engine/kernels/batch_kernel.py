@@ -22,6 +22,13 @@ row of the table, looked up by the norm: no launch of its own), then 6. TAIL (th
 last layer): phases 1-5. Roundings are the unfused layers' (grid_phases.py): results match them
 up to the order of fp32 sums.
 
+INVARIANT (`--deterministic`, batch_decode.py `invariant`): the GEMV phases take the invariant
+GEMM's K order (their splits CK_O / CK_D / CK_Q long, the gate_up items walking WALK_G chunks of
+CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
+  7. qkv: the partials summed in chunk order, rounded, into qkv [M, QKV] (`_sum_phase`),
+so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul):
+the mode's own rotary and fixed-split attention run on qkv between the launches.
+
 USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
 issues its first K/V tile's prefetch then (forward at 32 rows 1.490 -> 1.412-1.417 ms,
@@ -43,6 +50,20 @@ from engine.kernels.grid_phases import (
 )
 
 
+@triton.jit
+def _sum_phase(part_ptr, stride_part, out_ptr, n, KS: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    # out[i] = part[0][i] + part[1][i] + ... (KS fp32 partials at stride_part, in that order),
+    # rounded once, for i < n: invariant_matmul's chunk sum. Blocks of BLOCK dealt round-robin.
+    offs = tl.arange(0, BLOCK)
+    for item in range(tl.program_id(0), tl.cdiv(n, BLOCK), P):
+        idx = item * BLOCK + offs
+        ok = idx < n
+        s = tl.load(part_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        for c in tl.static_range(1, KS):
+            s += tl.load(part_ptr + c * stride_part + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + idx, s.to(DTYPE), mask=ok)
+
+
 @triton.jit(do_not_specialize=["M"])
 def batch_layer_kernel(
     emb_ptr,  # [V, HID]: the embedding table (HEAD only)
@@ -58,6 +79,7 @@ def batch_layer_kernel(
     act_ptr,  # [MAX_M, INTER] scratch
     o_part_ptr, down_part_ptr,  # [KS_O | KS_D, MAX_M, HID] fp32
     qkv_part_ptr,  # [KS_Q, MAX_M, QKV] fp32
+    qkv_ptr,  # [MAX_M, QKV]: qkv summed and rounded (INVARIANT only)
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
     M, eps,
@@ -66,6 +88,8 @@ def batch_layer_kernel(
     BN: tl.constexpr, BN_G: tl.constexpr, BK: tl.constexpr, BLOCK_HID: tl.constexpr, P: tl.constexpr,
     FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr,
     G_PRE: tl.constexpr, D_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
+    INVARIANT: tl.constexpr = False, CK_O: tl.constexpr = 0, CK_D: tl.constexpr = 0, CK_Q: tl.constexpr = 0,
+    CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -83,17 +107,20 @@ def batch_layer_kernel(
     if HEAD:
         norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, EMBED=True, W_LOADED=True)
     else:
-        gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE)
+        gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
+                   CHUNK=CK_O)
         if G_PRE > 0:
             prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN_G, P, G_PRE)
         phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
         norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE, W_LOADED=True)
         phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
-        gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE)
+        gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE,
+                   CHUNK=CK_G, WALK=WALK_G)
         if D_PRE > 0:
             prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
         phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
-        gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P, DTYPE)
+        gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P,
+                   DTYPE, CHUNK=CK_D)
         if Q_PRE > 0:
             if not TAIL:
                 prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN, P, Q_PRE)
@@ -103,5 +130,9 @@ def batch_layer_kernel(
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
         if USE_PDL:  # engine/kernels/pdl.py: the attention kernel after this one gets scheduled now
             tl.extra.cuda.gdc_launch_dependents()
-        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P, DTYPE)
+        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P,
+                   DTYPE, CHUNK=CK_Q)
+        if INVARIANT:
+            phase_end(bar_ptr, t_ptr, 13, FIRST_ADD, TIMING)
+            _sum_phase(qkv_part_ptr, MAX_M * QKV, qkv_ptr, M * QKV, KS_Q, P, DTYPE, BLOCK_HID)
     stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)

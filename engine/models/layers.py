@@ -267,31 +267,41 @@ class Attention(nn.Module):
         rope: RopeInputs,
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
-        T = hidden.shape[0]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        T, H, D = hidden.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
         if self.decode_attention is not None and self.decode_attention.applies(qkv, ctx):
             return self.o_proj(self.decode_attention(self, qkv, rope, ctx).view(T, H * D))
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
         if self.fused and hidden.is_cuda:
-            # One kernel: the q/k norm (if any) and rope, in place in the qkv output, and the K/V
-            # rows into the cache where the backend lets it (then it only attends).
-            qw = self.q_norm.weight if self.q_norm is not None else None
-            kw = self.k_norm.weight if self.k_norm is not None else None
-            eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            target = ctx.backend.kv_target(self.layer_id, ctx.meta)
-            store = None if target is None else (v, *target)
-            q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps, kv_store=store)
-            if target is not None:
-                return self.o_proj(ctx.backend.attend(self.layer_id, q, ctx.meta).view(T, H * D))
-        else:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            assert rope.cos is not None and rope.sin is not None
-            q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
+            return self.o_proj(self.attend_qkv(qkv, rope, ctx).reshape(T, H * D))
+        q, k, v = self._heads(qkv)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        assert rope.cos is not None and rope.sin is not None
+        q, k = apply_rotary(q, rope.cos, rope.sin), apply_rotary(k, rope.cos, rope.sin)
         out = ctx.backend.forward(self.layer_id, q, k, v, ctx.meta)  # [T, H, D]
         return self.o_proj(out.reshape(T, H * D))
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [T, (H + 2 Hkv) D] -> views q [T, H, D], k and v [T, Hkv, D]
+        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        return q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+
+    def attend_qkv(self, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext) -> torch.Tensor:
+        """The fused CUDA attention of this layer's qkv output [T, (H + 2 Hkv) D] -> [T, H, D]:
+        one kernel for the q/k norm (if any) and rope, in place in qkv, and the K/V rows into the
+        cache where the backend lets it (then it only attends). Also the `--deterministic` batch
+        decode's, between its launches (engine/decode/batch_decode.py)."""
+        q, k, v = self._heads(qkv)
+        qw = self.q_norm.weight if self.q_norm is not None else None
+        kw = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        target = ctx.backend.kv_target(self.layer_id, ctx.meta)
+        store = None if target is None else (v, *target)
+        q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps, kv_store=store)
+        if target is not None:
+            return ctx.backend.attend(self.layer_id, q, ctx.meta)
+        return ctx.backend.forward(self.layer_id, q, k, v, ctx.meta)
 
 
 class MLP(nn.Module):

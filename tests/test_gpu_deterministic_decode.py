@@ -1,0 +1,93 @@
+"""`--deterministic`'s batch decode (engine/decode/batch_decode.py `invariant`, batch_kernel.py
+INVARIANT) on a GPU (`pytest -m gpu` on the device machine): the persistent kernel in the invariant
+GEMM's K order between the layers' own rotary and the fixed-split attention, against the mode's
+layers one op at a time (models/invariant.py installed, engine/attention/triton_fixed.py), on the
+tiny checkpoints of test_gpu_fused_decode.py (Qwen3, Llama) and a Qwen3 of Qwen3-0.6B's layer
+(hidden 1024, intermediate 3072, head_dim 128: K in 2 to 6 chunks), bf16, a random KV cache:
+- decode steps of 1 to 64 rows: the hidden states and the whole cache after, bit for bit;
+- graph padding writes nothing; graph replays equal the eager call; the barrier is kept across
+  steps and zeroed after a resume;
+- a model with qkv bias (Qwen2) is not served (the kernel's qkv sum adds none).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_fused_decode import (
+    _checkpoint,
+    _decode_step,
+    barrier_garbage_is_cleared_by_after_resume,
+    graph_replays_equal_eager,
+    model_path,
+    padding_rows_write_nothing,
+    with_and_without,
+)
+from test_piecewise_graph import MAX_MODEL_LEN, load_model, random_cache
+
+from engine.attention import ForwardContext
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+LAYER_06B = dict(hidden_size=1024, intermediate_size=3072, head_dim=128)
+
+
+def mode_model(arch: str, tmp_path_factory: pytest.TempPathFactory, **shape: object):
+    """(the bf16 model on CUDA with the mode's matmuls installed, the mode's fixed-split backend
+    over a random KV cache)."""
+    from engine.attention.triton_fixed import FixedSplitBackend
+    from engine.models import invariant
+
+    device = torch.device("cuda")
+    model = load_model(_checkpoint(arch, str(tmp_path_factory.mktemp(arch)), **shape), torch.bfloat16, "cuda")
+    invariant.install(model, device, invariant.reserve(device))
+    c = model.config
+    backend = FixedSplitBackend(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5, num_heads=c.num_heads,
+                                max_num_seqs=128, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    return model, backend
+
+
+@pytest.fixture(scope="module", params=[("qwen3", {}), ("qwen3", LAYER_06B), ("llama", {})], ids=["qwen3", "qwen3-0.6b-layer", "llama"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    from engine.decode import batch_decode
+
+    arch, shape = request.param
+    model, backend = mode_model(arch, tmp_path_factory, **shape)
+    assert batch_decode.unsupported(model, backend, invariant=True) is None
+    return model, backend, batch_decode.BatchDecode(model, backend, 1, 64, invariant=True)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64])
+def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> None:
+    model, backend, batch = setup
+    step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
+    assert batch.applies(step.input_ids, ForwardContext(backend, step.meta))
+    plain, plain_cache, out, cache, _ = with_and_without(model, backend, step, lambda: model_path(model, batch))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, plain), (out.float() - plain.float()).abs().max().item()
+    assert torch.equal(cache, plain_cache)
+
+
+def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
+    model, backend, batch = setup
+    padding_rows_write_nothing(model, backend, batch, 6)
+
+
+def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
+    model, backend, batch = setup
+    barrier_garbage_is_cleared_by_after_resume(model, backend, batch, 12)
+
+
+def test_graph_replays_equal_the_eager_call(setup) -> None:
+    model, backend, batch = setup
+    graph_replays_equal_eager(model, backend, batch, 24, 100)
+
+
+def test_a_model_with_qkv_bias_is_not_served(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from engine.decode import batch_decode
+
+    model, backend = mode_model("qwen2", tmp_path_factory)
+    assert "qkv bias" in batch_decode.unsupported(model, backend, invariant=True)
