@@ -1,0 +1,77 @@
+"""engine/kernels/batch_kernel.py's `--deterministic` variant (INVARIANT) under Triton's
+interpreter (tests/interpreted.py), fp16, one program (a grid of one needs no barrier; its norm
+phases then take one row, so a step of one row): a launch's outputs against the mode's unfused
+ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul), bit for bit, for the
+three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), a middle one
+(layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm).
+The weights' K in 2 and 4 chunks. The GPU's bits, through the engine's layers:
+tests/test_gpu_deterministic_decode.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from interpreted import interpret
+
+HID, INTER, NH, NKV, D, M, ROWS, VOCAB, EPS = 1024, 2048, 8, 4, 128, 1, 64, 50, 1e-6
+QKV = (NH + 2 * NKV) * D
+
+
+def check_invariant_launches(device: str) -> None:
+    from engine.decode.batch_decode import kernel_consts
+    from engine.decode.rules import LayerShape
+    from engine.kernels.batch_kernel import batch_layer_kernel
+    from engine.kernels.fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
+    from engine.kernels.invariant_matmul import invariant_matmul as mm
+
+    g = torch.Generator().manual_seed(0)
+    dt = torch.float16
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
+
+    w = dict(o=rand(HID, NH * D, scale=0.03), post=rand(HID, scale=0.5) + 1, gate_up=rand(2 * INTER, HID, scale=0.03),
+             down=rand(HID, INTER, scale=0.03), norm=rand(HID, scale=0.5) + 1, qkv=rand(QKV, HID, scale=0.03))  # fmt: skip
+    emb, ids = rand(VOCAB, HID), torch.randint(0, VOCAB, (M,), generator=g).to(device)
+    attn, h0 = rand(M, NH * D), rand(M, HID)
+    shape = LayerShape(hidden=HID, inter=INTER, nh=NH, nkv=NKV, d=D, eps=EPS, qk_norm=True, device=torch.device(device), dtype=dt)
+    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, invariant=True)
+    assert consts["KS_O"] == consts["KS_Q"] == consts["WALK_G"] == 2 and consts["KS_D"] == 4
+
+    def launch(head: bool, tail: bool) -> dict[str, torch.Tensor]:
+        f32 = dict(dtype=torch.float32, device=device)
+        b = dict(h=torch.zeros(ROWS, HID, dtype=dt, device=device), h_mid=torch.zeros(ROWS, HID, dtype=dt, device=device),
+                 xn=torch.zeros(ROWS, HID, dtype=dt, device=device), out=torch.zeros(M, HID, dtype=dt, device=device),
+                 qkv=torch.zeros(ROWS, QKV, dtype=dt, device=device))  # fmt: skip
+        b["h"][:M] = h0
+        act = torch.zeros(ROWS, INTER, dtype=dt, device=device)
+        parts = [torch.zeros(consts[k], ROWS, n, **f32) for k, n in (("KS_O", HID), ("KS_D", HID), ("KS_Q", QKV))]
+        bar = torch.zeros(1, dtype=torch.int32, device=device)
+        batch_layer_kernel[(1,)](
+            emb, ids, attn, b["h"], b["h_mid"], w["o"], w["post"], w["gate_up"], w["down"], w["norm"], w["qkv"],
+            b["xn"], b["out"] if tail else b["xn"], act, *parts, b["qkv"], bar, bar, M, EPS,
+            HEAD=head, TAIL=tail, TIMING=False, **consts,
+        )  # fmt: skip
+        return {k: v[:M] for k, v in b.items()}
+
+    # HEAD: h = the embedding rows, xn = layer 0's norm of them, qkv = its qkv
+    got = launch(head=True, tail=False)
+    h = emb[ids]
+    xn = rms_norm(h, w["norm"], EPS)
+    assert torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
+    assert torch.equal(got["qkv"], mm(xn, w["qkv"]))
+    # a middle launch: layer l's o_proj, norm, MLP, norm of layer l+1, its qkv
+    got = launch(head=False, tail=False)
+    xn, h_mid = fused_add_rms_norm(mm(attn, w["o"]), h0.clone(), w["post"], EPS)
+    down = mm(silu_and_mul(mm(xn, w["gate_up"])), w["down"])
+    xn, h = fused_add_rms_norm(down, h_mid.clone(), w["norm"], EPS)
+    assert torch.equal(got["h_mid"], h_mid) and torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
+    assert torch.equal(got["qkv"], mm(xn, w["qkv"]))
+    # TAIL: the same through the final norm (`norm` its weight), into out; no qkv
+    got = launch(head=False, tail=True)
+    assert torch.equal(got["out"], xn) and torch.equal(got["h"], h)
+    assert not got["qkv"].any()
+
+
+def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted() -> None:
+    interpret("test_batch_kernel", "check_invariant_launches('cpu')", timeout=900)
