@@ -7,6 +7,10 @@ inside the `cuda_graph` region, after the attention backend exists):
   folded into one kernel (decode_attention.py `DecodeAttention`).
 Each is attached only where the config, the model, its device and the backend allow it; why not
 is logged. The model sees them through its hooks (engine/models/hooks.py).
+
+`--deterministic`: none of these (their kernels reduce in their own orders), but, where
+DETERMINISTIC_BATCH_DECODE, the batch decode in the mode's K order (`BatchDecode(invariant=True)`)
+for steps of 1 to 64 rows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 
 log = logging.getLogger("siesta.engine")
 
+# Off until tests/test_gpu_deterministic_decode.py has passed on a GPU and bench_deterministic.py
+# (`--batch-decode`, which sets it in its process) has measured it.
+DETERMINISTIC_BATCH_DECODE = False
+
 
 def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
     """Attach the decode paths that serve `model` on `backend` (a CUDA model: the kernels are
@@ -29,6 +37,8 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
     owner resets them after a resume)."""
     from engine.decode import batch_decode, decode_attention, fused_decode
 
+    if config.deterministic:
+        return _attach_deterministic(model, backend, config)
     attention: DecodeAttentionPath | None = None
     why = "--no-rope-decode" if not config.rope_decode else decode_attention.unsupported(model, backend)
     if why is None:
@@ -58,6 +68,23 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
         log.info("batch decode off: %s", why)
     model.model.use_decode_paths(steps, attention)
     return steps
+
+
+def _attach_deterministic(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
+    from engine.decode import batch_decode
+
+    why = None
+    if not DETERMINISTIC_BATCH_DECODE or not config.batch_decode:
+        why = "off in --deterministic" if config.batch_decode else "--no-batch-decode"
+    why = why or batch_decode.unsupported(model, backend, invariant=True)
+    if why is not None:
+        log.info("batch decode off: %s", why)
+        return []
+    batch = batch_decode.BatchDecode(model, backend, 1, min(batch_decode.MAX_ROWS, config.max_num_seqs), invariant=True)
+    log.info("batch decode (--deterministic's K order): steps of 1..%d rows run two kernels per layer and the "
+             "layers' attention (%.1f MiB of scratch)", batch.max_rows, batch.nbytes / (1 << 20))
+    model.model.use_decode_paths([batch], None)
+    return [batch]
 
 
 def long_kv_rows(steps: list[DecodeStepPath]) -> int:

@@ -160,7 +160,7 @@ class ModelRunner:
             self.attn_backend = self.make_backend(self.kv_cache)
             if self.draft is not None:
                 self.draft.backend = self.make_backend(self.kv_caches[1], self.draft.config)
-            if self.device.type == "cuda" and not config.deterministic:  # their kernels reduce in their own orders
+            if self.device.type == "cuda":  # in --deterministic only paths in its orders (attach.py)
                 self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
                 if self.draft is not None:
                     self.draft.decode_paths = attach_decode_paths(self.draft.model, self.draft.backend, config)
