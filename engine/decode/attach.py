@@ -73,10 +73,12 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
 def _attach_deterministic(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
     from engine.decode import batch_decode
 
-    why = None
-    if not DETERMINISTIC_BATCH_DECODE or not config.batch_decode:
-        why = "off in --deterministic" if config.batch_decode else "--no-batch-decode"
-    why = why or batch_decode.unsupported(model, backend, invariant=True)
+    if not config.batch_decode:
+        why = "--no-batch-decode"
+    elif not DETERMINISTIC_BATCH_DECODE:
+        why = "not yet in --deterministic (attach.py DETERMINISTIC_BATCH_DECODE)"
+    else:
+        why = batch_decode.unsupported(model, backend, invariant=True)
     if why is not None:
         log.info("batch decode off: %s", why)
         return []

@@ -226,7 +226,7 @@ def gemv_phase(
     offs_k = tl.arange(0, BK)
     KC: tl.constexpr = CHUNK if CHUNK > 0 else K // (KS * WALK)
     SHORT: tl.constexpr = KC * KS * WALK > K  # the last chunk ends at K
-    tl.static_assert(WALK == 1 or KS == 1, "an item walks its chunks only when the items do not split K")
+    tl.static_assert(WALK == 1 or (KS == 1 and not X_LAMPORT), "an item walks its chunks only without K splits or Lamport x")
     items: tl.constexpr = (N + BN - 1) // BN * KS
     for item in range(pid, items, P):
         c, offs_n, w_rows, k_lo = _item(item, N, K, KS, BN, KC)
