@@ -71,9 +71,6 @@ def kernel_consts(
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
-    ks_d = k_splits(shape.hidden // bn, shape.inter, programs, bk)
-    ks_q = k_splits(-(-qkv // bn), shape.hidden, programs, bk)
-    ks_o = k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk)
     order: dict[str, object] = {}
     if invariant:
         (ks_o, ck_o), (ks_d, ck_d), (ks_q, ck_q), (walk_g, ck_g) = (
@@ -82,6 +79,10 @@ def kernel_consts(
         )  # fmt: skip
         order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g)
         g_pre = d_pre = q_pre = 0
+    else:
+        ks_o = k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk)
+        ks_d = k_splits(shape.hidden // bn, shape.inter, programs, bk)
+        ks_q = k_splits(-(-qkv // bn), shape.hidden, programs, bk)
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
         KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
