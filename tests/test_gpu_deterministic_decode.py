@@ -15,15 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gpu_fused_decode import (
-    _checkpoint,
     _decode_step,
     barrier_garbage_is_cleared_by_after_resume,
     graph_replays_equal_eager,
     model_path,
     padding_rows_write_nothing,
+    tiny_model,
     with_and_without,
 )
-from test_piecewise_graph import MAX_MODEL_LEN, load_model, random_cache
 
 from engine.attention import ForwardContext
 
@@ -41,12 +40,8 @@ def mode_model(arch: str, tmp_path_factory: pytest.TempPathFactory, **shape: obj
     from engine.attention.triton_fixed import FixedSplitBackend
     from engine.models import invariant
 
-    device = torch.device("cuda")
-    model = load_model(_checkpoint(arch, str(tmp_path_factory.mktemp(arch)), **shape), torch.bfloat16, "cuda")
-    invariant.install(model, device, invariant.reserve(device))
-    c = model.config
-    backend = FixedSplitBackend(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5, num_heads=c.num_heads,
-                                max_num_seqs=128, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    model, backend = tiny_model(arch, tmp_path_factory, max_num_seqs=128, backend_cls=FixedSplitBackend, **shape)
+    invariant.install(model, torch.device("cuda"), invariant.reserve(torch.device("cuda")))
     return model, backend
 
 

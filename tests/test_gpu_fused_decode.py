@@ -82,14 +82,16 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return model, backend, FusedDecode(model, backend, 16)
 
 
-def tiny_model(arch: str, tmp_path_factory: pytest.TempPathFactory, max_num_seqs: int = MAX_NUM_SEQS):
-    """(bf16 model of `_checkpoint(arch)` on CUDA, a Triton backend over a random KV cache)."""
+def tiny_model(arch: str, tmp_path_factory: pytest.TempPathFactory, max_num_seqs: int = MAX_NUM_SEQS,
+               backend_cls: type | None = None, **shape: object):  # fmt: skip
+    """(bf16 model of `_checkpoint(arch, **shape)` on CUDA, a `backend_cls` (default: the Triton
+    backend) over a random KV cache)."""
     from engine.attention.triton import TritonBackend
 
-    model = load_model(_checkpoint(arch, str(tmp_path_factory.mktemp(arch))), torch.bfloat16, "cuda")
+    model = load_model(_checkpoint(arch, str(tmp_path_factory.mktemp(arch)), **shape), torch.bfloat16, "cuda")
     c = model.config
-    backend = TritonBackend(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5, num_heads=c.num_heads,
-                            max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    backend = (backend_cls or TritonBackend)(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5,
+                                             num_heads=c.num_heads, max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)  # fmt: skip
     return model, backend
 
 
