@@ -120,10 +120,10 @@ def _pipeline(out: dict[str, object], block_n: int) -> dict[str, object]:
 
 
 def persistent_kernels() -> dict[str, dict[str, object]]:
-    """The batch decode's two kernels (persistent, and its `--deterministic` variant; attention), the layers' attention kernel (the
-    same on the qkv output), the split-K parts and their norm (splitk_kernels) and the fused
-    decode's persistent kernel, with the constants their launches take by default
-    (batch_decode.kernel_consts, rope_decode.kernel_consts, fused_decode.layer_consts)."""
+    """The batch decode's two kernels (persistent, with its `--deterministic` variant; attention),
+    the layers' attention kernel (the same on the qkv output), the split-K parts and their norm
+    (splitk_kernels) and the fused decode's persistent kernel, with the constants their launches
+    take by default (batch_decode.kernel_consts, rope_decode.kernel_consts, fused_decode.layer_consts)."""
     import torch
 
     from engine.decode import batch_decode, fused_decode
