@@ -1,9 +1,10 @@
 """engine/kernels/batch_kernel.py's `--deterministic` variant (INVARIANT) under Triton's
 interpreter (tests/interpreted.py), fp16, one program (a grid of one needs no barrier; its norm
 phases then take one row, so a step of one row): a launch's outputs against the mode's unfused
-ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul), bit for bit, for the
+ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul, rotary), bit for bit, for the
 three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), a middle one
-(layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm).
+(layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm);
+the qkv's q and k normed and rotated and the new K/V rows in the cache as fused_ops.rotary leaves them.
 The weights' K in 2 and 4 chunks. The GPU's bits, through the engine's layers:
 tests/test_gpu_deterministic_decode.py.
 """
@@ -14,6 +15,7 @@ import torch
 from interpreted import interpret
 
 HID, INTER, NH, NKV, D, M, ROWS, VOCAB, EPS = 1024, 2048, 8, 4, 128, 1, 64, 50, 1e-6
+BLOCKS, BLOCK_SIZE, MAX_POS = 4, 16, 64
 QKV = (NH + 2 * NKV) * D
 
 
@@ -21,7 +23,7 @@ def check_invariant_launches(device: str) -> None:
     from engine.decode.batch_decode import kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.batch_kernel import batch_layer_kernel
-    from engine.kernels.fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
+    from engine.kernels.fused_ops import fused_add_rms_norm, rms_norm, rotary, silu_and_mul
     from engine.kernels.invariant_matmul import invariant_matmul as mm
 
     g = torch.Generator().manual_seed(0)
@@ -34,43 +36,60 @@ def check_invariant_launches(device: str) -> None:
              down=rand(HID, INTER, scale=0.03), norm=rand(HID, scale=0.5) + 1, qkv=rand(QKV, HID, scale=0.03))  # fmt: skip
     emb, ids = rand(VOCAB, HID), torch.randint(0, VOCAB, (M,), generator=g).to(device)
     attn, h0 = rand(M, NH * D), rand(M, HID)
+    qw, kw = rand(D, scale=0.5) + 1, rand(D, scale=0.5) + 1
+    cos_sin = torch.randn(MAX_POS, D, generator=g).to(device)
+    positions = torch.randint(0, MAX_POS, (M,), generator=g).to(device)
+    slots = torch.randint(0, BLOCKS * BLOCK_SIZE, (M,), generator=g).to(device)
+    cache0 = rand(2, BLOCKS, BLOCK_SIZE, NKV, D)
+
+    def rotated(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv, cache) as the mode's rotary leaves them: q, k normed and rotated, K/V stored."""
+        qkv, cache = qkv.clone(), cache0.clone()
+        q, k, v = qkv.split([NH * D, NKV * D, NKV * D], dim=-1)
+        rotary(q.view(M, NH, D), k.view(M, NKV, D), positions, cos_sin, qw, kw, EPS, kv_store=(v.view(M, NKV, D), cache[0], cache[1], slots))
+        return qkv, cache
     shape = LayerShape(hidden=HID, inter=INTER, nh=NH, nkv=NKV, d=D, eps=EPS, qk_norm=True, device=torch.device(device), dtype=dt)
-    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, invariant=True)
+    # no L2 prefetch (inline PTX, which the interpreter cannot run; scheduling only, not the bits)
+    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True)
     assert consts["KS_O"] == consts["KS_Q"] == consts["WALK_G"] == 2 and consts["KS_D"] == 4
 
     def launch(head: bool, tail: bool) -> dict[str, torch.Tensor]:
         f32 = dict(dtype=torch.float32, device=device)
         b = dict(h=torch.zeros(ROWS, HID, dtype=dt, device=device), h_mid=torch.zeros(ROWS, HID, dtype=dt, device=device),
                  xn=torch.zeros(ROWS, HID, dtype=dt, device=device), out=torch.zeros(M, HID, dtype=dt, device=device),
-                 qkv=torch.zeros(ROWS, QKV, dtype=dt, device=device))  # fmt: skip
+                 qkv=torch.zeros(ROWS, QKV, dtype=dt, device=device), cache=cache0.clone())  # fmt: skip
         b["h"][:M] = h0
         act = torch.zeros(ROWS, INTER, dtype=dt, device=device)
         parts = [torch.zeros(consts[k], ROWS, n, **f32) for k, n in (("KS_O", HID), ("KS_D", HID), ("KS_Q", QKV))]
         bar = torch.zeros(1, dtype=torch.int32, device=device)
         batch_layer_kernel[(1,)](
             emb, ids, attn, b["h"], b["h_mid"], w["o"], w["post"], w["gate_up"], w["down"], w["norm"], w["qkv"],
-            b["xn"], b["out"] if tail else b["xn"], act, *parts, b["qkv"], bar, bar, M, EPS,
+            b["xn"], b["out"] if tail else b["xn"], act, *parts, b["qkv"], positions, cos_sin, qw, kw, b["cache"][0], b["cache"][1],
+            slots, cos_sin.stride(0), b["cache"].stride(2), b["cache"].stride(3), EPS, bar, bar, M, EPS,
             HEAD=head, TAIL=tail, TIMING=False, **consts,
         )  # fmt: skip
-        return {k: v[:M] for k, v in b.items()}
+        return {k: v if k == "cache" else v[:M] for k, v in b.items()}
 
     # HEAD: h = the embedding rows, xn = layer 0's norm of them, qkv = its qkv
     got = launch(head=True, tail=False)
     h = emb[ids]
     xn = rms_norm(h, w["norm"], EPS)
     assert torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
-    assert torch.equal(got["qkv"], mm(xn, w["qkv"]))
+    qkv, cache = rotated(mm(xn, w["qkv"]))
+    assert torch.equal(got["qkv"], qkv) and torch.equal(got["cache"], cache)
+    assert not torch.equal(cache, cache0)
     # a middle launch: layer l's o_proj, norm, MLP, norm of layer l+1, its qkv
     got = launch(head=False, tail=False)
     xn, h_mid = fused_add_rms_norm(mm(attn, w["o"]), h0.clone(), w["post"], EPS)
     down = mm(silu_and_mul(mm(xn, w["gate_up"])), w["down"])
     xn, h = fused_add_rms_norm(down, h_mid.clone(), w["norm"], EPS)
     assert torch.equal(got["h_mid"], h_mid) and torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
-    assert torch.equal(got["qkv"], mm(xn, w["qkv"]))
+    qkv, cache = rotated(mm(xn, w["qkv"]))
+    assert torch.equal(got["qkv"], qkv) and torch.equal(got["cache"], cache)
     # TAIL: the same through the final norm (`norm` its weight), into out; no qkv
     got = launch(head=False, tail=True)
     assert torch.equal(got["out"], xn) and torch.equal(got["h"], h)
-    assert not got["qkv"].any()
+    assert not got["qkv"].any() and torch.equal(got["cache"], cache0)
 
 
 def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted() -> None:

@@ -60,13 +60,13 @@ TOLERANCE = 3e-2
 
 def _checkpoint(arch: str, path: str, **shape: object) -> str:
     if arch == "qwen3":
-        config = Qwen3Config(**(SHAPE | shape), num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        config = Qwen3Config(**(SHAPE | dict(num_attention_heads=4, num_key_value_heads=2) | shape), num_hidden_layers=3, tie_word_embeddings=True)
         return _save(_randomized(Qwen3ForCausalLM, config, seed=11), path)
     if arch == "qwen2":
         config = Qwen2Config(**(SHAPE | dict(intermediate_size=384)), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
         return _save(_randomized(Qwen2ForCausalLM, config, seed=12), path)
     config = LlamaConfig(
-        **SHAPE, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        **(SHAPE | dict(num_attention_heads=8, num_key_value_heads=2) | shape), num_hidden_layers=2,
         rope_scaling={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     )  # fmt: skip

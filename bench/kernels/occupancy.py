@@ -138,7 +138,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     fp32 = ("o_part_ptr", "down_part_ptr", "qkv_part_ptr", "cos_sin_ptr", "down_prev_ptr", "part_o_ptr", "part_lse_ptr", "down_ptr")
     types = {n: "*fp32" for n in fp32}
     types.update(pos_ptr="*i64", slot_ptr="*i64", t_ptr="*i64", ids_ptr="*i64", bar_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
-                 eps="fp32", sm_scale_log2="fp32")  # fmt: skip
+                 eps="fp32", qk_eps="fp32", sm_scale_log2="fp32")  # fmt: skip
     for jit in (batch_layer_kernel, decoder_layer_kernel, rope_decode_kernel):
         types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
     batch = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)

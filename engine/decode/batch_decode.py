@@ -26,11 +26,10 @@ Rules:
 `--no-batch-decode` turns it off (engine/decode/attach.py).
 
 `invariant` (`--deterministic`; rules.py `unsupported(..., invariant=True)`): the persistent
-kernel in the invariant GEMM's K order, its qkv summed into `qkv` (batch_kernel.py INVARIANT),
-and between the launches each layer's own rotary and the backend's fixed-split attention
-(layers.py `Attention.attend_qkv`), so that every row has the bits of the mode's layers one op
-at a time (tests/test_gpu_deterministic_decode.py). No L2 prefetch and no PDL there yet; the
-engine does not attach it yet (attach.py).
+kernel in the invariant GEMM's K order, its last phase summing qkv into `qkv`, rotating q and k
+there and storing the new K/V rows into the layer's cache (batch_kernel.py INVARIANT), and
+between the launches the backend's fixed-split attention on that q (`attend`), so that every
+row has the bits of the mode's layers one op at a time (tests/test_gpu_deterministic_decode.py).
 """
 
 from __future__ import annotations
@@ -67,7 +66,8 @@ def kernel_consts(
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them).
-    `invariant`: the K splits are invariant_tiles.config's chunks (`--deterministic`), no prefetch."""
+    `invariant`: the K splits are invariant_tiles.config's chunks (`--deterministic`), and the
+    last phase sums qkv and rotates it (batch_kernel.py INVARIANT)."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
@@ -77,20 +77,30 @@ def kernel_consts(
             invariant_chunks(n, k, bk) for n, k in
             ((shape.hidden, shape.nh * shape.d), (shape.hidden, shape.inter), (qkv, shape.hidden), (2 * shape.inter, shape.hidden))
         )  # fmt: skip
-        order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g)
-        g_pre = d_pre = q_pre = 0
+        order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g, QK_NORM=shape.qk_norm,
+                     BLOCK_HQ=triton.next_power_of_2(shape.nh), BLOCK_HK=triton.next_power_of_2(shape.nkv),
+                     BN_D=one_wave(shape.hidden, ks_d, programs, bn), BN_Q=one_wave(qkv, ks_q, programs, bn))  # fmt: skip
+        split_d, split_q = ck_d, ck_q
     else:
         ks_o = k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk)
         ks_d = k_splits(shape.hidden // bn, shape.inter, programs, bk)
         ks_q = k_splits(-(-qkv // bn), shape.hidden, programs, bk)
+        split_d, split_q = shape.inter // ks_d, shape.hidden // ks_q
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
         KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
-        G_PRE=prefetch_width(shape.hidden, g_pre), D_PRE=prefetch_width(shape.inter // ks_d, d_pre),
-        Q_PRE=prefetch_width(shape.hidden // ks_q, q_pre), **order,
+        G_PRE=prefetch_width(shape.hidden, g_pre), D_PRE=prefetch_width(split_d, d_pre), Q_PRE=prefetch_width(split_q, q_pre),
+        **order,
     )  # fmt: skip
+
+
+def one_wave(n: int, chunks: int, programs: int, bn: int) -> int:
+    """Columns an item of an invariant GEMV phase of N = n over `chunks` K chunks: the narrowest of
+    bn, 2 bn, 4 bn whose items fit one wave of the programs (the chunks are fixed, so the width
+    sets the rounds; the 0.6B's down and qkv at bn 32 took two). The width never sets the bits."""
+    return next((w for w in (bn, 2 * bn) if -(-n // w) * chunks <= programs), 4 * bn)
 
 
 def invariant_chunks(n: int, k: int, bk: int) -> tuple[int, int]:
@@ -123,7 +133,9 @@ class BatchDecode:
         rows = self.max_rows
         # engine/kernels/pdl.py: each attention kernel launches while the kernel before runs its qkv phase.
         self.invariant = invariant
-        self.pdl = pdl.enabled(device) and bool(use_pdl) and not invariant
+        if invariant and num_warps != rules.INVARIANT_WARPS:
+            raise ValueError(f"the invariant kernel runs {rules.INVARIANT_WARPS} warps (rules.py), not {num_warps}")
+        self.pdl = pdl.enabled(device) and bool(use_pdl)
         # The kernel's arguments that are the same at every layer and step; the first launch's plain.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre,
                                     q_pre, invariant)  # fmt: skip
@@ -175,15 +187,15 @@ class BatchDecode:
         layers = list(lm.layers)
         # the attention's splits and workspace, every layer's (the invariant path: the backend's own)
         plan = None if self.invariant else self.backend.merged_decode_plan(m)
-        rope = lm.rotary_emb(positions, gather=False) if self.invariant else None
         attn = self.attn
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
-            self._launch(prev, nxt, i, input_ids, attn, out, timing[i] if timing is not None else None, m)
+            self._launch(prev, nxt, i, input_ids, positions, meta, attn, out, timing[i] if timing is not None else None)
             if nxt is not None:
-                if self.invariant:
-                    attn = nxt.self_attn.attend_qkv(self.qkv[:m], rope, ctx)
+                if self.invariant:  # q rotated, the new K/V rows in the cache: the kernel's last phase
+                    q = self.qkv[:m, : self.shape.nh * self.shape.d].view(m, self.shape.nh, self.shape.d)
+                    attn = self.backend.attend(nxt.self_attn.layer_id, q, meta)
                 else:
                     self.attention(i, nxt, positions, meta, plan)
         return out
@@ -205,12 +217,21 @@ class BatchDecode:
         )  # fmt: skip
 
     def _launch(
-        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, attn: torch.Tensor,
-        out: torch.Tensor, timing: torch.Tensor | None, m: int,
+        self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, positions: torch.Tensor,
+        meta: AttentionMetadata, attn: torch.Tensor, out: torch.Tensor, timing: torch.Tensor | None,
     ) -> None:  # fmt: skip
         from engine.kernels.batch_kernel import batch_layer_kernel
 
-        lm = self.lm
+        lm, m = self.lm, input_ids.shape[0]
+        # INVARIANT's last phase: rope and layer l+1's cache (else: any tensors, not read)
+        rope_args: tuple = (self.barrier,) * 7 + (0, 0, 0, 0.0)
+        if self.invariant and nxt is not None:
+            sa = nxt.self_attn
+            k_cache, v_cache, slots = self.backend.kv_target(sa.layer_id, meta)
+            cos_sin = lm.rotary_emb.cos_sin_cache
+            qw, kw = (sa.q_norm.weight, sa.k_norm.weight) if self.shape.qk_norm else (self.barrier, self.barrier)
+            rope_args = (positions, cos_sin, qw, kw, k_cache, v_cache, slots, cos_sin.stride(0), k_cache.stride(1),
+                         k_cache.stride(2), sa.q_norm.eps if self.shape.qk_norm else 0.0)  # fmt: skip
         # layer l's weights (HEAD: any tensor), layer l+1's (TAIL: any tensor)
         a, mlp = (prev.self_attn, prev.mlp) if prev is not None else (nxt.self_attn, nxt.mlp)
         post = (prev or nxt).post_attention_layernorm.weight
@@ -220,7 +241,7 @@ class BatchDecode:
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             norm, (nxt or prev).self_attn.qkv_proj.weight,
             self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
-            self.qkv if self.invariant else self.qkv_part, self.barrier, timing if timing is not None else self.barrier, m,
+            self.qkv if self.invariant else self.qkv_part, *rope_args, self.barrier, timing if timing is not None else self.barrier, m,
             self.shape.eps, HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None,
             **(self.consts if i else self.first_consts),
         )  # fmt: skip

@@ -2,7 +2,8 @@
 batch_decode.py: up to 64 rows, two per layer) share: the models they serve (`unsupported`), the
 layer shape they compile for (`LayerShape`) and how they split a GEMV's K (`k_splits`).
 
-Models they serve: Triton attention (`--deterministic`: its fixed-split backend, and no qkv bias),
+Models they serve: Triton attention (`--deterministic`: its fixed-split backend, no qkv bias, and
+the shape's RMSNorm and rotary kernels at INVARIANT_WARPS),
 TP = 1, fused ops on, a half-precision CUDA model of dense MLPs (no mixture of experts) without
 o_proj or MLP biases, hidden <= MAX_HIDDEN (the one shape measured: at the 8B shape's 4096 one
 program per SM streams a layer's 24-96 MB slower than the skinny GEMVs' own grids,
@@ -25,6 +26,10 @@ MAX_HIDDEN = 1024
 # H200, 0.6B, one row (bench/history/2026-11-29.md, 2026-11-29p): the fused step is ~0.67 ms plus
 # ~92 ns per context token, the batch decode's ~1.2 ms plus ~30 ns: even at ~8.5k tokens.
 LONG_KV_TOKENS = 8192
+# `--deterministic`'s batch decode runs this many warps, as the mode's RMSNorm and rotary kernels
+# must at the model's shape (the 0.6B's: hidden 1024, 16 heads of 128), so its row sums of
+# squares reduce in their order (bench/history/2026-12-01.md, entry b: 4 against 16 warps differed).
+INVARIANT_WARPS = 4
 _K_UNIT = 128  # every K of a layer's GEMVs is a multiple of this (the kernels' K steps)
 
 
@@ -52,6 +57,12 @@ def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> s
         return "o_proj or MLP bias"
     if invariant and attn.qkv_proj.bias is not None:
         return "qkv bias (the invariant kernel's qkv sum adds none)"
+    if invariant:  # the kernel's norms and rope must reduce as the mode's own kernels do
+        from engine.kernels.fused_ops import norm_warps, rotary_warps
+
+        warps = (norm_warps(w.shape[1]), rotary_warps(attn.num_heads, attn.head_dim))
+        if warps != (INVARIANT_WARPS, INVARIANT_WARPS):
+            return f"the mode's norm and rotary kernels run {warps} warps at this shape, the invariant kernel {INVARIANT_WARPS}"
     hidden, inter = w.shape[1], mlp.down_proj.weight.shape[1]
     if hidden > MAX_HIDDEN:
         return f"hidden {hidden} > {MAX_HIDDEN}: the layers' own GEMVs are faster there"

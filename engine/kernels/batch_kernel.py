@@ -25,9 +25,11 @@ up to the order of fp32 sums.
 INVARIANT (`--deterministic`, batch_decode.py `invariant`): the GEMV phases take the invariant
 GEMM's K order (their splits CK_O / CK_D / CK_Q long, the gate_up items walking WALK_G chunks of
 CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
-  7. qkv: the partials summed in chunk order, rounded, into qkv [M, QKV] (`_sum_phase`),
-so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul):
-the mode's own rotary and fixed-split attention run on qkv between the launches.
+  7. qkv (programs P-1..P-M, a row each): the partials summed in chunk order, rounded, into qkv
+     [M, QKV]; then the rotary kernel's q/k norm and rope in place and the new K/V rows into
+     layer l+1's cache (`_qkv_rope_phase`),
+so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul,
+fused_ops.rotary): the mode's fixed-split attention runs on qkv's q between the launches.
 
 USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
@@ -40,6 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels.fused_ops import rope_token
 from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
@@ -51,17 +54,33 @@ from engine.kernels.grid_phases import (
 
 
 @triton.jit
-def _sum_phase(part_ptr, stride_part, out_ptr, n, KS: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
-    # out[i] = part[0][i] + part[1][i] + ... (KS fp32 partials at stride_part, in that order),
-    # rounded once, for i < n: invariant_matmul's chunk sum. Blocks of BLOCK dealt round-robin.
-    offs = tl.arange(0, BLOCK)
-    for item in range(tl.program_id(0), tl.cdiv(n, BLOCK), P):
-        idx = item * BLOCK + offs
-        ok = idx < n
-        s = tl.load(part_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-        for c in tl.static_range(1, KS):
-            s += tl.load(part_ptr + c * stride_part + idx, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + idx, s.to(DTYPE), mask=ok)
+def _qkv_rope_phase(
+    row, part_ptr, stride_part, qkv_ptr, M, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_cos, stride_cslot, stride_chead, qk_eps,
+    KS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    # The program given row < M: qkv[row] = part[0][row] + part[1][row] + ... (KS fp32 partials
+    # at stride_part, in that order), rounded once (invariant_matmul's chunk sum); then
+    # fused_ops.rope_token on it (the rotary kernel's bits: same blocks, same warps): q and k
+    # normed (QK_NORM) and rotated in place, the rotated K and the V into the cache at the row's slot.
+    if row < M:
+        QKV: tl.constexpr = (NH + 2 * NKV) * D
+        t = row.to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        for b in range(0, QKV, BLOCK):
+            idx = t * QKV + b + offs
+            ok = b + offs < QKV
+            s = tl.load(part_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+            for c in tl.static_range(1, KS):
+                s += tl.load(part_ptr + c * stride_part + idx, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(qkv_ptr + idx, s.to(DTYPE), mask=ok)
+        tl.debug_barrier()  # the row's qkv, stored by every thread, read back by others
+        rope_token(
+            t, qkv_ptr, qkv_ptr + NH * D, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qkv_ptr + (NH + NKV) * D,
+            k_cache_ptr, v_cache_ptr, slot_ptr, QKV, D, QKV, D, stride_cos, QKV, D, stride_cslot, stride_chead,
+            NH, NKV, 1.0 / D, qk_eps, QK_NORM, D // 2, D // 2, BLOCK_HQ, BLOCK_HK, True,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -79,7 +98,10 @@ def batch_layer_kernel(
     act_ptr,  # [MAX_M, INTER] scratch
     o_part_ptr, down_part_ptr,  # [KS_O | KS_D, MAX_M, HID] fp32
     qkv_part_ptr,  # [KS_Q, MAX_M, QKV] fp32
-    qkv_ptr,  # [MAX_M, QKV]: qkv summed and rounded (INVARIANT only)
+    qkv_ptr,  # [MAX_M, QKV]: qkv summed, rounded, q and k rotated (INVARIANT only)
+    pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr,  # INVARIANT: positions [M], the rope's cos | sin, layer l+1's q/k norm
+    k_cache_ptr, v_cache_ptr, slot_ptr,  # INVARIANT: layer l+1's cache [slots, NKV, D] each, the step's slots [M]
+    stride_cos, stride_cslot, stride_chead, qk_eps,  # INVARIANT
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
     M, eps,
@@ -89,11 +111,14 @@ def batch_layer_kernel(
     FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr,
     G_PRE: tl.constexpr, D_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
     INVARIANT: tl.constexpr = False, CK_O: tl.constexpr = 0, CK_D: tl.constexpr = 0, CK_Q: tl.constexpr = 0,
-    CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1,
+    CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1,
+    BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
     S_HID: tl.constexpr = MAX_M * HID  # stride of o_part and down_part
+    BN_DOWN: tl.constexpr = BN_D if BN_D > 0 else BN  # the down and qkv phases' columns an item (0: BN)
+    BN_QKV: tl.constexpr = BN_Q if BN_Q > 0 else BN
     pid = tl.program_id(0)
     # The row phases run on the last programs, which the GEMV phases fill last.
     row = P - 1 - pid
@@ -117,22 +142,24 @@ def batch_layer_kernel(
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE,
                    CHUNK=CK_G, WALK=WALK_G)
         if D_PRE > 0:
-            prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN, P, D_PRE)
+            prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN_DOWN, P, D_PRE, CK_D)
         phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)
-        gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN, BK, P,
+        gemv_phase(act_ptr, INTER, down_w_ptr, down_w_ptr, down_part_ptr, S_HID, M, HID, INTER, KS_D, True, False, False, BM, BN_DOWN, BK, P,
                    DTYPE, CHUNK=CK_D)
         if Q_PRE > 0:
             if not TAIL:
-                prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN, P, Q_PRE)
+                prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN_QKV, P, Q_PRE, CK_Q)
         phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
         norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE, W_LOADED=True)
     if not TAIL:
         phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
         if USE_PDL:  # engine/kernels/pdl.py: the attention kernel after this one gets scheduled now
             tl.extra.cuda.gdc_launch_dependents()
-        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN, BK, P,
+        gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN_QKV, BK, P,
                    DTYPE, CHUNK=CK_Q)
         if INVARIANT:
             phase_end(bar_ptr, t_ptr, 13, FIRST_ADD, TIMING)
-            _sum_phase(qkv_part_ptr, MAX_M * QKV, qkv_ptr, M * QKV, KS_Q, P, DTYPE, BLOCK_HID)
+            _qkv_rope_phase(row, qkv_part_ptr, MAX_M * QKV, qkv_ptr, M, pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr,
+                            v_cache_ptr, slot_ptr, stride_cos, stride_cslot, stride_chead, qk_eps, KS_Q, NH, NKV, D, QK_NORM,
+                            BLOCK_HQ, BLOCK_HK, BLOCK_HID, DTYPE)  # fmt: skip
     stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)

@@ -102,6 +102,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def norm_warps(n: int) -> int:
+    """The warps of the RMSNorm's program (a row of n): a kernel that norms a row with others
+    may sum its squares in another order."""
+    return _warps(_next_pow2(n))
+
+
 def _launch_norm(x2, res2, weight, out2, eps, has_residual, parts: int = 1):
     # x2 [T, N], or [parts, T, N] fp32 partial sums (parts > 1)
     rows, n = x2.shape[-2:]
@@ -113,7 +119,7 @@ def _launch_norm(x2, res2, weight, out2, eps, has_residual, parts: int = 1):
         x2, res2, weight, out2,
         x2.stride(-2), res2.stride(0), out2.stride(0), x2.stride(0) if parts > 1 else 0,
         n, 1.0 / n, eps,
-        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=use_pdl, KS=parts, num_warps=_warps(block), launch_pdl=use_pdl,
+        HAS_RESIDUAL=has_residual, BLOCK=block, USE_PDL=use_pdl, KS=parts, num_warps=norm_warps(n), launch_pdl=use_pdl,
     )  # fmt: skip
 
 
@@ -176,23 +182,18 @@ def _norm_rope_heads(
     return o1, o2  # [BLOCK_H, BLOCK_D] each: the heads' halves as stored
 
 
-@Launcher
 @triton.jit
-def _rotary_kernel(
-    q_ptr,  # [T, H, D], last dim contiguous; rotated in place
-    k_ptr,  # [T, Hkv, D]
-    pos_ptr,  # [T] positions
-    cache_ptr,  # [max_positions, D] fp32: cos | sin
-    qw_ptr, kw_ptr,  # [D] per-head norm weights (read only when HAS_NORM)
-    v_ptr,  # STORE: [T, Hkv, D] the new values, last dim contiguous
-    k_cache_ptr, v_cache_ptr,  # STORE: [slots, Hkv, D] the layer's paged cache (blocks x block size slots)
-    slot_ptr,  # STORE: [T] int64 each token's cache slot; -1 writes nothing
+def rope_token(
+    t, q_ptr, k_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_vt, stride_vh, stride_cslot, stride_chead,
     num_q_heads, num_k_heads, inv_d, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
+    # Token t (int64) of `_rotary_kernel`'s arguments: its q and k heads normed (HAS_NORM) and
+    # rotated in place, its rotated K and its V into the cache (STORE). Also the `--deterministic`
+    # batch decode's (batch_kernel.py INVARIANT), which must give these bits: the same block
+    # shapes at the same warps reduce in the same order.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)[None, :]
     dtype = q_ptr.dtype.element_ty
@@ -219,6 +220,35 @@ def _rotary_kernel(
             v_src = v_ptr + t * stride_vt + h * stride_vh + d
             tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_dtype), mask=mask)
             tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask).to(cache_dtype), mask=mask)
+
+
+def rotary_warps(num_heads: int, head_dim: int) -> int:
+    """The warps of `rotary`'s program (a token's q heads, [BLOCK_HQ, BLOCK_D]): a kernel that
+    calls `rope_token` with others gives other bits where the q/k norm reduces."""
+    return max(1, min(8, _warps(_next_pow2(num_heads) * _next_pow2(head_dim // 2))))
+
+
+@Launcher
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # [T, H, D], last dim contiguous; rotated in place
+    k_ptr,  # [T, Hkv, D]
+    pos_ptr,  # [T] positions
+    cache_ptr,  # [max_positions, D] fp32: cos | sin
+    qw_ptr, kw_ptr,  # [D] per-head norm weights (read only when HAS_NORM)
+    v_ptr,  # STORE: [T, Hkv, D] the new values, last dim contiguous
+    k_cache_ptr, v_cache_ptr,  # STORE: [slots, Hkv, D] the layer's paged cache (blocks x block size slots)
+    slot_ptr,  # STORE: [T] int64 each token's cache slot; -1 writes nothing
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_vt, stride_vh, stride_cslot, stride_chead,
+    num_q_heads, num_k_heads, inv_d, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, STORE: tl.constexpr,
+):  # fmt: skip
+    rope_token(
+        tl.program_id(0).to(tl.int64), q_ptr, k_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_cache, stride_vt, stride_vh, stride_cslot, stride_chead,
+        num_q_heads, num_k_heads, inv_d, eps, HAS_NORM, HALF, BLOCK_D, BLOCK_HQ, BLOCK_HK, STORE,
+    )  # fmt: skip
 
 
 def rotary(
@@ -267,7 +297,7 @@ def rotary(
         num_heads, num_kv_heads, 1.0 / head_dim, eps,
         HAS_NORM=has_norm, HALF=half, BLOCK_D=block_d,
         BLOCK_HQ=block_hq, BLOCK_HK=_next_pow2(num_kv_heads), STORE=kv_store is not None,
-        num_warps=max(1, min(8, _warps(block_hq * block_d))),
+        num_warps=rotary_warps(num_heads, head_dim),
         # No FMA contraction: the compiler narrows `round(x1 * cos) - round(x2 * sin)` to bf16
         # ops and would fuse a multiply into the subtraction, skipping a rounding torch does
         # (seen on an H200: 19% of bf16 outputs one ULP off).

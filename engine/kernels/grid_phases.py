@@ -290,13 +290,14 @@ def unwrite_items(
 @triton.jit
 def prefetch_items(
     w_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr, BN: tl.constexpr,
-    P: tl.constexpr, KPRE: tl.constexpr,
+    P: tl.constexpr, KPRE: tl.constexpr, CHUNK: tl.constexpr = 0,
 ):  # fmt: skip
-    # The first KPRE weights of each row of this program's items of a gemv_phase (the same dealing)
-    # pulled into L2: one prefetch per 128-byte line.
+    # The first KPRE weights of each row of this program's items of a gemv_phase (the same dealing,
+    # its splits K / KS long or CHUNK) pulled into L2: one prefetch per 128-byte line.
     items: tl.constexpr = (N + BN - 1) // BN * KS
+    KC: tl.constexpr = CHUNK if CHUNK > 0 else K // KS
     for item in range(tl.program_id(0), items, P):
-        _, _, w_rows, k_lo = _item(item, N, K, KS, BN, K // KS)
+        _, _, w_rows, k_lo = _item(item, N, K, KS, BN, KC)
         ptrs = w_ptr + w_rows + k_lo + tl.arange(0, KPRE // 64)[None, :] * 64
         prefetch_l2(ptrs)
         if SILU:

@@ -290,8 +290,7 @@ class Attention(nn.Module):
     def attend_qkv(self, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext) -> torch.Tensor:
         """The fused CUDA attention of this layer's qkv output [T, (H + 2 Hkv) D] -> [T, H, D]:
         one kernel for the q/k norm (if any) and rope, in place in qkv, and the K/V rows into the
-        cache where the backend lets it (then it only attends). Also the `--deterministic` batch
-        decode's, between its launches (engine/decode/batch_decode.py)."""
+        cache where the backend lets it (then it only attends)."""
         q, k, v = self._heads(qkv)
         qw = self.q_norm.weight if self.q_norm is not None else None
         kw = self.k_norm.weight if self.k_norm is not None else None
