@@ -353,11 +353,11 @@ def test_bench_speculative_tiny_gives_plain_decodings_outputs(tmp_path: str) -> 
 
 def test_bench_deterministic_tiny_measures_both_modes(tmp_path: str) -> None:
     """bench/bench_deterministic.py on the CPU: the default engine and the deterministic ones
-    (`--batch-decode`: a second, which on a CPU attaches no decode path) each run every decode
+    (`--ab-batch-decode`: a second, without the mode's batch decode, which a CPU never attaches) each run every decode
     batch and the RL rollouts; a row per batch and one for the rollouts, per mode."""
     out = os.path.join(tmp_path, "det.json")
     p = run_script(os.path.join("bench", "bench_deterministic.py"), "--tiny", "--model-dir", os.path.join(tmp_path, "ckpt"),
-             "--out", out, "--batch-decode", timeout=300)  # fmt: skip
+             "--out", out, "--ab-batch-decode", timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     with open(out) as f:
         res = json.load(f)
@@ -368,7 +368,7 @@ def test_bench_deterministic_tiny_measures_both_modes(tmp_path: str) -> None:
         assert mode["rl"]["tokens"] == 4 * 16 and len(mode["rl"]["rounds_tok_s"]) == 3 and mode["rl"]["warmup_tok_s"] > 0
         assert mode["rl"]["tokens_per_s"] == sorted(mode["rl"]["rounds_tok_s"])[1]  # the median round
     assert [row[0] for row in res["table"]] == [
-        row for name in ("deterministic (auto)", "deterministic (auto, batch decode)")
+        row for name in ("deterministic (auto)", "deterministic (auto, no batch decode)")
         for row in [f"{name}: decode step, bs={b}" for b in (1, 4)] + [f"{name}: RL rollouts (engine), tok/s"]
     ]  # fmt: skip
 

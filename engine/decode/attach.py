@@ -26,9 +26,9 @@ from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 
 log = logging.getLogger("siesta.engine")
 
-# Off until tests/test_gpu_deterministic_decode.py has passed on a GPU and bench_deterministic.py
-# (`--batch-decode`, which sets it in its process) has measured it.
-DETERMINISTIC_BATCH_DECODE = False
+# bench_deterministic.py `--batch-decode` measures the mode with it against the mode without it
+# (it sets this in its process); tests/test_gpu_deterministic_decode.py holds its bits to the layers'.
+DETERMINISTIC_BATCH_DECODE = True
 
 
 def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
@@ -83,8 +83,8 @@ def _attach_deterministic(model: nn.Module, backend: AttentionBackend, config: E
         log.info("batch decode off: %s", why)
         return []
     batch = batch_decode.BatchDecode(model, backend, 1, min(batch_decode.MAX_ROWS, config.max_num_seqs), invariant=True)
-    log.info("batch decode (--deterministic's K order): steps of 1..%d rows run two kernels per layer and the "
-             "layers' attention (%.1f MiB of scratch)", batch.max_rows, batch.nbytes / (1 << 20))
+    log.info("batch decode (--deterministic's K order): steps of 1..%d rows run one kernel per layer and the "
+             "fixed-split attention (%.1f MiB of scratch)", batch.max_rows, batch.nbytes / (1 << 20))
     model.model.use_decode_paths([batch], None)
     return [batch]
 
