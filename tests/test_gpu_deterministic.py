@@ -55,26 +55,35 @@ def test_graphs_replay_the_bits_of_eager_steps(checkpoint: str, request: pytest.
     """The mode's default backend on CUDA is the fixed-split kernel, with decode and piecewise
     graphs. A request alone (decode steps of one row: 16-row matmul tiles, the split attention)
     and among 20 companions (steps of more than 16 rows: 64-row tiles, one program a token)
-    gives the same tokens and logprobs, replayed or eager, bit for bit."""
+    gives the same tokens and logprobs, replayed or eager, bit for bit. At Qwen3-0.6B's widths
+    the mode's batch decode (engine/decode/batch_decode.py `invariant`) runs those decode steps,
+    replayed and eager, and gives the bits of the engine without it (`batch_decode=False`: the
+    layers one op at a time); the tiny Qwen3's shape gets none (rules.py INVARIANT_WARPS)."""
+    from engine.decode.batch_decode import BatchDecode
+
     path = request.getfixturevalue(checkpoint)
+    wide = checkpoint == "wide_qwen3_dir"
     prompt = random_tokens(37, seed=3)
     others, params = companions(random.Random(7), prompt, 20)
     batches = [([prompt], [target()]), ([*others[:4], prompt, *others[4:]], [*params[:4], target(), *params[4:]])]
     results, replays = {}, {}
-    for graphs in (True, False):
+    runs = [(True, True), (False, True)] + [(True, False)] * wide  # (graphs, batch decode)
+    for graphs, batch in runs:
         core = EngineCore(EngineConfig(model=path, device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs,
-                                       **KNOBS | dict(max_num_seqs=32, max_num_batched_tokens=24)))  # fmt: skip
-        assert core.runner.backend_name == "triton_fixed" and not core.runner.decode_paths
+                                       batch_decode=batch, **KNOBS | dict(max_num_seqs=32, max_num_batched_tokens=24)))  # fmt: skip
+        assert core.runner.backend_name == "triton_fixed"
+        paths = core.runner.decode_paths
+        assert len(paths) == int(wide and batch) and all(isinstance(p, BatchDecode) and p.invariant for p in paths)
         assert all((runner is not None) == graphs for runner in (core.runner.graphs, core.runner.piecewise))
         counted = _count_runs(core)
-        results[graphs] = []
+        results[graphs, batch] = []
         for prompts, params in batches:  # each request's (tokens, logprobs), in order
             outs = run_core(core, [(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
-            results[graphs].append([outs[str(i)][:2] for i in range(len(prompts))])
-        replays[graphs] = counted
+            results[graphs, batch].append([outs[str(i)][:2] for i in range(len(prompts))])
+        replays[graphs, batch] = counted
         del core
         torch.cuda.empty_cache()
-    assert replays[True][0] > 0 and replays[True][1] > 0, replays  # decode graphs and piecewise graphs both ran
-    alone, among = results[True]
+    assert replays[True, True][0] > 0 and replays[True, True][1] > 0, replays  # decode graphs and piecewise graphs both ran
+    alone, among = results[True, True]
     assert among[4] == alone[0]
-    assert results[True] == results[False]
+    assert all(results[run] == results[True, True] for run in runs)
