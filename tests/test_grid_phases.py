@@ -100,7 +100,7 @@ def test_gemv_phase_in_the_invariant_k_order_on_the_gpu() -> None:
 @pytest.mark.skipif(triton is None, reason="needs Triton")
 def test_the_invariant_batch_decode_takes_each_weights_chunks() -> None:
     """batch_decode.kernel_consts(invariant=True), Qwen3-0.6B's layer: each GEMV phase's splits
-    (or the gate_up items' walk) are its weight's invariant chunks, and no prefetch or PDL."""
+    (or the gate_up items' walk) are its weight's invariant chunks, its items one wave wide."""
     from engine.decode.batch_decode import invariant_chunks, kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.invariant_tiles import chunking, config
@@ -114,7 +114,12 @@ def test_the_invariant_batch_decode_takes_each_weights_chunks() -> None:
         assert (c[f"KS_{phase}"], c[f"CK_{phase}"]) == (chunks, chunk), phase
     chunk, chunks = chunking(1024, config(6144, 1024))  # gate | up
     assert (c["WALK_G"], c["CK_G"]) == (chunks, chunk) == (2, 512)
-    assert c["INVARIANT"] and not c["USE_PDL"] and c["G_PRE"] == c["D_PRE"] == c["Q_PRE"] == 0
+    assert c["INVARIANT"] and not c["USE_PDL"]
+    # the L2 prefetch covers the first weights of an item's chunk, as the default's of its split
+    assert (c["G_PRE"], c["D_PRE"], c["Q_PRE"]) == (256, 512, 256)
+    # down (6 chunks) and qkv (2 chunks) in items of 64 columns: one wave of 132 programs, not two
+    assert (c["BN"], c["BN_D"], c["BN_Q"]) == (32, 64, 64)
+    assert 1024 // 32 * c["KS_O"] <= 132 and 1024 // 64 * c["KS_D"] <= 132 and 4096 // 64 * c["KS_Q"] <= 132
     assert "INVARIANT" not in kernel_consts(shape, 132, 64, use_pdl=True)  # the default's constants as they were
     with pytest.raises(ValueError, match="steps K by 64"):
         invariant_chunks(1024, 2048, bk=128)

@@ -68,7 +68,7 @@ def _qkv_rope_phase(
         QKV: tl.constexpr = (NH + 2 * NKV) * D
         t = row.to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        for b in range(0, QKV, BLOCK):
+        for b in tl.static_range(0, QKV, BLOCK):  # unrolled: every load in flight at once
             idx = t * QKV + b + offs
             ok = b + offs < QKV
             s = tl.load(part_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
