@@ -216,9 +216,8 @@ def gemv_phase(
     # w[:, c-th split].T, at stride_out. Else (KS 1): out [M, N] = x @ w.T (+ bias), rounded once,
     # or silu(gate) * up of w = gate | up with SILU.
     # Splits are K / KS long, or CHUNK (a multiple of BK; the last split shorter where CHUNK * KS
-    # > K). WALK > 1 (KS 1): an item walks all of K, WALK chunks of CHUNK, each summed from zero
-    # and added in order, ((p_0 + p_1) + p_2) + ...: invariant_matmul.py's K order
-    # (`--deterministic`), in one loop (its `_walk_chunks`'s: no pipeline drained per chunk).
+    # > K). WALK > 1 (KS 1): an item walks WALK chunks of CHUNK, each summed from zero and added
+    # in order, ((p_0 + p_1) + p_2) + ...: invariant_matmul.py's K order (`--deterministic`).
     # Lamport buffers (lamport.py), so no grid barrier between producer and consumer: X_LAMPORT,
     # an item first waits until its x slice holds no sentinel; OUT_LAMPORT, out gets no -0.0.
     pid = tl.program_id(0)
@@ -236,32 +235,25 @@ def gemv_phase(
             await_rows(x_ptr, stride_x, M, k_lo, KC, BM, BK)
         acc = tl.zeros([BM, BN], tl.float32)
         acc_up = tl.zeros([BM, BN], tl.float32)
-        if WALK == 1:
-            hi = k_lo + KC
-            if SHORT:
-                hi = tl.minimum(hi, K)
-            for k0 in range(k_lo, hi, BK):
-                cols = (k0 + offs_k)[None, :]
-                x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-                acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), acc)
-                if SILU:
-                    acc_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), acc_up)
-        else:  # one loop over K, each chunk's partial folded in as it ends: the loads run on across chunks
+        for j in tl.static_range(WALK):
             part = tl.zeros([BM, BN], tl.float32)
             part_up = tl.zeros([BM, BN], tl.float32)
-            CHUNK_STEPS: tl.constexpr = KC // BK
-            STEPS: tl.constexpr = (K + BK - 1) // BK
-            for step in range(0, STEPS):
-                cols = (step * BK + offs_k)[None, :]
+            lo = k_lo + j * KC
+            hi = lo + KC
+            if SHORT:
+                hi = tl.minimum(hi, K)
+            for k0 in range(lo, hi, BK):
+                cols = (k0 + offs_k)[None, :]
                 x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
                 part = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), part)
                 if SILU:
                     part_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), part_up)
-                if (step + 1) % CHUNK_STEPS == 0 or step == STEPS - 1:  # a chunk ends: p_0 as it is, then + p_c
-                    acc = tl.where(step < CHUNK_STEPS, part, acc + part)
-                    acc_up = tl.where(step < CHUNK_STEPS, part_up, acc_up + part_up)
-                    part = tl.zeros([BM, BN], tl.float32)
-                    part_up = tl.zeros([BM, BN], tl.float32)
+            if j == 0:
+                acc = part
+                acc_up = part_up
+            else:
+                acc += part
+                acc_up += part_up
         mask = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:
             if OUT_LAMPORT:
