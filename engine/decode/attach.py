@@ -26,8 +26,8 @@ from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 
 log = logging.getLogger("siesta.engine")
 
-# bench_deterministic.py `--batch-decode` measures the mode with it against the mode without it
-# (it sets this in its process); tests/test_gpu_deterministic_decode.py holds its bits to the layers'.
+# bench_deterministic.py `--ab-batch-decode` measures the mode without it too (clearing this in its
+# process); tests/test_gpu_deterministic_decode.py holds its bits to the layers'.
 DETERMINISTIC_BATCH_DECODE = True
 
 
