@@ -4,7 +4,7 @@ phases then take one row, so a step of one row): a launch's outputs against the 
 ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul, rotary), bit for bit, for the
 three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), a middle one
 (layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm);
-the qkv's q and k normed and rotated and the new K/V rows in the cache as fused_ops.rotary leaves them.
+the qkv's q and k normed and rotated and the new K/V rows in the cache as rope.rotary leaves them.
 The weights' K in 2 and 4 chunks. The GPU's bits, through the engine's layers:
 tests/test_gpu_deterministic_decode.py.
 """
@@ -23,8 +23,9 @@ def check_invariant_launches(device: str) -> None:
     from engine.decode.batch_decode import kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.batch_kernel import batch_layer_kernel
-    from engine.kernels.fused_ops import fused_add_rms_norm, rms_norm, rotary, silu_and_mul
+    from engine.kernels.fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
     from engine.kernels.invariant_matmul import invariant_matmul as mm
+    from engine.kernels.rope import rotary
 
     g = torch.Generator().manual_seed(0)
     dt = torch.float16

@@ -1,4 +1,4 @@
-"""The fused Triton ops of engine/kernels/fused_ops.py against the torch code of layers.py and rotary.py run on the
+"""The fused Triton ops of engine/kernels/fused_ops.py and rope.py against the torch code of layers.py and rotary.py run on the
 same CUDA tensors (the reference), on fresh random inputs; a CUDA-graph capture and replay of all of
 them; whole models with the fused ops against the same models without them. GPU only, except the
 two tests at the end (the switch, and that a CPU forward never imports the kernels).
@@ -103,7 +103,7 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, tokens: int, add: bool) -> No
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm_rope"])
 def test_rotary(dtype: torch.dtype, heads: tuple[int, int, int], tokens: int, qk_norm: bool) -> None:
-    from engine.kernels import fused_ops
+    from engine.kernels import rope as rope_kernel
 
     H, Hkv, D = heads
     max_pos = 8192
@@ -119,7 +119,7 @@ def test_rotary(dtype: torch.dtype, heads: tuple[int, int, int], tokens: int, qk
     ref_q, ref_k = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
     ref_q, ref_k = apply_rotary(ref_q, r.cos, r.sin), apply_rotary(ref_k, r.cos, r.sin)
     weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
-    out_q, out_k = fused_ops.rotary(q, k, positions, rope.cos_sin_cache, *weights, EPS)
+    out_q, out_k = rope_kernel.rotary(q, k, positions, rope.cos_sin_cache, *weights, EPS)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr(), "in place"
     for out, ref in ((out_q, ref_q), (out_k, ref_k)):
         check(out, ref, row_tol=2**-5 if qk_norm else None)
@@ -141,6 +141,7 @@ def test_silu_and_mul(dtype: torch.dtype, intermediate: int, tokens: int) -> Non
 def test_ops_capture_and_replay_in_a_cuda_graph() -> None:
     """All four ops captured into one graph; replays on new inputs equal eager runs."""
     from engine.kernels import fused_ops
+    from engine.kernels import rope as rope_kernel
 
     T, N, H, Hkv, D, dtype = 64, 1024, 16, 8, 128, torch.bfloat16
     norm = _norm(N, dtype, fused=True)
@@ -160,7 +161,7 @@ def test_ops_capture_and_replay_in_a_cuda_graph() -> None:
         a = norm(x)
         b, r = norm(a, res)
         q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
-        fused_ops.rotary(q, k, pos, rope.cos_sin_cache, qw, kw, EPS)
+        rope_kernel.rotary(q, k, pos, rope.cos_sin_cache, qw, kw, EPS)
         return [a, b, r, qkv, fused_ops.silu_and_mul(gate_up)]
 
     fill()
@@ -220,12 +221,12 @@ def _rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def test_model_logits_with_fused_ops(arch_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 logits with the fused ops are as close to float32 as without them, and within bf16
     noise of them; in float32 both agree to 1e-5. The fused path is really taken."""
-    from engine.kernels import fused_ops
+    from engine.kernels import fused_ops, rope
 
     calls: set[str] = set()
 
-    def spy(name: str):
-        fn = getattr(fused_ops, name)
+    def spy(module, name: str):
+        fn = getattr(module, name)
 
         def wrapped(*args, **kwargs):
             calls.add(name)
@@ -233,8 +234,8 @@ def test_model_logits_with_fused_ops(arch_dir: str, monkeypatch: pytest.MonkeyPa
 
         return wrapped
 
-    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"):
-        monkeypatch.setattr(fused_ops, name, spy(name))
+    for module, name in ((fused_ops, "rms_norm"), (fused_ops, "fused_add_rms_norm"), (rope, "rotary"), (fused_ops, "silu_and_mul")):
+        monkeypatch.setattr(module, name, spy(module, name))
     with torch.inference_mode():
         exact = _run(_build(arch_dir, torch.float32, fused=False))
         fused32 = _run(_build(arch_dir, torch.float32, fused=True))
@@ -287,6 +288,7 @@ for m in model.modules():
         m.fused = True
 PagedRunner(model, 16).step({{0: [5, 6, 7]}})
 assert "engine.kernels.fused_ops" not in sys.modules, "fused_ops imported on a CPU forward"
+assert "engine.kernels.rope" not in sys.modules, "rope imported on a CPU forward"
 assert "engine.kernels.skinny_linear" not in sys.modules, "skinny_linear imported on a CPU forward"
 assert "engine.kernels.fused_moe" not in sys.modules, "fused_moe imported on a CPU forward"
 assert "engine.kernels.moe_routing" not in sys.modules, "moe_routing imported on a CPU forward"

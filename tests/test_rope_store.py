@@ -1,4 +1,4 @@
-"""The fused rope kernel storing the step's K/V rows itself (engine/kernels/fused_ops.py `rotary`
+"""The fused rope kernel storing the step's K/V rows itself (engine/kernels/rope.py `rotary`
 with `kv_store`, what a Triton backend's `kv_target` asks for): on a CPU under Triton's
 interpreter and on a GPU, the cache afterwards is bit for bit the cache of rope, then
 attention.store_kv (the two launches it replaces), slot -1 writes nothing, every other slot keeps
@@ -13,7 +13,7 @@ from interpreted import interpret
 
 def check_store(device: str, dtype: torch.dtype, qk_norm: bool) -> None:
     from engine.kernels import attention as tk
-    from engine.kernels import fused_ops
+    from engine.kernels import rope as rope_kernel
     from engine.models.rotary import RotaryEmbedding
 
     dev = torch.device(device)
@@ -30,7 +30,7 @@ def check_store(device: str, dtype: torch.dtype, qk_norm: bool) -> None:
         x, kv = qkv.clone(), cache.clone()
         q, k, v = (t.view(T, -1, D) for t in x.split([H * D, Hkv * D, Hkv * D], dim=-1))
         store = (v, kv[0], kv[1], slots) if fused_store else None
-        fused_ops.rotary(q, k, positions, rope.cos_sin_cache, *weights, 1e-6, kv_store=store)
+        rope_kernel.rotary(q, k, positions, rope.cos_sin_cache, *weights, 1e-6, kv_store=store)
         if not fused_store:
             tk.store_kv(k, v, kv[0], kv[1], slots)
         return x, kv
@@ -45,7 +45,7 @@ def check_store(device: str, dtype: torch.dtype, qk_norm: bool) -> None:
     assert not torch.equal(flat[:, 5], cache.view(2, -1, Hkv, D)[:, 5]), "slot 5 was not written"
     with pytest.raises(ValueError, match="caches"):
         q, k, v = (t.view(T, -1, D) for t in qkv.clone().split([H * D, Hkv * D, Hkv * D], dim=-1))
-        fused_ops.rotary(q, k, positions, rope.cos_sin_cache, *weights, 1e-6, kv_store=(v, cache[0], cache[1, :, :, :1], slots))
+        rope_kernel.rotary(q, k, positions, rope.cos_sin_cache, *weights, 1e-6, kv_store=(v, cache[0], cache[1, :, :, :1], slots))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

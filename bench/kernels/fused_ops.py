@@ -155,7 +155,7 @@ def decode(args: argparse.Namespace, fused: bool, bandwidth: float, ref: dict[in
 
 def op_cases(tokens: int) -> dict[str, tuple[Any, Any]]:
     """op name -> (torch ops, fused op), closures over fresh random bf16 inputs of `tokens` rows."""
-    from engine.kernels import fused_ops
+    from engine.kernels import rope as rope_kernel
 
     dev, dt = "cuda", torch.bfloat16
     H, Hkv, D, N, inter = 16, 8, 128, 1024, 3072
@@ -180,7 +180,7 @@ def op_cases(tokens: int) -> dict[str, tuple[Any, Any]]:
     return {
         "rms_norm": (lambda: norm_t(x), lambda: norm_f(x)),
         "add_rms_norm": (lambda: norm_t(x, res), lambda: norm_f(x, res)),
-        "qk_norm_rope": (torch_rope, lambda: fused_ops.rotary(q, k, pos, rope.cos_sin_cache, qn.weight, kn.weight, 1e-6)),
+        "qk_norm_rope": (torch_rope, lambda: rope_kernel.rotary(q, k, pos, rope.cos_sin_cache, qn.weight, kn.weight, 1e-6)),
         "silu_and_mul": (lambda: SiluAndMul()(gu), lambda: SiluAndMul(fused=True)(gu)),
     }
 

@@ -177,7 +177,7 @@ def splitk_kernels() -> dict[str, dict[str, object]]:
     return {
         "_splitk_kernel (64 rows)": compile_sm90(s._splitk_kernel, types, consts, dict(num_warps=s.NUM_WARPS, num_stages=s.NUM_STAGES), ("M",)),
         "_rms_norm_kernel (split-K parts)": compile_sm90(fused_ops._rms_norm_kernel, types | dict(x_ptr="*fp32"), norm,
-                                                         dict(num_warps=fused_ops._warps(4096), launch_pdl=True)),
+                                                         dict(num_warps=fused_ops.norm_warps(4096), launch_pdl=True)),
     }  # fmt: skip
 
 

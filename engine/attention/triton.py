@@ -144,7 +144,7 @@ class TritonBackend(AttentionBackend):
 
     def kv_target(self, layer_id: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's caches and the step's slots: the fused rope kernel stores the rows
-        (fused_ops.rotary's `kv_store`), as `store_kv` would."""
+        (rope.rotary's `kv_store`), as `store_kv` would."""
         return (*self.layer_caches[layer_id], meta.slot_mapping)
 
     def attend(self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -58,7 +58,8 @@ def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> s
     if invariant and attn.qkv_proj.bias is not None:
         return "qkv bias (the invariant kernel's qkv sum adds none)"
     if invariant:  # the kernel's norms and rope must reduce as the mode's own kernels do
-        from engine.kernels.fused_ops import norm_warps, rotary_warps
+        from engine.kernels.fused_ops import norm_warps
+        from engine.kernels.rope import rotary_warps
 
         warps = (norm_warps(w.shape[1]), rotary_warps(attn.num_heads, attn.head_dim))
         if warps != (INVARIANT_WARPS, INVARIANT_WARPS):

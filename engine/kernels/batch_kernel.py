@@ -29,7 +29,7 @@ CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
      [M, QKV]; then the rotary kernel's q/k norm and rope in place and the new K/V rows into
      layer l+1's cache (`_qkv_rope_phase`),
 so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul,
-fused_ops.rotary): the mode's fixed-split attention runs on qkv's q between the launches.
+rope.rotary): the mode's fixed-split attention runs on qkv's q between the launches.
 
 USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
@@ -42,7 +42,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.fused_ops import rope_token
 from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
@@ -51,6 +50,7 @@ from engine.kernels.grid_phases import (
     prefetch_items,
     stamp,
 )
+from engine.kernels.rope import rope_token
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _qkv_rope_phase(
 ):  # fmt: skip
     # The program given row < M: qkv[row] = part[0][row] + part[1][row] + ... (KS fp32 partials
     # at stride_part, in that order), rounded once (invariant_matmul's chunk sum); then
-    # fused_ops.rope_token on it (the rotary kernel's bits: same blocks, same warps): q and k
+    # rope.rope_token on it (the rotary kernel's bits: same blocks, same warps): q and k
     # normed (QK_NORM) and rotated in place, the rotated K and the V into the cache at the row's slot.
     if row < M:
         QKV: tl.constexpr = (NH + 2 * NKV) * D

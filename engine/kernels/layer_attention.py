@@ -7,7 +7,7 @@ load of the item that needs no output of this layer: the row's metadata, its cos
 KV tile of its chunk and the q/k norm's weights (one row: the attention phase 2.82 -> 2.56 us;
 bench/history/2026-11-27.md); they land while the program waits. After it,
 `attention_phase` normalizes (Qwen3) and rotates the GROUP query heads and the new key in
-registers, with the roundings of fused_ops._norm_rope_heads; split 0 stores the new K/V row into
+registers, with the roundings of rope._norm_rope_heads; split 0 stores the new K/V row into
 the cache, and every split takes it from registers instead of the cache, so no barrier waits for
 that store. Each split runs the online softmax (base 2) over its chunk of the row's context, in
 tiles of ABN tokens; the chunk is an even share rounded up to whole tiles
@@ -43,7 +43,7 @@ def norm_weights(w_ptr, QK_NORM: tl.constexpr, HALF: tl.constexpr):
 def norm_rope_w(x1, x2, w1, w2, cos, sin, eps, QK_NORM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
     # x1, x2 [R, HALF] fp32: the halves of R heads -> normed (Qwen3) by the weight halves w1, w2
     # [1, HALF] (norm_weights, loaded before any wait: they are the layer's) and rotated, in
-    # DTYPE; the roundings of fused_ops._norm_rope_heads.
+    # DTYPE; the roundings of rope._norm_rope_heads.
     if QK_NORM:
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) * (1.0 / (2 * HALF)) + eps)[:, None]
         x1 = rnd(w1.to(tl.float32) * rnd(x1 * rstd, DTYPE), DTYPE)

@@ -15,7 +15,7 @@ Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, sp
      kernel before, trigger the next.
   2. q of g's GROUP query heads and the new token's k and v: round(sum_c qkv_part[c] + bias)
      (KS parts of the qkv output), Qwen3's q/k norm, rope; the roundings of
-     fused_ops._norm_rope_heads (compiled without FMA contraction, as the persistent kernels).
+     rope._norm_rope_heads (compiled without FMA contraction, as the persistent kernels).
   3. The split holding the new token (position seq_len - 1) stores its k and v into the cache at
      the row's slot (none for slot -1).
   4. The online softmax over the split's cached tokens, the new one excluded (split_kv's

@@ -49,6 +49,12 @@ def _fused_ops() -> ModuleType:
     return fused_ops
 
 
+def _rope() -> ModuleType:
+    from engine.kernels import rope  # as _fused_ops
+
+    return rope
+
+
 def skinny_for(x: torch.Tensor) -> ModuleType | None:
     """The few-rows matmul module (skinny_linear.py) when it applies to x [M, K], else None.
     Checked cheaply first, so a CPU forward never imports it."""
@@ -297,7 +303,7 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         target = ctx.backend.kv_target(self.layer_id, ctx.meta)
         store = None if target is None else (v, *target)
-        q, k = _fused_ops().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps, kv_store=store)
+        q, k = _rope().rotary(q, k, rope.positions, rope.cos_sin_cache, qw, kw, eps, kv_store=store)
         if target is not None:
             return ctx.backend.attend(self.layer_id, q, ctx.meta)
         return ctx.backend.forward(self.layer_id, q, k, v, ctx.meta)

@@ -1,6 +1,6 @@
 """Rotary position embedding: the inverse frequencies (with Llama 3 / linear scaling), the cos/sin
 cache computed once per model, and the torch rotation that is the reference of the fused kernel
-(fused_ops.rotary). Shapes: T new tokens, D the head dim; the cache is always float32.
+(engine/kernels/rope.py `rotary`). Shapes: T new tokens, D the head dim; the cache is always float32.
 """
 
 from __future__ import annotations
