@@ -6,9 +6,9 @@ the default's.
     python3 bench/bench_deterministic.py --tiny --out /tmp/det.json            # CPU smoke test
 
 Sections, per mode (`default`, then `deterministic` with each of `--backends`, and with
-`--ab-batch-decode` each backend again without the mode's batch decode (engine/decode/attach.py
-DETERMINISTIC_BATCH_DECODE off in this process: decode steps of the layers one op at a time); each
-engine with its CUDA graphs, freed before the next is built):
+`--ab-batch-decode` each backend again without the mode's batch decode (`batch_decode=False`, as
+`--no-batch-decode`: decode steps of the layers one op at a time); each engine with its CUDA
+graphs, freed before the next is built):
 - decode: the median step time of B greedy sequences after `--context` prompt tokens each
   (engine_decode.py; the median, as one stalled step of 30 moves a mean by a third), for each B
   of `--batch-sizes`. Target: the mode's step <= 1.10x the default's at B 1, 64 and 256.
@@ -138,8 +138,7 @@ def main() -> int:
     p.add_argument("--rl-len", type=int, help="prompt and output tokens of each rollout (default 256; 16 with --tiny)")
     p.add_argument("--rl-rounds", type=int, default=3, help="timed RL rounds after the warm-up; their median")
     p.add_argument("--ab-batch-decode", action="store_true",
-                   help="also each backend's engine without the mode's batch decode (CUDA: "
-                   "engine/decode/attach.py DETERMINISTIC_BATCH_DECODE, cleared in this process for it)")  # fmt: skip
+                   help="also each backend's engine without the mode's batch decode (batch_decode=False)")
     args = p.parse_args()
     if args.rl_rounds < 1:
         p.error("--rl-rounds must be at least 1")
@@ -158,19 +157,12 @@ def main() -> int:
         raise SystemExit(f"{ckpt['path']} has no weights: the deterministic mode serves dense checkpoints")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     res: dict[str, Any] = {"shape": ckpt["shape"], "args": vars(args), "modes": {}}
-    from engine.decode import attach
-
-    shipped = attach.DETERMINISTIC_BATCH_DECODE
-    modes = [("default", {}, shipped)] + [(f"deterministic ({b}{'' if batch else ', no batch decode'})",
-                                           dict(deterministic=True, attention_backend=b), batch)
-                                          for b in args.backends.split(",") for batch in (shipped, False)[: 1 + args.ab_batch_decode]]  # fmt: skip
-    for name, knobs, batch in modes:
+    modes = [("default", {})] + [(f"deterministic ({b}{'' if batch else ', no batch decode'})",
+                                  dict(deterministic=True, attention_backend=b, batch_decode=batch))
+                                 for b in args.backends.split(",") for batch in (True, False)[: 1 + args.ab_batch_decode]]  # fmt: skip
+    for name, knobs in modes:
         say(f"{name}:")
-        attach.DETERMINISTIC_BATCH_DECODE = batch  # read when the engine attaches its decode paths
-        try:
-            res["modes"][name] = measure(args, ckpt["path"], knobs)
-        finally:
-            attach.DETERMINISTIC_BATCH_DECODE = shipped
+        res["modes"][name] = measure(args, ckpt["path"], knobs)
         write_json(args.out, res)
     res["table"] = table(res, sizes)
     device = "CPU tiny" if args.tiny else torch.cuda.get_device_name()

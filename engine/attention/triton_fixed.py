@@ -13,9 +13,9 @@ Rules:
 - CUDA graphs, decode and piecewise, replay the same kernel on the Triton backend's static
   metadata: its grid is the padded row count, and a padding row (seq_len 0, or past the last
   sequence) writes zeros, so a graph's rows carry the bits of eager rows.
-- No decode path (engine/decode/attach.py) is attached in the mode: their kernels reduce in their
-  own orders. batch_decode.py's `invariant` variant keeps the mode's orders; it is not attached
-  until measured on a GPU.
+- Of the decode paths (engine/decode/attach.py) the mode attaches only batch_decode.py's
+  `invariant` variant, which keeps its orders and ends in this backend's `attend`; the others'
+  kernels reduce in their own orders.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ inside the `cuda_graph` region, after the attention backend exists):
 Each is attached only where the config, the model, its device and the backend allow it; why not
 is logged. The model sees them through its hooks (engine/models/hooks.py).
 
-`--deterministic`: none of these (their kernels reduce in their own orders), but, where
-DETERMINISTIC_BATCH_DECODE, the batch decode in the mode's K order (`BatchDecode(invariant=True)`)
-for steps of 1 to 64 rows.
+`--deterministic`: none of these (their kernels reduce in their own orders), but the batch decode
+in the mode's K order (`BatchDecode(invariant=True)`) for steps of 1 to 64 rows, unless
+`--no-batch-decode`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,6 @@ from engine.decode import rules
 from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 
 log = logging.getLogger("siesta.engine")
-
-# bench_deterministic.py `--ab-batch-decode` measures the mode without it too (clearing this in its
-# process); tests/test_gpu_deterministic_decode.py holds its bits to the layers'.
-DETERMINISTIC_BATCH_DECODE = True
-
 
 def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
     """Attach the decode paths that serve `model` on `backend` (a CUDA model: the kernels are
@@ -73,12 +68,7 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
 def _attach_deterministic(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
     from engine.decode import batch_decode
 
-    if not config.batch_decode:
-        why = "--no-batch-decode"
-    elif not DETERMINISTIC_BATCH_DECODE:
-        why = "not yet in --deterministic (attach.py DETERMINISTIC_BATCH_DECODE)"
-    else:
-        why = batch_decode.unsupported(model, backend, invariant=True)
+    why = "--no-batch-decode" if not config.batch_decode else batch_decode.unsupported(model, backend, invariant=True)
     if why is not None:
         log.info("batch decode off: %s", why)
         return []
