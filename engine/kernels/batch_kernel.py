@@ -46,6 +46,7 @@ from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
     norm_weight,
+    part_sum,
     phase_end,
     prefetch_items,
     stamp,
@@ -71,10 +72,7 @@ def _qkv_rope_phase(
         for b in tl.static_range(0, QKV, BLOCK):  # unrolled: every load in flight at once
             idx = t * QKV + b + offs
             ok = b + offs < QKV
-            s = tl.load(part_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-            for c in tl.static_range(1, KS):
-                s += tl.load(part_ptr + c * stride_part + idx, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(qkv_ptr + idx, s.to(DTYPE), mask=ok)
+            tl.store(qkv_ptr + idx, part_sum(part_ptr, idx, ok, stride_part, KS).to(DTYPE), mask=ok)
         tl.debug_barrier()  # the row's qkv, stored by every thread, read back by others
         rope_token(
             t, qkv_ptr, qkv_ptr + NH * D, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, qkv_ptr + (NH + NKV) * D,

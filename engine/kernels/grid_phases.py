@@ -139,6 +139,16 @@ def phase_end_prefetching(
 
 
 @triton.jit
+def part_sum(part_ptr, off, mask, stride_part, KS: tl.constexpr):
+    # part[0][off] + part[1][off] + ... (KS >= 1 fp32 partials at stride_part, in that order),
+    # through L2 (`.cg`: other programs wrote them).
+    s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
+    for c in tl.static_range(1, KS):
+        s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
+    return s
+
+
+@triton.jit
 def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE: tl.constexpr, PART_LAMPORT: tl.constexpr):
     # [BLOCK] fp32 chunk of base + round(sum_c part[c]), rounded (the residual add); base_ptr and
     # part_ptr point at the row's start (base: the embedding's row of a token, at layer 0).
@@ -148,9 +158,7 @@ def _stream(base_ptr, part_ptr, off, mask, stride_part, KS: tl.constexpr, DTYPE:
         if PART_LAMPORT:
             s = await_sum(part_ptr, off, mask, stride_part, KS)
         else:
-            s = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-            for c in tl.static_range(1, KS):
-                s += tl.load(part_ptr + c * stride_part + off, mask=mask, other=0.0, cache_modifier=".cg")
+            s = part_sum(part_ptr, off, mask, stride_part, KS)
         h = rnd(h + rnd(s, DTYPE), DTYPE)
     return h
 
