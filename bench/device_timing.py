@@ -1,7 +1,8 @@
 """Timing on the device, shared by the suites, the kernel benchmarks and the probes: syncs and
 frees, one timed copy, the copy bandwidth a roofline is measured against, the dense bf16 matmul
 rate a FLOP/s target is measured against, the median time of an op replayed from a CUDA graph, and
-a profile's kernels: their time by name and the idle gaps between them."""
+a profile's kernels: their time by name, their share of the critical path and the idle gaps
+between them."""
 
 from __future__ import annotations
 
@@ -162,6 +163,20 @@ def kernel_times(events: list[Any]) -> list[tuple[str, int, float]]:
         k[0] += 1
         k[1] += e.device_time
     return sorted(((name, int(n), us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
+
+
+def path_times(events: list[Any]) -> dict[str, float]:
+    """Device us of each kernel name (its first 90 characters) on the critical path: the part of
+    each launch's span past the end of every kernel that started before it. Under programmatic
+    dependent launch a kernel starts while the one before runs and waits for it, so its own span
+    counts that wait; this share does not. The shares plus the idle gaps add up to the profile's
+    span."""
+    path: dict[str, float] = defaultdict(float)
+    end = None
+    for start, stop, name in sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in events):
+        path[name] += max(0.0, stop - max(start, end if end is not None else start))
+        end = stop if end is None else max(end, stop)
+    return dict(path)
 
 
 def idle_gaps(events: list[Any], steps: int) -> list[dict[str, Any]]:

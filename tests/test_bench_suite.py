@@ -64,14 +64,15 @@ def test_the_report_helper_prints_the_table_it_is_given() -> None:
 def test_idle_gaps_are_grouped_by_the_ops_around_them() -> None:
     """device_timing.idle_gaps on a real profile (CPU ops here, kernels on a GPU): a 30 ms wait
     between two ops is the largest gap, named by the op before and the op after; kernel_times
-    counts each op's launches."""
+    counts each op's launches; path_times gives each op its whole span where none overlaps, and
+    with the gaps covers the profile's span."""
     import time
 
     import torch
 
     sys.path.insert(0, str(BENCH))
     try:
-        from device_timing import idle_gaps, kernel_times
+        from device_timing import idle_gaps, kernel_times, path_times
     finally:
         sys.path.remove(str(BENCH))
     a = torch.randn(64, 64)
@@ -86,6 +87,11 @@ def test_idle_gaps_are_grouped_by_the_ops_around_them() -> None:
     assert (top["before"], top["after"]) == ("aten::mm", "aten::sub"), gaps
     assert top["count_per_step"] == 1.0 and 30_000 <= top["us_per_step"] < 300_000, top
     assert {name: n for name, n, _ in kernel_times(events)} == {"aten::mm": 2, "aten::sub": 2}
+    path = path_times(events)
+    own = {name: sum(e.time_range.end - e.time_range.start for e in events if e.name == name) for name in path}
+    assert path == pytest.approx(own) and own["aten::mm"] > 0
+    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    assert sum(path.values()) + sum(g["us_per_step"] * 2 for g in gaps) == pytest.approx(span)
 
 
 def test_engine_process_heap_hides_startup_objects_from_full_collections_until_it_exits() -> None:

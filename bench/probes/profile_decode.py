@@ -33,7 +33,7 @@ BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
 from bench_runtime import say, write_json  # noqa: E402
-from device_timing import device_events, idle_gaps, kernel_times  # noqa: E402
+from device_timing import device_events, idle_gaps, kernel_times, path_times  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -102,18 +102,20 @@ def profile_batch(core: EngineCore, bs: int, context: int, steps: int, rng: rand
     core.abort(None)
     while core.has_work():
         core.step()
-    rows = [(name, n / steps, us / steps) for name, n, us in kernel_times(events)]
+    path = path_times(events)
+    rows = [(name, n / steps, us / steps, path[name] / steps) for name, n, us in kernel_times(events)]
     return {"batch_size": bs, "context": context, "steps": steps, "wall_us_per_step": wall * 1e6,
-            "kernel_us_per_step": sum(us for _, _, us in rows), "kernels_per_step": sum(n for _, n, _ in rows),
-            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us} for n, c, us in rows],
+            "kernel_us_per_step": sum(r[2] for r in rows), "kernels_per_step": sum(r[1] for r in rows),
+            "kernels": [{"name": n, "launches_per_step": c, "us_per_step": us, "path_us_per_step": on} for n, c, us, on in rows],
             "gaps": idle_gaps(events, steps)}
 
 
 def print_profile(r: dict[str, Any], top: int) -> None:
     print_table(f"decode bs={r['batch_size']}, context {r['context']}: step wall {r['wall_us_per_step']:.0f} us, "
                 f"kernels {r['kernel_us_per_step']:.0f} us ({r['kernels_per_step']:.0f} launches per step)",
-                ["kernel", "launches per step", "device us per step", "share"],
-                [[f"`{k['name']}`", k["launches_per_step"], k["us_per_step"], k["us_per_step"] / r["kernel_us_per_step"]]
+                ["kernel", "launches per step", "device us per step", "share", "on the critical path, us per step"],
+                [[f"`{k['name']}`", k["launches_per_step"], k["us_per_step"], k["us_per_step"] / r["kernel_us_per_step"],
+                  k["path_us_per_step"]]
                  for k in r["kernels"][:top]])
     idle = sum(g["us_per_step"] for g in r["gaps"])
     print_table(f"largest idle gaps between kernels (top 20 pairs: {idle:.0f} us per step)",

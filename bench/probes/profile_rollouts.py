@@ -147,26 +147,30 @@ def main() -> None:
     p.add_argument("--cprofile", type=int, default=0, help="then a round under cProfile: its K functions of most own time")
     p.add_argument("--host-phases", action="store_true", help="then a round with the host's time by phase of a step")
     p.add_argument("--deterministic", action="store_true", help="the engine in --deterministic (issue 76)")
+    p.add_argument("--no-batch-decode", action="store_true", help="the engine without its batch decode (EngineConfig.batch_decode)")
+    p.add_argument("--rounds", type=int, default=1, help="timed rounds before the profiled one, each printed")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     shape = (args.requests, args.prompt_len, args.output_len)
     ckpt = checkpoint(args.shape, args.model_dir, torch.device("cuda"), seed=0)
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", load_format=ckpt.get("load_format", "auto"),
                                    max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.requests,
-                                   deterministic=args.deterministic))  # fmt: skip
+                                   deterministic=args.deterministic, batch_decode=not args.no_batch_decode))  # fmt: skip
     with engine_process_heap():  # as the engine process runs (engine/core/loop.py)
         rng = random.Random(0)
-        rollout_round(core, "warm", shape, rng)  # the first compiles of every row count
-        steps, wall = rollout_round(core, "timed", shape, rng)
-        tok_s = args.requests * args.output_len / wall
-        say(f"timed round: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
+        steps, wall = rollout_round(core, "warm", shape, rng)  # the first compiles of every row count
+        say(f"untimed round: {steps} steps, {wall:.3f} s")
+        for r in range(args.rounds):
+            steps, wall = rollout_round(core, f"timed{r}-", shape, rng)
+            tok_s = args.requests * args.output_len / wall
+            say(f"timed round {r}: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
         events = device_events(prof)
         rows = [(name, n, us / 1e3) for name, n, us in kernel_times(events)]  # ms in the round
         busy = sum(ms for _, _, ms in rows)
         gaps = idle_gaps(events, prof_steps)
-        mode = "--deterministic" if args.deterministic else "default"
+        mode = ("--deterministic" if args.deterministic else "default") + (" --no-batch-decode" if args.no_batch_decode else "")
         print_table(f"RL round ({mode}, {args.requests} x {args.prompt_len} + {args.output_len}): wall {prof_wall * 1e3:.0f} ms "
                     f"under the profiler in {prof_steps} steps, kernels {busy:.0f} ms",
                     ["kernel", "launches", "device ms", "share"],
