@@ -1,8 +1,10 @@
 """The few-token router of engine/kernels/moe_router.py (its GEMV and top-k in one launch): on the
-CPU, under Triton's interpreter, its top-k equals the reference's on the logits it computed, and
-those are the fp32 GEMV's rounded; on the GPU its logits, weights and ids equal the router
-Linear's skinny GEMV then `topk_softmax`, bit for bit, eagerly and in a CUDA graph; every arrival
-counter (the router's and the down GEMM's, fused_moe.py) is zero after each call.
+CPU, under Triton's interpreter, at one K split and at several, its top-k equals the reference's
+on the logits it computed, and those are the fp32 GEMV's rounded; on the GPU, at one split, its
+logits, weights and ids equal the router Linear's skinny GEMV then `topk_softmax`, bit for bit,
+and at the default splits its weights and ids are `topk_softmax` of its logits, eagerly and in a
+CUDA graph; every arrival counter (the router's and the down GEMM's, fused_moe.py) is zero after
+each call.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from test_moe_kernels import interpret, needs_cuda, ref_route
 
 def check_router(device: str, cases: list[tuple[int, int, int, int]], dtype: torch.dtype) -> None:
     """router_topk: the logits it kept in the workspace are x @ gate.T rounded (fp32 sums), its
-    weights and ids the reference top-k of those logits; the counter is zero after each call."""
-    from engine.kernels.moe_router import router_topk
+    weights and ids the reference top-k of those logits; the counter is zero after each call.
+    `splits(H)` is more than one at some case's H (else the cases test one path)."""
+    from engine.kernels.moe_router import router_topk, splits
     from engine.kernels.moe_workspace import MoeWorkspace
 
+    assert max(splits(H) for *_, H in cases) > 1 and min(splits(H) for *_, H in cases) == 1
     for T, E, k, H in cases:
         g = torch.Generator(device=device).manual_seed(T * E + k)
         x = torch.randn(T, H, generator=g, device=device).to(dtype)
@@ -35,14 +39,16 @@ def check_router(device: str, cases: list[tuple[int, int, int, int]], dtype: tor
 
 def test_router_interpreted() -> None:
     interpret("from test_moe_router import check_router\n"
-              "check_router('cpu', [(1, 128, 8, 256), (4, 60, 4, 200), (16, 8, 2, 128)], torch.float16)")
+              "check_router('cpu', [(1, 128, 8, 512), (4, 60, 4, 200), (16, 8, 2, 256)], torch.float16)")
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
-    """router_topk against the router Linear's own decode path (skinny_linear, then topk_softmax),
-    bit for bit at the sizes it takes, eagerly and replayed from a graph; counters back at zero."""
+    """router_topk at one K split against the router Linear's own decode path (skinny_linear,
+    then topk_softmax), bit for bit at the sizes it takes; at its default splits, topk_softmax of
+    the logits it kept, and the same bits eagerly and replayed from a graph; counters back at
+    zero."""
     from engine.kernels.fused_moe import fused_moe, topk_softmax
     from engine.kernels.moe_router import router_topk
     from engine.kernels.moe_workspace import MoeWorkspace
@@ -56,7 +62,7 @@ def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
         gate = (torch.randn(128, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
         want = topk_softmax(skinny_linear(x, gate), 8, True)
         out = (torch.empty(T, 8, device="cuda"), torch.empty(T, 8, dtype=torch.int32, device="cuda"))
-        got = router_topk(x, gate, 8, True, ws, out=out)
+        got = router_topk(x, gate, 8, True, ws, out=out, split=1)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), T
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -64,8 +70,12 @@ def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
         for seed in range(3):
             x.copy_(torch.randn(T, 2048, device="cuda").to(torch.bfloat16))
             graph.replay()
-            want = topk_softmax(skinny_linear(x, gate), 8, True)
-            assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1]), (T, seed)
+            replayed = (out[0].clone(), out[1].clone())
+            assert torch.equal(replayed[1], topk_softmax(ws.router_logits[:T], 8, True)[1]), (T, seed)
+            eager = router_topk(x, gate, 8, True, ws)
+            assert torch.equal(replayed[0], eager[0]) and torch.equal(replayed[1], eager[1]), (T, seed)
+            want = topk_softmax(ws.router_logits[:T], 8, True)
+            assert torch.equal(eager[0], want[0]) and torch.equal(eager[1], want[1]), (T, seed)
         w13 = (torch.randn(128, 2 * 768, 2048, device="cuda") * 2048**-0.5).to(torch.bfloat16)
         w2 = (torch.randn(128, 2048, 768, device="cuda") * 768**-0.5).to(torch.bfloat16)
         fused_moe(x, w13, w2, *out, workspace=ws)  # one tile a pair: the down GEMM sums

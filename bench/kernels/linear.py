@@ -1,5 +1,5 @@
 """The decode step's linears at few rows: cuBLAS (F.linear, + the fused SiLU-and-mul for gate_up)
-against engine/kernels/skinny_linear.py, on the layer shapes of Qwen3-0.6B and Qwen3-8B, bf16.
+against engine/kernels/skinny_linear.py, on the layer shapes of Qwen3-0.6B and Qwen3-8B (and 30B-A3B's attention), bf16.
 
 Each op is timed as the decode step runs it: inside a CUDA graph, over as many distinct weight
 copies as make 512 MiB (so every call reads its weight from HBM, not from L2, as consecutive
@@ -46,6 +46,9 @@ SHAPES = {  # name -> (N, K, silu_mul): N output features (2I packed for gate_up
     "8b/tp2 o": (4096, 2048, False),
     "8b/tp2 gate_up": (12288, 4096, True),
     "8b/tp2 down": (4096, 6144, False),
+    # Qwen3-30B-A3B's attention (its experts: bench/kernels/moe.py).
+    "30b-a3b qkv": (5120, 2048, False),
+    "30b-a3b o": (2048, 4096, False),
 }
 ROTATE_BYTES = 512 << 20
 GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 5)))

@@ -260,6 +260,7 @@ def fused_moe(
     out: torch.Tensor | None = None,  # [T, H] of x's dtype, unit last stride: written in place
     workspace: MoeWorkspace | None = None,  # None: the process's shared one (moe_workspace.py)
     first: int | None = None,  # expert parallelism: w13 / w2 hold the model's experts first.., ids are the model's
+    configs: tuple[GemmConfig, GemmConfig] | None = None,  # (gate_up, down) tiles (bench); None: gemm_configs
 ) -> torch.Tensor:  # [T, H]
     _check(x, w13, w2, topk_weights, topk_ids)
     (T, H), (E, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
@@ -277,7 +278,7 @@ def fused_moe(
     ws.check(T, buckets, k, H, inter_dim, x.dtype)
     if torch.cuda.is_available() and x.is_cuda and torch.cuda.is_current_stream_capturing():
         ws.captured = True
-    up, down = gemm_configs(T, E, k, inter_dim, H, H, inter_dim, x.dtype)
+    up, down = configs or gemm_configs(T, E, k, inter_dim, H, H, inter_dim, x.dtype)
     P = T * k
     pair_tiles = pair_tiles_apply(P, E)
     if pair_tiles:

@@ -63,16 +63,20 @@ def topk_rows(
     total = tl.where(row_ok, tl.sum(e, axis=1), 1.0)  # >= 1 on a real row (its maximum gives exp(0))
     probs = tl.math.div_rn(e, tl.broadcast_to(total[:, None], (BLOCK_T, BLOCK_E)))
     probs = tl.where(valid, probs, -1.0)  # columns past E are never picked (probs >= 0)
+    # One reduction a pick: a probability's bits (monotone in it, as it is >= 0) above 16 bits
+    # holding BLOCK_E - 1 - column, so the maximum key is the largest probability at its lowest
+    # column. A picked key becomes -1 (below every valid key; -1.0's bits make a negative key).
+    keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (BLOCK_E - 1 - cols[None, :]).to(tl.int64)
     slots = tl.arange(0, BLOCK_K)[None, :]
     top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for j in tl.static_range(K):
-        best = tl.max(probs, axis=1)  # [BLOCK_T]
-        # the lowest column holding the maximum: ties go to the lower expert id
-        idx = tl.min(tl.where(probs == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        top_w = tl.where(slots == j, best[:, None], top_w)
+        best = tl.max(keys, axis=1)  # [BLOCK_T]
+        idx = (BLOCK_E - 1 - (best & 0xFFFF)).to(tl.int32)
+        w = (best >> 16).to(tl.int32).to(tl.float32, bitcast=True)
+        top_w = tl.where(slots == j, w[:, None], top_w)
         top_i = tl.where(slots == j, idx[:, None], top_i)
-        probs = tl.where(cols[None, :] == idx[:, None], -1.0, probs)
+        keys = tl.where(keys == best[:, None], -1, keys)
     if RENORMALIZE:
         total = tl.where(row_ok, tl.sum(top_w, axis=1), 1.0)  # slots past K hold 0
         top_w = tl.math.div_rn(top_w, tl.broadcast_to(total[:, None], (BLOCK_T, BLOCK_K)))

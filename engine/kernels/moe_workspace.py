@@ -6,6 +6,7 @@ layers run one after the other on one stream). Only CUDA code paths import this 
     inter        [max_tokens * k, I]   silu(gate) * up of each (token, expert) pair, by pair id
     expert_out   [max_tokens * k, H]   each pair's down projection, before the routing weight
     router_logits [ROUTER_ROWS, E]     moe_router.py's logits, between its programs
+    router_partials [ROUTER_SPLITS, ROUTER_ROWS, E] fp32   its K splits' partial logits
     router_count [1] int32             moe_router.py's arrivals
     sum_counts   [PAIR_TILE_PAIRS * ceil(H / 16)] int32   fused_moe's arrivals per (token, column tile)
 
@@ -34,6 +35,7 @@ from engine.kernels.moe_align import AlignBuffers
 # of at most ROUTER_ROWS rows runs in one launch (moe_router.py).
 PAIR_TILE_PAIRS = 32
 ROUTER_ROWS = 16
+ROUTER_SPLITS = 8
 _MIN_BLOCK_N = 16  # the narrowest column tile of fused_moe's down GEMM
 
 
@@ -49,6 +51,7 @@ class MoeWorkspace:
     inter: torch.Tensor  # [max_tokens * top_k, intermediate], dtype
     expert_out: torch.Tensor  # [max_tokens * top_k, hidden], dtype
     router_logits: torch.Tensor  # [ROUTER_ROWS, num_experts], dtype
+    router_partials: torch.Tensor  # [ROUTER_SPLITS, ROUTER_ROWS, num_experts] fp32
     router_count: torch.Tensor  # [1] int32
     sum_counts: torch.Tensor  # [PAIR_TILE_PAIRS * ceil(hidden / 16)] int32
     captured: bool = False  # a CUDA graph was captured writing these buffers
@@ -65,6 +68,7 @@ class MoeWorkspace:
             torch.empty((pairs, intermediate), dtype=dtype, device=device),
             torch.empty((pairs, hidden), dtype=dtype, device=device),
             torch.empty((ROUTER_ROWS, num_experts), dtype=dtype, device=device),
+            torch.empty((ROUTER_SPLITS, ROUTER_ROWS, num_experts), dtype=torch.float32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
             torch.zeros(PAIR_TILE_PAIRS * -(-hidden // _MIN_BLOCK_N), dtype=torch.int32, device=device),
         )  # fmt: skip
@@ -82,7 +86,7 @@ class MoeWorkspace:
     def nbytes(self) -> int:
         a = self.align
         tensors = (a.sorted_ids, a.expert_ids, a.num_padded, a.chunk_base, self.inter, self.expert_out,
-                   self.router_logits, self.router_count, self.sum_counts)
+                   self.router_logits, self.router_partials, self.router_count, self.sum_counts)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def check(self, tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
