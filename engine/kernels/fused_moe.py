@@ -84,23 +84,26 @@ def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: i
     """(gate_up, down) configs for T tokens; n_up = I (outputs after SiLU-and-mul), k_up = H,
     n_down = H, k_down = I. Both share block_m (one sort serves both)."""
     rows = tokens * top_k / num_experts  # expected pairs per expert
+    # gate_up's tile holds a gate and an up accumulator: half vLLM's columns, except at one tile a
+    # pair (T <= 4 at top-8 of 128), where 64 of each measured best (30B-A3B, T = 1: 26.8 us
+    # against 28.3 at 32; bench/kernels/moe.py --sweep, bench/history/2026-12-01.md, entry f).
     if rows <= 2:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+        bm, up_bn, bn, bk, warps, stages = 16, 64, 64, 128, 4, 4
     elif rows <= 8:
-        bm, bn, bk, warps, stages = 16, 128, 128, 4, 3
+        bm, up_bn, bn, bk, warps, stages = 16, 64, 128, 128, 4, 3
     elif rows <= 16:
-        bm, bn, bk, warps, stages = 32, 128, 128, 4, 3
+        bm, up_bn, bn, bk, warps, stages = 32, 64, 128, 128, 4, 3
     elif rows <= 48:
-        bm, bn, bk, warps, stages = 64, 128, 64, 4, 3
+        bm, up_bn, bn, bk, warps, stages = 64, 64, 128, 64, 4, 3
     else:
-        bm, bn, bk, warps, stages = 128, 256, 64, 8, 4
+        bm, up_bn, bn, bk, warps, stages = 128, 128, 256, 64, 8, 4
     if dtype == torch.float32:  # twice the bytes a value, no tensor cores: small tiles (tests, fp32 models)
-        bm, bn, bk, warps, stages = min(bm, 64), min(bn, 64), min(bk, 32), 4, 2
+        bm, up_bn, bn, bk, warps, stages = min(bm, 64), min(up_bn, 32), min(bn, 64), min(bk, 32), 4, 2
 
     def fit(block_n: int, n: int, k: int) -> GemmConfig:
         return GemmConfig(bm, max(16, min(block_n, _pow2(n))), max(16, min(bk, _pow2(k))), warps, stages)
 
-    return fit(bn // 2, n_up, k_up), fit(bn, n_down, k_down)
+    return fit(up_bn, n_up, k_up), fit(bn, n_down, k_down)
 
 
 def pair_tiles_apply(pairs: int, num_experts: int) -> bool:
