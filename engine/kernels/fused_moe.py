@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 from engine.kernels.moe_align import held_bucket, max_blocks, moe_align
 from engine.kernels.moe_routing import topk_softmax
@@ -64,6 +65,7 @@ __all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_wo
 # multiplies the raw 16-bit patterns: there the operands go to fp32 first (bf16 products are exact
 # in fp32, so only the order of the sums differs from the GPU's).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+PAIR_TILES_PDL = False  # probe: the one-tile-a-pair GEMMs launched with PDL, waiting first
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,11 @@ def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: i
     """(gate_up, down) configs for T tokens; n_up = I (outputs after SiLU-and-mul), k_up = H,
     n_down = H, k_down = I. Both share block_m (one sort serves both)."""
     rows = tokens * top_k / num_experts  # expected pairs per expert
-    # gate_up's tile holds a gate and an up accumulator: half vLLM's columns, except at one tile a
-    # pair (T <= 4 at top-8 of 128), where 64 of each measured best (30B-A3B, T = 1: 26.8 us
-    # against 28.3 at 32; bench/kernels/moe.py --sweep, bench/history/2026-12-01.md, entry f).
+    # gate_up's tile holds a gate and an up accumulator: half the columns of down's. (At T = 1 of
+    # 30B-A3B the kernel bench's best was 64 of each, 26.8 us against 28.3; in the engine's step it
+    # was 35 us slower: bench/history/2026-12-01.md, entry f.)
     if rows <= 2:
-        bm, up_bn, bn, bk, warps, stages = 16, 64, 64, 128, 4, 4
+        bm, up_bn, bn, bk, warps, stages = 16, 32, 64, 128, 4, 4
     elif rows <= 8:
         bm, up_bn, bn, bk, warps, stages = 16, 64, 128, 128, 4, 3
     elif rows <= 16:
@@ -138,7 +140,10 @@ def _grouped_gemm_kernel(
     PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr,
     FIRST: tl.constexpr, HELD: tl.constexpr,  # HELD > 0: this rank's experts FIRST.. (HELD of them), ids the model's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if USE_PDL:  # engine/kernels/pdl.py: launched while the kernel before it runs; wait for its output
+        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share an expert's weight columns
     pid_n = tl.program_id(1)
     if PAIR_TILES:  # tile m holds pair m alone (its other rows empty): no sort
@@ -292,6 +297,7 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, buckets, up.block_m, ws.align, first)
         blocks = max_blocks(P, buckets, up.block_m)
     inter, y = ws.inter[:P], ws.expert_out[:P]
+    use_pdl = PAIR_TILES_PDL and pair_tiles and pdl.enabled(x.device)
     gemms = ((up, x, w13, inter, inter_dim, H, k, True, 0), (down, inter, w2, y, H, inter_dim, 1, False, k if pair_tiles else 0))
     for cfg, a, w, dst, n, kdim, rows_per_token, silu_mul, sum_k in gemms:
         _grouped_gemm_kernel[(blocks, triton.cdiv(n, cfg.block_n))](
@@ -299,8 +305,8 @@ def fused_moe(
             P, n, kdim, a.stride(0), dst.stride(0), out.stride(0),
             TOP_K=rows_per_token, SILU_MUL=silu_mul, EVEN_K=kdim % cfg.block_k == 0, INTERPRET=_INTERPRET,
             PAIR_TILES=pair_tiles, SUM_K=sum_k, FIRST=first or 0, HELD=0 if first is None else E,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=use_pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
         )  # fmt: skip
     if pair_tiles:
         return out
