@@ -13,10 +13,11 @@ Rules:
   KB in a chain of 16 loads), fp32 accumulation. Each split stores its fp32 partial tile; the
   last program to arrive (split_kv.last_to_arrive on the workspace's counter, zeroed by it for the
   next layer) sums a row's partials in split order, rounds once to the model dtype (the logits,
-  also kept in the workspace), and runs the top-k on as many rows as a `topk_softmax` program
-  holds (moe_routing.block_rows): its weights and ids are topk_softmax's of those logits, bit for
-  bit. The logits depend on the row and the weight only; at one split they are the router
-  Linear's skinny GEMV's bits.
+  also kept in the workspace), and runs the top-k on the T rows alone (next_pow2(T) of them:
+  at T = 1 the 30B-A3B step took 2.965 ms against 3.207 with topk_softmax's 16 rows a program;
+  bench/history/2026-12-01.md, entry f). A row's softmax sum then reduces in another order than
+  topk_softmax's: the same ids, weights within an ulp or so. The logits depend on the row and the
+  weight only; at one split they are the router Linear's skinny GEMV's bits.
 - Grid fixed by E and H: CUDA-graph capturable; no allocation when the workspace and `out` are given.
 - `prefetch` (on Hopper; engine/kernels/pdl.py): launched with PDL, a program pulls its chunk of its
   experts' router rows into L2 (pdl.prefetch_lines: the whole 0.5 MB of a 128 x 2048 router) while the
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
-from engine.kernels.moe_routing import MAX_EXPERTS, block_rows, topk_outputs, topk_rows
+from engine.kernels.moe_routing import MAX_EXPERTS, topk_outputs, topk_rows
 from engine.kernels.moe_workspace import ROUTER_ROWS, ROUTER_SPLITS, MoeWorkspace
 from engine.kernels.split_kv import last_to_arrive
 
@@ -49,11 +50,9 @@ def _next_pow2(n: int) -> int:
 
 
 def applies(x: torch.Tensor, num_experts: int) -> bool:
-    """Whether `router_topk` takes these rows: half precision, at most ROUTER_ROWS of them and no
-    more than a top-k program holds at E (moe_routing.block_rows), E <= MAX_EXPERTS (the caller
-    checks that the experts' GEMMs take one tile a pair)."""
-    rows = min(ROUTER_ROWS, block_rows(num_experts))  # the top-k's rows, as topk_softmax's program holds
-    return x.dtype in (torch.bfloat16, torch.float16) and 0 < x.shape[0] <= rows and num_experts <= MAX_EXPERTS
+    """Whether `router_topk` takes these rows: half precision, at most ROUTER_ROWS of them, E <=
+    MAX_EXPERTS (the caller checks that the experts' GEMMs take one tile a pair)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and 0 < x.shape[0] <= ROUTER_ROWS and num_experts <= MAX_EXPERTS
 
 
 @Launcher
@@ -133,7 +132,7 @@ def splits(hidden: int, block_k: int = BLOCK_K) -> int:
 
 
 def router_topk(
-    x: torch.Tensor,  # [T, H] bf16/fp16, T <= ROUTER_ROWS and block_rows(E)
+    x: torch.Tensor,  # [T, H] bf16/fp16, T <= ROUTER_ROWS
     gate: torch.Tensor,  # [E, H] the router's weight, x's dtype, contiguous
     k: int,
     renormalize: bool,
@@ -163,7 +162,7 @@ def router_topk(
         T, E, H, x.stride(0),
         K=k, RENORMALIZE=renormalize, LIBDEVICE_EXP=_LIBDEVICE_EXP, EVEN_K=H % block_k == 0,
         BLOCK_T=ROUTER_ROWS, TILE=TILE_E, BLOCK_K=block_k, BLOCK_E=_next_pow2(E), BLOCK_KS=_next_pow2(k),
-        SPLIT=split, TOPK_T=block_rows(E),
+        SPLIT=split, TOPK_T=_next_pow2(T),
         USE_PDL=use_pdl, PREFETCH_LINES=pdl.prefetch_lines(gate.numel() * gate.element_size(), H // split, line) if use_pdl else 0,
         LINE=line, num_warps=4, num_stages=5, launch_pdl=use_pdl,
     )  # fmt: skip

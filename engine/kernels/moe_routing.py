@@ -105,7 +105,7 @@ def _topk_softmax_kernel(
 
 def block_rows(num_experts: int) -> int:
     """Rows a top-k program holds: about 4096 values, fixed by E, not by T, so a row's sums (and
-    bits) do not follow the batch; moe_router.py's top-k holds as many, for the same bits."""
+    bits) do not follow the batch."""
     return max(1, min(16, 4096 // _next_pow2(num_experts)))
 
 
