@@ -16,7 +16,10 @@ where e = topk_ids[t, j], P = T * k. Rules:
 - Few pairs (decode, `pair_tiles_apply`: P <= 32 and E >= 4P, e.g. T <= 4 at top-8 of 128): no
   sort at all; tile m is pair m alone, its expert read from topk_ids. Two launches a layer: the
   down GEMM's program that finishes a token's k pairs of a column tile last (split_kv's
-  `last_to_arrive` on the workspace's `sum_counts`) sums them as the kernel below does.
+  `last_to_arrive` on the workspace's `sum_counts`) sums them as the kernel below does. Both
+  launch with PDL (engine/kernels/pdl.py) and wait first: their programs are placed while the
+  router (or the gate_up GEMM) before them ends (30B-A3B, batch 1: 2.944-2.947 against
+  2.955-2.958 ms a step, two pairs of runs; bench/history/2026-12-01.md, entry f).
 - gate_up's epilogue applies SiLU-and-mul with the rounding of the unfused ops (gate and up
   rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE division, rounded;
   times up, rounded: skinny_linear.py's `_silu_mul`); [P, 2I] is never written.
@@ -65,7 +68,6 @@ __all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_wo
 # multiplies the raw 16-bit patterns: there the operands go to fp32 first (bf16 products are exact
 # in fp32, so only the order of the sums differs from the GPU's).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-PAIR_TILES_PDL = False  # probe: the one-tile-a-pair GEMMs launched with PDL, waiting first
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: i
     rows = tokens * top_k / num_experts  # expected pairs per expert
     # gate_up's tile holds a gate and an up accumulator: half the columns of down's. (At T = 1 of
     # 30B-A3B the kernel bench's best was 64 of each, 26.8 us against 28.3; in the engine's step it
-    # was 35 us slower: bench/history/2026-12-01.md, entry f.)
+    # took 3.006 ms against 2.965, in two runs: bench/history/2026-12-01.md, entry f.)
     if rows <= 2:
         bm, up_bn, bn, bk, warps, stages = 16, 32, 64, 128, 4, 4
     elif rows <= 8:
@@ -297,7 +299,7 @@ def fused_moe(
         sorted_ids, expert_ids, num_padded = moe_align(topk_ids, buckets, up.block_m, ws.align, first)
         blocks = max_blocks(P, buckets, up.block_m)
     inter, y = ws.inter[:P], ws.expert_out[:P]
-    use_pdl = PAIR_TILES_PDL and pair_tiles and pdl.enabled(x.device)
+    use_pdl = pair_tiles and pdl.enabled(x.device)
     gemms = ((up, x, w13, inter, inter_dim, H, k, True, 0), (down, inter, w2, y, H, inter_dim, 1, False, k if pair_tiles else 0))
     for cfg, a, w, dst, n, kdim, rows_per_token, silu_mul, sum_k in gemms:
         _grouped_gemm_kernel[(blocks, triton.cdiv(n, cfg.block_n))](
