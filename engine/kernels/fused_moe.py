@@ -68,6 +68,7 @@ __all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_wo
 # multiplies the raw 16-bit patterns: there the operands go to fp32 first (bf16 products are exact
 # in fp32, so only the order of the sums differs from the GPU's).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TRIGGER_DOWN = False  # probe
 
 
 @dataclass(frozen=True)
@@ -142,10 +143,12 @@ def _grouped_gemm_kernel(
     PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr,
     FIRST: tl.constexpr, HELD: tl.constexpr,  # HELD > 0: this rank's experts FIRST.. (HELD of them), ids the model's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # engine/kernels/pdl.py: launched while the kernel before it runs; wait for its output
         tl.extra.cuda.gdc_wait()
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)  # fastest: neighbouring programs share an expert's weight columns
     pid_n = tl.program_id(1)
     if PAIR_TILES:  # tile m holds pair m alone (its other rows empty): no sort
@@ -307,7 +310,7 @@ def fused_moe(
             P, n, kdim, a.stride(0), dst.stride(0), out.stride(0),
             TOP_K=rows_per_token, SILU_MUL=silu_mul, EVEN_K=kdim % cfg.block_k == 0, INTERPRET=_INTERPRET,
             PAIR_TILES=pair_tiles, SUM_K=sum_k, FIRST=first or 0, HELD=0 if first is None else E,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=use_pdl,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=use_pdl, TRIGGER=TRIGGER_DOWN and sum_k > 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
         )  # fmt: skip
     if pair_tiles:
