@@ -30,6 +30,8 @@ waits for it anyway. Who does what in a decode layer:
   (kernels/moe_router.py `prefetch=True`: the whole router weight, 0.5 MB at 128 x 2048), as the
   skinny GEMVs above. The expert GEMMs after it (kernels/fused_moe.py, one tile a pair) launch
   with PDL and wait first, prefetching nothing: which weights they read is the router's answer.
+  The down GEMM triggers right after its wait: the next layer's norm and qkv GEMV get placed,
+  and the GEMV prefetches, while it streams.
 - PDL launch, wait: the sampler's read of the logits (kernels/lse_argmax.py), scheduled while the
   lm_head streams.
 - The layers' decode attention (decode/decode_attention.py `DecodeAttention`: rope, K/V store and
