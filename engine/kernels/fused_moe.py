@@ -21,7 +21,9 @@ where e = topk_ids[t, j], P = T * k. Rules:
   router (or the gate_up GEMM) before them ends (30B-A3B, batch 1: 2.944-2.947 against
   2.955-2.958 ms a step, two pairs of runs); the down GEMM then triggers its dependents, so the
   next layer's norm and its qkv GEMV, which prefetches its weight, are placed while it runs
-  (2.948-2.950 against 2.958-2.961 ms; bench/history/2026-12-01.md, entry f).
+  (2.948-2.950 against 2.958-2.961 ms). gate_up triggering too (the down GEMM's programs
+  placed early) was slower: 2.994-3.002 against 2.942-2.948 ms (bench/history/2026-12-01.md,
+  entry f).
 - gate_up's epilogue applies SiLU-and-mul with the rounding of the unfused ops (gate and up
   rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE division, rounded;
   times up, rounded: skinny_linear.py's `_silu_mul`); [P, 2I] is never written.
@@ -70,7 +72,6 @@ __all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_wo
 # multiplies the raw 16-bit patterns: there the operands go to fp32 first (bf16 products are exact
 # in fp32, so only the order of the sums differs from the GPU's).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-TRIGGER_UP = False  # probe
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def _grouped_gemm_kernel(
     PAIR_TILES: tl.constexpr, SUM_K: tl.constexpr,
     FIRST: tl.constexpr, HELD: tl.constexpr,  # HELD > 0: this rank's experts FIRST.. (HELD of them), ids the model's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False,  # TRIGGER: launch dependents after the wait
 ):  # fmt: skip
     if USE_PDL:  # engine/kernels/pdl.py: launched while the kernel before it runs; wait for its output
         tl.extra.cuda.gdc_wait()
@@ -312,7 +313,7 @@ def fused_moe(
             P, n, kdim, a.stride(0), dst.stride(0), out.stride(0),
             TOP_K=rows_per_token, SILU_MUL=silu_mul, EVEN_K=kdim % cfg.block_k == 0, INTERPRET=_INTERPRET,
             PAIR_TILES=pair_tiles, SUM_K=sum_k, FIRST=first or 0, HELD=0 if first is None else E,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=use_pdl, TRIGGER=sum_k > 0 or TRIGGER_UP,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=use_pdl, TRIGGER=sum_k > 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
         )  # fmt: skip
     if pair_tiles:
