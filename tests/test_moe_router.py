@@ -44,10 +44,12 @@ def test_router_interpreted() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
+@pytest.mark.parametrize("warps", [1, 4])
+def test_the_router_in_one_launch_is_the_gemv_then_topk(warps: int) -> None:
     """router_topk at one K split: the router Linear's own decode GEMV (skinny_linear) bit for
     bit; at every split its ids are topk_softmax's of the logits it kept and its weights within
-    1e-6 of them; the same bits eagerly and replayed from a graph; counters back at zero."""
+    1e-6 of them; the same bits eagerly and replayed from a graph; counters back at zero. At
+    `warps` warps a program (moe_router.WARPS is one of them)."""
     from engine.kernels.fused_moe import fused_moe, topk_softmax
     from engine.kernels.moe_router import router_topk
     from engine.kernels.moe_workspace import MoeWorkspace
@@ -65,19 +67,19 @@ def test_the_router_in_one_launch_is_the_gemv_then_topk() -> None:
         x = torch.randn(T, 2048, generator=g, device="cuda").to(torch.bfloat16)
         gate = (torch.randn(128, 2048, generator=g, device="cuda") * 2048**-0.5).to(torch.bfloat16)
         out = (torch.empty(T, 8, device="cuda"), torch.empty(T, 8, dtype=torch.int32, device="cuda"))
-        got = router_topk(x, gate, 8, True, ws, out=out, split=1)
+        got = router_topk(x, gate, 8, True, ws, out=out, split=1, warps=warps)
         assert torch.equal(ws.router_logits[:T], skinny_linear(x, gate)), T
         like_topk_softmax(got, T)
-        router_topk(x, gate, 8, True, ws, out=out)  # the default splits' kernel compiled outside the capture
+        router_topk(x, gate, 8, True, ws, out=out, warps=warps)  # the default splits' kernel compiled outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            router_topk(x, gate, 8, True, ws, out=out)
+            router_topk(x, gate, 8, True, ws, out=out, warps=warps)
         for seed in range(3):
             x.copy_(torch.randn(T, 2048, device="cuda").to(torch.bfloat16))
             graph.replay()
             replayed = (out[0].clone(), out[1].clone())
             like_topk_softmax(replayed, T)
-            eager = router_topk(x, gate, 8, True, ws)
+            eager = router_topk(x, gate, 8, True, ws, warps=warps)
             assert torch.equal(replayed[0], eager[0]) and torch.equal(replayed[1], eager[1]), (T, seed)
         w13 = (torch.randn(128, 2 * 768, 2048, device="cuda") * 2048**-0.5).to(torch.bfloat16)
         w2 = (torch.randn(128, 2048, 768, device="cuda") * 768**-0.5).to(torch.bfloat16)

@@ -14,7 +14,7 @@ own routings cycled (so the experts come from HBM, not from L2, as consecutive l
 median of `--reps` replays. The routing is softmax top-8 of random logits (near-uniform: the
 most distinct experts for T). `topk_softmax` is timed apart (its own graph), and at T <= 4 the
 one-launch router (moe_router.py `router_topk`, a [128, 2048] router per layer copy) at its
-default K splits and at one.
+default K splits and at one, and at 1, 2, 4 and 8 warps a program.
 
 `--sweep` (T <= 4, the one-tile-a-pair path): every (gate_up block_n, down block_n, block_k,
 stages) of a small grid is timed too, and the best is printed beside the default rule.
@@ -62,10 +62,14 @@ def bench_router(T: int, reps: int, copies: int) -> dict[str, float]:
     ws = shared_workspace(T, EXPERTS, TOP_K, HIDDEN, INTER, dt, dev)
     out = (torch.empty(T, TOP_K, device=dev), torch.empty(T, TOP_K, dtype=torch.int32, device=dev))
 
-    def run(split: int) -> float:
-        return time_graph(lambda: [router_topk(x, w, TOP_K, True, ws, out=out, split=split) for w in gates], copies, reps)
+    def run(split: int, warps: int | None = None) -> float:
+        return time_graph(lambda: [router_topk(x, w, TOP_K, True, ws, out=out, split=split, warps=warps) for w in gates],
+                          copies, reps)  # fmt: skip
 
-    return {"router_splits": splits(HIDDEN), "router_us": run(splits(HIDDEN)), "router_one_split_us": run(1)}
+    row = {"router_splits": splits(HIDDEN), "router_us": run(splits(HIDDEN)), "router_one_split_us": run(1)}
+    row["router_warps_us"] = {w: run(splits(HIDDEN), w) for w in (1, 2, 4, 8)}
+    say(f"T={T}: router {row['router_us']:.2f} us; by warps {row['router_warps_us']}")
+    return row
 
 
 def sweep_tokens(T: int, x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]], routes: list, outs: list,

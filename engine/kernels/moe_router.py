@@ -43,6 +43,7 @@ _LIBDEVICE_EXP = os.environ.get("TRITON_INTERPRET", "0") != "1"
 TILE_E = 16  # experts per program: the skinny GEMV's column tile at this width
 BLOCK_K = 128
 MAX_SPLITS = ROUTER_SPLITS
+WARPS = 4  # a program's warps: the top-k's picks reduce across them
 
 
 def _next_pow2(n: int) -> int:
@@ -140,6 +141,7 @@ def router_topk(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, k] fp32, [T, k] int32)
     prefetch: bool = False,  # launch with PDL and prefetch the router's weight: right after a norm
     split: int | None = None,  # K splits (bench); None: `splits(H)`
+    warps: int | None = None,  # a program's warps (bench); None: WARPS
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_weights [T, k] fp32, topk_ids [T, k] int32), largest first
     T, H = x.shape
     E = gate.shape[0]
@@ -164,6 +166,6 @@ def router_topk(
         BLOCK_T=ROUTER_ROWS, TILE=TILE_E, BLOCK_K=block_k, BLOCK_E=_next_pow2(E), BLOCK_KS=_next_pow2(k),
         SPLIT=split, TOPK_T=_next_pow2(T),
         USE_PDL=use_pdl, PREFETCH_LINES=pdl.prefetch_lines(gate.numel() * gate.element_size(), H // split, line) if use_pdl else 0,
-        LINE=line, num_warps=4, num_stages=5, launch_pdl=use_pdl,
+        LINE=line, num_warps=warps or WARPS, num_stages=5, launch_pdl=use_pdl,
     )  # fmt: skip
     return weights, ids
