@@ -17,13 +17,10 @@ where e = topk_ids[t, j], P = T * k. Rules:
   sort at all; tile m is pair m alone, its expert read from topk_ids. Two launches a layer: the
   down GEMM's program that finishes a token's k pairs of a column tile last (split_kv's
   `last_to_arrive` on the workspace's `sum_counts`) sums them as the kernel below does. Both
-  launch with PDL (engine/kernels/pdl.py) and wait first: their programs are placed while the
-  router (or the gate_up GEMM) before them ends (30B-A3B, batch 1: 2.944-2.947 against
-  2.955-2.958 ms a step, two pairs of runs); the down GEMM then triggers its dependents, so the
-  next layer's norm and its qkv GEMV, which prefetches its weight, are placed while it runs
-  (2.948-2.950 against 2.958-2.961 ms). gate_up triggering too (the down GEMM's programs
-  placed early) was slower: 2.994-3.002 against 2.942-2.948 ms (bench/history/2026-12-01.md,
-  entry f).
+  launch with PDL (engine/kernels/pdl.py) and wait first; the down GEMM then triggers, so the next
+  layer's norm and qkv GEMV (which prefetches its weight) are placed while it streams. gate_up
+  does not: the down GEMM's programs waiting beside it slowed the step (30B-A3B, batch 1;
+  bench/history/2026-12-01.md, entry f).
 - gate_up's epilogue applies SiLU-and-mul with the rounding of the unfused ops (gate and up
   rounded to the model dtype; silu in fp32 with libdevice's expf and an IEEE division, rounded;
   times up, rounded: skinny_linear.py's `_silu_mul`); [P, 2I] is never written.
@@ -92,9 +89,8 @@ def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: i
     """(gate_up, down) configs for T tokens; n_up = I (outputs after SiLU-and-mul), k_up = H,
     n_down = H, k_down = I. Both share block_m (one sort serves both)."""
     rows = tokens * top_k / num_experts  # expected pairs per expert
-    # gate_up's tile holds a gate and an up accumulator: half the columns of down's. (At T = 1 of
-    # 30B-A3B the kernel bench's best was 64 of each, 26.8 us against 28.3; in the engine's step it
-    # took 3.006 ms against 2.965, in two runs: bench/history/2026-12-01.md, entry f.)
+    # gate_up's tile holds a gate and an up accumulator: half down's columns (at T = 1, 64 of each,
+    # the kernel bench's best, made the 30B-A3B step slower: bench/history/2026-12-01.md, entry f).
     if rows <= 2:
         bm, up_bn, bn, bk, warps, stages = 16, 32, 64, 128, 4, 4
     elif rows <= 8:
