@@ -26,23 +26,23 @@ from engine.models.hooks import DecodeAttentionPath, DecodeStepPath
 
 log = logging.getLogger("siesta.engine")
 
+
 def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
     """Attach the decode paths that serve `model` on `backend` (a CUDA model: the kernels are
     Triton's) for steps of at most config.max_num_seqs rows; returns the whole-step paths (their
     owner resets them after a resume)."""
     from engine.decode import batch_decode, decode_attention, fused_decode
 
-    if config.deterministic:
-        return _attach_deterministic(model, backend, config)
+    det = config.deterministic  # only the batch decode has a variant in the mode's orders
     attention: DecodeAttentionPath | None = None
-    why = "--no-rope-decode" if not config.rope_decode else decode_attention.unsupported(model, backend)
+    why = "--deterministic" if det else "--no-rope-decode" if not config.rope_decode else decode_attention.unsupported(model, backend)
     if why is None:
         attention = decode_attention.DecodeAttention(model, backend)
     else:
         log.info("rope decode off: %s", why)
     steps: list[DecodeStepPath] = []
     first = 1
-    why = "--no-fused-decode" if not config.fused_decode else fused_decode.unsupported(model, backend)
+    why = "--deterministic" if det else "--no-fused-decode" if not config.fused_decode else fused_decode.unsupported(model, backend)
     if why is None:
         fused = fused_decode.FusedDecode(model, backend, min(fused_decode.MAX_ROWS, config.max_num_seqs))
         steps.append(fused)
@@ -52,31 +52,17 @@ def attach_decode_paths(model: nn.Module, backend: AttentionBackend, config: Eng
     else:
         log.info("fused decode off: %s", why)
     last = min(batch_decode.MAX_ROWS, config.max_num_seqs)
-    why = "--no-batch-decode" if not config.batch_decode else batch_decode.unsupported(model, backend)
+    why = "--no-batch-decode" if not config.batch_decode else batch_decode.unsupported(model, backend, invariant=det)
     if why is None:  # from one row: the fused kernel's steps at long context (rules.LONG_KV_TOKENS) too
-        batch = batch_decode.BatchDecode(model, backend, 1, last)
+        batch = batch_decode.BatchDecode(model, backend, 1, last, invariant=det)
         steps.append(batch)
-        log.info("batch decode: steps of %d..%d rows run two kernels per layer, and steps of fewer rows holding "
-                 ">= %d context tokens (%.1f MiB of scratch)", first, batch.max_rows, rules.LONG_KV_TOKENS,
-                 batch.nbytes / (1 << 20))
+        log.info("batch decode%s: steps of %d..%d rows run two kernels per layer, and steps of fewer rows holding "
+                 ">= %d context tokens (%.1f MiB of scratch)", " (--deterministic's K order)" if det else "", first,
+                 batch.max_rows, rules.LONG_KV_TOKENS, batch.nbytes / (1 << 20))
     else:
         log.info("batch decode off: %s", why)
     model.model.use_decode_paths(steps, attention)
     return steps
-
-
-def _attach_deterministic(model: nn.Module, backend: AttentionBackend, config: EngineConfig) -> list[DecodeStepPath]:
-    from engine.decode import batch_decode
-
-    why = "--no-batch-decode" if not config.batch_decode else batch_decode.unsupported(model, backend, invariant=True)
-    if why is not None:
-        log.info("batch decode off: %s", why)
-        return []
-    batch = batch_decode.BatchDecode(model, backend, 1, min(batch_decode.MAX_ROWS, config.max_num_seqs), invariant=True)
-    log.info("batch decode (--deterministic's K order): steps of 1..%d rows run one kernel per layer and the "
-             "fixed-split attention (%.1f MiB of scratch)", batch.max_rows, batch.nbytes / (1 << 20))
-    model.model.use_decode_paths([batch], None)
-    return [batch]
 
 
 def long_kv_rows(steps: list[DecodeStepPath]) -> int:
