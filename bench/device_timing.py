@@ -172,10 +172,10 @@ def path_times(events: list[Any]) -> dict[str, float]:
     counts that wait; this share does not. The shares plus the idle gaps add up to the profile's
     span."""
     path: dict[str, float] = defaultdict(float)
-    end = None
+    end = float("-inf")  # the latest end so far
     for start, stop, name in sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in events):
-        path[name] += max(0.0, stop - max(start, end if end is not None else start))
-        end = stop if end is None else max(end, stop)
+        path[name] += max(0.0, stop - max(start, end))
+        end = max(end, stop)
     return dict(path)
 
 

@@ -49,11 +49,11 @@ def dense_tflops(rows: int, reps: int) -> float:
     return matmul_tflops(max(rows, 16), HIDDEN, 3 * INTER, torch.device("cuda"), reps)
 
 
-def bench_router(T: int, reps: int, copies: int) -> dict[str, float]:
+def bench_router(T: int, reps: int, copies: int) -> dict[str, Any]:
     """Microseconds of router_topk (the GEMV and top-k in one launch) at its default K splits and
-    at one, a graph cycling `copies` routers."""
+    at one, and at its default splits with 1, 2, 4 and 8 warps; a graph cycling `copies` routers."""
     from engine.kernels.fused_moe import shared_workspace
-    from engine.kernels.moe_router import router_topk, splits
+    from engine.kernels.moe_router import WARPS, router_topk, splits
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(T)
@@ -66,8 +66,9 @@ def bench_router(T: int, reps: int, copies: int) -> dict[str, float]:
         return time_graph(lambda: [router_topk(x, w, TOP_K, True, ws, out=out, split=split, warps=warps) for w in gates],
                           copies, reps)  # fmt: skip
 
-    row = {"router_splits": splits(HIDDEN), "router_us": run(splits(HIDDEN)), "router_one_split_us": run(1)}
-    row["router_warps_us"] = {w: run(splits(HIDDEN), w) for w in (1, 2, 4, 8)}
+    by_warps = {w: run(splits(HIDDEN), w) for w in sorted({1, 2, 4, 8, WARPS})}
+    row = {"router_splits": splits(HIDDEN), "router_us": by_warps[WARPS], "router_one_split_us": run(1),
+           "router_warps_us": by_warps}  # fmt: skip
     say(f"T={T}: router {row['router_us']:.2f} us; by warps {row['router_warps_us']}")
     return row
 

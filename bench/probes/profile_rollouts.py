@@ -151,6 +151,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="timed rounds before the profiled one, each printed")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     shape = (args.requests, args.prompt_len, args.output_len)
     ckpt = checkpoint(args.shape, args.model_dir, torch.device("cuda"), seed=0)
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", load_format=ckpt.get("load_format", "auto"),
