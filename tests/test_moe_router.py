@@ -14,10 +14,11 @@ import torch
 from test_moe_kernels import interpret, needs_cuda, ref_route
 
 
-def check_router(device: str, cases: list[tuple[int, int, int, int]], dtype: torch.dtype) -> None:
-    """router_topk: the logits it kept in the workspace are x @ gate.T rounded (fp32 sums), its
-    weights and ids the reference top-k of those logits; the counter is zero after each call.
-    `splits(H)` is more than one at some case's H (else the cases test one path)."""
+def check_router(device: str, cases: list[tuple[int, int, int, int]], dtype: torch.dtype, warps: int | None = None) -> None:
+    """router_topk (at `warps` warps a program; None: its default): the logits it kept in the
+    workspace are x @ gate.T rounded (fp32 sums), its weights and ids the reference top-k of those
+    logits; the counter is zero after each call. `splits(H)` is more than one at some case's H
+    (else the cases test one path)."""
     from engine.kernels.moe_router import router_topk, splits
     from engine.kernels.moe_workspace import MoeWorkspace
 
@@ -28,7 +29,7 @@ def check_router(device: str, cases: list[tuple[int, int, int, int]], dtype: tor
         gate = (torch.randn(E, H, generator=g, device=device) * H**-0.5).to(dtype)
         ws = MoeWorkspace.allocate(T, E, k, H, 32, dtype, device)
         for renorm in (True, False):
-            weights, ids = router_topk(x, gate, k, renorm, ws)
+            weights, ids = router_topk(x, gate, k, renorm, ws, warps=warps)
             logits = ws.router_logits[:T]
             torch.testing.assert_close(logits.float(), (x.float() @ gate.float().T).to(dtype).float(), rtol=1e-2, atol=1e-2)
             rw, rids = ref_route(logits, k, renorm)
@@ -60,7 +61,7 @@ def test_the_router_in_one_launch_is_the_gemv_then_topk(warps: int) -> None:
         assert torch.equal(got[1], want[1]), T
         torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
 
-    check_router("cuda", [(1, 128, 8, 2048), (4, 128, 8, 2048), (3, 60, 4, 1000)], torch.bfloat16)
+    check_router("cuda", [(1, 128, 8, 2048), (4, 128, 8, 2048), (3, 60, 4, 1000)], torch.bfloat16, warps)
     ws = MoeWorkspace.allocate(4, 128, 8, 2048, 768, torch.bfloat16, "cuda")
     for T in (1, 2, 4):
         g = torch.Generator(device="cuda").manual_seed(T)

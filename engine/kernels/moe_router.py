@@ -42,7 +42,6 @@ from engine.kernels.split_kv import last_to_arrive
 _LIBDEVICE_EXP = os.environ.get("TRITON_INTERPRET", "0") != "1"
 TILE_E = 16  # experts per program: the skinny GEMV's column tile at this width
 BLOCK_K = 128
-MAX_SPLITS = ROUTER_SPLITS
 WARPS = 4  # a program's warps: the top-k's picks reduce across them
 
 
@@ -124,9 +123,9 @@ def _router_topk_kernel(
 
 
 def splits(hidden: int, block_k: int = BLOCK_K) -> int:
-    """K splits of the router's GEMV: up to MAX_SPLITS chunks of whole BLOCK_K steps, at least two
+    """K splits of the router's GEMV: up to ROUTER_SPLITS chunks of whole BLOCK_K steps, at least two
     steps each (one program a split and a tile of TILE_E experts)."""
-    s = MAX_SPLITS
+    s = ROUTER_SPLITS
     while s > 1 and hidden % (s * 2 * block_k):
         s //= 2
     return s
@@ -155,7 +154,7 @@ def router_topk(
     weights, ids = topk_outputs(T, k, x.device, out)
     block_k = BLOCK_K if H >= BLOCK_K else max(16, _next_pow2(H))
     split = split or splits(H, block_k)
-    if split > MAX_SPLITS or (split > 1 and H % (split * block_k)):
+    if split > ROUTER_SPLITS or (split > 1 and H % (split * block_k)):
         raise ValueError(f"router_topk: {split} K splits of hidden {H} in {block_k}-wide steps")
     use_pdl = prefetch and pdl.enabled(x.device)
     line = pdl.LINE_BYTES // x.element_size()

@@ -103,12 +103,6 @@ def _topk_softmax_kernel(
     topk_rows(x, rows, row_ok, cols, weights_ptr, ids_ptr, E, K, RENORMALIZE, LIBDEVICE_EXP, BLOCK_T, BLOCK_E, BLOCK_K)
 
 
-def block_rows(num_experts: int) -> int:
-    """Rows a top-k program holds: about 4096 values, fixed by E, not by T, so a row's sums (and
-    bits) do not follow the batch."""
-    return max(1, min(16, 4096 // _next_pow2(num_experts)))
-
-
 def topk_outputs(
     T: int, k: int, device: torch.device, out: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] fp32, [T, k] int32)
@@ -139,7 +133,7 @@ def topk_softmax(
     if T == 0:
         return weights, ids
     block_e = _next_pow2(E)
-    block_t = block_rows(E)
+    block_t = max(1, min(16, 4096 // block_e))  # about 4096 values a program; fixed by E, not by T
     _topk_softmax_kernel[(triton.cdiv(T, block_t),)](
         logits, weights, ids, T, E, logits.stride(0),
         K=k, RENORMALIZE=renormalize, LIBDEVICE_EXP=_LIBDEVICE_EXP,
