@@ -6,6 +6,8 @@ the pair of kernels around them (device_timing.idle_gaps); run it once per mode 
 Then one more round with the device synchronized after every step, its wall time by the kind of step
 launched (decode: one token a row; prefill: any row with more): the steps where a mode's cost lies.
 `--cprofile K`: one more round under cProfile, its K functions of most own time (the host's share).
+Every round also names the Triton kernels compiled (or loaded from the disk cache) while it ran: a
+compile inside a timed round is host time no graph hides.
 `--host-phases`: one more round with the host's time and calls by phase of EngineCore.step (`phases_round`'s
 list: schedule, plan, graph replay, sampling inputs and their uploads, pinned buffers and event waits, the
 sampler's launch, the read of a step's tokens and the wait for them, applying them).
@@ -18,6 +20,7 @@ Every round runs with the startup heap frozen, as the engine process runs (bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -25,7 +28,8 @@ import pstats
 import random
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,6 +56,36 @@ def add_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: rand
     for i in range(n):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         assert core.add_request(AddRequest(request_id=f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)) is None
+
+
+@contextlib.contextmanager
+def triton_compiles() -> Iterator[list[tuple[str, float]]]:
+    """While open, every variant Triton's JIT path builds (compiles, or loads from its disk
+    cache): (kernel name, seconds), appended in order."""
+    from triton.runtime.jit import JITFunction
+
+    seen: list[tuple[str, float]] = []
+    original = JITFunction._do_compile
+
+    def counted(self: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            seen.append((getattr(self.fn, "__name__", repr(self)), time.perf_counter() - t0))
+
+    JITFunction._do_compile = counted
+    try:
+        yield seen
+    finally:
+        JITFunction._do_compile = original
+
+
+def compiles_since(seen: list[tuple[str, float]], start: int) -> str:
+    """The compiles after index `start`, as one line: count, seconds and the kernels by count."""
+    new = seen[start:]
+    names = Counter(name for name, _ in new)
+    return f"{len(new)} compiles, {sum(s for _, s in new):.2f} s" + (f" ({', '.join(f'{n} x{c}' for n, c in names.most_common(6))})" if new else "")
 
 
 def rollout_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: random.Random) -> tuple[int, float]:
@@ -158,14 +192,16 @@ def main() -> None:
     core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", load_format=ckpt.get("load_format", "auto"),
                                    max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.requests,
                                    deterministic=args.deterministic, batch_decode=not args.no_batch_decode))  # fmt: skip
-    with engine_process_heap():  # as the engine process runs (engine/core/loop.py)
+    with engine_process_heap(), triton_compiles() as seen:  # the heap as the engine process runs (engine/core/loop.py)
         rng = random.Random(0)
         steps, wall = rollout_round(core, "warm", shape, rng)  # the first compiles of every row count
-        say(f"untimed round: {steps} steps, {wall:.3f} s")
+        say(f"untimed round: {steps} steps, {wall:.3f} s; {compiles_since(seen, 0)}")
         for r in range(args.rounds):
+            start = len(seen)
             steps, wall = rollout_round(core, f"timed{r}-", shape, rng)
             tok_s = args.requests * args.output_len / wall
-            say(f"timed round {r}: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s")
+            say(f"timed round {r}: {steps} steps, {wall:.3f} s, {tok_s:.0f} tok/s; {compiles_since(seen, start)}")
+        timed_end = len(seen)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             prof_steps, prof_wall = rollout_round(core, "profiled", shape, rng)
         events = device_events(prof)
@@ -205,6 +241,8 @@ def main() -> None:
                         ["phase", "calls a step", "ms in the round", "us a step"],
                         [[k, ph["calls"][k] / n, v * 1e3, v * 1e6 / n] for k, v in ph["seconds"].items()])  # fmt: skip
             result["host_phases"] = ph
+        say(f"the rounds after the timed ones: {compiles_since(seen, timed_end)}")
+        result["compiles"] = [{"kernel": n, "s": t} for n, t in seen]
         write_json(args.out, result)
     core.close()
 
