@@ -306,12 +306,6 @@ def test_decode_kernels_compile_for_hopper_at_the_occupancy_they_are_built_on(tm
     for name in ("rope_decode_kernel", "rope_decode_kernel (layers)"):
         attention = kernels[name]
         assert min(attention["per_sm_regs"], attention["per_sm_shared"]) >= 4, (name, attention)
-    # A step of one row or of few splits its KV for a number of programs an SM (rope_decode.merged_plan):
-    # the kernel fits exactly that many, so that no SM holds more of the wave and none is left idle.
-    merged = {name: r for name, r in kernels.items() if "plan_programs" in r}
-    assert len(merged) == 6, sorted(merged)
-    for name, r in merged.items():
-        assert min(r["per_sm_regs"], r["per_sm_shared"]) == r["plan_programs"] and r["stack"] == 0, (name, r)
     # The batch decode's attention buffers two K/V tiles: one streams while the other computes.
     assert kernels["rope_decode_kernel"]["buffers"] >= 2, kernels["rope_decode_kernel"]
     # Two layer kernels per SM: a layer's programs, launched with PDL, start beside the layer before.

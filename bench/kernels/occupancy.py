@@ -161,15 +161,6 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         ),
         # The layers' DecodeAttention: the same kernel on the qkv linear's bf16 output, one part.
         "rope_decode_kernel (layers)": layers_attention(D, 2),
-        # Steps of one row and of few: the batch decode's kernel, and the layers' at 16 and 32 heads.
-        **{f"rope_decode_kernel ({rows} rows)": merged_attention(
-            rope_decode_kernel, types, rows, rope_decode.kernel_consts(
-                H, HKV, D, batch["KS_Q"], batch["MAX_M"] * qkv, False, True, BLOCK, 2, True, merge=rope_decode.merge_for(rows)))
-           for rows in rope_decode.PLAN_ROWS[:2]},
-        **{f"rope_decode_kernel (layers, {heads} heads, {rows} rows)": merged_attention(
-            rope_decode_kernel, types, rows, rope_decode.kernel_consts(
-                heads, HKV, D, 1, 0, False, True, BLOCK, 2, True, merge=rope_decode.merge_for(rows)))
-           for heads in (H, 2 * H) for rows in rope_decode.PLAN_ROWS[:2]},
         "decoder_layer_kernel": compile_sm90(decoder_layer_kernel, types, *_split(layer), ("M", "num_splits", "stride_bt", "has_next")),
     }
 
@@ -204,17 +195,6 @@ def logits_kernels() -> dict[str, dict[str, object]]:
         ), options, ("M",))
         for rows in (16, 64)
     }  # fmt: skip
-
-
-def merged_attention(kernel: object, types: dict[str, str], rows: int, consts: dict[str, object]) -> dict[str, object]:
-    """The attention kernel of a decode step of `rows` rows, at its class's merge, with the
-    programs an SM its split count is made for (`plan_programs`, rope_decode.merged_plan): the
-    kernel must fit exactly that many on an SM."""
-    from engine.kernels import rope_decode
-
-    out = compile_sm90(kernel, types, *_split(consts), ("num_splits", "stride_bt"))
-    out["plan_programs"] = rope_decode.merged_plan(rows)[0]
-    return out
 
 
 def layers_attention(d: int, elem_bytes: int) -> dict[str, object]:

@@ -30,7 +30,6 @@ from engine.attention.layer_replay import LayerReplay
 from engine.kernels import attention as tk
 from engine.kernels import attention_decode as td
 from engine.kernels import attention_prefill as tp
-from engine.kernels import rope_decode
 
 _MAX_SPLITS = 64  # most KV splits of one sequence in decode (the reduce loads them all at once)
 # Decode programs resident per SM (the default config's registers allow 4): splits fill one wave
@@ -40,8 +39,7 @@ _PROGRAMS_PER_SM = 4
 # Merged in the kernel (PDL callers): programs per SM. Filling all four slots made the batch
 # decode's step slower than the reduce (32 rows, two splits: 1.604 against 1.493 ms at context 530,
 # 3.204 against 2.711 at 2000); three per SM was faster at every row count that still splits
-# (5..24 rows; bench/history/2026-11-24.md). Steps of at most rope_decode.FEW_ROWS rows take
-# rope_decode.merged_plan's programs an SM instead (the kernel's residency at its merge).
+# (5..24 rows; bench/history/2026-11-24.md).
 _MERGE_PROGRAMS_PER_SM = 3
 
 
@@ -70,7 +68,7 @@ class TritonBackend(AttentionBackend):
         self.layer_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.wave_programs = _PROGRAMS_PER_SM * num_sms  # decode programs of one wave
-        self._num_sms = num_sms
+        self._merge_programs = _MERGE_PROGRAMS_PER_SM * num_sms
         self._decode_block_n = td.decode_config(self.head_dim, kv_cache.element_size())[0]
         self._max_splits = max(1, min(_MAX_SPLITS, -(-max_model_len // self._decode_block_n)))
         # Decode workspace, allocated once: a batch of b rows with s = num_splits(b) > 1 uses the
@@ -90,12 +88,10 @@ class TritonBackend(AttentionBackend):
 
     def decode_splits(self, batch: int, pdl_launch: bool = False) -> tuple[int, bool]:
         """(KV splits, whether the kernel merges them) of a decode of `batch` rows: a PDL launch
-        merges in the kernel at up to _MERGE_PROGRAMS_PER_SM (rope_decode.merged_plan's for few
-        rows) where that still splits; otherwise `num_splits` and the reduce."""
+        merges in the kernel at up to _MERGE_PROGRAMS_PER_SM where that still splits; otherwise
+        `num_splits` and the reduce."""
         if pdl_launch:
-            few = rope_decode.merged_plan(batch)
-            per_sm = few[0] if few else _MERGE_PROGRAMS_PER_SM
-            merged = min(self._max_splits, per_sm * self._num_sms // (batch * self.num_kv_heads))
+            merged = min(self._max_splits, self._merge_programs // (batch * self.num_kv_heads))
             if merged > 1:
                 return merged, True
         return self.num_splits(batch), False

@@ -144,13 +144,12 @@ class BatchDecode:
         # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
         elem_bytes = backend.kv_cache.element_size()
-        # A set for each class of steps (rope_decode.plan_class: one row, few, more; their tiles:
-        # rope_decode.batch_tile_config, their merges: merge_for).
+        # One set for steps of few rows and one for more (rope_decode.batch_tile_config).
         self.attention_consts = [] if invariant else [rope_decode.kernel_consts(
             self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
             self.shape.qk_norm, backend.kv_cache.shape[3], elem_bytes, self.pdl,
             rope_decode.batch_tile_config(self.shape.d, elem_bytes, m), rope_decode.merge_for(m),
-        ) for m in (*rope_decode.PLAN_ROWS[:2], rows)]  # fmt: skip
+        ) for m in (rope_decode.FEW_ROWS, rows)]  # fmt: skip
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
         self.h = torch.zeros(rows, self.shape.hidden, **half)
@@ -214,7 +213,7 @@ class BatchDecode:
         rope_decode.rope_decode(
             norm_inputs(attn), self.qkv_part, attn.qkv_proj.bias, self.backend.layer_caches[i], positions,
             self.lm.rotary_emb.cos_sin_cache, (meta.slot_mapping, meta.block_tables, meta.seq_lens), self.attn[: positions.shape[0]], self.backend.scale,
-            plan, self.attention_consts[rope_decode.plan_class(positions.shape[0])],
+            plan, self.attention_consts[positions.shape[0] > rope_decode.FEW_ROWS],
         )  # fmt: skip
 
     def _launch(

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.attention import ForwardContext
 from engine.kernels import pdl
-from engine.kernels.rope_decode import PLAN_ROWS, kernel_consts, merge_for, plan_class, rope_decode
+from engine.kernels.rope_decode import FEW_ROWS, kernel_consts, merge_for, rope_decode
 from engine.models.rotary import RopeInputs
 
 
@@ -44,12 +44,12 @@ class DecodeAttention:
         kv = backend.kv_cache
         self.backend = backend
         self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
-        # One part (KS = 1, its stride unused), the bias already in it; a set for each class of
-        # steps (rope_decode.plan_class: one row, few, more; their merges: merge_for).
+        # One part (KS = 1, its stride unused), the bias already in it; a set for steps of at most
+        # FEW_ROWS rows and one for more (their merges: merge_for).
         self.consts = [kernel_consts(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, 1, 0, False, attn.q_norm is not None, kv.shape[3],
             kv.element_size(), pdl.enabled(kv.device), merge=merge_for(rows),
-        ) for rows in PLAN_ROWS]  # fmt: skip
+        ) for rows in (FEW_ROWS, FEW_ROWS + 1)]  # fmt: skip
         self._plans: dict[int, tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def plan(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,6 +79,6 @@ class DecodeAttention:
         rope_decode(
             norm_inputs(attn), qkv.unsqueeze(0), None, self.backend.layer_caches[attn.layer_id], rope.positions, rope.cos_sin_cache,
             (meta.slot_mapping, meta.block_tables, meta.seq_lens), out, self.backend.scale, self.plan(qkv.shape[0]),
-            self.consts[plan_class(qkv.shape[0])],
+            self.consts[qkv.shape[0] > FEW_ROWS],
         )  # fmt: skip
         return out

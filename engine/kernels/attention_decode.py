@@ -134,8 +134,7 @@ def _decode_kernel(
     )  # fmt: skip
     write_split(
         m_i, l_i, acc, out_ptrs, part_out_ptr, part_lse_ptr, count_ptr, seq, kv_head, split, num_splits,
-        tl.cdiv(seq_len, chunk), heads, h_mask, out_ptr + row * stride_ob + kv_head * GROUP * stride_oh, stride_oh,
-        NUM_HEADS, HEAD_DIM, BLOCK_H, GROUP, MERGE,
+        tl.cdiv(seq_len, chunk), heads, h_mask, NUM_HEADS, HEAD_DIM, BLOCK_H, MERGE,
     )  # fmt: skip
     if num_splits == 1:
         _stamp(stamp_ptr, 2, TIMING)

@@ -152,7 +152,7 @@ def rope_decode_kernel(
         m_i = m_new
     write_split(
         m_i, l_i, acc, out_ptrs, part_out_ptr, part_lse_ptr, count_ptr, seq, g, split, num_splits,
-        tl.cdiv(seq_len, chunk), heads, h_mask, out_ptr + (seq * NH + g * GROUP) * D, D, NH, D, BLOCK_H, GROUP, MERGE,
+        tl.cdiv(seq_len, chunk), heads, h_mask, NH, D, BLOCK_H, MERGE,
     )  # fmt: skip
 
 
@@ -161,41 +161,18 @@ def rope_decode_kernel(
 # us a layer: 1 row at 8k / 32k 27.0 / 57.2 against 29.0 / 61.0, 4 rows at 32k 146.5 against
 # 172.9, 8 rows at 8k 81.2 against 89.3; level at 8 rows of 512, 2026-11-28).
 FEW_ROWS = 8
-# The merged plan of a step of few rows (TritonBackend.merged_decode_plan): its KV splits fill
-# (programs an SM) x SMs programs, one wave, and the last split merges (partials a load) at a time.
-# The kernel's registers must leave exactly that many programs resident on an SM: a wave sized for
-# three of a kernel that fits four puts four on each of 98 SMs and leaves 34 idle (one row at 32k,
-# 32 heads: 48.2 against 40.8 us a layer). bench/kernels/occupancy.py checks both on sm_90.
-# H200, us a layer, 16 / 32 query heads, bench/kernels/rope_decode.py (bench/history/2026-12-01.md,
-# entry g):
-# - one row: three an SM, 32 a load (168 registers a thread): at 32k 41.6 / 40.8;
-# - 2..FEW_ROWS rows: four an SM, 8 a load (split_kv.merge_splits over the group's heads: 128 / 124
-#   registers): 4 rows at 8k 39.5 / 39.0 (42.3 / 42.6 at three an SM, 16 a load), 8 rows at 8k
-#   70.4 / 69.5.
-# Steps of more rows keep the backend's three an SM and split_kv.MERGE_SPLITS.
-ONE_ROW_PLAN = (3, 32)
-FEW_ROWS_PLAN = (4, 8)
-
-
-def merged_plan(rows: int) -> tuple[int, int] | None:
-    """(programs an SM, partials a merge load) of a merged decode of `rows` rows; None above
-    FEW_ROWS (the backend's programs, MERGE_SPLITS)."""
-    return ONE_ROW_PLAN if rows == 1 else FEW_ROWS_PLAN if rows <= FEW_ROWS else None
-
-
-# A step of each class of rows that takes its own launch constants (`plan_class`): one row, few, more.
-PLAN_ROWS = (1, FEW_ROWS, FEW_ROWS + 1)
-
-
-def plan_class(rows: int) -> int:
-    """The index in PLAN_ROWS of the class of a step of `rows` rows."""
-    return 0 if rows == 1 else 1 if rows <= FEW_ROWS else 2
+# Partials a load of the last split's merge (split_kv.merge_splits) in a step of at most FEW_ROWS
+# rows: one long row's 49 splits merge in 4 loads, not 13 (H200, us a layer, 16 query heads:
+# 1 row at 32k 49.6 -> 41.1, at 8k 21.2 -> 17.0; 4 rows at 32k 147.7 -> 134.9; 8 rows at 8k
+# 80.3 -> 72.1; bench/kernels/rope_decode.py --merge-splits, bench/history/2026-11-30.md entry n).
+# Steps of more rows keep split_kv.MERGE_SPLITS: at 16 the kernel takes 146 registers a thread,
+# 3 programs an SM, where one wave of 64 rows x 8 KV heads needs 4.
+FEW_ROWS_MERGE = 16
 
 
 def merge_for(rows: int) -> int:
     """Partials a load of the merge in a step of `rows` rows."""
-    plan = merged_plan(rows)
-    return plan[1] if plan else MERGE_SPLITS
+    return FEW_ROWS_MERGE if rows <= FEW_ROWS else MERGE_SPLITS
 
 
 def batch_tile_config(d: int, elem_bytes: int, rows: int) -> tuple[int, int, int]:

@@ -114,8 +114,7 @@ def write_split(
     out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
     part_out_ptr, part_lse_ptr, count_ptr,  # as _decode_kernel's
     seq, kv_head, split, num_splits, num_valid, heads, h_mask,
-    group_out_ptr, stride_oh,  # the output row of the KV head's first query head, and the next head's offset
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, MERGE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, MERGE: tl.constexpr,
 ):  # fmt: skip
     # One split: the output itself (num_splits 1; seq_len 0 leaves l == 0 and acc == 0: zeros,
     # not NaN), else its normalized partial and log-sum-exp, merged here (MERGE > 0: that many
@@ -130,8 +129,8 @@ def write_split(
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=h_mask)
         if MERGE > 0:
             merge_splits(
-                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, group_out_ptr, stride_oh,
-                (seq * NUM_HEADS + kv_head * GROUP) * num_splits, num_splits, num_valid, GROUP, HEAD_DIM, MERGE,
+                part_out_ptr, part_lse_ptr, count_ptr + seq * tl.num_programs(1) + kv_head, out_ptrs,
+                (seq * NUM_HEADS + heads) * num_splits, h_mask, num_valid, BLOCK_H, HEAD_DIM, MERGE,
             )  # fmt: skip
 
 
@@ -152,28 +151,25 @@ def last_to_arrive(count_ptr, num):
 @triton.jit
 def merge_splits(
     part_out_ptr, part_lse_ptr, count_ptr,
-    group_out_ptr, stride_oh,  # the output row [HEAD_DIM] of the group's first query head; the next head's offset
-    base,  # index of the group's first head's split 0 in the partials (head h's at base + h * num_splits)
-    num_splits, num_valid, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PER_LOAD: tl.constexpr,
+    out_ptrs,  # [BLOCK_H, HEAD_DIM] this KV head's query heads' output rows
+    base,  # [BLOCK_H] index of each head's split 0 in the partials
+    h_mask, num_valid, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PER_LOAD: tl.constexpr,
 ):  # fmt: skip
     # Called by every split after it stored its partial: the last of the num_valid splits to
     # arrive (last_to_arrive) merges them all into out, partials read from L2, PER_LOAD splits a
-    # load ([GROUP_P2, PER_LOAD, HEAD_DIM]: the group's heads alone, not the BLOCK_H rows of the
-    # tile loop's dot, so the merge takes few registers), rescaled by the running max between loads.
+    # load ([BLOCK_H, PER_LOAD, HEAD_DIM]), rescaled by the running max between loads.
     # One split a load made the merge of one row at 32k tokens (49 splits) a quarter of its layer.
-    # 16 a load is faster at 1-8 rows and 8k-32k tokens (bench/history/2026-11-30.md, entry n).
-    GROUP_P2: tl.constexpr = 1 if GROUP == 1 else 2 if GROUP <= 2 else 4 if GROUP <= 4 else 8 if GROUP <= 8 else 16
+    # 16 a load is faster at 1-8 rows and 8k-32k tokens, but its registers (146 a thread) leave
+    # the layers' DecodeAttention 3 programs an SM, not the 4 its one wave of 64 rows needs
+    # (tests/test_bench_scripts.py; bench/history/2026-11-30.md, entry n).
     if last_to_arrive(count_ptr, num_valid):
-        offs_h = tl.arange(0, GROUP_P2)
-        h_mask = offs_h < GROUP
-        first = base + offs_h * num_splits  # [GROUP_P2]
         offs_d = tl.arange(0, HEAD_DIM)
         offs_s = tl.arange(0, PER_LOAD)
-        m = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for s0 in range(0, num_valid, PER_LOAD):
-            idx = first[:, None] + s0 + offs_s[None, :]  # [GROUP_P2, PER_LOAD]
+            idx = base[:, None] + s0 + offs_s[None, :]  # [BLOCK_H, PER_LOAD]
             ok = h_mask[:, None] & (s0 + offs_s < num_valid)[None, :]
             lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
             part = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None],
@@ -181,10 +177,9 @@ def merge_splits(
             m_new = tl.maximum(m, tl.max(lse, 1))  # -inf only in a masked head's row
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             scale = tl.exp2(m - m_safe)  # 0 on the first load
-            w = tl.exp2(lse - m_safe[:, None])  # [GROUP_P2, PER_LOAD]; 0 where masked
+            w = tl.exp2(lse - m_safe[:, None])  # [BLOCK_H, PER_LOAD]; 0 where masked
             acc = acc * scale[:, None] + tl.sum(part * w[:, :, None], 1)
             total = total * scale + tl.sum(w, 1)
             m = m_new
-        out_ptrs = group_out_ptr + offs_h[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptrs, (acc / tl.where(total > 0, total, 1.0)[:, None]).to(out_ptrs.dtype.element_ty),
                  mask=h_mask[:, None])  # fmt: skip
