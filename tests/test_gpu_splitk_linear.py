@@ -1,10 +1,11 @@
 """The split-K row-parallel linears (engine/kernels/splitk_linear.py) and the fused RMSNorm that sums
 their parts, on a GPU (`pytest -m gpu` on the device machine):
 - the parts sum to the product (fp32 reference on the same bf16 inputs), for the rows and widths
-  the rule takes, and the rule refuses the rest (16 or 65 rows, narrow weights, fp32);
+  the rule takes (1-16 rows in 32-column tiles and 2 or 4 chunks, 17-64 in 64-column tiles and 2),
+  and the rule refuses the rest (65 rows, narrow weights, fp32);
 - the fused add-norm of the parts equals the fused add-norm of their sum rounded to bf16, output
   and residual bit for bit: the parts change no rounding;
-- a Qwen3 layer stack of the 8B's widths (hidden 4096, 2 layers) decoding 17..64 rows with the
+- a Qwen3 layer stack of the 8B's widths (hidden 4096, 2 layers) decoding 1..64 rows with the
   parts equals the same forward on cuBLAS within bf16 rounding, new K/V rows included.
 """
 
@@ -34,29 +35,31 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("m,n,k", [(17, 4096, 4096), (40, 4096, 12288), (64, 4096, 4096), (64, 8192, 4096)])
-def test_parts_sum_to_the_product(m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize("m,n,k,ks", [(1, 2048, 4096, 4), (1, 4096, 4096, 2), (5, 4096, 12288, 2), (16, 2048, 4096, 4),
+                                      (17, 4096, 4096, 2), (40, 4096, 12288, 2), (64, 4096, 4096, 2), (64, 8192, 4096, 2)])
+def test_parts_sum_to_the_product(m: int, n: int, k: int, ks: int) -> None:
     from engine.kernels import splitk_linear
 
     x, w = _bf16(m, k, seed=m), _bf16(n, k, seed=n) * 0.02
     assert splitk_linear.applies(x, w)
     parts = splitk_linear.splitk_parts(x, w)
-    assert parts.shape == (splitk_linear.KS, m, n) and parts.dtype == torch.float32
+    assert parts.shape == (ks, m, n) and parts.dtype == torch.float32
     ref = F.linear(x.float(), w.float())
     assert ((parts.sum(0) - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
-def test_the_rule_takes_only_wide_weights_of_17_to_64_half_rows() -> None:
+def test_the_rule_takes_only_wide_weights_of_1_to_64_half_rows() -> None:
     from engine.kernels import splitk_linear
 
     w = _bf16(4096, 4096, seed=1)
-    for m, ok in ((16, False), (17, True), (64, True), (65, False)):
+    for m, ok in ((1, True), (16, True), (17, True), (64, True), (65, False)):
         assert splitk_linear.applies(_bf16(m, 4096, seed=m), w) == ok
     assert not splitk_linear.applies(_bf16(32, 1024, seed=2), _bf16(1024, 1024, seed=3))  # 32 programs
+    assert not splitk_linear.applies(_bf16(1, 2048, seed=2), _bf16(1024, 2048, seed=3))  # 4 x 32 programs
     assert not splitk_linear.applies(_bf16(32, 4096, seed=2).float(), w.float())
 
 
-@pytest.mark.parametrize("m", [17, 64])
+@pytest.mark.parametrize("m", [1, 17, 64])
 def test_norm_of_the_parts_equals_the_norm_of_their_rounded_sum(m: int) -> None:
     from engine.kernels import fused_ops, splitk_linear
 
@@ -98,7 +101,7 @@ def parts_on() -> Iterator[None]:
         SWITCHES.splitk_linear = False
 
 
-@pytest.mark.parametrize("rows", [17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 64])
 def test_layers_with_the_parts_equal_the_layers_on_cublas(wide, rows: int) -> None:
     from engine.models import layers
 

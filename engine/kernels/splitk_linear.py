@@ -1,17 +1,23 @@
-"""The row-parallel linears (o_proj, down_proj) of 17-64 rows as fp32 partial sums over K splits,
+"""The row-parallel linears (o_proj, down_proj) of 1-64 rows as fp32 partial sums over K splits,
 which the RMSNorm after them adds up (fused_ops.fused_add_rms_norm takes [KS, T, N] parts): no
 reduce launch, and no program re-reads all of x from L2 (what makes skinny_linear.py lose past 16
 rows). Only the CUDA path of `engine.models.layers` imports this module (it imports Triton).
 
     parts [KS, M, N] fp32 = x [M, K] @ weight [N, K].T, K in KS chunks          splitk_parts(x, w)
 
-Rules:
+Rules (`config`: KS and BLOCK_N from the rows and the weight's shape):
 - For 17..64 rows of a half-precision x and weights wide enough that the KS x N / BLOCK_N programs
   fill the GPU (at least 15/16 of its SMs): Qwen3-8B's o_proj (4096 x 4096) and down_proj
   (4096 x 12288) at batch 17-64. Narrower layers would leave SMs idle; qkv and gate_up (not
   row-parallel, no norm after them) stay on cuBLAS, which reads them as fast (bench/history/2026-11-27.md, the split-K rows probe, H200, 64 rows: o_proj 11.15 us against
   cuBLAS's 12.43, down_proj 28.0 against 31.8 with cuBLAS's own split-K reduce; qkv 16.2 and
   gate_up 50.3 on cuBLAS against 18.6 and 58.4 here).
+- For 1..16 rows (skinny_linear's), FEW_BLOCK_N columns a program and K cut in the fewest chunks
+  (2 or FEW_MAX_KS, the counts measured) that make two programs an SM (15/16 of them): two weight
+  streams an SM, where skinny_linear runs one program of 16-32 columns over all of K. H200, one
+  row, us a call from CUDA graphs over weights beyond L2 (bench/history/2026-12-01.md, entry g):
+  30B-A3B's o_proj (2048 x 4096, KS 4) 7.33 against skinny 10.37 and cuBLAS 9.06; the 8B's
+  o_proj (KS 2) 11.26 against 12.53 / 13.65, its down_proj (KS 2) 29.12 against 32.70 / 32.52.
 - One program per (BLOCK_N columns, K chunk), BLOCK_K = 128, 4 stages in flight, fp32 tl.dot:
   the sum of the parts is cuBLAS's product up to the order of fp32 sums; the norm rounds it to
   the model dtype where the unfused layers round the linear's output.
@@ -32,7 +38,8 @@ import triton.language as tl
 from engine.kernels import SWITCHES, pdl, skinny_linear
 
 MAX_ROWS = 64
-KS, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 2, 64, 128, 4, 4
+KS, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 2, 64, 128, 4, 4  # 17..64 rows
+FEW_BLOCK_N, FEW_MAX_KS, FEW_PER_SM = 32, 4, 2  # 1..16 rows
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -64,14 +71,27 @@ def _splitk_kernel(
     tl.store(part_ptr + (c * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
 
 
+def config(m: int, n: int, k: int, sms: int) -> tuple[int, int] | None:
+    """(KS, BLOCK_N) of a row-parallel linear of m rows and weight [N, K] on `sms` SMs (rules
+    above), or None where it stays off the parts."""
+    if skinny_linear.MAX_ROWS < m <= MAX_ROWS:
+        ks, block_n, programs = KS, BLOCK_N, sms * 15 // 16
+    elif 0 < m <= skinny_linear.MAX_ROWS:
+        block_n, programs = FEW_BLOCK_N, FEW_PER_SM * sms * 15 // 16
+        ks = 2
+        while ks < FEW_MAX_KS and ks * (n // block_n) < programs:
+            ks *= 2
+    else:
+        return None
+    fits = k % (ks * BLOCK_K) == 0 and n % block_n == 0 and ks * (n // block_n) >= programs
+    return (ks, block_n) if fits else None
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a row-parallel linear of x [M, K] and weight [N, K] returns parts here (rules above)."""
-    m, k = x.shape
-    n = weight.shape[0]
     return (
         SWITCHES.splitk_linear and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-        and skinny_linear.MAX_ROWS < m <= MAX_ROWS and k % (KS * BLOCK_K) == 0 and n % BLOCK_N == 0
-        and KS * n // BLOCK_N >= skinny_linear.num_sms(x.device.index or 0) * 15 // 16 and weight.is_contiguous()
+        and weight.is_contiguous() and config(x.shape[0], weight.shape[0], x.shape[1], skinny_linear.num_sms(x.device.index or 0)) is not None
     )  # fmt: skip
 
 
@@ -80,9 +100,10 @@ def splitk_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()  # the kernel indexes x [M, K] by row * K
     m, k = x.shape
     n = weight.shape[0]
-    parts = torch.empty(KS, m, n, dtype=torch.float32, device=x.device)
-    _splitk_kernel[(n // BLOCK_N, KS)](
-        x, weight, parts, m, n, k, BLOCK_M=skinny_linear.block_m(m), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, KS=KS,
+    ks, block_n = config(m, n, k, skinny_linear.num_sms(x.device.index or 0))
+    parts = torch.empty(ks, m, n, dtype=torch.float32, device=x.device)
+    _splitk_kernel[(n // block_n, ks)](
+        x, weight, parts, m, n, k, BLOCK_M=skinny_linear.block_m(m), BLOCK_N=block_n, BLOCK_K=BLOCK_K, KS=ks,
         USE_PDL=pdl.enabled(x.device), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return parts

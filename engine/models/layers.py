@@ -105,7 +105,7 @@ class RowParallelLinear(Linear):
     """A linear keeping this rank's columns of the input features: each rank's partial product is
     summed by an all-reduce, then the bias (held whole by every rank) is added. Without a bias the
     sum is left to the RMSNorm after it (`tp.defers_reduce`): the output is this rank's partial.
-    On one rank, fused, without a bias, at 17-64 rows of wide enough weights (splitk_linear.py) the
+    On one rank, fused, without a bias, at 1-64 rows of wide enough weights (splitk_linear.py) the
     output is [KS, T, N] fp32 partial sums over K, which the fused RMSNorm after it adds up."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool, tp: TensorParallel) -> None:
