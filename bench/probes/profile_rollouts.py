@@ -61,24 +61,26 @@ def add_round(core: EngineCore, tag: str, shape: tuple[int, int, int], rng: rand
 @contextlib.contextmanager
 def triton_compiles() -> Iterator[list[tuple[str, float]]]:
     """While open, every variant Triton's JIT path builds (compiles, or loads from its disk
-    cache): (kernel name, seconds), appended in order."""
-    from triton.runtime.jit import JITFunction
+    cache): (kernel name, seconds), appended in order. Through Triton's own hooks around a build
+    (`knobs.runtime.jit_cache_hook` before, `jit_post_compile_hook` after)."""
+    from triton import knobs
 
     seen: list[tuple[str, float]] = []
-    original = JITFunction._do_compile
+    building: list[tuple[str, float]] = []
 
-    def counted(self: Any, *a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return original(self, *a, **k)
-        finally:
-            seen.append((getattr(self.fn, "__name__", repr(self)), time.perf_counter() - t0))
+    def before(**kw: Any) -> None:
+        building.append((kw["fn"].name, time.perf_counter()))  # None: build it
 
-    JITFunction._do_compile = counted
+    def after(**kw: Any) -> None:
+        name, t0 = building.pop()
+        seen.append((name, time.perf_counter() - t0))
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     try:
         yield seen
     finally:
-        JITFunction._do_compile = original
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
 
 
 def compiles_since(seen: list[tuple[str, float]], start: int) -> str:
