@@ -9,6 +9,8 @@ A step `B@C`: B rows of C context tokens each, Qwen3's q/k norm and 128-wide hea
 and `--heads` query heads (16: the 0.6B; 32: the 8B). The first split count and the first config
 are the engine's (`TritonBackend.merged_decode_plan`, `batch_tile_config`). `--merge-splits M`
 merges the partials M splits a load in place of the engine's (`merge_for` the step's rows).
+`--block-sizes 16,64`: the cache's tokens a block (the engine's `--block-size`, 16 by default);
+`--ordered-blocks`: each row's blocks in order, in place of shuffled.
 """
 
 from __future__ import annotations
@@ -30,21 +32,23 @@ from report import print_table  # noqa: E402
 from engine.kernels import pdl  # noqa: E402
 from engine.kernels.rope_decode import batch_tile_config, kernel_consts, merge_for, rope_decode  # noqa: E402
 
-KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
+KV_HEADS, HEAD_DIM = 8, 128
 DTYPE = torch.bfloat16
 
 
 def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[int, int, int]], bw: float, reps: int,
-         merge: int = 0) -> list[dict[str, Any]]:  # fmt: skip
-    """One `B@C` step at every (split count, config): a row each."""
+         merge: int = 0, block_size: int = 16, ordered: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """One `B@C` step at every (split count, config): a row each. The cache in blocks of
+    `block_size` tokens, each row's in order (`ordered`) or shuffled."""
     rows, ctx = (int(x) for x in spec.split("@"))
     dev = torch.device("cuda")
     per_layer = rows * ctx * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize  # K and V a layer reads
     layers = max(2, min(28, int(3e9 // per_layer)))
-    per_seq = -(-ctx // BLOCK_SIZE)
-    cache = torch.randn(layers, 2, rows * per_seq, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev).to(DTYPE)
-    tables = torch.randperm(rows * per_seq, device=dev).int().view(rows, per_seq)
-    slots = (tables[:, (ctx - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE).contiguous()
+    per_seq = -(-ctx // block_size)
+    cache = torch.randn(layers, 2, rows * per_seq, block_size, KV_HEADS, HEAD_DIM, device=dev).to(DTYPE)
+    order = torch.arange(rows * per_seq, device=dev) if ordered else torch.randperm(rows * per_seq, device=dev)
+    tables = order.int().view(rows, per_seq)
+    slots = (tables[:, (ctx - 1) // block_size].long() * block_size + (ctx - 1) % block_size).contiguous()
     seq_lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
     positions = torch.full((rows,), ctx - 1, dtype=torch.int64, device=dev)
     cos_sin = torch.randn(ctx, HEAD_DIM, device=dev)
@@ -60,7 +64,7 @@ def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[in
         part_lse = torch.empty(rows * heads * splits, device=dev)
         counts = torch.zeros(rows * KV_HEADS, dtype=torch.int32, device=dev)
         for config in configs:
-            consts = kernel_consts(heads, KV_HEADS, HEAD_DIM, 1, 0, False, True, BLOCK_SIZE, DTYPE.itemsize,
+            consts = kernel_consts(heads, KV_HEADS, HEAD_DIM, 1, 0, False, True, block_size, DTYPE.itemsize,
                                    pdl.enabled(dev), config, merge)  # fmt: skip
 
             def calls(splits: int = splits, plan: tuple = (part_out, part_lse, counts), consts: dict = consts) -> None:
@@ -69,9 +73,11 @@ def step(spec: str, heads: int, splits_per_sm: list[int], configs: list[tuple[in
                                 (slots, tables, seq_lens), out, HEAD_DIM**-0.5, (splits, *plan), consts)  # fmt: skip
 
             us = time_graph(calls, layers, reps)
-            found.append(dict(step=spec, heads=heads, splits_per_sm=per_sm, splits=splits, merge_splits=merge, config="x".join(map(str, config)),
-                              us_per_layer=us, of_copy=per_layer / (us * 1e-6) / bw))  # fmt: skip
-            say(f"  {spec} h{heads} {per_sm}/SM ({splits} splits) {found[-1]['config']}: {us:.1f} us, {found[-1]['of_copy']:.3f} of copy")
+            found.append(dict(step=spec, heads=heads, block_size=block_size, ordered=ordered, splits_per_sm=per_sm, splits=splits,
+                              merge_splits=merge, config="x".join(map(str, config)), us_per_layer=us,
+                              of_copy=per_layer / (us * 1e-6) / bw))  # fmt: skip
+            say(f"  {spec} h{heads} blocks of {block_size} {per_sm}/SM ({splits} splits) {found[-1]['config']}: {us:.1f} us, "
+                f"{found[-1]['of_copy']:.3f} of copy")  # fmt: skip
     return found
 
 
@@ -84,6 +90,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--merge-splits", type=int, default=0,
                    help="partials a load of the last split's merge (a power of two; 0: the engine's for the step's rows)")
+    p.add_argument("--block-sizes", default="16", help="the cache's tokens a block, comma-separated (the engine's: 16)")
+    p.add_argument("--ordered-blocks", action="store_true", help="each row's blocks in order (default: shuffled)")
     p.add_argument("--out")
     args = p.parse_args()
     if args.merge_splits < 0 or args.merge_splits & (args.merge_splits - 1):
@@ -95,13 +103,15 @@ def main() -> int:
     found = []
     for heads in (int(h) for h in args.heads.split(",")):
         for spec in args.steps.split(","):
-            found += step(spec, heads, [int(x) for x in args.splits_per_sm.split(",")], configs, bw, args.reps, args.merge_splits)
-            torch.cuda.empty_cache()
+            for block_size in (int(b) for b in args.block_sizes.split(",")):
+                found += step(spec, heads, [int(x) for x in args.splits_per_sm.split(",")], configs, bw, args.reps,
+                              args.merge_splits, block_size, args.ordered_blocks)  # fmt: skip
+                torch.cuda.empty_cache()
     print_table(f"rope_decode, {torch.cuda.get_device_name()}: a layer's K/V bytes over the copy bandwidth "
                 f"({bw / 1e9:.0f} GB/s, read + written)",
-                ["step", "heads", "programs/SM", "splits", "merge a load", "config", "us a layer", "of copy"],
-                [[r["step"], r["heads"], r["splits_per_sm"], r["splits"], r["merge_splits"], r["config"], round(r["us_per_layer"], 1),
-                  round(r["of_copy"], 3)] for r in found])  # fmt: skip
+                ["step", "heads", "block", "programs/SM", "splits", "merge a load", "config", "us a layer", "of copy"],
+                [[r["step"], r["heads"], r["block_size"], r["splits_per_sm"], r["splits"], r["merge_splits"], r["config"],
+                  round(r["us_per_layer"], 1), round(r["of_copy"], 3)] for r in found])  # fmt: skip
     if args.out:
         write_json(args.out, dict(device=torch.cuda.get_device_name(), copy_bandwidth=bw, rows=found))
     return 0
