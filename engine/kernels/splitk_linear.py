@@ -78,9 +78,7 @@ def config(m: int, n: int, k: int, sms: int) -> tuple[int, int] | None:
         ks, block_n, programs = KS, BLOCK_N, sms * 15 // 16
     elif 0 < m <= skinny_linear.MAX_ROWS:
         block_n, programs = FEW_BLOCK_N, FEW_PER_SM * sms * 15 // 16
-        ks = 2
-        while ks < FEW_MAX_KS and ks * (n // block_n) < programs:
-            ks *= 2
+        ks = 2 if 2 * (n // block_n) >= programs else FEW_MAX_KS
     else:
         return None
     fits = k % (ks * BLOCK_K) == 0 and n % block_n == 0 and ks * (n // block_n) >= programs
