@@ -31,6 +31,8 @@ Rules (`config`: KS and BLOCK_N from the rows and the weight's shape):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -71,6 +73,7 @@ def _splitk_kernel(
     tl.store(part_ptr + (c * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
 
 
+@functools.cache  # asked by `applies` and again by `splitk_parts` for the same call
 def config(m: int, n: int, k: int, sms: int) -> tuple[int, int] | None:
     """(KS, BLOCK_N) of a row-parallel linear of m rows and weight [N, K] on `sms` SMs (rules
     above), or None where it stays off the parts."""
