@@ -101,11 +101,12 @@ def main() -> int:
     configs = [batch_tile_config(HEAD_DIM, DTYPE.itemsize, max(int(s.split("@")[0]) for s in args.steps.split(",")))]
     configs += [tuple(int(x) for x in c.split("x")) for c in filter(None, args.configs.split(","))]
     found = []
+    splits_per_sm = [int(x) for x in args.splits_per_sm.split(",")]
     for heads in (int(h) for h in args.heads.split(",")):
         for spec in args.steps.split(","):
             for block_size in (int(b) for b in args.block_sizes.split(",")):
-                found += step(spec, heads, [int(x) for x in args.splits_per_sm.split(",")], configs, bw, args.reps,
-                              args.merge_splits, block_size, args.ordered_blocks)  # fmt: skip
+                found += step(spec, heads, splits_per_sm, configs, bw, args.reps, args.merge_splits, block_size,
+                              args.ordered_blocks)  # fmt: skip
                 torch.cuda.empty_cache()
     print_table(f"rope_decode, {torch.cuda.get_device_name()}: a layer's K/V bytes over the copy bandwidth "
                 f"({bw / 1e9:.0f} GB/s, read + written)",
