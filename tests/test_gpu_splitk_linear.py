@@ -6,7 +6,11 @@ their parts, on a GPU (`pytest -m gpu` on the device machine):
 - the fused add-norm of the parts equals the fused add-norm of their sum rounded to bf16, output
   and residual bit for bit: the parts change no rounding;
 - a Qwen3 layer stack of the 8B's widths (hidden 4096, 2 layers) decoding 1..64 rows with the
-  parts equals the same forward on cuBLAS within bf16 rounding, new K/V rows included.
+  parts equals the same forward on cuBLAS within bf16 rounding, new K/V rows included, and so
+  does a Qwen2 one (q/k/v bias);
+- the qkv projection as parts (`qkv_chunks`, 1-16 rows, at a fixed stride of 16 rows): the layers'
+  decode attention on them (engine/decode/decode_attention.py, the bias added in the kernel)
+  equals the layers on cuBLAS and the separate attention kernels within bf16 rounding.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY, _randomized, _save
+from test_gpu_batch_decode import attached
 from test_gpu_fused_decode import _decode_step, matches_the_layers
 from test_piecewise_graph import MAX_MODEL_LEN, load_model, random_cache
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from engine.kernels import SWITCHES
 
@@ -59,6 +64,22 @@ def test_the_rule_takes_only_wide_weights_of_1_to_64_half_rows() -> None:
     assert not splitk_linear.applies(_bf16(32, 4096, seed=2).float(), w.float())
 
 
+def test_qkv_parts_at_1_to_16_rows_at_a_fixed_stride() -> None:
+    from engine.kernels import splitk_linear
+
+    w = _bf16(6144, 4096, seed=8) * 0.02  # the 8B's qkv
+    for m, ks in ((1, 2), (16, 2), (17, None)):
+        assert splitk_linear.qkv_chunks(_bf16(m, 4096, seed=m), w) == ks
+    assert splitk_linear.qkv_chunks(_bf16(1, 1024, seed=1), _bf16(1024, 1024, seed=2)) is None  # 64 programs
+    x = _bf16(5, 4096, seed=9)
+    parts = splitk_linear.splitk_parts(x, w, rows=16)
+    assert parts.shape == (2, 16, 6144)
+    ref = F.linear(x.float(), w.float())
+    assert ((parts[:, :5].sum(0) - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="rows"):
+        splitk_linear.splitk_parts(x, w, rows=4)
+
+
 @pytest.mark.parametrize("m", [1, 17, 64])
 def test_norm_of_the_parts_equals_the_norm_of_their_rounded_sum(m: int) -> None:
     from engine.kernels import fused_ops, splitk_linear
@@ -74,14 +95,18 @@ def test_norm_of_the_parts_equals_the_norm_of_their_rounded_sum(m: int) -> None:
         fused_ops.fused_add_rms_norm(parts[:, :-1], residual.clone(), norm_w, 1e-6)
 
 
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory: pytest.TempPathFactory):
-    """(bf16 Qwen3 of hidden 4096 on CUDA, a Triton backend over a random cache), parts off."""
+FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def wide(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(bf16 Qwen3 / Qwen2 of hidden 4096 on CUDA, a Triton backend over a random cache), parts off."""
     from engine.attention.triton import TritonBackend
 
-    config = Qwen3Config(**(TINY | dict(hidden_size=4096, intermediate_size=4096, head_dim=128, max_position_embeddings=1024)),
-                         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)  # fmt: skip
-    path = _save(_randomized(Qwen3ForCausalLM, config, seed=15), str(tmp_path_factory.mktemp("wide")))
+    config_cls, model_cls = FAMILIES[request.param]
+    config = config_cls(**(TINY | dict(hidden_size=4096, intermediate_size=4096, head_dim=128, max_position_embeddings=1024)),
+                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)  # fmt: skip
+    path = _save(_randomized(model_cls, config, seed=15), str(tmp_path_factory.mktemp("wide")))
     model = load_model(path, torch.bfloat16, "cuda")
     c = model.config
     backend = TritonBackend(random_cache(model, torch.bfloat16, "cuda"), scale=c.head_dim**-0.5, num_heads=c.num_heads,
@@ -113,4 +138,26 @@ def test_layers_with_the_parts_equal_the_layers_on_cublas(wide, rows: int) -> No
         assert layers.splitk_for(x, o.weight) is not None  # the step below takes the parts
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
     new_parts, new_plain = matches_the_layers(model, backend, step, parts_on)
+    torch.testing.assert_close(new_parts.float(), new_plain.float(), rtol=1 / 128, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_decode_attention_on_the_qkv_parts_equals_the_layers(wide, rows: int) -> None:
+    from engine.decode.decode_attention import DecodeAttention
+    from engine.kernels import splitk_linear
+
+    model, backend = wide
+    attention = DecodeAttention(model, backend)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    x = torch.zeros(rows, qkv.weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    with parts_on():
+        assert splitk_linear.qkv_chunks(x, qkv.weight) == 2  # the step below takes the qkv parts
+
+    @contextmanager
+    def on() -> Iterator[None]:
+        with parts_on(), attached(model, attention):
+            yield
+
+    step = _decode_step(rows, seed=rows + 1, vocab=model.config.vocab_size)
+    new_parts, new_plain = matches_the_layers(model, backend, step, on)
     torch.testing.assert_close(new_parts.float(), new_plain.float(), rtol=1 / 128, atol=1e-2)

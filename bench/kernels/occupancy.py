@@ -175,7 +175,7 @@ def splitk_kernels() -> dict[str, dict[str, object]]:
     types = dict(x_ptr=BF16, w_ptr=BF16, part_ptr="*fp32", res_ptr=BF16, out_ptr=BF16, inv_n="fp32", eps="fp32")
     norm = dict(HAS_RESIDUAL=True, BLOCK=4096, USE_PDL=True, KS=s.KS)
     return {
-        "_splitk_kernel (64 rows)": compile_sm90(s._splitk_kernel, types, consts, dict(num_warps=s.NUM_WARPS, num_stages=s.NUM_STAGES), ("M",)),
+        "_splitk_kernel (64 rows)": compile_sm90(s._splitk_kernel, types, consts, dict(num_warps=s.NUM_WARPS, num_stages=s.NUM_STAGES), ("M", "R")),
         "_rms_norm_kernel (split-K parts)": compile_sm90(fused_ops._rms_norm_kernel, types | dict(x_ptr="*fp32"), norm,
                                                          dict(num_warps=fused_ops.norm_warps(4096), launch_pdl=True)),
     }  # fmt: skip

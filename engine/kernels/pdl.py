@@ -35,7 +35,7 @@ waits for it anyway. Who does what in a decode layer:
 - PDL launch, wait: the sampler's read of the logits (kernels/lse_argmax.py), scheduled while the
   lm_head streams.
 - The layers' decode attention (decode/decode_attention.py `DecodeAttention`: rope, K/V store and
-  split-KV attention in one kernel) launches with PDL after the qkv GEMV: it reads the step's
+  split-KV attention in one kernel) launches with PDL after the qkv GEMV (or its split-K parts): it reads the step's
   metadata and the rope table, prefetches its first K/V tile into L2, waits and triggers.
 - In the one-kernel-per-layer decode (kernels/layer_kernel.py): every layer's launch waits after
   its attention prologue (the next layer's KV loads) and triggers after its o_proj. Inside it and

@@ -5,9 +5,10 @@ Two callers, one kernel (`rope_decode_kernel`):
   kernel, which then ends at its qkv projection, one phase and one grid barrier sooner; its tiles
   are half the backend's above FEW_ROWS rows, two buffered (`batch_tile_config`);
 - `DecodeAttention`, the layers' own forward (models/layers.py `Attention`) on the decode steps no
-  persistent path takes (the 8B shape, more than 64 rows): on the qkv linear's output (one
-  "partial", its bias already added), one launch where rotary, store_kv, decode and its reduce
-  were four.
+  persistent path takes (the 8B and 30B-A3B shapes, more than 64 rows): on the qkv projection's
+  split-K parts (1-16 rows, engine/kernels/splitk_linear.py; the bias added here) or on the qkv
+  linear's output (one "partial", its bias already added), one launch where rotary, store_kv,
+  decode and its reduce were four.
 Only those two modules import this one (it imports Triton).
 
 Grid (B, Hkv, splits), as the backend's kernel; one program, (row, KV head g, split):

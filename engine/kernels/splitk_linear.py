@@ -1,9 +1,12 @@
 """The row-parallel linears (o_proj, down_proj) of 1-64 rows as fp32 partial sums over K splits,
 which the RMSNorm after them adds up (fused_ops.fused_add_rms_norm takes [KS, T, N] parts): no
 reduce launch, and no program re-reads all of x from L2 (what makes skinny_linear.py lose past 16
-rows). Only the CUDA path of `engine.models.layers` imports this module (it imports Triton).
+rows). The qkv projection of 1-16 rows too, where the layers' decode attention reads it
+(engine/decode/decode_attention.py: engine/kernels/rope_decode.py sums the parts and adds the bias).
+Only CUDA code paths import this module (it imports Triton).
 
     parts [KS, M, N] fp32 = x [M, K] @ weight [N, K].T, K in KS chunks          splitk_parts(x, w)
+    parts [KS, R, N], rows M..R-1 unwritten (R >= M: a fixed stride)          splitk_parts(x, w, rows=R)
 
 Rules (`config`: KS and BLOCK_N from the rows and the weight's shape):
 - For 17..64 rows of a half-precision x and weights wide enough that the KS x N / BLOCK_N programs
@@ -18,6 +21,9 @@ Rules (`config`: KS and BLOCK_N from the rows and the weight's shape):
   row, us a call from CUDA graphs over weights beyond L2 (bench/history/2026-12-01.md, entry g):
   30B-A3B's o_proj (2048 x 4096, KS 4) 7.33 against skinny 10.37 and cuBLAS 9.06; the 8B's
   o_proj (KS 2) 11.26 against 12.53 / 13.65, its down_proj (KS 2) 29.12 against 32.70 / 32.52.
+  The same rule for a qkv weight (`qkv_chunks`): 30B-A3B's (5120 x 2048, KS 2) 8.07 against
+  skinny 9.36 and cuBLAS 8.37, the 8B's (6144 x 4096, KS 2) 15.47 against 16.65 / 17.44
+  (bench/history/2026-12-01.md, entry h). Past 16 rows qkv stays on cuBLAS (above).
 - One program per (BLOCK_N columns, K chunk), BLOCK_K = 128, 4 stages in flight, fp32 tl.dot:
   the sum of the parts is cuBLAS's product up to the order of fp32 sums; the norm rounds it to
   the model dtype where the unfused layers round the linear's output.
@@ -44,12 +50,12 @@ KS, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 2, 64, 128, 4, 4  # 17..64 rows
 FEW_BLOCK_N, FEW_MAX_KS, FEW_PER_SM = 32, 4, 2  # 1..16 rows
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "R"])
 def _splitk_kernel(
     x_ptr,  # [M, K] contiguous
     w_ptr,  # [N, K] contiguous
-    part_ptr,  # [KS, M, N] fp32
-    M, N, K,
+    part_ptr,  # [KS, R, N] fp32, R >= M
+    M, R, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (column tile n, K chunk c): part[c, :, tile] = x[:, chunk c] @ w[tile, chunk c].T.
@@ -70,7 +76,7 @@ def _splitk_kernel(
         acc = tl.dot(x, tl.trans(tl.load(w_ptrs)), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    tl.store(part_ptr + (c * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
+    tl.store(part_ptr + (c * R + offs_m)[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None])
 
 
 @functools.cache  # asked by `applies` and again by `splitk_parts` for the same call
@@ -96,15 +102,27 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def splitk_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[KS, M, N] fp32 partial sums of x [M, K] @ weight [N, K].T (`applies` must hold)."""
+def qkv_chunks(x: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """KS of a qkv projection of x [M, K] and weight [N, K] as parts (1-16 rows, the rules
+    above), or None where it stays on the layer's own linear."""
+    return config(x.shape[0], weight.shape[0], x.shape[1], skinny_linear.num_sms(x.device.index or 0))[0] if (
+        x.shape[0] <= skinny_linear.MAX_ROWS and applies(x, weight)
+    ) else None  # fmt: skip
+
+
+def splitk_parts(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """[KS, R, N] fp32 partial sums of x [M, K] @ weight [N, K].T (`applies` must hold); R = `rows`
+    (at least M; rows past M unwritten), else M."""
     x = x.contiguous()  # the kernel indexes x [M, K] by row * K
     m, k = x.shape
     n = weight.shape[0]
+    r = m if rows is None else rows
+    if r < m:
+        raise ValueError(f"splitk_parts: {r} rows of parts for {m} rows of x")
     ks, block_n = config(m, n, k, skinny_linear.num_sms(x.device.index or 0))
-    parts = torch.empty(ks, m, n, dtype=torch.float32, device=x.device)
+    parts = torch.empty(ks, r, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(n // block_n, ks)](
-        x, weight, parts, m, n, k, BLOCK_M=skinny_linear.block_m(m), BLOCK_N=block_n, BLOCK_K=BLOCK_K, KS=ks,
+        x, weight, parts, m, r, n, k, BLOCK_M=skinny_linear.block_m(m), BLOCK_N=block_n, BLOCK_K=BLOCK_K, KS=ks,
         USE_PDL=pdl.enabled(x.device), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return parts

@@ -31,9 +31,10 @@ class DecodeStepPath(Protocol):
 
 
 class DecodeAttentionPath(Protocol):
-    """One layer's attention of a decode step from the qkv linear's output [T, QKV] -> [T, H, D],
-    the new K/V rows stored (engine/decode/decode_attention.py)."""
+    """One layer's attention of a decode step from the layer's input [T, hidden] -> [T, H, D]: its
+    qkv projection (with the layer's weights) and attention, the new K/V rows stored
+    (engine/decode/decode_attention.py)."""
 
-    def applies(self, qkv: torch.Tensor, ctx: ForwardContext) -> bool: ...
+    def applies(self, hidden: torch.Tensor, ctx: ForwardContext) -> bool: ...
 
-    def __call__(self, attn: nn.Module, qkv: torch.Tensor, rope: RopeInputs, ctx: ForwardContext) -> torch.Tensor: ...
+    def __call__(self, attn: nn.Module, hidden: torch.Tensor, rope: RopeInputs, ctx: ForwardContext) -> torch.Tensor: ...

@@ -239,7 +239,7 @@ class Attention(nn.Module):
     qkv_bias: bias on q/k/v (Qwen2, Llama with attention_bias); o_bias: bias on o_proj (Llama with
     attention_bias); qk_norm: RMSNorm over head_dim of each q and k head before rope (Qwen3).
     `decode_attention` (hooks.py; attached by the model runner on CUDA): decode steps run the
-    norm, rope, K/V store and attention as one kernel on the qkv output.
+    qkv projection, then the norm, rope, K/V store and attention as one kernel on its output.
     """
 
     def __init__(
@@ -274,9 +274,9 @@ class Attention(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
         T, H, D = hidden.shape[0], self.num_heads, self.head_dim
+        if self.decode_attention is not None and self.decode_attention.applies(hidden, ctx):
+            return self.o_proj(self.decode_attention(self, hidden, rope, ctx).view(T, H * D))
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
-        if self.decode_attention is not None and self.decode_attention.applies(qkv, ctx):
-            return self.o_proj(self.decode_attention(self, qkv, rope, ctx).view(T, H * D))
         if self.fused and hidden.is_cuda:
             return self.o_proj(self.attend_qkv(qkv, rope, ctx).reshape(T, H * D))
         q, k, v = self._heads(qkv)
