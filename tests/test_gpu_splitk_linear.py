@@ -10,7 +10,8 @@ their parts, on a GPU (`pytest -m gpu` on the device machine):
   does a Qwen2 one (q/k/v bias);
 - the qkv projection as parts (`qkv_chunks`, 1-16 rows, at a fixed stride of 16 rows): the layers'
   decode attention on them (engine/decode/decode_attention.py, the bias added in the kernel)
-  equals the layers on cuBLAS and the separate attention kernels within bf16 rounding.
+  equals the layers on cuBLAS and the separate attention kernels within bf16 rounding, layer 0's
+  new V rows within an ULP.
 """
 
 from __future__ import annotations
@@ -160,4 +161,6 @@ def test_decode_attention_on_the_qkv_parts_equals_the_layers(wide, rows: int) ->
 
     step = _decode_step(rows, seed=rows + 1, vocab=model.config.vocab_size)
     new_parts, new_plain = matches_the_layers(model, backend, step, on)
-    torch.testing.assert_close(new_parts.float(), new_plain.float(), rtol=1 / 128, atol=1e-2)
+    # Layer 0's V rows: the same fp32 products summed in another order, one rounding: an ULP
+    # apart at most (its K rows go on through the norm and rope, which may widen that).
+    torch.testing.assert_close(new_parts[1].float(), new_plain[1].float(), rtol=2**-7, atol=1e-3)
