@@ -115,7 +115,7 @@ class EngineConfig:
     logits_pieces: bool = field(
         default=True, metadata={"help": "a decode graph's lm_head writes the sampler's log-sum-exp pieces (off: it reads the logits)"}
     )
-    splitk_linear: bool = field(default=True, metadata={"help": "split-K GEMMs for o_proj / down_proj at 1-64 rows (off: skinny GEMVs to 16 rows, cuBLAS above)"})
+    splitk_linear: bool = field(default=True, metadata={"help": "split-K GEMMs for o_proj / down_proj at 1-64 rows and for the layers' decode attention's qkv at 1-16 rows (off: skinny GEMVs to 16 rows, cuBLAS above)"})
     pdl: bool = field(default=True, metadata={"help": "programmatic dependent launch between kernels on Hopper and later"})
     fast_launch: bool = field(default=True, metadata={"help": "launch Triton kernels from their cached binaries (off: Triton's JIT path)"})
 
