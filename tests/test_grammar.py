@@ -7,6 +7,7 @@ must parse and match its schema (100 % of samples), its regex or its grammar."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import httpx
@@ -80,6 +81,26 @@ def test_bad_grammars_are_400s(http: httpx.Client) -> None:
     for out in http.post("/generate", json={"text": "x", "sampling_params": free}).json():
         assert out["text"] == "ab" and out["meta_info"]["finish_reason"]["type"] == "stop", out
     assert http.get("/health").status_code == 200
+
+
+def test_an_install_without_xgrammar_refuses_grammars_and_serves_on(qwen3_dir: str, tmp_path) -> None:
+    """A server whose xgrammar does not import (a shim package raising ImportError first on its
+    path): a constrained request is a 400 naming the package; the engine lives and serves."""
+    shim = tmp_path / "shim" / "xgrammar"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text('raise ImportError("xgrammar is not installed here")\n')
+    path = os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))
+    server = ServerProcess(qwen3_dir, "--max-model-len", "256", env={"PYTHONPATH": path},
+                           log_path=str(tmp_path / "server.log"))  # fmt: skip
+    try:
+        with server.client() as client:
+            r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3, "regex": "abc"}})
+            assert r.status_code == 400 and "xgrammar" in r.json()["error"]["message"], r.text
+            ok = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3}})
+            assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 3, ok.text
+            assert client.get("/health").status_code == 200
+    finally:
+        server.stop()
 
 
 def test_openai_response_format(http: httpx.Client) -> None:

@@ -17,6 +17,8 @@ Rules:
   one more mask when its grammar can end). A request that runs out of tokens first ends with
   `length`.
 - A matcher's failure never stops the engine: a mask it cannot fill allows every token (logged).
+  Nor does an install without xgrammar (a declared dependency): a constrained request is then
+  refused with a message naming the package, and the engine serves the others.
 - Masks span the tokenizer's vocabulary, the first rows of the model's (its embedding rows, padded
   past the tokenizer): the sampler never allows a row past the mask. (xgrammar fills a mask 100x
   slower when told the padded size: 333 against 3 us a row at Qwen3's 151,936 over a 512-token
@@ -106,6 +108,8 @@ class Grammars:
             compiled = self._compile(*spec)
         except InvalidRequest as e:
             return str(e)
+        except ImportError as e:
+            return f"sampling_params.{spec[0]} needs grammar-constrained decoding, and this server cannot import xgrammar ({e})"
         import xgrammar as xgr
 
         p = req.sampling_params
