@@ -5,6 +5,7 @@ rows' greedy tokens are the ones they get alone (the mask touches only its own r
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from engine import Engine, SamplingParams
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(find_spec("xgrammar") is None, reason="needs xgrammar, which this install lacks"),
 ]
 
 
