@@ -28,6 +28,7 @@ from test_gpu_fused_decode import _decode_step, matches_the_layers
 from test_piecewise_graph import MAX_MODEL_LEN, load_model, random_cache
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from engine.attention import ForwardContext
 from engine.kernels import SWITCHES
 
 pytestmark = [
@@ -160,6 +161,7 @@ def test_decode_attention_on_the_qkv_parts_equals_the_layers(wide, rows: int) ->
             yield
 
     step = _decode_step(rows, seed=rows + 1, vocab=model.config.vocab_size)
+    assert attention.applies(x, ForwardContext(backend, step.meta))  # ... through the decode attention
     new_parts, new_plain = matches_the_layers(model, backend, step, on)
     # Layer 0's V rows: the same fp32 products summed in another order, one rounding: an ULP
     # apart at most (its K rows go on through the norm and rope, which may widen that).
