@@ -94,20 +94,25 @@ def config(m: int, n: int, k: int, sms: int) -> tuple[int, int] | None:
     return (ks, block_n) if fits else None
 
 
+def _config_of(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] | None:
+    """`config` of x [M, K] and weight [N, K] on x's GPU."""
+    return config(x.shape[0], weight.shape[0], x.shape[1], skinny_linear.num_sms(x.device.index or 0))
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a row-parallel linear of x [M, K] and weight [N, K] returns parts here (rules above)."""
     return (
         SWITCHES.splitk_linear and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-        and weight.is_contiguous() and config(x.shape[0], weight.shape[0], x.shape[1], skinny_linear.num_sms(x.device.index or 0)) is not None
+        and weight.is_contiguous() and _config_of(x, weight) is not None
     )  # fmt: skip
 
 
 def qkv_chunks(x: torch.Tensor, weight: torch.Tensor) -> int | None:
     """KS of a qkv projection of x [M, K] and weight [N, K] as parts (1-16 rows, the rules
     above), or None where it stays on the layer's own linear."""
-    return config(x.shape[0], weight.shape[0], x.shape[1], skinny_linear.num_sms(x.device.index or 0))[0] if (
-        x.shape[0] <= skinny_linear.MAX_ROWS and applies(x, weight)
-    ) else None  # fmt: skip
+    if x.shape[0] > skinny_linear.MAX_ROWS or not applies(x, weight):
+        return None
+    return _config_of(x, weight)[0]
 
 
 def splitk_parts(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -119,7 +124,7 @@ def splitk_parts(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None)
     r = m if rows is None else rows
     if r < m:
         raise ValueError(f"splitk_parts: {r} rows of parts for {m} rows of x")
-    ks, block_n = config(m, n, k, skinny_linear.num_sms(x.device.index or 0))
+    ks, block_n = _config_of(x, weight)
     parts = torch.empty(ks, r, n, dtype=torch.float32, device=x.device)
     _splitk_kernel[(n // block_n, ks)](
         x, weight, parts, m, r, n, k, BLOCK_M=skinny_linear.block_m(m), BLOCK_N=block_n, BLOCK_K=BLOCK_K, KS=ks,
