@@ -67,9 +67,7 @@ class DecodeAttention:
         if key not in self._consts:
             nh, nkv, d = self.shape
             stride = PART_ROWS * (nh + 2 * nkv) * d if ks > 1 else 0
-            self._consts[key] = kernel_consts(
-                nh, nkv, d, ks, stride, has_bias, self.qk_norm, self.cache[0], self.cache[1], self.cache[2], merge=merge_for(rows)
-            )  # fmt: skip
+            self._consts[key] = kernel_consts(nh, nkv, d, ks, stride, has_bias, self.qk_norm, *self.cache, merge=merge_for(rows))
         return self._consts[key]
 
     def plan(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
