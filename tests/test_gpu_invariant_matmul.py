@@ -1,16 +1,18 @@
 """engine/kernels/invariant_matmul.py on a GPU (`pytest -m gpu` on the device machine):
 - a fixed row placed at random positions (and last) among random companions of another scale,
-  in batches of 1 to 2100 rows (16-, 64-, 128- and 256-row tiles), gets bit for bit the output it gets alone, at the Qwen3-8B linear
-  shapes (qkv, gate_up, down, lm_head) and at small ones whose N and K no tile divides; a batch
-  that is a slice of a larger one (rows, or the first K columns) too;
+  in batches of 1 to 2100 rows (16-, 64-, 128- and 256-row tiles), gets bit for bit the output it
+  gets alone, at the Qwen3-8B linear shapes (qkv, gate_up, down, lm_head), the 0.6B's o_proj and
+  down, and small ones whose N and K no tile divides; a batch that is a slice of a larger one
+  (rows, or the first K columns) too;
 - TMA descriptor loads (the default on Hopper) give the pointer loads' bits at every shape and
   batch above;
+- a one-chunk weight's K step follows the rows (256, 128, 64 for the 8B's): a row's bits do not;
 - the output equals F.linear in fp32 on the same bf16 inputs within bf16 rounding;
 - a launch into a preallocated `out` captures in a CUDA graph and replays to the eager bits, new
   inputs included;
 - `prefetch=True` (PDL launch, the weight's first lines into L2, then the wait) right after the
   RMSNorm that writes its input gives the plain launch's bits, eagerly and in a graph's replays;
-- K split into chunks (the 8B's o_proj and down): few rows run a program per chunk and a chunk-
+- K split into chunks (the 0.6B's o_proj and down): few rows run a program per chunk and a chunk-
   order sum (a second kernel's, or with `Arrivals` the tile's last chunk to arrive), many rows
   one program per tile walking the chunks; all give a row the same bits (the batches above cross
   from one to the other, with and without `Arrivals`), in a CUDA graph's replays too.
@@ -28,8 +30,11 @@ import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-# (K, N): Qwen3-8B's qkv, gate_up, down and lm_head, then shapes no tile divides (K < BLOCK_K too).
-SHAPES = [(4096, 6144), (4096, 24576), (12288, 4096), (4096, 151936), (1024, 1000), (200, 100), (48, 10), (64, 32)]
+# (K, N): Qwen3-8B's qkv, gate_up, down and lm_head (one chunk each, BLOCK_K 256, 128 and 64 as
+# the rows grow), Qwen3-0.6B's o_proj and down (4 and 6 chunks), then shapes no tile divides
+# (K < BLOCK_K too).
+SHAPES = [(4096, 6144), (4096, 24576), (12288, 4096), (4096, 151936), (2048, 1024), (3072, 1024), (1024, 1000), (200, 100),
+          (48, 10), (64, 32)]  # fmt: skip
 ROWS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 1100, 2100]  # across FEW_ROWS, MANY_ROWS and the 128 x 256 tiles
 
 
@@ -153,11 +158,11 @@ def test_a_prefetching_launch_after_the_norm_gives_the_plain_launch_bits(k: int,
             assert torch.equal(out, invariant_matmul(fused_ops.rms_norm(x, norm_w, 1e-6), w, arrivals=arrivals)), (m, step)
 
 
-def test_the_8b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:
+def test_the_06b_shapes_split_k_and_the_rows_choose_where_the_chunks_run() -> None:
     from engine.kernels.invariant_matmul import SPLIT_BELOW_TILES
     from engine.kernels.invariant_tiles import chunking, config
 
-    for n, k in ((4096, 4096), (4096, 12288)):  # the 8B's o_proj and down
+    for n, k in ((1024, 2048), (1024, 3072)):  # the 0.6B's o_proj and down
         c = config(n, k)
         chunk_k, chunks = chunking(k, c)
         assert chunks > 1 and chunk_k % c.block_k == 0 and (chunks - 1) * chunk_k < k

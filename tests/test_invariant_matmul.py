@@ -116,7 +116,7 @@ def test_tma_loads_give_the_pointer_loads_bits_interpreted() -> None:
 
 
 def test_the_tile_follows_the_rows_and_the_k_order_the_weight() -> None:
-    from engine.kernels.invariant_tiles import MANY_ROWS, chunking, config, rows_tile
+    from engine.kernels.invariant_tiles import LONG_K, MANY_ROWS, chunking, config, rows_tile
 
     # The Qwen3-0.6B and -8B linear weights (N, K): qkv, o_proj, gate_up, down, lm_head.
     weights = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
@@ -126,9 +126,14 @@ def test_the_tile_follows_the_rows_and_the_k_order_the_weight() -> None:
         cfg = config(n, k)
         for m in (1, 16, 17, 64, 256, 1000, MANY_ROWS, 2048, 8192):
             t = rows_tile(cfg, n, k, m)
-            assert (t.block_k, chunking(k, t)) == (cfg.block_k, chunking(k, cfg)), (n, k, m)  # K's order is the weight's
+            assert chunking(k, t) == chunking(k, cfg), (n, k, m)  # K's order is the weight's
+            # BLOCK_K follows the rows only in a one-chunk weight's tiles, and then divides K
+            assert t.block_k == cfg.block_k or (chunking(k, cfg)[1] == 1 and k % t.block_k == 0), (n, k, m)
+            assert (chunking(k, cfg)[1] == 1) >= (k >= LONG_K), (n, k)  # a long K is one chunk
             assert t.block_m * t.block_n <= 128 * 256 and t.num_warps * 32 * 128 >= t.block_m * t.block_n  # <= 128 fp32 a thread
             if t.block_n == 256:  # two accumulators of 128 registers a thread: only a walk of > 2 chunks
                 assert chunking(k, cfg)[1] > 2 and m >= MANY_ROWS, (n, k, m)
             seen.add((t.block_m, t.block_n))
-    assert {(16, 64), (16, 128), (64, 32), (64, 64), (64, 128), (128, 64), (128, 128), (128, 256), (256, 128)} <= seen
+            seen.add(("k", t.block_k))
+    assert {(16, 64), (16, 128), (64, 32), (64, 64), (64, 128), (128, 128), (128, 256), (256, 128)} <= seen
+    assert {("k", 64), ("k", 128), ("k", 256)} <= seen

@@ -7,13 +7,14 @@ block linear (`--deterministic`). Only CUDA code paths import this module (it im
 Why cuBLAS is not: it picks its kernel, its tiles and its split of K by M (and by the other
 sizes), so a row's fp32 sums over K run in an order, and round, that depend on the batch it
 came in (issue 76). Rules that make this kernel invariant:
-- K's order (BLOCK_K and the chunks below) is fixed per weight shape (N, K): `config(n, k)`, a
-  rule on N and K alone, never on M; no autotuning. M is not specialized (`do_not_specialize`).
+- K's order (the chunks below) is fixed per weight shape (N, K): `config(n, k)`, a rule on N and
+  K alone, never on M; no autotuning. M is not specialized (`do_not_specialize`). BLOCK_K may
+  follow M where the weight is one chunk: the dots add K's 16-wide slices in order whatever it is.
 - The output tile may follow M, the bits may not (`rows_tile`): up to FEW_ROWS rows (a decode
   step) run 16-row tiles (mma.sync m16n8k16, a quarter of a 64-row tile's loads), from
   MANY_ROWS (a prefill) tiles of two warp groups (128 x 128, 128 x 256, 256 x 128), between
   them 64-row tiles (wgmma), 128 rows high from MID_ROWS for a large weight.
-  Each output element is the same BLOCK_K steps of MMAs into fp32 in the same order whatever
+  Each output element is the same 16-wide K slices of MMAs into fp32 in the same order whatever
   the tile, and on an H200 the instructions round a row's sums alike:
   tests/test_gpu_invariant_matmul.py crosses 16 -> 17, 100 -> 256 and 1000 -> 1100 -> 2100 rows with
   the Qwen3 shapes, bit for bit.
