@@ -114,28 +114,30 @@ def _one_chunk_tile(cfg: Config, n: int, k: int, m: int) -> Config:
     H200. A deeper K step only where it divides K (`_deep_k`). First rule that holds:
     - m <= FEW_ROWS: 16 x (64, 32 or 16: the widest giving FEW_TILES tiles), BLOCK_K 256 where
       fewer than 2 SMS tiles (one program an SM, 160 KB of loads in flight), else 128; 4 stages.
-    - m < MID_ROWS: N >= WIDE_N 64 x 128 (cfg's 64-row tile), else 64 x 64, BLOCK_K 128, 6 stages.
-    - m < MANY_ROWS: N >= WIDE_N 128 x 128, two warp groups; 64 x 128 tiles making one wave of
-      more than SMS / 2, BLOCK_K 128, 4 stages; else 128 x 128.
-    - else 256 x 128 (3 stages) where its waves are FULL_WAVES full or more, else 128 x 128."""
+    - m <= 64: N >= WIDE_N cfg's 64 x 128, else 64 x 64 with BLOCK_K 128, DEEP_STAGES.
+    - m >= MID_ROWS: 256 x 128 (3 stages) where its waves are FULL_WAVES full or more (the
+      lm_head from 256 rows, everything from 1,024 but the 8B's qkv).
+    - m < MANY_ROWS and N < WIDE_N: 64 x 128 tiles making one wave of more than SMS / 2, BLOCK_K
+      128 (the 8B's qkv at 65-255 rows, o_proj and down at 256-511); else below MID_ROWS 64 x 64
+      as at 64 rows.
+    - else 128 x 128, two warp groups."""
     width = max(16, next_power_of_2(n))
     if m <= FEW_ROWS:
         bn = next((b for b in (64, 32) if cdiv(n, b) >= FEW_TILES), 16)
         bk = _deep_k(k, 256 if cdiv(n, bn) < 2 * SMS else 128, cfg.block_k)
         return cfg._replace(block_m=16, block_n=min(bn, width), block_k=bk, num_stages=4)
-    wide = cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
-    if m < MID_ROWS:
-        if n >= WIDE_N:
-            return cfg
-        return cfg._replace(block_n=min(64, width), block_k=_deep_k(k, 128, cfg.block_k), num_stages=DEEP_STAGES)
-    if m < MANY_ROWS:
-        if n < WIDE_N and SMS // 2 < cdiv(m, 64) * cdiv(n, 128) <= SMS:
-            return cfg._replace(block_m=64, block_n=min(128, width), block_k=_deep_k(k, 128, cfg.block_k))
-        return wide
+    narrow = cfg._replace(block_n=min(64, width), block_k=_deep_k(k, 128, cfg.block_k), num_stages=DEEP_STAGES)
+    if m <= 64:
+        return cfg if n >= WIDE_N else narrow
     tiles = cdiv(m, 256) * cdiv(n, 128)
-    if tiles / (cdiv(tiles, SMS) * SMS) >= FULL_WAVES:
+    if m >= MID_ROWS and tiles / (cdiv(tiles, SMS) * SMS) >= FULL_WAVES:
         return cfg._replace(block_m=256, block_n=min(128, width), num_warps=8, num_stages=3)
-    return wide
+    if m < MANY_ROWS and n < WIDE_N:
+        if SMS // 2 < cdiv(m, 64) * cdiv(n, 128) <= SMS:
+            return cfg._replace(block_n=min(128, width), block_k=_deep_k(k, 128, cfg.block_k))
+        if m < MID_ROWS:
+            return narrow
+    return cfg._replace(block_m=128, block_n=min(128, width), num_warps=8, num_stages=4)
 
 
 def _deep_k(k: int, deep: int, step: int) -> int:
