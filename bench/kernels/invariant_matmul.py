@@ -19,8 +19,9 @@ times the same tile with one program a tile (`split_below=0`: a walk over the ch
 bits, checked): whether the split threshold is where it should be.
 
 `--sweep` also times a grid of output tiles (rows, columns, warps, stages) at every (shape, M),
-each with the rule's K order (BLOCK_K and the chunks: the bits), and prints per (shape, M) the
-rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not. A
+each with the rule's K chunks (the bits), a one-chunk weight's also at BLOCK_K 128 and 256 where
+they divide K (the same bits; a grid tile whose stages do not fit is skipped), and prints per
+(shape, M) the rule's ratio and the best tile's. The tile may follow M (`rows_tile`), the K order may not. A
 grid tile the split threshold would run a program per chunk is timed both ways (its key ends in
 "split" or "walk"): the tile and where its chunks run are chosen together.
 
@@ -71,7 +72,7 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
         invariant_matmul,
         placement,
     )
-    from engine.kernels.invariant_tiles import Config, config, rows_tile
+    from engine.kernels.invariant_tiles import Config, chunking, config, rows_tile
 
     n, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -129,11 +130,12 @@ def bench_shape(name: str, m: int, sweep: bool, reps: int, rotate_bytes: int = R
         row["sweep"] = {}
         rule = config(n, k)
         row["tile"] = list(rows_tile(rule, n, k, m))
-        for bm, bn, w, st in GRID:
-            c = rule._replace(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        deep = [bk for bk in (128, 256) if k % bk == 0] if chunking(k, rule)[1] == 1 else []  # K steps of the same bits
+        for (bm, bn, w, st), bk in ((tile, bk) for tile in GRID for bk in [rule.block_k, *deep]):
+            c = rule._replace(block_m=bm, block_n=bn, num_warps=w, num_stages=st, block_k=bk)
             ways = {"split": SPLIT_BELOW_TILES, "walk": 0} if placement(c, m, n, k)[3] else {"": SPLIT_BELOW_TILES}
             for way, below in ways.items():
-                key = str((bm, bn, w, st, way) if way else (bm, bn, w, st))
+                key = str((bm, bn, w, st) + ((f"k{bk}",) if bk != rule.block_k else ()) + ((way,) if way else ()))
                 try:
                     row["sweep"][key] = time_graph(ours(c, split_below=below), len(ws), reps) / t_cublas
                 except Exception as e:  # out of shared memory and the like
@@ -175,9 +177,9 @@ def main() -> None:
                     ["shape", "M", "tiles", "chunks", "split / cuBLAS", "one program a tile / cuBLAS", "same bits"],
                     [[r["shape"], r["m"], r["tiles"], r["chunks"], r["ratio"], r["walk_ratio"], r["walk_bits"]] for r in split])  # fmt: skip
     if args.sweep:
-        print_table("output tiles per (shape, M), invariant / cuBLAS, K order the rule's",
+        print_table("output tiles per (shape, M), invariant / cuBLAS, K chunks the rule's",
                     ["shape", "M", "rule's tile (bm, bn, bk, warps, stages, split)", "rule",
-                     "best of the grid (bm, bn, warps, stages[, split | walk])", "best"], sweep_table(rows))  # fmt: skip
+                     "best of the grid (bm, bn, warps, stages[, BLOCK_K][, split | walk])", "best"], sweep_table(rows))  # fmt: skip
 
 
 if __name__ == "__main__":
