@@ -75,7 +75,7 @@ def rows_tile(cfg: Config, n: int, k: int, m: int) -> Config:
     changes the bits. First rule that holds:
     - m <= FEW_ROWS: 16-row tiles, 128 columns from N >= FEW_WIDE_N, else 64.
     - m >= MANY_ROWS with SMS 128 x 128 tiles or more, 8 warps: 256 x 128 (3 stages) for a weight
-      of one chunk (the lm_heads); 128 x 256 (3 stages) for one of more than 2 chunks (walked in
+      of one chunk (the 0.6B's lm_head); 128 x 256 (3 stages) for one of more than 2 chunks (walked in
       one loop) where WIDE_TILES of them or more; else 128 x 128 (4 stages). (128 x 256 over 2
       chunks holds two fp32 accumulators of 128 registers a thread and spills.)
     - m >= MID_ROWS and N >= WIDE_N (the 0.6B's lm_head): 128 x 128, two warp groups.
