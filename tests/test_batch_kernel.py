@@ -5,23 +5,28 @@ ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul, rota
 three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), a middle one
 (layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm);
 the qkv's q and k normed and rotated and the new K/V rows in the cache as rope.rotary leaves them.
-The weights' K in 2 and 4 chunks. The GPU's bits, through the engine's layers:
+The weights' K in 2 and 4 chunks. ATTEND (steps of few rows, GEMV tiles of 16 rows): the same,
+and the fixed-split attention's output on that q (attention_fixed.py, its two paths) over a
+context of two pieces, the items' slots 3. The GPU's bits, through the engine's layers:
 tests/test_gpu_deterministic_decode.py.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from interpreted import interpret
 
 HID, INTER, NH, NKV, D, M, ROWS, VOCAB, EPS = 1024, 2048, 8, 4, 128, 1, 64, 50, 1e-6
-BLOCKS, BLOCK_SIZE, MAX_POS = 4, 16, 64
+BLOCKS, BLOCK_SIZE, MAX_POS, CONTEXT = 16, 16, 256, 200
 QKV = (NH + 2 * NKV) * D
 
 
-def check_invariant_launches(device: str) -> None:
-    from engine.decode.batch_decode import kernel_consts
+def check_invariant_launches(device: str, attend: bool) -> None:
+    from engine.decode.batch_decode import FEW_BM, kernel_consts
     from engine.decode.rules import LayerShape
+    from engine.kernels.attention import LOG2E
+    from engine.kernels.attention_fixed import Workspace, fixed_split_attention
     from engine.kernels.batch_kernel import batch_layer_kernel
     from engine.kernels.fused_ops import fused_add_rms_norm, rms_norm, silu_and_mul
     from engine.kernels.invariant_matmul import invariant_matmul as mm
@@ -39,9 +44,13 @@ def check_invariant_launches(device: str) -> None:
     attn, h0 = rand(M, NH * D), rand(M, HID)
     qw, kw = rand(D, scale=0.5) + 1, rand(D, scale=0.5) + 1
     cos_sin = torch.randn(MAX_POS, D, generator=g).to(device)
-    positions = torch.randint(0, MAX_POS, (M,), generator=g).to(device)
-    slots = torch.randint(0, BLOCKS * BLOCK_SIZE, (M,), generator=g).to(device)
+    # the row's new token is the last of its context, its slot where the block table puts it
+    positions = torch.full((M,), CONTEXT - 1).to(device)
+    tables = torch.randperm(BLOCKS, generator=g).to(torch.int32).view(M, BLOCKS).to(device)
+    slots = (tables[0, (CONTEXT - 1) // BLOCK_SIZE] * BLOCK_SIZE + (CONTEXT - 1) % BLOCK_SIZE).view(M).long()
+    seq_lens, qsl = torch.full((M,), CONTEXT, dtype=torch.int32).to(device), torch.arange(M + 1, dtype=torch.int32).to(device)
     cache0 = rand(2, BLOCKS, BLOCK_SIZE, NKV, D)
+    scale = D**-0.5
 
     def rotated(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv, cache) as the mode's rotary leaves them: q, k normed and rotated, K/V stored."""
@@ -51,8 +60,22 @@ def check_invariant_launches(device: str) -> None:
         return qkv, cache
     shape = LayerShape(hidden=HID, inter=INTER, nh=NH, nkv=NKV, d=D, eps=EPS, qk_norm=True, device=torch.device(device), dtype=dt)
     # no L2 prefetch (inline PTX, which the interpreter cannot run; scheduling only, not the bits)
-    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True)
+    # bk 64 as the GEMM's: the interpreter's dots are numpy's, whose sums follow BLOCK_K (a GPU's do
+    # not: invariant_tiles.py)
+    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True,
+                           **(dict(bm=FEW_BM, attend_block=BLOCK_SIZE) if attend else {}))  # fmt: skip
     assert consts["KS_O"] == consts["KS_Q"] == consts["WALK_G"] == 2 and consts["KS_D"] == 4
+    assert consts.get("ATTEND", False) == attend
+
+    def attended(qkv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The mode's attention on qkv's q over the cache, by the split path (as the kernel's items)
+        and by the one-program path: the same bits."""
+        q = qkv[:, : NH * D].reshape(M, NH, D)
+        ws = Workspace.allocate(NH, D, MAX_POS, torch.device(device))
+        outs = [fixed_split_attention(q, cache[0], cache[1], tables, seq_lens, qsl, torch.empty_like(q), scale, M, w)
+                for w in (ws, None)]  # fmt: skip
+        assert ws.m.shape[1] == 2 and torch.equal(outs[0], outs[1])
+        return outs[0].view(M, NH * D)
 
     def launch(head: bool, tail: bool) -> dict[str, torch.Tensor]:
         f32 = dict(dtype=torch.float32, device=device)
@@ -63,12 +86,16 @@ def check_invariant_launches(device: str) -> None:
         act = torch.zeros(ROWS, INTER, dtype=dt, device=device)
         parts = [torch.zeros(consts[k], ROWS, n, **f32) for k, n in (("KS_O", HID), ("KS_D", HID), ("KS_Q", QKV))]
         bar = torch.zeros(1, dtype=torch.int32, device=device)
+        b["attn"] = attn.clone()  # o_proj's input; ATTEND: the next layer's attention output
+        ws = Workspace.allocate(NH, D, MAX_POS, torch.device(device))
         batch_layer_kernel[(1,)](
-            emb, ids, attn, b["h"], b["h_mid"], w["o"], w["post"], w["gate_up"], w["down"], w["norm"], w["qkv"],
+            emb, ids, b["attn"], b["h"], b["h_mid"], w["o"], w["post"], w["gate_up"], w["down"], w["norm"], w["qkv"],
             b["xn"], b["out"] if tail else b["xn"], act, *parts, b["qkv"], positions, cos_sin, qw, kw, b["cache"][0], b["cache"][1],
-            slots, cos_sin.stride(0), b["cache"].stride(2), b["cache"].stride(3), EPS, bar, bar, M, EPS,
-            HEAD=head, TAIL=tail, TIMING=False, **consts,
+            slots, cos_sin.stride(0), b["cache"].stride(2), b["cache"].stride(3), EPS,
+            tables, seq_lens, ws.m, ws.total, ws.acc, ws.counts, tables.stride(0), b["cache"].stride(1), scale * LOG2E,
+            ws.m.shape[1], 3, bar, bar, M, EPS, HEAD=head, TAIL=tail, TIMING=False, **consts,
         )  # fmt: skip
+        assert not ws.counts.any()  # the last item of each (row, KV head) zeroed its counter
         return {k: v if k == "cache" else v[:M] for k, v in b.items()}
 
     # HEAD: h = the embedding rows, xn = layer 0's norm of them, qkv = its qkv
@@ -79,6 +106,7 @@ def check_invariant_launches(device: str) -> None:
     qkv, cache = rotated(mm(xn, w["qkv"]))
     assert torch.equal(got["qkv"], qkv) and torch.equal(got["cache"], cache)
     assert not torch.equal(cache, cache0)
+    assert torch.equal(got["attn"], attended(qkv, cache) if attend else attn)
     # a middle launch: layer l's o_proj, norm, MLP, norm of layer l+1, its qkv
     got = launch(head=False, tail=False)
     xn, h_mid = fused_add_rms_norm(mm(attn, w["o"]), h0.clone(), w["post"], EPS)
@@ -87,11 +115,13 @@ def check_invariant_launches(device: str) -> None:
     assert torch.equal(got["h_mid"], h_mid) and torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
     qkv, cache = rotated(mm(xn, w["qkv"]))
     assert torch.equal(got["qkv"], qkv) and torch.equal(got["cache"], cache)
+    assert torch.equal(got["attn"], attended(qkv, cache) if attend else attn)
     # TAIL: the same through the final norm (`norm` its weight), into out; no qkv
     got = launch(head=False, tail=True)
     assert torch.equal(got["out"], xn) and torch.equal(got["h"], h)
-    assert not got["qkv"].any() and torch.equal(got["cache"], cache0)
+    assert not got["qkv"].any() and torch.equal(got["cache"], cache0) and torch.equal(got["attn"], attn)
 
 
-def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted() -> None:
-    interpret("test_batch_kernel", "check_invariant_launches('cpu')", timeout=900)
+@pytest.mark.parametrize("attend", [False, True])
+def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted(attend: bool) -> None:
+    interpret("test_batch_kernel", f"check_invariant_launches('cpu', {attend})", timeout=900)

@@ -121,5 +121,12 @@ def test_the_invariant_batch_decode_takes_each_weights_chunks() -> None:
     assert (c["BN"], c["BN_D"], c["BN_Q"]) == (32, 64, 64)
     assert 1024 // 32 * c["KS_O"] <= 132 and 1024 // 64 * c["KS_D"] <= 132 and 4096 // 64 * c["KS_Q"] <= 132
     assert "INVARIANT" not in kernel_consts(shape, 132, 64, use_pdl=True)  # the default's constants as they were
-    with pytest.raises(ValueError, match="steps K by 64"):
-        invariant_chunks(1024, 2048, bk=128)
+    # any K step dividing the chunks (BLOCK_K is not in the bits), none that does not
+    assert invariant_chunks(1024, 2048, bk=128) == (4, 512)
+    with pytest.raises(ValueError, match="does not divide"):
+        invariant_chunks(1024, 2048, bk=1024)
+    # steps of few rows: 16-row tiles, and the fixed-split attention in the launch at the cache's blocks
+    few = kernel_consts(shape, 132, 64, use_pdl=True, invariant=True, bm=16, bk=128, stages=5, attend_block=16)
+    assert few["ATTEND"] and (few["BM"], few["BK"], few["MAX_M"], few["BLOCK_SIZE"]) == (16, 128, 64, 16)
+    assert (few["GROUP"], few["BLOCK_H"], few["SPLIT_"], few["BLOCK_N_"]) == (2, 16, 128, 64)
+    assert {k: few[k] for k in ("KS_O", "CK_O", "KS_D", "CK_D", "WALK_G")} == {k: c[k] for k in ("KS_O", "CK_O", "KS_D", "CK_D", "WALK_G")}

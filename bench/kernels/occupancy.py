@@ -135,7 +135,8 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
 
     shape = LayerShape(hidden=HID, inter=INTER, nh=H, nkv=HKV, d=D, eps=1e-6, qk_norm=True, device=torch.device("cuda"),
                        dtype=torch.bfloat16)  # fmt: skip
-    fp32 = ("o_part_ptr", "down_part_ptr", "qkv_part_ptr", "cos_sin_ptr", "down_prev_ptr", "part_o_ptr", "part_lse_ptr", "down_ptr")
+    fp32 = ("o_part_ptr", "down_part_ptr", "qkv_part_ptr", "cos_sin_ptr", "down_prev_ptr", "part_o_ptr", "part_lse_ptr", "down_ptr",
+            "ws_m_ptr", "ws_l_ptr", "ws_acc_ptr")
     types = {n: "*fp32" for n in fp32}
     types.update(pos_ptr="*i64", slot_ptr="*i64", t_ptr="*i64", ids_ptr="*i64", bar_ptr="*i32", bt_ptr="*i32", seq_lens_ptr="*i32",
                  eps="fp32", qk_eps="fp32", sm_scale_log2="fp32")  # fmt: skip
@@ -145,6 +146,10 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     batch.update(HEAD=False, TAIL=False, TIMING=False)
     invariant = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=False, invariant=True)
     invariant.update(HEAD=False, TAIL=False, TIMING=False)
+    b = batch_decode  # steps of few rows: 16-row tiles, the fixed-split attention in the launch (ATTEND)
+    few = b.kernel_consts(shape, P, b.MAX_ROWS, use_pdl=True, bk=b.FEW_BK, stages=b.FEW_STAGES, invariant=True, bm=b.FEW_BM,
+                          attend_block=BLOCK)  # fmt: skip
+    few.update(HEAD=False, TAIL=False, TIMING=False)
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)
     qkv = (H + 2 * HKV) * D
@@ -156,6 +161,9 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         **logits_kernels(),
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
         "batch_layer_kernel (--deterministic)": compile_sm90(batch_layer_kernel, types, *_split(invariant), ("M",)),
+        "batch_layer_kernel (--deterministic, few rows)": compile_sm90(
+            batch_layer_kernel, types, *_split(few), ("M", "stride_bt", "pieces", "slots")
+        ),
         "rope_decode_kernel": _pipeline(
             compile_sm90(rope_decode_kernel, types, *_split(attention), ("num_splits", "stride_bt")), tiles[0]
         ),

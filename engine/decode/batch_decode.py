@@ -47,6 +47,9 @@ KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 MAX_ROWS = 64
 _BK = 64  # K per step of the GEMV loops
 _STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
+# `invariant` steps of at most FEW_BM rows (ATTEND): GEMV tiles of tl.dot's smallest M, and their K
+# step and pipeline as the fused decode's (fused_decode.py: the same tiles of 16 rows).
+FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # L2 prefetches (batch_kernel.py; bench/history/2026-11-27.md): the first weights of
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
 # before them is done, so they land during the barrier (and norm) between.
@@ -62,12 +65,14 @@ def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> s
 def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
     bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
-    invariant: bool = False,
+    invariant: bool = False, bm: int = KERNEL_MAX_ROWS, attend_block: int = 0,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them).
     `invariant`: the K splits are invariant_tiles.config's chunks (`--deterministic`), and the
-    last phase sums qkv and rotates it (batch_kernel.py INVARIANT)."""
+    last phase sums qkv and rotates it (batch_kernel.py INVARIANT); with `attend_block` (the KV
+    cache's block size) the fixed-split attention follows it in the launch (ATTEND). `bm`: rows
+    of a GEMV tile, the most a step may have."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
@@ -80,6 +85,12 @@ def kernel_consts(
         order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g, QK_NORM=shape.qk_norm,
                      BLOCK_HQ=triton.next_power_of_2(shape.nh), BLOCK_HK=triton.next_power_of_2(shape.nkv),
                      BN_D=one_wave(shape.hidden, ks_d, programs, bn), BN_Q=one_wave(qkv, ks_q, programs, bn))  # fmt: skip
+        if attend_block:
+            from engine.kernels import attention_fixed as af
+
+            group = shape.nh // shape.nkv
+            order.update(ATTEND=True, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=attend_block,
+                         BLOCK_N_=af.BLOCK_N, SPLIT_=af.SPLIT)  # fmt: skip
         split_d, split_q = ck_d, ck_q
     else:
         ks_o = k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk)
@@ -88,7 +99,7 @@ def kernel_consts(
         split_d, split_q = shape.inter // ks_d, shape.hidden // ks_q
     return dict(
         HID=shape.hidden, NH=shape.nh, NKV=shape.nkv, D=shape.d, INTER=shape.inter,
-        KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=KERNEL_MAX_ROWS, BN=bn, BN_G=bn_gate, BK=bk,
+        KS_O=ks_o, KS_D=ks_d, KS_Q=ks_q, MAX_M=rows, BM=bm, BN=bn, BN_G=bn_gate, BK=bk,
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         G_PRE=prefetch_width(shape.hidden, g_pre), D_PRE=prefetch_width(split_d, d_pre), Q_PRE=prefetch_width(split_q, q_pre),
@@ -105,13 +116,13 @@ def one_wave(n: int, chunks: int, programs: int, bn: int) -> int:
 
 def invariant_chunks(n: int, k: int, bk: int) -> tuple[int, int]:
     """(chunks, chunk length) of K for a weight [n, k] in `--deterministic`'s GEMM order
-    (invariant_tiles.config), whose BLOCK_K steps must be the kernel's bk."""
+    (invariant_tiles.config), in K steps of the kernel's bk, which must divide the chunks and K
+    (BLOCK_K itself is not in the bits: invariant_tiles.py)."""
     from engine.kernels.invariant_tiles import chunking, config
 
-    cfg = config(n, k)
-    if cfg.block_k != bk:
-        raise ValueError(f"weight [{n}, {k}]: the invariant GEMM steps K by {cfg.block_k}, the kernel by {bk}")
-    chunk, chunks = chunking(k, cfg)
+    chunk, chunks = chunking(k, config(n, k))
+    if chunk % bk or k % bk:
+        raise ValueError(f"weight [{n}, {k}]: K chunks of {chunk}, which the kernel's K step {bk} does not divide")
     return chunks, chunk
 
 
@@ -119,7 +130,7 @@ class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
-        q_pre: int = _Q_PRE, invariant: bool = False,
+        q_pre: int = _Q_PRE, invariant: bool = False, attend: bool = True, few_bk: int = FEW_BK, few_stages: int = FEW_STAGES,
     ) -> None:  # fmt: skip
         from engine.kernels import pdl, rope_decode
 
@@ -140,6 +151,14 @@ class BatchDecode:
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre,
                                     q_pre, invariant)  # fmt: skip
         self.first_consts = {**self.consts, "launch_pdl": False}
+        # invariant: steps of at most `attend_rows` rows run the fixed-split attention in the launch
+        # (ATTEND), on GEMV tiles of FEW_BM rows; the backend's workspace holds that many rows.
+        self.attend_rows = min(FEW_BM, backend.workspace.m.shape[0]) if invariant and attend else 0
+        self.few_consts = self.consts
+        if self.attend_rows:
+            self.few_consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, few_bk, few_stages,
+                                            g_pre, d_pre, q_pre, True, FEW_BM, backend.kv_cache.shape[3])  # fmt: skip
+        self.first_few_consts = {**self.few_consts, "launch_pdl": False}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
@@ -188,11 +207,12 @@ class BatchDecode:
         # the attention's splits and workspace, every layer's (the invariant path: the backend's own)
         plan = None if self.invariant else self.backend.merged_decode_plan(m)
         attn = self.attn
+        few = 0 < m <= self.attend_rows and meta.seq_lens.shape[0] == m  # ATTEND: a decode row a sequence
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
-            self._launch(prev, nxt, i, input_ids, positions, meta, attn, out, timing[i] if timing is not None else None)
-            if nxt is not None:
+            self._launch(prev, nxt, i, input_ids, positions, meta, attn, out, timing[i] if timing is not None else None, few)
+            if nxt is not None and not few:  # (few: the launch attended, into self.attn)
                 if self.invariant:  # q rotated, the new K/V rows in the cache: the kernel's last phase
                     q = self.qkv[:m, : self.shape.nh * self.shape.d].view(m, self.shape.nh, self.shape.d)
                     attn = self.backend.attend(nxt.self_attn.layer_id, q, meta)
@@ -218,11 +238,13 @@ class BatchDecode:
 
     def _launch(
         self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata, attn: torch.Tensor, out: torch.Tensor, timing: torch.Tensor | None,
+        meta: AttentionMetadata, attn: torch.Tensor, out: torch.Tensor, timing: torch.Tensor | None, few: bool = False,
     ) -> None:  # fmt: skip
+        from engine.kernels.attention import LOG2E
         from engine.kernels.batch_kernel import batch_layer_kernel
 
         lm, m = self.lm, input_ids.shape[0]
+        consts = (self.few_consts if i else self.first_few_consts) if few else self.consts if i else self.first_consts
         # INVARIANT's last phase: rope and layer l+1's cache (else: any tensors, not read)
         rope_args: tuple = (self.barrier,) * 7 + (0, 0, 0, 0.0)
         if self.invariant and nxt is not None:
@@ -232,6 +254,13 @@ class BatchDecode:
             qw, kw = (sa.q_norm.weight, sa.k_norm.weight) if self.shape.qk_norm else (self.barrier, self.barrier)
             rope_args = (positions, cos_sin, qw, kw, k_cache, v_cache, slots, cos_sin.stride(0), k_cache.stride(1),
                          k_cache.stride(2), sa.q_norm.eps if self.shape.qk_norm else 0.0)  # fmt: skip
+        # ATTEND's: the step's tables, the backend's workspace, its slots a (row, KV head) (else: not read)
+        attend_args: tuple = (self.barrier,) * 6 + (0, 0, 0.0, 0, 1)
+        if few and nxt is not None:
+            ws, m_kv = self.backend.workspace, m * self.shape.nkv
+            attend_args = (meta.block_tables, meta.seq_lens, ws.m, ws.total, ws.acc, ws.counts, meta.block_tables.stride(0),
+                           k_cache.stride(0), self.backend.scale * LOG2E, ws.m.shape[1], max(1, self.programs // m_kv))  # fmt: skip
+            attn = self.attn
         # layer l's weights (HEAD: any tensor), layer l+1's (TAIL: any tensor)
         a, mlp = (prev.self_attn, prev.mlp) if prev is not None else (nxt.self_attn, nxt.mlp)
         post = (prev or nxt).post_attention_layernorm.weight
@@ -241,7 +270,7 @@ class BatchDecode:
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             norm, (nxt or prev).self_attn.qkv_proj.weight,
             self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
-            self.qkv if self.invariant else self.qkv_part, *rope_args, self.barrier, timing if timing is not None else self.barrier, m,
-            self.shape.eps, HEAD=prev is None, TAIL=nxt is None, TIMING=timing is not None,
-            **(self.consts if i else self.first_consts),
+            self.qkv if self.invariant else self.qkv_part, *rope_args, *attend_args, self.barrier,
+            timing if timing is not None else self.barrier, m, self.shape.eps, HEAD=prev is None, TAIL=nxt is None,
+            TIMING=timing is not None, **consts,
         )  # fmt: skip

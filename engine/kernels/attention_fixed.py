@@ -56,14 +56,13 @@ import triton.language as tl
 from engine.kernels.attention import LOG2E, next_pow2
 from engine.kernels.fixed_rows import (
     locate,
-    merge_piece,
+    piece_item,
     query_rows,
     tile_rows,
     walk_pieces,
     walk_rows,
 )
 from engine.kernels.launcher import Launcher
-from engine.kernels.split_kv import attend_tiles, last_to_arrive
 
 # Context tokens a piece: a fixed position grid, a multiple of BLOCK_N. What the bits follow: a
 # piece is BLOCK_N tiles in sequence, the length of a one-row decode's chain. H200, 8B heads (32 /
@@ -145,39 +144,14 @@ def _piece_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
     IEEE: tl.constexpr, ONE_EACH: tl.constexpr,
 ):  # fmt: skip
-    # Program (t, g, slot): token t's pieces slot, slot + SLOTS, ... for KV head g, each from a
-    # fresh state, into the workspace's row (t, piece, head); the last of the SLOTS programs of
-    # (t, g) to arrive merges all of them in ascending order (workspace loads past L1: other
-    # programs' stores), from the one-program path's start.
-    t = tl.program_id(0)
-    g = tl.program_id(1)
-    seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
-    heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for p in range(tl.program_id(2), tl.cdiv(context, SPLIT_), tl.num_programs(2)):
-        start = p * SPLIT_
-        end = tl.minimum(start + SPLIT_, context)
-        m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
-                                       stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
-                                       BLOCK_N_, IEEE, True)  # fmt: skip
-        rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads  # [BLOCK_H]
-        tl.store(ws_m_ptr + rows, m_s, mask=h_mask)
-        tl.store(ws_l_ptr + rows, l_s, mask=h_mask)
-        tl.store(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], acc_s, mask=h_mask[:, None])
-    if last_to_arrive(count_ptr + t * NUM_HEADS + g, tl.num_programs(2)):
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        for p in range(0, tl.cdiv(context, SPLIT_)):
-            rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads
-            m_s = tl.load(ws_m_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
-            l_s = tl.load(ws_l_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
-            acc_s = tl.load(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-            m, total, acc = merge_piece(m, total, acc, m_s, l_s, acc_s)
-        result = acc / tl.where(total > 0, total, 1.0)[:, None]
-        out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    # Program (t, g, slot) of SLOTS: fixed_rows.piece_item, the pieces slot, slot + SLOTS, ... of
+    # token t for KV head g, and the merge of them all by the last of (t, g) to arrive.
+    piece_item(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
+        seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, out_ptr, num_seqs, stride_qt, stride_qh,
+        stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead, sm_scale_log2, pieces,
+        NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N_, SPLIT_, SEARCH, IEEE, ONE_EACH,
+    )  # fmt: skip
 
 
 class Workspace(NamedTuple):

@@ -29,7 +29,12 @@ CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
      [M, QKV]; then the rotary kernel's q/k norm and rope in place and the new K/V rows into
      layer l+1's cache (`_qkv_rope_phase`),
 so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul,
-rope.rotary): the mode's fixed-split attention runs on qkv's q between the launches.
+rope.rotary): the mode's fixed-split attention runs on qkv's q between the launches, or
+  8. ATTEND (steps of at most FEW_TOKENS rows, attention_fixed.py): after a barrier, that
+     attention itself, items (row, KV head, slot) dealt round-robin, each some of the row's
+     pieces into the backend's workspace, the last of (row, KV head) to arrive merging them
+     into attn (fixed_rows.piece_item: the split path's arithmetic, so its bits). attn is the
+     next launch's input; this launch read it in phase 1, barriers before.
 
 USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
@@ -42,6 +47,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels.fixed_rows import piece_item
 from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
@@ -81,7 +87,7 @@ def _qkv_rope_phase(
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_bt", "pieces", "slots"])
 def batch_layer_kernel(
     emb_ptr,  # [V, HID]: the embedding table (HEAD only)
     ids_ptr,  # [M] int64: the step's token ids (HEAD only)
@@ -100,6 +106,8 @@ def batch_layer_kernel(
     pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr,  # INVARIANT: positions [M], the rope's cos | sin, layer l+1's q/k norm
     k_cache_ptr, v_cache_ptr, slot_ptr,  # INVARIANT: layer l+1's cache [slots, NKV, D] each, the step's slots [M]
     stride_cos, stride_cslot, stride_chead, qk_eps,  # INVARIANT
+    bt_ptr, seq_lens_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr,  # ATTEND: the step's block tables, seq_lens; the workspace
+    stride_bt, stride_cblk, sm_scale_log2, pieces, slots,  # ATTEND
     bar_ptr,  # int32 grid-barrier counter
     t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
     M, eps,
@@ -110,7 +118,9 @@ def batch_layer_kernel(
     G_PRE: tl.constexpr, D_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
     INVARIANT: tl.constexpr = False, CK_O: tl.constexpr = 0, CK_D: tl.constexpr = 0, CK_Q: tl.constexpr = 0,
     CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1,
-    BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0,
+    BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0, ATTEND: tl.constexpr = False,
+    GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_SIZE: tl.constexpr = 16, BLOCK_N_: tl.constexpr = 64,
+    SPLIT_: tl.constexpr = 128,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -160,4 +170,13 @@ def batch_layer_kernel(
             _qkv_rope_phase(row, qkv_part_ptr, MAX_M * QKV, qkv_ptr, M, pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr,
                             v_cache_ptr, slot_ptr, stride_cos, stride_cslot, stride_chead, qk_eps, KS_Q, NH, NKV, D, QK_NORM,
                             BLOCK_HQ, BLOCK_HK, BLOCK_HID, DTYPE)  # fmt: skip
+            if ATTEND:  # layer l+1's fixed-split attention, items (row, KV head, slot), into attn
+                phase_end(bar_ptr, t_ptr, 15, FIRST_ADD, TIMING)
+                for item in range(pid, M * NKV * slots, P):
+                    piece_item(
+                        item // (NKV * slots), item // slots % NKV, item % slots, slots, qkv_ptr, k_cache_ptr, v_cache_ptr,
+                        bt_ptr, seq_lens_ptr, seq_lens_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, attn_ptr, M, QKV, D,
+                        NH * D, D, stride_bt, stride_cblk, stride_cslot, stride_chead, sm_scale_log2, pieces,
+                        NH, GROUP, BLOCK_H, D, BLOCK_SIZE, BLOCK_N_, SPLIT_, 1, False, True,
+                    )  # fmt: skip
     stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)

@@ -1,8 +1,9 @@
 """Triton functions the fixed-split attention's kernels (attention_fixed.py) inline, not kernels:
 where a program's query rows are (`locate`: a token's sequence and context; `tile_rows`: a
 prefill tile's tokens), their queries (`query_rows`), the online softmax of rows of their own
-ends (`walk_rows`), one query's (`walk_pieces`: every piece in one loop over the tiles) and the
-pieces' merge (`merge_piece`). The rules they keep are attention_fixed.py's; every function is
+ends (`walk_rows`), one query's (`walk_pieces`: every piece in one loop over the tiles), the
+pieces' merge (`merge_piece`) and the split path's item (`piece_item`: some of a query's pieces,
+the last to arrive merging them all). The rules they keep are attention_fixed.py's; every function is
 the same arithmetic for a row wherever it runs.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.split_kv import softmax_step, tile_scores
+from engine.kernels.split_kv import attend_tiles, last_to_arrive, softmax_step, tile_scores
 
 
 @triton.jit
@@ -157,3 +158,46 @@ def walk_rows(
         acc = tl.where(fold[:, None], acc_f, acc)
         m_s, l_s, acc_s = reset_where(ends, m_s, l_s, acc_s)
     return m, total, acc
+
+
+@triton.jit
+def piece_item(
+    t, g, slot, slots, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    count_ptr, out_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok,
+    stride_chead, sm_scale_log2, pieces,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
+    IEEE: tl.constexpr, ONE_EACH: tl.constexpr,
+):  # fmt: skip
+    # Item (t, g, slot) of `slots` for (token t, KV head g): the token's pieces slot, slot + slots,
+    # ... each from a fresh state into the workspace's rows (t, piece, head); the last of the
+    # `slots` items of (t, g) to arrive merges every piece in ascending order into out (workspace
+    # loads past L1: other programs' stores). The split path's program (attention_fixed.py
+    # `_piece_kernel`), and a phase of the mode's persistent decode kernel (batch_kernel.py ATTEND).
+    seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
+    heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for p in range(slot, tl.cdiv(context, SPLIT_), slots):
+        start = p * SPLIT_
+        end = tl.minimum(start + SPLIT_, context)
+        m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
+                                       stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
+                                       BLOCK_N_, IEEE, True)  # fmt: skip
+        rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads  # [BLOCK_H]
+        tl.store(ws_m_ptr + rows, m_s, mask=h_mask)
+        tl.store(ws_l_ptr + rows, l_s, mask=h_mask)
+        tl.store(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], acc_s, mask=h_mask[:, None])
+    if last_to_arrive(count_ptr + t * NUM_HEADS + g, slots):
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        for p in range(0, tl.cdiv(context, SPLIT_)):
+            rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads
+            m_s = tl.load(ws_m_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
+            l_s = tl.load(ws_l_ptr + rows, mask=h_mask, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=h_mask[:, None], other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+            m, total, acc = merge_piece(m, total, acc, m_s, l_s, acc_s)
+        result = acc / tl.where(total > 0, total, 1.0)[:, None]
+        out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])

@@ -46,8 +46,8 @@ from engine.kernels.fused_ops import silu_mul
 from engine.kernels.lamport import await_rows, await_sum, sentinel_like, written
 from engine.kernels.pdl import prefetch_l2
 
-STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..15, then its SM
-SM_SLOT: tl.constexpr = tl.constexpr(16)
+STAMPS: tl.constexpr = tl.constexpr(32)  # stamp slots per program (TIMING): points 0..30, then its SM
+SM_SLOT: tl.constexpr = tl.constexpr(31)
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def grid_wait(bar_ptr, old, FIRST_ADD: tl.constexpr, LAST_LEAVES: tl.constexpr =
 
 @triton.jit
 def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
-    # bench only (TIMING): this program's %globaltimer (ns) at point i < 16, into t [P, STAMPS]
+    # bench only (TIMING): this program's %globaltimer (ns) at point i < SM_SLOT, into t [P, STAMPS]
     # int64; at point 0 also its %smid, into t[:, SM_SLOT].
     if TIMING:
         stamp_row(t_ptr + tl.program_id(0) * STAMPS, i, SM_SLOT)
