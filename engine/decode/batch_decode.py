@@ -30,6 +30,8 @@ kernel in the invariant GEMM's K order, its last phase summing qkv into `qkv`, r
 there and storing the new K/V rows into the layer's cache (batch_kernel.py INVARIANT), and
 between the launches the backend's fixed-split attention on that q (`attend`), so that every
 row has the bits of the mode's layers one op at a time (tests/test_gpu_deterministic_decode.py).
+Steps of at most ATTEND_ROWS rows run that attention as the launch's last phase instead, its
+split path's items and workspace (batch_kernel.py ATTEND), one launch a layer.
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 MAX_ROWS = 64
 _BK = 64  # K per step of the GEMV loops
 _STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
-# `invariant` steps of at most FEW_BM rows (ATTEND): GEMV tiles of tl.dot's smallest M, and their K
-# step and pipeline as the fused decode's (fused_decode.py: the same tiles of 16 rows).
+# `invariant` steps of at most ATTEND_ROWS rows run the fixed-split attention inside the launch
+# (batch_kernel.py ATTEND), on GEMV tiles of tl.dot's smallest M with the fused decode's K step and
+# pipeline (fused_decode.py). H200, 0.6B, context 512 (bench/history/2026-12-01.md, entry j): the
+# step at 1 / 4 / 16 rows 1.094 / 1.165 / 1.457 ms with the attention its own launch, 1.006 / 1.129
+# / 1.591 inside it. Its items (row, KV head, slot) are as many as the programs, so from 8 rows a
+# slot walks two of a 512-token context's four pieces one after the other: a launch at 8 rows
+# 38.9 us against 27.8 plus the attention kernel's.
+ATTEND_ROWS = 4
 FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # L2 prefetches (batch_kernel.py; bench/history/2026-11-27.md): the first weights of
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
@@ -152,8 +160,8 @@ class BatchDecode:
                                     q_pre, invariant)  # fmt: skip
         self.first_consts = {**self.consts, "launch_pdl": False}
         # invariant: steps of at most `attend_rows` rows run the fixed-split attention in the launch
-        # (ATTEND), on GEMV tiles of FEW_BM rows; the backend's workspace holds that many rows.
-        self.attend_rows = min(FEW_BM, backend.workspace.m.shape[0]) if invariant and attend else 0
+        # (ATTEND), on GEMV tiles of FEW_BM rows, its partials in the backend's workspace.
+        self.attend_rows = min(ATTEND_ROWS, backend.workspace.m.shape[0]) if invariant and attend else 0
         self.few_consts = self.consts
         if self.attend_rows:
             self.few_consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, few_bk, few_stages,
