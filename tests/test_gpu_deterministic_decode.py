@@ -5,7 +5,8 @@ against the mode's layers one op at a time (models/invariant.py installed,
 engine/attention/triton_fixed.py), on test_gpu_fused_decode.py's checkpoints of Qwen3-0.6B's layer
 (hidden 1024, intermediate 3072, 16 heads of 128, 8 KV heads: K in 2 to 6 chunks) as Qwen3 and as
 Llama, bf16, a random KV cache:
-- decode steps of 1 to 64 rows: the hidden states and the whole cache after, bit for bit;
+- decode steps of 1 to 64 rows: the hidden states and the whole cache after, bit for bit (steps
+  of at most batch_decode.ATTEND_ROWS rows with the attention inside the launch);
 - graph padding writes nothing; graph replays equal the eager call; the barrier is kept across
   steps and zeroed after a resume;
 - not served: a model with qkv bias (Qwen2: the kernel's qkv sum adds none); a shape whose norm and
@@ -27,6 +28,7 @@ from test_gpu_fused_decode import (
 )
 
 from engine.attention import ForwardContext
+from engine.decode import batch_decode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,16 +51,15 @@ def mode_model(arch: str, tmp_path_factory: pytest.TempPathFactory, **shape: obj
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    from engine.decode import batch_decode
-
     model, backend = mode_model(request.param, tmp_path_factory, **LAYER_06B)
     assert batch_decode.unsupported(model, backend, invariant=True) is None
     return model, backend, batch_decode.BatchDecode(model, backend, 1, 64, invariant=True)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 64])
 def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> None:
     model, backend, batch = setup
+    assert batch.attend_rows == batch_decode.ATTEND_ROWS == 4
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
     assert batch.applies(step.input_ids, ForwardContext(backend, step.meta))
     plain, plain_cache, out, cache, _ = with_and_without(model, backend, step, lambda: model_path(model, batch))
@@ -67,30 +68,30 @@ def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> N
     assert torch.equal(cache, plain_cache)
 
 
-def test_padding_rows_write_nothing_and_leave_the_real_rows(setup) -> None:
+# rows 2, 1 and 3: steps whose launches attend (batch_decode.ATTEND_ROWS); 12, 12 and 24: not
+@pytest.mark.parametrize("rows", [2, 6])
+def test_padding_rows_write_nothing_and_leave_the_real_rows(setup, rows: int) -> None:
     model, backend, batch = setup
-    padding_rows_write_nothing(model, backend, batch, 6)
+    padding_rows_write_nothing(model, backend, batch, rows)
 
 
-def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup) -> None:
+@pytest.mark.parametrize("rows", [1, 12])
+def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup, rows: int) -> None:
     model, backend, batch = setup
-    barrier_garbage_is_cleared_by_after_resume(model, backend, batch, 12)
+    barrier_garbage_is_cleared_by_after_resume(model, backend, batch, rows)
 
 
-def test_graph_replays_equal_the_eager_call(setup) -> None:
+@pytest.mark.parametrize("rows", [3, 24])
+def test_graph_replays_equal_the_eager_call(setup, rows: int) -> None:
     model, backend, batch = setup
-    graph_replays_equal_eager(model, backend, batch, 24, 100)
+    graph_replays_equal_eager(model, backend, batch, rows, 100)
 
 
 def test_a_model_with_qkv_bias_is_not_served(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from engine.decode import batch_decode
-
     model, backend = mode_model("qwen2", tmp_path_factory)
     assert "qkv bias" in batch_decode.unsupported(model, backend, invariant=True)
 
 
 def test_a_shape_whose_norms_run_other_warps_is_not_served(tmp_path_factory: pytest.TempPathFactory) -> None:
-    from engine.decode import batch_decode
-
     model, backend = mode_model("qwen3", tmp_path_factory)
     assert "warps" in batch_decode.unsupported(model, backend, invariant=True)
