@@ -5,9 +5,9 @@ ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul, rota
 three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), a middle one
 (layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm);
 the qkv's q and k normed and rotated and the new K/V rows in the cache as rope.rotary leaves them.
-The weights' K in 2 and 4 chunks. ATTEND (steps of few rows, GEMV tiles of 16 rows): the same,
-and the fixed-split attention's output on that q (attention_fixed.py, its two paths) over a
-context of two pieces, the items' slots 3. The GPU's bits, through the engine's layers:
+The weights' K in 2 and 4 chunks. ATTEND (steps of few rows, GEMV tiles of 16 rows, the norms
+EVERYWHERE): the same, and the fixed-split attention's output on that q (attention_fixed.py, its
+two paths) over a context of two pieces, the items' slots 3. The GPU's bits, through the engine's layers:
 tests/test_gpu_deterministic_decode.py.
 """
 
@@ -63,9 +63,9 @@ def check_invariant_launches(device: str, attend: bool) -> None:
     # bk 64 as the GEMM's: the interpreter's dots are numpy's, whose sums follow BLOCK_K (a GPU's do
     # not: invariant_tiles.py)
     consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True,
-                           **(dict(bm=FEW_BM, attend_block=BLOCK_SIZE) if attend else {}))  # fmt: skip
+                           **(dict(bm=FEW_BM, attend_block=BLOCK_SIZE, everywhere_rows=4) if attend else {}))  # fmt: skip
     assert consts["KS_O"] == consts["KS_Q"] == consts["WALK_G"] == 2 and consts["KS_D"] == 4
-    assert consts.get("ATTEND", False) == attend
+    assert consts.get("ATTEND", False) == consts["EVERYWHERE"] == attend
 
     def attended(qkv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """The mode's attention on qkv's q over the cache, by the split path (as the kernel's items)

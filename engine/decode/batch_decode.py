@@ -73,14 +73,15 @@ def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> s
 def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
     bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
-    invariant: bool = False, bm: int = KERNEL_MAX_ROWS, attend_block: int = 0,
+    invariant: bool = False, bm: int = KERNEL_MAX_ROWS, attend_block: int = 0, everywhere_rows: int = 0,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them).
     `invariant`: the K splits are invariant_tiles.config's chunks (`--deterministic`), and the
     last phase sums qkv and rotates it (batch_kernel.py INVARIANT); with `attend_block` (the KV
     cache's block size) the fixed-split attention follows it in the launch (ATTEND). `bm`: rows
-    of a GEMV tile, the most a step may have."""
+    of a GEMV tile, the most a step may have. `everywhere_rows`: every program normalizes the
+    rows, up to that many, into its own xn rows (EVERYWHERE: no grid barrier after a norm)."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
@@ -111,7 +112,7 @@ def kernel_consts(
         BLOCK_HID=triton.next_power_of_2(shape.hidden), P=programs, FIRST_ADD=2**31 - (programs - 1), USE_PDL=use_pdl, launch_pdl=use_pdl,
         num_warps=num_warps, num_stages=stages, launch_cooperative_grid=True, enable_fp_fusion=False,
         G_PRE=prefetch_width(shape.hidden, g_pre), D_PRE=prefetch_width(split_d, d_pre), Q_PRE=prefetch_width(split_q, q_pre),
-        **order,
+        EVERYWHERE=everywhere_rows > 0, XN_ROWS=everywhere_rows, **order,
     )  # fmt: skip
 
 
@@ -139,6 +140,7 @@ class BatchDecode:
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
         bn: int = 32, bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, use_pdl: int = 1, g_pre: int = _G_PRE, d_pre: int = _D_PRE,
         q_pre: int = _Q_PRE, invariant: bool = False, attend: bool = True, few_bk: int = FEW_BK, few_stages: int = FEW_STAGES,
+        everywhere: bool = True,
     ) -> None:  # fmt: skip
         from engine.kernels import pdl, rope_decode
 
@@ -165,7 +167,8 @@ class BatchDecode:
         self.few_consts = self.consts
         if self.attend_rows:
             self.few_consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, few_bk, few_stages,
-                                            g_pre, d_pre, q_pre, True, FEW_BM, backend.kv_cache.shape[3])  # fmt: skip
+                                            g_pre, d_pre, q_pre, True, FEW_BM, backend.kv_cache.shape[3],
+                                            self.attend_rows if everywhere else 0)  # fmt: skip
         self.first_few_consts = {**self.few_consts, "launch_pdl": False}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
@@ -182,6 +185,8 @@ class BatchDecode:
         self.h = torch.zeros(rows, self.shape.hidden, **half)
         self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
         self.xn = torch.zeros(rows, self.shape.hidden, **half)
+        # the few-row steps' normed rows, each program's own (EVERYWHERE)
+        self.xn_own = torch.zeros(self.programs if self.attend_rows else 0, self.attend_rows, self.shape.hidden, **half)
         self.act = torch.zeros(rows, self.shape.inter, **half)
         self.attn = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
         self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
@@ -191,7 +196,7 @@ class BatchDecode:
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(
             t.numel() * t.element_size()
-            for t in (self.h, self.h_mid, self.xn, self.act, self.attn, self.o_part, self.down_part, self.qkv_part, self.qkv)
+            for t in (self.h, self.h_mid, self.xn, self.xn_own, self.act, self.attn, self.o_part, self.down_part, self.qkv_part, self.qkv)
         )
         self.compiled: object = None  # the kernel as last launched (bench: registers, spills)
 
@@ -253,6 +258,7 @@ class BatchDecode:
 
         lm, m = self.lm, input_ids.shape[0]
         consts = (self.few_consts if i else self.first_few_consts) if few else self.consts if i else self.first_consts
+        xn = self.xn_own if consts["EVERYWHERE"] else self.xn
         # INVARIANT's last phase: rope and layer l+1's cache (else: any tensors, not read)
         rope_args: tuple = (self.barrier,) * 7 + (0, 0, 0, 0.0)
         if self.invariant and nxt is not None:
@@ -277,7 +283,7 @@ class BatchDecode:
             lm.embed_tokens.weight, input_ids, attn, self.h, self.h_mid,
             a.o_proj.weight, post, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             norm, (nxt or prev).self_attn.qkv_proj.weight,
-            self.xn, out if nxt is None else self.xn, self.act, self.o_part, self.down_part, self.qkv_part,
+            xn, out if nxt is None else xn, self.act, self.o_part, self.down_part, self.qkv_part,
             self.qkv if self.invariant else self.qkv_part, *rope_args, *attend_args, self.barrier,
             timing if timing is not None else self.barrier, m, self.shape.eps, HEAD=prev is None, TAIL=nxt is None,
             TIMING=timing is not None, **consts,

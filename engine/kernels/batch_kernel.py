@@ -87,6 +87,30 @@ def _qkv_rope_phase(
         )  # fmt: skip
 
 
+@triton.jit
+def _norm(
+    row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr,
+    POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr,
+    EVERYWHERE: tl.constexpr, BARRIER: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr,
+):  # fmt: skip
+    # A norm phase (grid_phases.norm_phase, w loaded) and what ends it, stamped at POINT and
+    # POINT + 1. EVERYWHERE: every program normalizes every row into its own xn rows (xn_ptr:
+    # this program's), program 0 stores the stream, a CTA barrier. Else the program given `row`
+    # into the shared rows, then (BARRIER) a grid barrier.
+    if EVERYWHERE:
+        for r in range(M):
+            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
+                       ids_ptr, EMBED, W_LOADED=True)  # fmt: skip
+        stamp(t_ptr, POINT, TIMING)
+        tl.debug_barrier()
+        stamp(t_ptr, POINT + 1, TIMING)
+    else:
+        norm_phase(row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
+                   W_LOADED=True)  # fmt: skip
+        if BARRIER:
+            phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING)
+
+
 @triton.jit(do_not_specialize=["M", "stride_bt", "pieces", "slots"])
 def batch_layer_kernel(
     emb_ptr,  # [V, HID]: the embedding table (HEAD only)
@@ -120,7 +144,7 @@ def batch_layer_kernel(
     CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1,
     BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0, ATTEND: tl.constexpr = False,
     GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_SIZE: tl.constexpr = 16, BLOCK_N_: tl.constexpr = 64,
-    SPLIT_: tl.constexpr = 128,
+    SPLIT_: tl.constexpr = 128, EVERYWHERE: tl.constexpr = False, XN_ROWS: tl.constexpr = 0,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -137,16 +161,24 @@ def batch_layer_kernel(
     if USE_PDL:  # engine/kernels/pdl.py: scheduled as the attention kernel before ends; wait for all of it
         tl.extra.cuda.gdc_wait()
     stamp(t_ptr, 12, TIMING)  # the attention kernel before has ended (bench: the launch's clock)
+    # EVERYWHERE: the norms' xn rows are this program's own (XN_ROWS rows a program); the final norm's
+    # (TAIL: the model's output) are shared.
+    LAST_EVERYWHERE: tl.constexpr = EVERYWHERE and not TAIL
+    if EVERYWHERE:
+        xn_ptr += pid * (XN_ROWS * HID)
+    if LAST_EVERYWHERE:
+        out_ptr += pid * (XN_ROWS * HID)
     if HEAD:
-        norm_phase(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, True, 0, HID, BLOCK_HID, DTYPE, ids_ptr, EMBED=True, W_LOADED=True)
+        _norm(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 9, 0, HID, BLOCK_HID, DTYPE, True,
+              LAST_EVERYWHERE, not TAIL, FIRST_ADD, TIMING)  # fmt: skip
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
                    CHUNK=CK_O)
         if G_PRE > 0:
             prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN_G, P, G_PRE)
         phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
-        norm_phase(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, True, KS_O, HID, BLOCK_HID, DTYPE, W_LOADED=True)
-        phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING)
+        _norm(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 3, KS_O, HID, BLOCK_HID, DTYPE,
+              False, EVERYWHERE, True, FIRST_ADD, TIMING)  # fmt: skip
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE,
                    CHUNK=CK_G, WALK=WALK_G)
         if D_PRE > 0:
@@ -158,9 +190,9 @@ def batch_layer_kernel(
             if not TAIL:
                 prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN_QKV, P, Q_PRE, CK_Q)
         phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
-        norm_phase(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, True, KS_D, HID, BLOCK_HID, DTYPE, W_LOADED=True)
+        _norm(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 9, KS_D, HID, BLOCK_HID,
+              DTYPE, False, LAST_EVERYWHERE, not TAIL, FIRST_ADD, TIMING)  # fmt: skip
     if not TAIL:
-        phase_end(bar_ptr, t_ptr, 9, FIRST_ADD, TIMING)
         if USE_PDL:  # engine/kernels/pdl.py: the attention kernel after this one gets scheduled now
             tl.extra.cuda.gdc_launch_dependents()
         gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN_QKV, BK, P,
