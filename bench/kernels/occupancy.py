@@ -148,7 +148,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     invariant.update(HEAD=False, TAIL=False, TIMING=False)
     b = batch_decode  # steps of few rows: 16-row tiles, the fixed-split attention in the launch (ATTEND)
     few = b.kernel_consts(shape, P, b.MAX_ROWS, use_pdl=True, bk=b.FEW_BK, stages=b.FEW_STAGES, invariant=True, bm=b.FEW_BM,
-                          attend_block=BLOCK, everywhere_rows=b.ATTEND_ROWS)  # fmt: skip
+                          attend_block=BLOCK, everywhere_rows=1)  # fmt: skip
     few.update(HEAD=False, TAIL=False, TIMING=False)
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)
     layer.update(HAS_QKV_BIAS=False, KS_PREV=layer["KS_D"], NORM_EVERYWHERE=True, TIMING=False)

@@ -55,7 +55,9 @@ _STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
 # step at 1 / 4 / 16 rows 1.094 / 1.165 / 1.457 ms with the attention its own launch, 1.006 / 1.129
 # / 1.591 inside it. Its items (row, KV head, slot) are as many as the programs, so from 8 rows a
 # slot walks two of a 512-token context's four pieces one after the other: a launch at 8 rows
-# 38.9 us against 27.8 plus the attention kernel's.
+# 38.9 us against 27.8 plus the attention kernel's. Steps of one row normalize on every program
+# (EVERYWHERE, two grid barriers fewer: a launch 32.0 -> 30.7 us, the step 0.957 ms); at 2 and 4
+# rows each program's serial norms cost more than the barriers (32.4 -> 33.0, 33.9 -> 37.2 us).
 ATTEND_ROWS = 4
 FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # L2 prefetches (batch_kernel.py; bench/history/2026-11-27.md): the first weights of
@@ -160,16 +162,15 @@ class BatchDecode:
         # The kernel's arguments that are the same at every layer and step; the first launch's plain.
         self.consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre,
                                     q_pre, invariant)  # fmt: skip
-        self.first_consts = {**self.consts, "launch_pdl": False}
         # invariant: steps of at most `attend_rows` rows run the fixed-split attention in the launch
-        # (ATTEND), on GEMV tiles of FEW_BM rows, its partials in the backend's workspace.
+        # (ATTEND), on GEMV tiles of FEW_BM rows, its partials in the backend's workspace; steps of
+        # one row (`everywhere`) their norms on every program (EVERYWHERE).
         self.attend_rows = min(ATTEND_ROWS, backend.workspace.m.shape[0]) if invariant and attend else 0
-        self.few_consts = self.consts
-        if self.attend_rows:
-            self.few_consts = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, few_bk, few_stages,
-                                            g_pre, d_pre, q_pre, True, FEW_BM, backend.kv_cache.shape[3],
-                                            self.attend_rows if everywhere else 0)  # fmt: skip
-        self.first_few_consts = {**self.few_consts, "launch_pdl": False}
+        few = [kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, few_bk, few_stages, g_pre, d_pre,
+                             q_pre, True, FEW_BM, backend.kv_cache.shape[3], r)
+               for r in ((1 if everywhere else 0), 0)] if self.attend_rows else [self.consts] * 2  # fmt: skip
+        # (constants of a layer's launch, of the step's first launch: a plain one) by kind of step
+        self.launch_sets = {k: (c, {**c, "launch_pdl": False}) for k, c in zip(("one", "few", "many"), (*few, self.consts), strict=True)}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
@@ -185,8 +186,8 @@ class BatchDecode:
         self.h = torch.zeros(rows, self.shape.hidden, **half)
         self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
         self.xn = torch.zeros(rows, self.shape.hidden, **half)
-        # the few-row steps' normed rows, each program's own (EVERYWHERE)
-        self.xn_own = torch.zeros(self.programs if self.attend_rows else 0, self.attend_rows, self.shape.hidden, **half)
+        # the one-row steps' normed row, each program's own (EVERYWHERE)
+        self.xn_own = torch.zeros(self.programs if self.attend_rows else 0, 1, self.shape.hidden, **half)
         self.act = torch.zeros(rows, self.shape.inter, **half)
         self.attn = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
         self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
@@ -257,7 +258,7 @@ class BatchDecode:
         from engine.kernels.batch_kernel import batch_layer_kernel
 
         lm, m = self.lm, input_ids.shape[0]
-        consts = (self.few_consts if i else self.first_few_consts) if few else self.consts if i else self.first_consts
+        consts = self.launch_sets["one" if few and m == 1 else "few" if few else "many"][0 if i else 1]
         xn = self.xn_own if consts["EVERYWHERE"] else self.xn
         # INVARIANT's last phase: rope and layer l+1's cache (else: any tensors, not read)
         rope_args: tuple = (self.barrier,) * 7 + (0, 0, 0, 0.0)
