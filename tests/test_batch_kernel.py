@@ -6,9 +6,9 @@ three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), 
 (layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm);
 the qkv's q and k normed and rotated and the new K/V rows in the cache as rope.rotary leaves them.
 The weights' K in 2 and 4 chunks. ATTEND (steps of few rows, GEMV tiles of 16 rows, the norms
-EVERYWHERE): the same, and the fixed-split attention's output on that q (attention_fixed.py, its
-two paths) over a context of two pieces, the items' slots 3. The GPU's bits, through the engine's layers:
-tests/test_gpu_deterministic_decode.py.
+EVERYWHERE as at one row): the same, and the fixed-split attention's output on that q
+(attention_fixed.py, its two paths) over a context of two pieces, the items' slots 3. The GPU's
+bits, through the engine's layers: tests/test_gpu_deterministic_decode.py.
 """
 
 from __future__ import annotations

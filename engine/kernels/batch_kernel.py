@@ -30,11 +30,15 @@ CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
      layer l+1's cache (`_qkv_rope_phase`),
 so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul,
 rope.rotary): the mode's fixed-split attention runs on qkv's q between the launches, or
-  8. ATTEND (steps of at most FEW_TOKENS rows, attention_fixed.py): after a barrier, that
-     attention itself, items (row, KV head, slot) dealt round-robin, each some of the row's
-     pieces into the backend's workspace, the last of (row, KV head) to arrive merging them
-     into attn (fixed_rows.piece_item: the split path's arithmetic, so its bits). attn is the
-     next launch's input; this launch read it in phase 1, barriers before.
+  8. ATTEND (steps of few rows: batch_decode.ATTEND_ROWS, within the workspace's FEW_TOKENS,
+     attention_fixed.py): after a barrier, that attention itself, items (row, KV head, slot)
+     dealt round-robin, each some of the row's pieces into the backend's workspace, the last of
+     (row, KV head) to arrive merging them into attn (fixed_rows.piece_item: the split path's
+     arithmetic, so its bits). attn is the next launch's input; this launch read it in phase
+     1, barriers before.
+EVERYWHERE (steps of one row): phases 2 and 5 on every program, each into its own XN_ROWS rows
+of xn (and of the output, but at TAIL), program 0 storing the stream, and no grid barrier after
+them (layer_kernel.py's NORM_EVERYWHERE: the same norm_phase, so the same bits).
 
 USE_PDL (engine/kernels/pdl.py): the launch waits before phase 1 for the attention kernel before it, and
 triggers before phase 6, so the attention kernel after it is scheduled during the qkv phase and
