@@ -54,7 +54,7 @@ import triton.language as tl
 from engine.kernels.fixed_rows import piece_item
 from engine.kernels.grid_phases import (
     gemv_phase,
-    norm_phase,
+    norm_step,
     norm_weight,
     part_sum,
     phase_end,
@@ -89,30 +89,6 @@ def _qkv_rope_phase(
             k_cache_ptr, v_cache_ptr, slot_ptr, QKV, D, QKV, D, stride_cos, QKV, D, stride_cslot, stride_chead,
             NH, NKV, 1.0 / D, qk_eps, QK_NORM, D // 2, D // 2, BLOCK_HQ, BLOCK_HK, True,
         )  # fmt: skip
-
-
-@triton.jit
-def _norm(
-    row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr,
-    POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr,
-    EVERYWHERE: tl.constexpr, BARRIER: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr,
-):  # fmt: skip
-    # A norm phase (grid_phases.norm_phase, w loaded) and what ends it, stamped at POINT and
-    # POINT + 1. EVERYWHERE: every program normalizes every row into its own xn rows (xn_ptr:
-    # this program's), program 0 stores the stream, a CTA barrier. Else the program given `row`
-    # into the shared rows, then (BARRIER) a grid barrier.
-    if EVERYWHERE:
-        for r in range(M):
-            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
-                       ids_ptr, EMBED, W_LOADED=True)  # fmt: skip
-        stamp(t_ptr, POINT, TIMING)
-        tl.debug_barrier()
-        stamp(t_ptr, POINT + 1, TIMING)
-    else:
-        norm_phase(row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
-                   W_LOADED=True)  # fmt: skip
-        if BARRIER:
-            phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING)
 
 
 @triton.jit(do_not_specialize=["M", "stride_bt", "pieces", "slots"])
@@ -173,16 +149,16 @@ def batch_layer_kernel(
     if LAST_EVERYWHERE:
         out_ptr += pid * (XN_ROWS * HID)
     if HEAD:
-        _norm(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 9, 0, HID, BLOCK_HID, DTYPE, True,
-              LAST_EVERYWHERE, not TAIL, FIRST_ADD, TIMING)  # fmt: skip
+        norm_step(row, emb_ptr, emb_ptr, 0, h_ptr, in_w, out_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 9, 0, HID, BLOCK_HID, DTYPE, True,
+                  LAST_EVERYWHERE, FIRST_ADD, TIMING, BARRIER=not TAIL)  # fmt: skip
     else:
         gemv_phase(attn_ptr, NH * D, o_w_ptr, o_w_ptr, o_part_ptr, S_HID, M, HID, NH * D, KS_O, True, False, False, BM, BN, BK, P, DTYPE,
                    CHUNK=CK_O)
         if G_PRE > 0:
             prefetch_items(gate_up_w_ptr, INTER, HID, 1, True, BN_G, P, G_PRE)
         phase_end(bar_ptr, t_ptr, 1, FIRST_ADD, TIMING)
-        _norm(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 3, KS_O, HID, BLOCK_HID, DTYPE,
-              False, EVERYWHERE, True, FIRST_ADD, TIMING)  # fmt: skip
+        norm_step(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 3, KS_O, HID, BLOCK_HID,
+                  DTYPE, False, EVERYWHERE, FIRST_ADD, TIMING)  # fmt: skip
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE,
                    CHUNK=CK_G, WALK=WALK_G)
         if D_PRE > 0:
@@ -194,8 +170,8 @@ def batch_layer_kernel(
             if not TAIL:
                 prefetch_items(qkv_w_ptr, QKV, HID, KS_Q, False, BN_QKV, P, Q_PRE, CK_Q)
         phase_end(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING)
-        _norm(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 9, KS_D, HID, BLOCK_HID,
-              DTYPE, False, LAST_EVERYWHERE, not TAIL, FIRST_ADD, TIMING)  # fmt: skip
+        norm_step(row, h_mid_ptr, down_part_ptr, S_HID, h_ptr, in_w, out_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 9, KS_D, HID, BLOCK_HID,
+                  DTYPE, False, LAST_EVERYWHERE, FIRST_ADD, TIMING, BARRIER=not TAIL)  # fmt: skip
     if not TAIL:
         if USE_PDL:  # engine/kernels/pdl.py: the attention kernel after this one gets scheduled now
             tl.extra.cuda.gdc_launch_dependents()

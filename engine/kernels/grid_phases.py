@@ -201,6 +201,31 @@ def norm_phase(
         tl.store(xn_ptr + off, (w * rnd(h * rstd, DTYPE)).to(DTYPE), mask=ok)
 
 
+
+@triton.jit
+def norm_step(
+    row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr,
+    POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr,
+    EVERYWHERE: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr, PART_LAMPORT: tl.constexpr = False,
+    BARRIER: tl.constexpr = True, LAST_LEAVES: tl.constexpr = False,
+):  # fmt: skip
+    # A norm phase (w: its weight, norm_weight's) and what ends it, stamped at POINT and POINT + 1.
+    # EVERYWHERE: every program normalizes every row into its own xn rows (xn_ptr: this
+    # program's), program 0 keeps the stream, a CTA barrier. Else the program given `row`
+    # normalizes it (if any) into the shared rows, then (BARRIER) a grid barrier.
+    if EVERYWHERE:
+        for r in range(M):
+            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
+                       ids_ptr, EMBED, PART_LAMPORT, True)  # fmt: skip
+        stamp(t_ptr, POINT, TIMING)
+        tl.debug_barrier()
+        stamp(t_ptr, POINT + 1, TIMING)
+    else:
+        norm_phase(row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
+                   PART_LAMPORT, True)  # fmt: skip
+        if BARRIER:
+            phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING, LAST_LEAVES)
+
 @triton.jit
 def _item(item, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BN: tl.constexpr, KC: tl.constexpr):
     # A GEMV phase's item (of (N + BN - 1) // BN * KS: tiles of BN output columns x K splits of

@@ -76,6 +76,7 @@ import triton.language as tl
 from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
+    norm_step,
     norm_weight,
     phase_end,
     phase_end_prefetching,
@@ -84,30 +85,6 @@ from engine.kernels.grid_phases import (
     unwrite_items,
 )
 from engine.kernels.layer_attention import attention_phase, attention_prologue
-
-
-@triton.jit
-def _norm(
-    norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
-    POINT: tl.constexpr, KS: tl.constexpr, HID: tl.constexpr, BLOCK: tl.constexpr, FIRST_ADD: tl.constexpr,
-    EVERYWHERE: tl.constexpr, TIMING: tl.constexpr, DTYPE: tl.constexpr, EMBED: tl.constexpr, PART_LAMPORT: tl.constexpr,
-):  # fmt: skip
-    # A norm phase (w: its weight, grid_phases.norm_weight's) and what ends it, stamped at POINT
-    # and POINT + 1. EVERYWHERE: every program normalizes every row into its own xn rows, program
-    # 0 keeps the stream, a CTA barrier. Else program norm_row normalizes its row (if any) into
-    # the shared rows, a grid barrier. EMBED: base is the embedding table, row r's stream its row
-    # ids[r] (grid_phases.norm_phase).
-    if EVERYWHERE:
-        for r in range(M):
-            norm_phase(r, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, tl.program_id(0) == 0, KS, HID, BLOCK, DTYPE,
-                       ids_ptr, EMBED, PART_LAMPORT, True)  # fmt: skip
-        stamp(t_ptr, POINT, TIMING)
-        tl.debug_barrier()
-        stamp(t_ptr, POINT + 1, TIMING)
-    else:
-        norm_phase(norm_row, base_ptr, part_ptr, stride_part, h_out_ptr, w, xn_ptr, M, eps, True, KS, HID, BLOCK, DTYPE, ids_ptr, EMBED,
-                   PART_LAMPORT, True)  # fmt: skip
-        phase_end(bar_ptr, t_ptr, POINT, FIRST_ADD, TIMING, True)
 
 
 @triton.jit(do_not_specialize=["M", "num_splits", "stride_bt", "has_next"])
@@ -166,8 +143,8 @@ def decoder_layer_kernel(
     if LAMPORT_O:
         unwrite_items(o_part_ptr, stride_part, HID, KS_O, BM, BN, P, MAX_M, tl.float32)
     xn_ptr += pid * stride_xn  # NORM_EVERYWHERE: this program's own rows
-    _norm(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
-          1, KS_PREV, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, EMBED, False)  # fmt: skip
+    norm_step(norm_row, h_prev_ptr, down_prev_ptr, stride_part, h_ptr, in_w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr,
+              1, KS_PREV, HID, BLOCK_HID, DTYPE, EMBED, NORM_EVERYWHERE, FIRST_ADD, TIMING, LAST_LEAVES=True)  # fmt: skip
     gemv_phase(xn_ptr, HID, qkv_w_ptr, qkv_b_ptr, qkv_ptr, 0, M, QKV, HID, 1, False, False, HAS_QKV_BIAS, BM, BN, BK, P, DTYPE)
     phase_end(bar_ptr, t_ptr, 3, FIRST_ADD, TIMING, True)
     attention_phase(
@@ -187,8 +164,8 @@ def decoder_layer_kernel(
     phase_end_prefetching(bar_ptr, t_ptr, 7, FIRST_ADD, TIMING, True, gate_up_w_ptr, INTER, HID, 1, True, BN, P, G_PRE, True, not LAMPORT_O)
     if USE_PDL:  # engine/kernels/pdl.py: the next layer's programs get scheduled and run their prologue
         tl.extra.cuda.gdc_launch_dependents()
-    _norm(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_w, xn_ptr, bar_ptr, t_ptr, M, eps, ids_ptr,
-          9, KS_O, HID, BLOCK_HID, FIRST_ADD, NORM_EVERYWHERE, TIMING, DTYPE, False, LAMPORT_O)  # fmt: skip
+    norm_step(norm_row, h_ptr, o_part_ptr, stride_part, h_mid_ptr, post_w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr,
+              9, KS_O, HID, BLOCK_HID, DTYPE, False, NORM_EVERYWHERE, FIRST_ADD, TIMING, LAMPORT_O, LAST_LEAVES=True)  # fmt: skip
     gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN, BK, P, DTYPE,
                False, LAMPORT)  # fmt: skip
     # The first D_PRE columns of its down_proj items, by the programs that had a gate_up item. No
