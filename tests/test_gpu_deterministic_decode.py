@@ -68,7 +68,7 @@ def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> N
     assert torch.equal(cache, plain_cache)
 
 
-# rows 2, 1 and 3: steps whose launches attend (batch_decode.ATTEND_ROWS); 12, 12 and 24: not
+# rows 2 (4 with its padding), 1 and 3: steps whose launches attend (batch_decode.ATTEND_ROWS); 6, 12 and 24: not
 @pytest.mark.parametrize("rows", [2, 6])
 def test_padding_rows_write_nothing_and_leave_the_real_rows(setup, rows: int) -> None:
     model, backend, batch = setup

@@ -187,7 +187,7 @@ class BatchDecode:
         self.h_mid = torch.zeros(rows, self.shape.hidden, **half)
         self.xn = torch.zeros(rows, self.shape.hidden, **half)
         # the one-row steps' normed row, each program's own (EVERYWHERE)
-        self.xn_own = torch.zeros(self.programs if self.attend_rows else 0, 1, self.shape.hidden, **half)
+        self.xn_own = torch.zeros(self.programs if self.launch_sets["one"][0]["EVERYWHERE"] else 0, 1, self.shape.hidden, **half)
         self.act = torch.zeros(rows, self.shape.inter, **half)
         self.attn = torch.zeros(rows, self.shape.nh, self.shape.d, **half)
         self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
