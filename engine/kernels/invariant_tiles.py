@@ -26,7 +26,8 @@ BLOCK_K is not in the bits: a tile's tensor-core dots add K's 16-wide slices int
 one after another in ascending order whatever BLOCK_K (on an H200, as for the tile's rows and
 columns; tests/test_gpu_invariant_matmul.py crosses 64, 128 and 256). So `rows_tile` may deepen
 the K step of a one-chunk weight whose K it divides; the chunks of a chunked weight stay on
-their BLOCK_K steps.
+their BLOCK_K steps here (the mode's persistent decode kernel steps them by 128:
+engine/decode/batch_decode.py FEW_BK).
 """
 
 from __future__ import annotations
