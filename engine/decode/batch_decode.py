@@ -28,7 +28,7 @@ Rules:
 `invariant` (`--deterministic`; rules.py `unsupported(..., invariant=True)`): the persistent
 kernel in the invariant GEMM's K order, its last phase summing qkv into `qkv`, rotating q and k
 there and storing the new K/V rows into the layer's cache (batch_kernel.py INVARIANT), and
-between the launches the backend's fixed-split attention on that q (`attend`), so that every
+between the launches the backend's fixed-split attention on that q (`attend`, launched with PDL), so that every
 row has the bits of the mode's layers one op at a time (tests/test_gpu_deterministic_decode.py).
 Steps of at most ATTEND_ROWS rows run that attention as the launch's last phase instead, its
 split path's items and workspace (batch_kernel.py ATTEND), one launch a layer.
@@ -229,7 +229,7 @@ class BatchDecode:
             if nxt is not None and not few:  # (few: the launch attended, into self.attn)
                 if self.invariant:  # q rotated, the new K/V rows in the cache: the kernel's last phase
                     q = self.qkv[:m, : self.shape.nh * self.shape.d].view(m, self.shape.nh, self.shape.d)
-                    attn = self.backend.attend(nxt.self_attn.layer_id, q, meta)
+                    attn = self.backend.attend(nxt.self_attn.layer_id, q, meta, pdl=self.pdl)
                 else:
                     self.attention(i, nxt, positions, meta, plan)
         return out

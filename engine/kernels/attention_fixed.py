@@ -27,7 +27,9 @@ Rules:
   step's 12.9 us at 576 tokens, H200). Rows past the step's last sequence, and rows of
   sequences of seq_len 0 (graph padding), write zeros.
 - The K/V of the step's new tokens are in the cache before the kernel runs (the backend stores
-  them first).
+  them first). A decode step's kernels launched after the kernel that stored them and wrote q
+  (`use_pdl`: the batch decode's persistent kernel) start early under PDL, locate their rows, then
+  wait for it (engine/kernels/pdl.py).
 - Where it runs may follow the step, what it computes may not: a step of at most `FEW_TOKENS`
   tokens given a workspace (`Workspace`: decode steps and their graphs) runs a program per
   (token, KV head, slot), each slot computing its pieces p = slot, slot + SLOTS, ... from a fresh
@@ -85,6 +87,16 @@ TARGET_PROGRAMS = 264  # the split path's programs: about two an SM of an H200 (
 TILE_WARPS, TOKEN_WARPS, PIECE_WARPS = 2, 2, 4
 
 
+@triton.jit
+def after_wait(USE_PDL: tl.constexpr):
+    # USE_PDL (engine/kernels/pdl.py): launched while the kernel that wrote q and the new K/V rows
+    # runs, having read only the step's metadata; wait for all of it, then let the next kernel's
+    # programs get scheduled.
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @Launcher
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _token_kernel(
@@ -93,11 +105,13 @@ def _token_kernel(
     sm_scale_log2,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr, IEEE: tl.constexpr, ONE_EACH: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Program (t, g): token t's query heads of KV head g, every piece of its context.
     t = tl.program_id(0)
     g = tl.program_id(1)
     seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
+    after_wait(USE_PDL)
     heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -142,10 +156,11 @@ def _piece_kernel(
     sm_scale_log2, pieces,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
-    IEEE: tl.constexpr, ONE_EACH: tl.constexpr,
+    IEEE: tl.constexpr, ONE_EACH: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Program (t, g, slot) of SLOTS: fixed_rows.piece_item, the pieces slot, slot + SLOTS, ... of
     # token t for KV head g, and the merge of them all by the last of (t, g) to arrive.
+    after_wait(USE_PDL)
     piece_item(
         tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
         seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, out_ptr, num_seqs, stride_qt, stride_qh,
@@ -191,10 +206,12 @@ def fixed_split_attention(
     scale: float,
     max_num_seqs: int,  # the most sequences a step may hold: the search's depth (more are searched deeper)
     workspace: Workspace | None = None,  # the split path's, for steps of up to FEW_TOKENS tokens
+    use_pdl: bool = False,  # a decode step's launch after the kernel that wrote q and its K/V rows
 ) -> torch.Tensor:
     """out[t] = token t's attention over its sequence's cached keys 0..its position (module
     docstring); every row of out is written (zeros past the last sequence). The grid follows the
-    shapes alone (CUDA-graph capturable)."""
+    shapes alone (CUDA-graph capturable). `use_pdl` (engine/kernels/pdl.py): the decode kernels
+    launch programmatically and wait once they have located their rows."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -222,7 +239,7 @@ def fixed_split_attention(
             *search, out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_EACH=one_each,
-            num_warps=TOKEN_WARPS, **shared,
+            USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=TOKEN_WARPS, **shared,
         )  # fmt: skip
         return out
     pieces = workspace.m.shape[1]
@@ -233,6 +250,6 @@ def fixed_split_attention(
         out.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         scale * LOG2E, pieces,
         NUM_HEADS=num_heads, BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32,
-        ONE_EACH=one_each, num_warps=PIECE_WARPS, **shared,
+        ONE_EACH=one_each, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=PIECE_WARPS, **shared,
     )  # fmt: skip
     return out
