@@ -28,8 +28,8 @@ Rules:
   sequences of seq_len 0 (graph padding), write zeros.
 - The K/V of the step's new tokens are in the cache before the kernel runs (the backend stores
   them first). A decode step's kernels launched after the kernel that stored them and wrote q
-  (`use_pdl`: the batch decode's persistent kernel) start early under PDL, locate their rows, then
-  wait for it (engine/kernels/pdl.py).
+  (`use_pdl`: the batch decode's persistent kernel) start early under PDL and wait for it before
+  any other read, `_token_kernel` once it has located its row (engine/kernels/pdl.py).
 - Where it runs may follow the step, what it computes may not: a step of at most `FEW_TOKENS`
   tokens given a workspace (`Workspace`: decode steps and their graphs) runs a program per
   (token, KV head, slot), each slot computing its pieces p = slot, slot + SLOTS, ... from a fresh
@@ -211,7 +211,7 @@ def fixed_split_attention(
     """out[t] = token t's attention over its sequence's cached keys 0..its position (module
     docstring); every row of out is written (zeros past the last sequence). The grid follows the
     shapes alone (CUDA-graph capturable). `use_pdl` (engine/kernels/pdl.py): the decode kernels
-    launch programmatically and wait once they have located their rows."""
+    launch programmatically and wait before reading q or the cache."""
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

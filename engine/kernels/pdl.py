@@ -57,8 +57,8 @@ waits for it anyway. Who does what in a decode layer:
   Where that attention splits the KV it merges the splits itself: a reduce launched between the
   two would hold the persistent kernel until the reduce ended (5..24 rows; bench/history/2026-11-24.md).
   `--deterministic`'s batch decode the same way: its fixed-split attention kernels
-  (kernels/attention_fixed.py `use_pdl`, steps of 5-64 rows) launch with PDL, read the step's
-  metadata, wait and trigger (0.6B, H200: the mode's step at 8 / 16 / 64 rows 1.235 / 1.423 /
+  (kernels/attention_fixed.py `use_pdl`, steps of 5-64 rows) launch with PDL, wait (the
+  one-token-a-program kernel after reading the step's metadata) and trigger (0.6B, H200: the mode's step at 8 / 16 / 64 rows 1.235 / 1.423 /
   2.009 -> 1.198 / 1.389 / 1.989 ms; bench/history/2026-12-01.md, entry k).
 Captured into CUDA graphs, these become programmatic edges; replays keep the overlap.
 
