@@ -186,3 +186,14 @@ def test_decode_targets_by_batch_and_context() -> None:
     assert decode_target(big, 4, 8192) == decode_target(small, 8, 32768) == (">=", 0.85)
     assert decode_target(small, 64, 8192) is None
     assert SHAPES["0.6b"]["max_position_embeddings"] == SHAPES["8b"]["max_position_embeddings"] == 40960
+
+
+def test_with_knobs_sets_an_engine_constant_before_the_script_and_refuses_a_typo(tmp_path: Path) -> None:
+    script = tmp_path / "show.py"
+    script.write_text("import sys\nimport engine.kernels.fused_moe as m\nprint('tiles', m.SPARSE_TILES, sys.argv[1:])\n")
+    probe = os.path.join("bench", "probes", "with_knobs.py")
+    p = run_script(probe, "--set", "engine.kernels.fused_moe.SPARSE_TILES=(16, 16, 64, 128, 4, 4)", str(script), "--", "-x", "1")
+    assert p.returncode == 0, p.stderr
+    assert "tiles (16, 16, 64, 128, 4, 4) ['-x', '1']" in p.stdout
+    p = run_script(probe, "--set", "engine.kernels.fused_moe.SPARSE_TILE=(1,)", str(script))
+    assert p.returncode != 0 and "has no SPARSE_TILE" in p.stderr

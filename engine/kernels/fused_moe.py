@@ -84,23 +84,22 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Tiles (block_m, gate_up block_n, down block_n, block_k, warps, stages) by expected pairs per
+# expert, T * k / E: SPARSE_TILES up to 2 (decode), then TILES' rows up to their first value. gate_up's
+# tile holds a gate and an up accumulator: half down's columns (at T = 1, 64 of each, the kernel
+# bench's best, made the 30B-A3B step slower: bench/history/2026-12-01.md, entry f).
+SPARSE_TILES = (16, 32, 64, 128, 4, 4)
+TILES = ((8, (16, 64, 128, 128, 4, 3)), (16, (32, 64, 128, 128, 4, 3)), (48, (64, 64, 128, 64, 4, 3)),
+         (1 << 62, (128, 128, 256, 64, 8, 4)))  # fmt: skip
+
+
 def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: int, k_up: int, k_down: int,
                  dtype: torch.dtype) -> tuple[GemmConfig, GemmConfig]:  # fmt: skip
     """(gate_up, down) configs for T tokens; n_up = I (outputs after SiLU-and-mul), k_up = H,
     n_down = H, k_down = I. Both share block_m (one sort serves both)."""
     rows = tokens * top_k / num_experts  # expected pairs per expert
-    # gate_up's tile holds a gate and an up accumulator: half down's columns (at T = 1, 64 of each,
-    # the kernel bench's best, made the 30B-A3B step slower: bench/history/2026-12-01.md, entry f).
-    if rows <= 2:
-        bm, up_bn, bn, bk, warps, stages = 16, 32, 64, 128, 4, 4
-    elif rows <= 8:
-        bm, up_bn, bn, bk, warps, stages = 16, 64, 128, 128, 4, 3
-    elif rows <= 16:
-        bm, up_bn, bn, bk, warps, stages = 32, 64, 128, 128, 4, 3
-    elif rows <= 48:
-        bm, up_bn, bn, bk, warps, stages = 64, 64, 128, 64, 4, 3
-    else:
-        bm, up_bn, bn, bk, warps, stages = 128, 128, 256, 64, 8, 4
+    tiles = SPARSE_TILES if rows <= 2 else next(t for most, t in TILES if rows <= most)
+    bm, up_bn, bn, bk, warps, stages = tiles
     if dtype == torch.float32:  # twice the bytes a value, no tensor cores: small tiles (tests, fp32 models)
         bm, up_bn, bn, bk, warps, stages = min(bm, 64), min(up_bn, 32), min(bn, 64), min(bk, 32), 4, 2
 
