@@ -122,6 +122,43 @@ def check_fixed(device: str, dtype: torch.dtype, tol: float, group: int = GROUP)
         assert torch.equal(seen[(s, p)], o), (s, p)
 
 
+def check_qkv_parts(device: str, dtype: torch.dtype) -> None:
+    """A decode step whose q and new K/V rows are still a qkv projection's fp32 partials
+    (`QkvParts`: `--deterministic`'s batch decode past the workspace's rows): the one-token kernel's
+    sums, q/k norm, rope and K/V store give the rotary kernel's bits (qkv and the cache after), and
+    its outputs are the attention's on those, bit for bit. A slot of -1 stores nothing."""
+    from engine.kernels.attention_fixed import QkvParts, fixed_split_attention
+    from engine.kernels.rope import rotary
+
+    k_cache, v_cache, tables, _ = _world(device, dtype)
+    gen = torch.Generator().manual_seed(3)
+    t, h, ks = len(LENGTHS), HKV * GROUP, 2
+    width = (h + 2 * HKV) * D
+    parts = torch.randn(ks, t + 2, width, generator=gen).to(device)  # rows past the step's: another stride
+    positions = torch.tensor([n - 1 for n in LENGTHS], device=device)
+    slots = [tables[i][(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for i, n in enumerate(LENGTHS)]
+    slots = torch.tensor(slots[:-1] + [-1], device=device)  # the last row's new K/V goes nowhere
+    cos_sin = torch.randn(max(LENGTHS), D, generator=gen).to(device)
+    qw, kw = ((torch.randn(D, generator=gen) * 0.5 + 1).to(dtype).to(device) for _ in range(2))
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    bt = ints([tb + [0] * (max(map(len, tables)) - len(tb)) for tb in tables])
+    seq_lens, qsl = ints(LENGTHS), ints(list(range(t + 1)))
+
+    qkv_ref, caches = (parts[0, :t] + parts[1, :t]).to(dtype), (k_cache.clone(), v_cache.clone())
+    q, k, v = (x.view(t, -1, D) for x in qkv_ref.split([h * D, HKV * D, HKV * D], dim=-1))
+    rotary(q, k, positions, cos_sin, qw, kw, 1e-6, kv_store=(v, *caches, slots))
+    want = fixed_split_attention(q, *caches, bt, seq_lens, qsl, torch.empty_like(q), D**-0.5, max_num_seqs=8)
+
+    qkv, got_caches = torch.zeros(t + 2, width, dtype=dtype, device=device), (k_cache.clone(), v_cache.clone())
+    q_view = qkv[:t, : h * D].view(t, h, D)
+    got = fixed_split_attention(q_view, *got_caches, bt, seq_lens, qsl, torch.empty_like(q), D**-0.5, max_num_seqs=8,
+                                rope=QkvParts(parts, qkv, positions, cos_sin, qw, kw, 1e-6, slots))  # fmt: skip
+    assert torch.equal(qkv[:t], qkv_ref) and not qkv[t:].any()
+    assert torch.equal(got_caches[0], caches[0]) and torch.equal(got_caches[1], caches[1])
+    assert not torch.equal(caches[0], k_cache)  # new rows were stored
+    assert torch.equal(got, want)
+
+
 def check_engine(device: str, dtype: str) -> None:
     import tempfile
 
@@ -183,6 +220,11 @@ def test_tiles_of_other_widths_interpreted(group: int) -> None:
     interpret("test_attention_fixed", f"check_fixed('cpu', torch.float16, 2e-3, group={group})", timeout=600)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_qkv_partials_summed_and_rotated_in_the_kernel_interpreted(dtype: str) -> None:
+    interpret("test_attention_fixed", f"check_qkv_parts('cpu', torch.{dtype})", timeout=600)
+
+
 def test_a_step_of_more_sequences_than_max_num_seqs_interpreted() -> None:
     interpret("test_attention_fixed", "check_more_sequences_than_max('cpu')")
 
@@ -197,6 +239,12 @@ def test_a_deterministic_engine_with_it_interpreted() -> None:
 def test_fixed_split_attention_on_the_gpu(dtype: torch.dtype) -> None:
     check_fixed("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2)
     check_fixed("cuda", dtype, 1e-5 if dtype == torch.float32 else 2e-2, group=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_qkv_partials_summed_and_rotated_in_the_kernel_on_the_gpu() -> None:
+    check_qkv_parts("cuda", torch.bfloat16)
 
 
 @pytest.mark.gpu

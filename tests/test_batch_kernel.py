@@ -22,7 +22,7 @@ BLOCKS, BLOCK_SIZE, MAX_POS, CONTEXT = 16, 16, 256, 200
 QKV = (NH + 2 * NKV) * D
 
 
-def check_invariant_launches(device: str, attend: bool) -> None:
+def check_invariant_launches(device: str, attend: bool, rope_later: bool = False) -> None:
     from engine.decode.batch_decode import FEW_BM, kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.attention import LOG2E
@@ -62,7 +62,7 @@ def check_invariant_launches(device: str, attend: bool) -> None:
     # no L2 prefetch (inline PTX, which the interpreter cannot run; scheduling only, not the bits)
     # bk 64 as the GEMM's: the interpreter's dots are numpy's, whose sums follow BLOCK_K (a GPU's do
     # not: invariant_tiles.py)
-    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True,
+    consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True, rope_later=rope_later,
                            **(dict(bm=FEW_BM, attend_block=BLOCK_SIZE, everywhere_rows=1) if attend else {}))  # fmt: skip
     assert consts["KS_O"] == consts["KS_Q"] == consts["WALK_G"] == 2 and consts["KS_D"] == 4
     assert consts.get("ATTEND", False) == consts["EVERYWHERE"] == attend
@@ -96,6 +96,9 @@ def check_invariant_launches(device: str, attend: bool) -> None:
             ws.m.shape[1], 3, bar, bar, M, EPS, HEAD=head, TAIL=tail, TIMING=False, **consts,
         )  # fmt: skip
         assert not ws.counts.any()  # the last item of each (row, KV head) zeroed its counter
+        if rope_later and not tail:  # no last phase: qkv is its partials, summed in chunk order, for the attention to rotate
+            assert not b["qkv"].any() and torch.equal(b["cache"], cache0)
+            b["qkv"], b["cache"] = rotated((parts[2][0] + parts[2][1])[:M].to(dt))
         return {k: v if k == "cache" else v[:M] for k, v in b.items()}
 
     # HEAD: h = the embedding rows, xn = layer 0's norm of them, qkv = its qkv
@@ -122,6 +125,7 @@ def check_invariant_launches(device: str, attend: bool) -> None:
     assert not got["qkv"].any() and torch.equal(got["cache"], cache0) and torch.equal(got["attn"], attn)
 
 
-@pytest.mark.parametrize("attend", [False, True])
-def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted(attend: bool) -> None:
-    interpret("test_batch_kernel", f"check_invariant_launches('cpu', {attend})", timeout=900)
+@pytest.mark.parametrize("attend, rope_later", [(False, False), (True, False), (False, True)])
+def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted(attend: bool, rope_later: bool) -> None:
+    """ROPE_LATER: the launch leaves qkv as its partials, whose chunk sum is the GEMM's."""
+    interpret("test_batch_kernel", f"check_invariant_launches('cpu', {attend}, {rope_later})", timeout=900)

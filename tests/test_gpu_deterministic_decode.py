@@ -68,8 +68,9 @@ def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> N
     assert torch.equal(cache, plain_cache)
 
 
-# rows 2 (4 with its padding), 1 and 3: steps whose launches attend (batch_decode.ATTEND_ROWS); 6, 12 and 24: not
-@pytest.mark.parametrize("rows", [2, 6])
+# rows 2 (4 with its padding), 1 and 3: steps whose launches attend (batch_decode.ATTEND_ROWS); 6, 12 and 24: not;
+# 20 (40 with its padding) and 40: past batch_decode.ROPE_LATER_ROWS, their attention summing and rotating the qkv partials
+@pytest.mark.parametrize("rows", [2, 6, 20])
 def test_padding_rows_write_nothing_and_leave_the_real_rows(setup, rows: int) -> None:
     model, backend, batch = setup
     padding_rows_write_nothing(model, backend, batch, rows)
@@ -81,7 +82,7 @@ def test_barrier_is_kept_across_steps_and_zeroed_after_a_resume(setup, rows: int
     barrier_garbage_is_cleared_by_after_resume(model, backend, batch, rows)
 
 
-@pytest.mark.parametrize("rows", [3, 24])
+@pytest.mark.parametrize("rows", [3, 24, 40])
 def test_graph_replays_equal_the_eager_call(setup, rows: int) -> None:
     model, backend, batch = setup
     graph_replays_equal_eager(model, backend, batch, rows, 100)

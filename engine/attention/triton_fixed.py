@@ -24,7 +24,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.triton import TritonBackend
-from engine.kernels.attention_fixed import Workspace, fixed_split_attention
+from engine.kernels.attention_fixed import QkvParts, Workspace, fixed_split_attention
 
 
 class FixedSplitBackend(TritonBackend):
@@ -42,17 +42,21 @@ class FixedSplitBackend(TritonBackend):
         super().after_resume()
         self.workspace.after_resume()
 
-    def attend(self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, pdl: bool = False) -> torch.Tensor:
+    def attend(
+        self, layer_id: int, q: torch.Tensor, meta: AttentionMetadata, pdl: bool = False, rope: QkvParts | None = None
+    ) -> torch.Tensor:  # fmt: skip
         """The Triton backend's `attend`; `pdl`: a decode step's kernel launched programmatically
-        after the one that wrote q and the new K/V rows (batch_decode.py's persistent kernel)."""
+        after the one that wrote q and the new K/V rows (batch_decode.py's persistent kernel);
+        `rope`: q and those rows still qkv partials, which the kernel sums and rotates first."""
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._attend(layer_id, q, *self.layer_caches[layer_id], meta, out, pdl)
+        fixed_split_attention(q, *self.layer_caches[layer_id], meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
+                              self.scale, self.max_num_seqs, self.workspace, pdl and meta.is_decode, rope)  # fmt: skip
         return out
 
     def _attend(
         self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        out: torch.Tensor, pdl: bool = False,
+        out: torch.Tensor,
     ) -> None:  # fmt: skip
         fixed_split_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                              self.scale, self.max_num_seqs, self.workspace, pdl and meta.is_decode)  # fmt: skip
+                              self.scale, self.max_num_seqs, self.workspace)  # fmt: skip

@@ -59,6 +59,12 @@ _STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
 # (EVERYWHERE, two grid barriers fewer: a launch 32.0 -> 30.7 us, the step 0.957 ms); at 2 and 4
 # rows each program's serial norms cost more than the barriers (32.4 -> 33.0, 33.9 -> 37.2 us).
 ATTEND_ROWS = 4
+# `invariant` steps of more than ROPE_LATER_ROWS rows (and more than the attention's workspace
+# holds) end the launch at the qkv partials: the one-token-a-program attention after it sums, norms
+# and rotates them (batch_kernel.py ROPE_LATER), with no last phase and no grid barrier. H200, 0.6B,
+# context 512 (bench/history/2026-12-02.md, entry a): the step at 64 rows 2.020 -> 1.966 / 1.961 ms,
+# at 32 rows 1.632 -> 1.692 / 1.683 (each program's serial sums cost more than the barrier saves).
+ROPE_LATER_ROWS = 32
 FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # L2 prefetches (batch_kernel.py; bench/history/2026-11-27.md): the first weights of
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
@@ -76,6 +82,7 @@ def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
     bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
     invariant: bool = False, bm: int = KERNEL_MAX_ROWS, attend_block: int = 0, everywhere_rows: int = 0,
+    rope_later: bool = False,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them).
@@ -83,7 +90,9 @@ def kernel_consts(
     last phase sums qkv and rotates it (batch_kernel.py INVARIANT); with `attend_block` (the KV
     cache's block size) the fixed-split attention follows it in the launch (ATTEND). `bm`: rows
     of a GEMV tile, the most a step may have. `everywhere_rows`: every program normalizes the
-    rows, up to that many, into its own xn rows (EVERYWHERE: no grid barrier after a norm)."""
+    rows, up to that many, into its own xn rows (EVERYWHERE: no grid barrier after a norm).
+    `rope_later` (`invariant`): no last phase; the attention kernel after it sums and rotates qkv
+    (ROPE_LATER)."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
@@ -95,7 +104,8 @@ def kernel_consts(
         )  # fmt: skip
         order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g, QK_NORM=shape.qk_norm,
                      BLOCK_HQ=triton.next_power_of_2(shape.nh), BLOCK_HK=triton.next_power_of_2(shape.nkv),
-                     BN_D=one_wave(shape.hidden, ks_d, programs, bn), BN_Q=one_wave(qkv, ks_q, programs, bn))  # fmt: skip
+                     BN_D=one_wave(shape.hidden, ks_d, programs, bn), BN_Q=one_wave(qkv, ks_q, programs, bn),
+                     ROPE_LATER=rope_later)  # fmt: skip
         if attend_block:
             from engine.kernels import attention_fixed as af
 
@@ -169,8 +179,14 @@ class BatchDecode:
         few = [kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, few_bk, few_stages, g_pre, d_pre,
                              q_pre, True, FEW_BM, backend.kv_cache.shape[3], r)
                for r in ((1 if everywhere else 0), 0)] if self.attend_rows else [self.consts] * 2  # fmt: skip
+        # invariant: steps of more rows than ROPE_LATER_ROWS and the backend's workspace holds take
+        # the attention's one-token-a-program kernel, which sums and rotates their qkv partials itself.
+        self.wide_rows = max(ROPE_LATER_ROWS, backend.workspace.m.shape[0]) if invariant else rows
+        wide = kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre,
+                             True, rope_later=True) if invariant else self.consts  # fmt: skip
         # (constants of a layer's launch, of the step's first launch: a plain one) by kind of step
-        self.launch_sets = {k: (c, {**c, "launch_pdl": False}) for k, c in zip(("one", "few", "many"), (*few, self.consts), strict=True)}
+        self.launch_sets = {k: (c, {**c, "launch_pdl": False})
+                            for k, c in zip(("one", "few", "many", "wide"), (*few, self.consts, wide), strict=True)}
         ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
         # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
         attn0 = self.lm.layers[0].self_attn
@@ -222,17 +238,29 @@ class BatchDecode:
         plan = None if self.invariant else self.backend.merged_decode_plan(m)
         attn = self.attn
         few = 0 < m <= self.attend_rows and meta.seq_lens.shape[0] == m  # ATTEND: a decode row a sequence
+        kind = ("one" if m == 1 else "few") if few else "wide" if m > self.wide_rows else "many"
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
-            self._launch(prev, nxt, i, input_ids, positions, meta, attn, out, timing[i] if timing is not None else None, few)
+            self._launch(prev, nxt, i, input_ids, positions, meta, attn, out, timing[i] if timing is not None else None, kind)
             if nxt is not None and not few:  # (few: the launch attended, into self.attn)
-                if self.invariant:  # q rotated, the new K/V rows in the cache: the kernel's last phase
+                if self.invariant:  # q rotated, the new K/V rows in the cache: the kernel's last phase, or (wide) the attention's
                     q = self.qkv[:m, : self.shape.nh * self.shape.d].view(m, self.shape.nh, self.shape.d)
-                    attn = self.backend.attend(nxt.self_attn.layer_id, q, meta, pdl=self.pdl)
+                    rope = self._qkv_parts(nxt, positions, meta) if kind == "wide" else None
+                    attn = self.backend.attend(nxt.self_attn.layer_id, q, meta, pdl=self.pdl, rope=rope)
                 else:
                     self.attention(i, nxt, positions, meta, plan)
         return out
+
+    def _qkv_parts(self, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata) -> object:
+        """The invariant launch's qkv partials of `layer` as the fixed-split token kernel takes them
+        (attention_fixed.QkvParts): it sums, norms and rotates them and stores the new K/V rows."""
+        from engine.kernels.attention_fixed import QkvParts
+
+        sa = layer.self_attn
+        qw, kw = (sa.q_norm.weight, sa.k_norm.weight) if self.shape.qk_norm else (None, None)
+        eps = sa.q_norm.eps if self.shape.qk_norm else 0.0
+        return QkvParts(self.qkv_part, self.qkv, positions, self.lm.rotary_emb.cos_sin_cache, qw, kw, eps, meta.slot_mapping)
 
     def attention(
         self, i: int, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata,
@@ -252,13 +280,13 @@ class BatchDecode:
 
     def _launch(
         self, prev: nn.Module | None, nxt: nn.Module | None, i: int, input_ids: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata, attn: torch.Tensor, out: torch.Tensor, timing: torch.Tensor | None, few: bool = False,
+        meta: AttentionMetadata, attn: torch.Tensor, out: torch.Tensor, timing: torch.Tensor | None, kind: str = "many",
     ) -> None:  # fmt: skip
         from engine.kernels.attention import LOG2E
         from engine.kernels.batch_kernel import batch_layer_kernel
 
         lm, m = self.lm, input_ids.shape[0]
-        consts = self.launch_sets["one" if few and m == 1 else "few" if few else "many"][0 if i else 1]
+        consts = self.launch_sets[kind][0 if i else 1]
         xn = self.xn_own if consts["EVERYWHERE"] else self.xn
         # INVARIANT's last phase: rope and layer l+1's cache (else: any tensors, not read)
         rope_args: tuple = (self.barrier,) * 7 + (0, 0, 0, 0.0)
@@ -271,7 +299,7 @@ class BatchDecode:
                          k_cache.stride(2), sa.q_norm.eps if self.shape.qk_norm else 0.0)  # fmt: skip
         # ATTEND's: the step's tables, the backend's workspace, its slots a (row, KV head) (else: not read)
         attend_args: tuple = (self.barrier,) * 6 + (0, 0, 0.0, 0, 1)
-        if few and nxt is not None:
+        if kind in ("one", "few") and nxt is not None:
             ws, m_kv = self.backend.workspace, m * self.shape.nkv
             attend_args = (meta.block_tables, meta.seq_lens, ws.m, ws.total, ws.acc, ws.counts, meta.block_tables.stride(0),
                            k_cache.stride(0), self.backend.scale * LOG2E, ws.m.shape[1], max(1, self.programs // m_kv))  # fmt: skip

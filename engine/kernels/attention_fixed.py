@@ -65,6 +65,7 @@ from engine.kernels.fixed_rows import (
     walk_rows,
 )
 from engine.kernels.launcher import Launcher
+from engine.kernels.rope import rope_kv_head
 
 # Context tokens a piece: a fixed position grid, a multiple of BLOCK_N. What the bits follow: a
 # piece is BLOCK_N tiles in sequence, the length of a one-row decode's chain. H200, 8B heads (32 /
@@ -101,17 +102,27 @@ def after_wait(USE_PDL: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _token_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    part_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, slot_ptr,  # ROPE (QkvParts); else any tensors, not read
     num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead,
-    sm_scale_log2,
+    sm_scale_log2, stride_part, stride_cos, eps,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr, IEEE: tl.constexpr, ONE_EACH: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, ROPE: tl.constexpr = False, KS: tl.constexpr = 1,
+    NUM_HEADS: tl.constexpr = 1, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1, BLOCK_HK: tl.constexpr = 1,
 ):  # fmt: skip
-    # Program (t, g): token t's query heads of KV head g, every piece of its context.
+    # Program (t, g): token t's query heads of KV head g, every piece of its context. ROPE: first
+    # their q, the key and the value of head g from the qkv partials, normed, rotated, the new K/V
+    # row stored (rope.rope_kv_head); q_ptr is then the qkv rows (stride_qt its width).
     t = tl.program_id(0)
     g = tl.program_id(1)
     seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
     after_wait(USE_PDL)
+    if ROPE:
+        rope_kv_head(
+            t, g, q_ptr, part_ptr, stride_part, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+            stride_cos, stride_ctok, stride_chead, 1.0 / HEAD_DIM, eps,
+            KS, NUM_HEADS, NUM_HEADS // GROUP, HEAD_DIM, QK_NORM, BLOCK_HQ, BLOCK_HK,
+        )  # fmt: skip
     heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -195,6 +206,21 @@ class Workspace(NamedTuple):
         self.counts.zero_()
 
 
+class QkvParts(NamedTuple):
+    """A decode step's qkv projection left as fp32 partials, which the one-token-a-program kernel
+    sums, norms and rotates itself, storing the new K/V rows (rope.rope_kv_head; `--deterministic`'s
+    batch decode past batch_decode.ROPE_LATER_ROWS rows). q is then `qkv`'s first NH * D columns."""
+
+    parts: torch.Tensor  # [KS, R, QKV] fp32, R >= T
+    qkv: torch.Tensor  # [R, QKV] scratch in the model dtype: the rounded sums, q and k rotated in place
+    positions: torch.Tensor  # [T]
+    cos_sin: torch.Tensor  # [max_positions, D] fp32: cos | sin
+    q_weight: torch.Tensor | None  # [D]: Qwen3's per-head q/k RMSNorm weights (None: no norm)
+    k_weight: torch.Tensor | None
+    eps: float
+    slots: torch.Tensor  # [T] int64: each token's cache slot (-1: none)
+
+
 def fixed_split_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -207,6 +233,7 @@ def fixed_split_attention(
     max_num_seqs: int,  # the most sequences a step may hold: the search's depth (more are searched deeper)
     workspace: Workspace | None = None,  # the split path's, for steps of up to FEW_TOKENS tokens
     use_pdl: bool = False,  # a decode step's launch after the kernel that wrote q and its K/V rows
+    rope: QkvParts | None = None,  # a decode step of more tokens than the workspace's: q and K/V from these
 ) -> torch.Tensor:
     """out[t] = token t's attention over its sequence's cached keys 0..its position (module
     docstring); every row of out is written (zeros past the last sequence). The grid follows the
@@ -233,13 +260,19 @@ def fixed_split_attention(
             num_warps=TILE_WARPS, **shared,
         )  # fmt: skip
         return out
-    if workspace is None or tokens > workspace.m.shape[0]:
+    token_path = workspace is None or tokens > workspace.m.shape[0]
+    if rope is not None and not (token_path and one_each and k_cache.is_contiguous() and q.data_ptr() == rope.qkv.data_ptr()
+                                 and q.stride(0) == rope.qkv.stride(0)):  # fmt: skip
+        raise ValueError("fixed_split_attention: qkv partials only for a decode step past the workspace's tokens, "
+                         "on a contiguous cache, q a view of their qkv rows")  # fmt: skip
+    if token_path:
         _token_kernel[(tokens, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *_rope_args(rope, q),
             *search, out.stride(0), out.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E, *_rope_values(rope),
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_EACH=one_each,
-            USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=TOKEN_WARPS, **shared,
+            USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=TOKEN_WARPS,
+            **_rope_consts(rope, num_heads, head_dim), **shared,
         )  # fmt: skip
         return out
     pieces = workspace.m.shape[1]
@@ -253,3 +286,28 @@ def fixed_split_attention(
         ONE_EACH=one_each, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=PIECE_WARPS, **shared,
     )  # fmt: skip
     return out
+
+
+def _rope_args(rope: QkvParts | None, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_token_kernel`'s ROPE tensors: parts, positions, cos_sin, q/k norm weights, slots (none: q)."""
+    if rope is None:
+        return (q,) * 6
+    qw = rope.q_weight if rope.q_weight is not None else q
+    kw = rope.k_weight if rope.k_weight is not None else q
+    return rope.parts, rope.positions, rope.cos_sin, qw, kw, rope.slots
+
+
+def _rope_values(rope: QkvParts | None) -> tuple[int, int, float]:
+    """`_token_kernel`'s stride_part, stride_cos, eps."""
+    return (0, 0, 0.0) if rope is None else (rope.parts.stride(0), rope.cos_sin.stride(0), rope.eps)
+
+
+def _rope_consts(rope: QkvParts | None, num_heads: int, head_dim: int) -> dict[str, object]:
+    """`_token_kernel`'s ROPE constexprs: the rotary kernel's blocks (rope.py `rope_token`)."""
+    if rope is None:
+        return {}
+    if rope.qkv.stride(-1) != 1 or rope.qkv.shape[1] != rope.parts.shape[2] or rope.parts.stride(2) != 1:
+        raise ValueError(f"fixed_split_attention: qkv {tuple(rope.qkv.shape)} and its parts {tuple(rope.parts.shape)}")
+    kv_heads = (rope.qkv.shape[1] // head_dim - num_heads) // 2
+    return dict(ROPE=True, KS=rope.parts.shape[0], NUM_HEADS=num_heads, QK_NORM=rope.q_weight is not None,
+                BLOCK_HQ=next_pow2(num_heads), BLOCK_HK=next_pow2(kv_heads))

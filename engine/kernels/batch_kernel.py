@@ -30,6 +30,9 @@ CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
      layer l+1's cache (`_qkv_rope_phase`),
 so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul,
 rope.rotary): the mode's fixed-split attention runs on qkv's q between the launches, or
+  ROPE_LATER (steps of more than batch_decode.ROPE_LATER_ROWS rows): no phase 7; the
+     attention's one-token-a-program kernel does its work per (row, KV head) from the partials
+     (rope.rope_kv_head, the same sums and the rotary kernel's blocks), or
   8. ATTEND (steps of few rows: batch_decode.ATTEND_ROWS, within the workspace's FEW_TOKENS,
      attention_fixed.py): after a barrier, that attention itself, items (row, KV head, slot)
      dealt round-robin, each some of the row's pieces into the backend's workspace, the last of
@@ -124,7 +127,7 @@ def batch_layer_kernel(
     CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1,
     BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0, ATTEND: tl.constexpr = False,
     GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_SIZE: tl.constexpr = 16, BLOCK_N_: tl.constexpr = 64,
-    SPLIT_: tl.constexpr = 128, EVERYWHERE: tl.constexpr = False, XN_ROWS: tl.constexpr = 0,
+    SPLIT_: tl.constexpr = 128, EVERYWHERE: tl.constexpr = False, XN_ROWS: tl.constexpr = 0, ROPE_LATER: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -177,7 +180,7 @@ def batch_layer_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         gemv_phase(out_ptr, HID, qkv_w_ptr, qkv_w_ptr, qkv_part_ptr, MAX_M * QKV, M, QKV, HID, KS_Q, True, False, False, BM, BN_QKV, BK, P,
                    DTYPE, CHUNK=CK_Q)
-        if INVARIANT:
+        if INVARIANT and not ROPE_LATER:
             phase_end(bar_ptr, t_ptr, 13, FIRST_ADD, TIMING)
             _qkv_rope_phase(row, qkv_part_ptr, MAX_M * QKV, qkv_ptr, M, pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr,
                             v_cache_ptr, slot_ptr, stride_cos, stride_cslot, stride_chead, qk_eps, KS_Q, NH, NKV, D, QK_NORM,

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from engine.kernels.attention import next_pow2
 from engine.kernels.fused_ops import rounded, warps_for
+from engine.kernels.grid_phases import part_sum
 from engine.kernels.launcher import Launcher
 
 
@@ -94,6 +95,56 @@ def rope_token(
             v_src = v_ptr + t * stride_vt + h * stride_vh + d
             tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_dtype), mask=mask)
             tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask).to(cache_dtype), mask=mask)
+
+
+@triton.jit
+def rope_kv_head(
+    t, g, qkv_ptr, part_ptr, stride_part, pos_ptr, cache_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_cache, stride_cslot, stride_chead, inv_d, eps,
+    KS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):  # fmt: skip
+    # Token t's KV head g of a qkv projection left as KS fp32 partials (part [KS, *, QKV] at
+    # stride_part; `--deterministic`'s batch decode of many rows, batch_kernel.py ROPE_LATER): its
+    # GROUP = NH / NKV query heads, its key and its value summed in chunk order and rounded into
+    # qkv [*, QKV] (batch_kernel.py phase 7's sums), then its q heads and its k head normed and
+    # rotated in place and the rotated K and the V stored at t's slot, in `rope_token`'s blocks
+    # (BLOCK_HQ / BLOCK_HK rows, the rotary kernel's), so in the rotary kernel's bits: a row's sum
+    # of squares does not follow which rows of the block hold heads. The program's own later
+    # loads of qkv and of the cache see these stores (CTA barriers).
+    QKV: tl.constexpr = (NH + 2 * NKV) * D
+    GROUP: tl.constexpr = NH // NKV
+    HALF: tl.constexpr = D // 2
+    BLOCK_Q: tl.constexpr = triton.next_power_of_2(GROUP * D)
+    dtype = qkv_ptr.dtype.element_ty
+    row = t.to(tl.int64) * QKV
+    offs_q = tl.arange(0, BLOCK_Q)
+    q_ok = offs_q < GROUP * D
+    iq = row + g * (GROUP * D) + offs_q  # the group's q heads
+    tl.store(qkv_ptr + iq, part_sum(part_ptr, iq, q_ok, stride_part, KS).to(dtype), mask=q_ok)
+    ik = row + NH * D + g * D + tl.arange(0, D)  # its key; its value NKV heads further
+    tl.store(qkv_ptr + ik, part_sum(part_ptr, ik, ik >= 0, stride_part, KS).to(dtype))
+    tl.store(qkv_ptr + ik + NKV * D, part_sum(part_ptr, ik + NKV * D, ik >= 0, stride_part, KS).to(dtype))
+    tl.debug_barrier()  # the sums, stored by every thread, read back by others
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    c_ptr = cache_ptr + pos * stride_cache + d
+    cos = rounded(tl.load(c_ptr, mask=d < HALF, other=0.0), dtype)
+    sin = rounded(tl.load(c_ptr + HALF, mask=d < HALF, other=0.0), dtype)
+    _norm_rope_heads(qkv_ptr + row + g * (GROUP * D), D, GROUP, qw_ptr, cos, sin, inv_d, eps, HAS_NORM, HALF, BLOCK_HQ, HALF)
+    k1, k2 = _norm_rope_heads(qkv_ptr + row + NH * D + g * D, D, 1, kw_ptr, cos, sin, inv_d, eps, HAS_NORM, HALF, BLOCK_HK, HALF)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:  # the rotated K and the V of head g into the cache (rope_token's STORE)
+        h = tl.arange(0, BLOCK_HK)[:, None]
+        mask = (h == 0) & (d < HALF)
+        dst = slot * stride_cslot + (g + h) * stride_chead + d
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+        v_src = qkv_ptr + row + (NH + NKV) * D + g * D + h * D + d
+        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_dtype), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask).to(cache_dtype), mask=mask)
+    tl.debug_barrier()  # q rotated and the new K/V row stored, for the attention's loads
 
 
 def rotary_warps(num_heads: int, head_dim: int) -> int:
