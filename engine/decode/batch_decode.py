@@ -62,7 +62,7 @@ ATTEND_ROWS = 4
 # `invariant` steps of more than ROPE_LATER_ROWS rows (and more than the attention's workspace
 # holds) end the launch at the qkv partials: the one-token-a-program attention after it sums, norms
 # and rotates them (batch_kernel.py ROPE_LATER), with no last phase and no grid barrier. H200, 0.6B,
-# context 512 (bench/history/2026-12-02.md, entry a): the step at 64 rows 2.020 -> 1.966 / 1.961 ms,
+# context 512 (bench/history/2026-12-01.md, entry l): the step at 64 rows 2.020 -> 1.966 / 1.961 ms,
 # at 32 rows 1.632 -> 1.692 / 1.683 (each program's serial sums cost more than the barrier saves).
 ROPE_LATER_ROWS = 32
 FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5

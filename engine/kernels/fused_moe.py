@@ -87,7 +87,8 @@ def _pow2(n: int) -> int:
 # Tiles (block_m, gate_up block_n, down block_n, block_k, warps, stages) by expected pairs per
 # expert, T * k / E: SPARSE_TILES up to 2 (decode), then TILES' rows up to their first value. gate_up's
 # tile holds a gate and an up accumulator: half down's columns (at T = 1, 64 of each, the kernel
-# bench's best, made the 30B-A3B step slower: bench/history/2026-12-01.md, entry f).
+# bench's best, made the 30B-A3B step slower: bench/history/2026-12-01.md, entry f; so did 16 / 32,
+# entry l).
 SPARSE_TILES = (16, 32, 64, 128, 4, 4)
 TILES = ((8, (16, 64, 128, 128, 4, 3)), (16, (32, 64, 128, 128, 4, 3)), (48, (64, 64, 128, 64, 4, 3)),
          (1 << 62, (128, 128, 256, 64, 8, 4)))  # fmt: skip
