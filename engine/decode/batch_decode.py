@@ -31,10 +31,15 @@ there and storing the new K/V rows into the layer's cache (batch_kernel.py INVAR
 between the launches the backend's fixed-split attention on that q (`attend`, launched with PDL), so that every
 row has the bits of the mode's layers one op at a time (tests/test_gpu_deterministic_decode.py).
 Steps of at most ATTEND_ROWS rows run that attention as the launch's last phase instead, its
-split path's items and workspace (batch_kernel.py ATTEND), one launch a layer.
+split path's items and workspace (batch_kernel.py ATTEND), one launch a layer. Steps of more than
+ROPE_LATER_ROWS rows end the launch at the qkv partials, and the attention's one-token-a-program
+kernel sums and rotates them and stores the new K/V rows (batch_kernel.py ROPE_LATER,
+attention_fixed.QkvParts).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +48,9 @@ from engine.attention import ForwardContext
 from engine.attention.base import AttentionMetadata
 from engine.decode import rules
 from engine.decode.rules import LayerShape, k_splits, prefetch_width
+
+if TYPE_CHECKING:
+    from engine.kernels.attention_fixed import QkvParts
 
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 # Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
@@ -252,7 +260,7 @@ class BatchDecode:
                     self.attention(i, nxt, positions, meta, plan)
         return out
 
-    def _qkv_parts(self, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata) -> object:
+    def _qkv_parts(self, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata) -> QkvParts:
         """The invariant launch's qkv partials of `layer` as the fixed-split token kernel takes them
         (attention_fixed.QkvParts): it sums, norms and rotates them and stores the new K/V rows."""
         from engine.kernels.attention_fixed import QkvParts

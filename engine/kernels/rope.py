@@ -1,6 +1,8 @@
 """Rotary position embedding on q and k in place, after Qwen3's per-head q/k RMSNorm where its
 weights are given, as one Triton kernel (`rotary`), and its per-token body (`rope_token`) for
-kernels that rotate their own rows (batch_kernel.py INVARIANT, `--deterministic`'s batch decode).
+kernels that rotate their own rows (batch_kernel.py INVARIANT, `--deterministic`'s batch decode);
+`rope_kv_head` the same for one KV head's q heads, key and value, summed first from a qkv
+projection's fp32 partials (the fixed-split token kernel's ROPE, attention_fixed.py).
 Only the CUDA path of `engine.models.layers` imports this module (lazily, as fused_ops.py).
 
 `rotary`: rope on q [T, H, D] and k [T, Hkv, D] in place, from the fp32 cos/sin cache and the
