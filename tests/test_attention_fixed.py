@@ -127,7 +127,8 @@ def check_qkv_parts(device: str, dtype: torch.dtype) -> None:
     (`QkvParts`: `--deterministic`'s batch decode past the workspace's rows): the one-token kernel's
     sums, q/k norm, rope and K/V store give the rotary kernel's bits (qkv and the cache after), and
     its outputs are the attention's on those, bit for bit. A slot of -1 stores nothing."""
-    from engine.kernels.attention_fixed import QkvParts, fixed_split_attention
+    from engine.kernels.attention_fixed import fixed_split_attention
+    from engine.kernels.qkv_parts import QkvParts
     from engine.kernels.rope import rotary
 
     k_cache, v_cache, tables, _ = _world(device, dtype)

@@ -24,7 +24,8 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.triton import TritonBackend
-from engine.kernels.attention_fixed import QkvParts, Workspace, fixed_split_attention
+from engine.kernels.attention_fixed import Workspace, fixed_split_attention
+from engine.kernels.qkv_parts import QkvParts
 
 
 class FixedSplitBackend(TritonBackend):

@@ -34,7 +34,7 @@ Steps of at most ATTEND_ROWS rows run that attention as the launch's last phase 
 split path's items and workspace (batch_kernel.py ATTEND), one launch a layer. Steps of more than
 ROPE_LATER_ROWS rows end the launch at the qkv partials, and the attention's one-token-a-program
 kernel sums and rotates them and stores the new K/V rows (batch_kernel.py ROPE_LATER,
-attention_fixed.QkvParts).
+qkv_parts.QkvParts).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from engine.decode import rules
 from engine.decode.rules import LayerShape, k_splits, prefetch_width
 
 if TYPE_CHECKING:
-    from engine.kernels.attention_fixed import QkvParts
+    from engine.kernels.qkv_parts import QkvParts
 
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
 # Steps the runner hands it: above fused_decode.MAX_ROWS, up to this (measured in bench/RESULTS.md).
@@ -262,8 +262,8 @@ class BatchDecode:
 
     def _qkv_parts(self, layer: nn.Module, positions: torch.Tensor, meta: AttentionMetadata) -> QkvParts:
         """The invariant launch's qkv partials of `layer` as the fixed-split token kernel takes them
-        (attention_fixed.QkvParts): it sums, norms and rotates them and stores the new K/V rows."""
-        from engine.kernels.attention_fixed import QkvParts
+        (qkv_parts.QkvParts): it sums, norms and rotates them and stores the new K/V rows."""
+        from engine.kernels.qkv_parts import QkvParts
 
         sa = layer.self_attn
         qw, kw = (sa.q_norm.weight, sa.k_norm.weight) if self.shape.qk_norm else (None, None)

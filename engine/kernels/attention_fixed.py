@@ -65,6 +65,7 @@ from engine.kernels.fixed_rows import (
     walk_rows,
 )
 from engine.kernels.launcher import Launcher
+from engine.kernels.qkv_parts import QkvParts, token_args, token_consts, token_values
 from engine.kernels.rope import rope_kv_head
 
 # Context tokens a piece: a fixed position grid, a multiple of BLOCK_N. What the bits follow: a
@@ -206,21 +207,6 @@ class Workspace(NamedTuple):
         self.counts.zero_()
 
 
-class QkvParts(NamedTuple):
-    """A decode step's qkv projection left as fp32 partials, which the one-token-a-program kernel
-    sums, norms and rotates itself, storing the new K/V rows (rope.rope_kv_head; `--deterministic`'s
-    batch decode past batch_decode.ROPE_LATER_ROWS rows). q is then `qkv`'s first NH * D columns."""
-
-    parts: torch.Tensor  # [KS, R, QKV] fp32, R >= T
-    qkv: torch.Tensor  # [R, QKV] scratch in the model dtype: the rounded sums, q and k rotated in place
-    positions: torch.Tensor  # [T]
-    cos_sin: torch.Tensor  # [max_positions, D] fp32: cos | sin
-    q_weight: torch.Tensor | None  # [D]: Qwen3's per-head q/k RMSNorm weights (None: no norm)
-    k_weight: torch.Tensor | None
-    eps: float
-    slots: torch.Tensor  # [T] int64: each token's cache slot (-1: none)
-
-
 def fixed_split_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -267,12 +253,12 @@ def fixed_split_attention(
                          "on a contiguous cache, q a view of their qkv rows")  # fmt: skip
     if token_path:
         _token_kernel[(tokens, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *_rope_args(rope, q),
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, *token_args(rope, q),
             *search, out.stride(0), out.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E, *_rope_values(rope),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale * LOG2E, *token_values(rope),
             BLOCK_SIZE=k_cache.shape[1], BLOCK_N_=BLOCK_N, IEEE=q.dtype == torch.float32, ONE_EACH=one_each,
             USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=TOKEN_WARPS,
-            **_rope_consts(rope, num_heads, head_dim), **shared,
+            **token_consts(rope, num_heads, head_dim), **shared,
         )  # fmt: skip
         return out
     pieces = workspace.m.shape[1]
@@ -286,28 +272,3 @@ def fixed_split_attention(
         ONE_EACH=one_each, USE_PDL=use_pdl, launch_pdl=use_pdl, num_warps=PIECE_WARPS, **shared,
     )  # fmt: skip
     return out
-
-
-def _rope_args(rope: QkvParts | None, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`_token_kernel`'s ROPE tensors: parts, positions, cos_sin, q/k norm weights, slots (none: q)."""
-    if rope is None:
-        return (q,) * 6
-    qw = rope.q_weight if rope.q_weight is not None else q
-    kw = rope.k_weight if rope.k_weight is not None else q
-    return rope.parts, rope.positions, rope.cos_sin, qw, kw, rope.slots
-
-
-def _rope_values(rope: QkvParts | None) -> tuple[int, int, float]:
-    """`_token_kernel`'s stride_part, stride_cos, eps."""
-    return (0, 0, 0.0) if rope is None else (rope.parts.stride(0), rope.cos_sin.stride(0), rope.eps)
-
-
-def _rope_consts(rope: QkvParts | None, num_heads: int, head_dim: int) -> dict[str, object]:
-    """`_token_kernel`'s ROPE constexprs: the rotary kernel's blocks (rope.py `rope_token`)."""
-    if rope is None:
-        return {}
-    if rope.qkv.stride(-1) != 1 or rope.qkv.shape[1] != rope.parts.shape[2] or rope.parts.stride(2) != 1:
-        raise ValueError(f"fixed_split_attention: qkv {tuple(rope.qkv.shape)} and its parts {tuple(rope.parts.shape)}")
-    kv_heads = (rope.qkv.shape[1] // head_dim - num_heads) // 2
-    return dict(ROPE=True, KS=rope.parts.shape[0], NUM_HEADS=num_heads, QK_NORM=rope.q_weight is not None,
-                BLOCK_HQ=next_pow2(num_heads), BLOCK_HK=next_pow2(kv_heads))
