@@ -109,10 +109,10 @@ def rope_kv_head(
     # Token t's KV head g of a qkv projection left as KS fp32 partials (part [KS, *, QKV] at
     # stride_part; `--deterministic`'s batch decode of many rows, batch_kernel.py ROPE_LATER): its
     # GROUP = NH / NKV query heads, its key and its value summed in chunk order and rounded into
-    # qkv [*, QKV] (batch_kernel.py phase 7's sums), then its q heads and its k head normed and
-    # rotated in place and the rotated K and the V stored at t's slot, in `rope_token`'s blocks
-    # (BLOCK_HQ / BLOCK_HK rows, the rotary kernel's), so in the rotary kernel's bits: a row's sum
-    # of squares does not follow which rows of the block hold heads. The program's own later
+    # qkv [*, QKV] (batch_kernel.py phase 7's sums), then `rope_token` on those GROUP q heads and
+    # one k head: normed and rotated in place, the rotated K and the V stored at t's slot, in the
+    # rotary kernel's blocks (BLOCK_HQ / BLOCK_HK rows), so in its bits: a row's sum of squares
+    # does not follow which rows of the block hold heads. The program's own later
     # loads of qkv and of the cache see these stores (CTA barriers).
     QKV: tl.constexpr = (NH + 2 * NKV) * D
     GROUP: tl.constexpr = NH // NKV
@@ -128,24 +128,12 @@ def rope_kv_head(
     tl.store(qkv_ptr + ik, part_sum(part_ptr, ik, ik >= 0, stride_part, KS).to(dtype))
     tl.store(qkv_ptr + ik + NKV * D, part_sum(part_ptr, ik + NKV * D, ik >= 0, stride_part, KS).to(dtype))
     tl.debug_barrier()  # the sums, stored by every thread, read back by others
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, HALF)[None, :]
-    c_ptr = cache_ptr + pos * stride_cache + d
-    cos = rounded(tl.load(c_ptr, mask=d < HALF, other=0.0), dtype)
-    sin = rounded(tl.load(c_ptr + HALF, mask=d < HALF, other=0.0), dtype)
-    _norm_rope_heads(qkv_ptr + row + g * (GROUP * D), D, GROUP, qw_ptr, cos, sin, inv_d, eps, HAS_NORM, HALF, BLOCK_HQ, HALF)
-    k1, k2 = _norm_rope_heads(qkv_ptr + row + NH * D + g * D, D, 1, kw_ptr, cos, sin, inv_d, eps, HAS_NORM, HALF, BLOCK_HK, HALF)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:  # the rotated K and the V of head g into the cache (rope_token's STORE)
-        h = tl.arange(0, BLOCK_HK)[:, None]
-        mask = (h == 0) & (d < HALF)
-        dst = slot * stride_cslot + (g + h) * stride_chead + d
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
-        v_src = qkv_ptr + row + (NH + NKV) * D + g * D + h * D + d
-        tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask).to(cache_dtype), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF, mask=mask).to(cache_dtype), mask=mask)
+    rope_token(  # on token t's row of qkv: head g's q heads and k head, the cache at head g
+        t.to(tl.int64), qkv_ptr + g * (GROUP * D), qkv_ptr + (NH + g) * D, pos_ptr, cache_ptr, qw_ptr, kw_ptr,
+        qkv_ptr + (NH + NKV + g) * D, k_cache_ptr + g * stride_chead, v_cache_ptr + g * stride_chead, slot_ptr,
+        QKV, D, QKV, D, stride_cache, QKV, D, stride_cslot, stride_chead, GROUP, 1, inv_d, eps,
+        HAS_NORM, HALF, HALF, BLOCK_HQ, BLOCK_HK, True,
+    )  # fmt: skip
     tl.debug_barrier()  # q rotated and the new K/V row stored, for the attention's loads
 
 
