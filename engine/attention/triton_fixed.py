@@ -51,13 +51,12 @@ class FixedSplitBackend(TritonBackend):
         `rope`: q and those rows still qkv partials, which the kernel sums and rotates first."""
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        fixed_split_attention(q, *self.layer_caches[layer_id], meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                              self.scale, self.max_num_seqs, self.workspace, pdl and meta.is_decode, rope)  # fmt: skip
+        self._attend(layer_id, q, *self.layer_caches[layer_id], meta, out, pdl, rope)
         return out
 
     def _attend(
         self, layer_id: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-        out: torch.Tensor,
+        out: torch.Tensor, pdl: bool = False, rope: QkvParts | None = None,
     ) -> None:  # fmt: skip
         fixed_split_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out,
-                              self.scale, self.max_num_seqs, self.workspace)  # fmt: skip
+                              self.scale, self.max_num_seqs, self.workspace, pdl and meta.is_decode, rope)  # fmt: skip
