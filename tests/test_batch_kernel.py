@@ -22,7 +22,7 @@ BLOCKS, BLOCK_SIZE, MAX_POS, CONTEXT = 16, 16, 256, 200
 QKV = (NH + 2 * NKV) * D
 
 
-def check_invariant_launches(device: str, attend: bool, rope_later: bool = False) -> None:
+def check_invariant_launches(device: str, attend: bool, rope_later: bool = False, rope_items: bool = True) -> None:
     from engine.decode.batch_decode import FEW_BM, kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.attention import LOG2E
@@ -63,9 +63,11 @@ def check_invariant_launches(device: str, attend: bool, rope_later: bool = False
     # bk 64 as the GEMM's: the interpreter's dots are numpy's, whose sums follow BLOCK_K (a GPU's do
     # not: invariant_tiles.py)
     consts = kernel_consts(shape, 1, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, invariant=True, rope_later=rope_later,
-                           **(dict(bm=FEW_BM, attend_block=BLOCK_SIZE, everywhere_rows=1) if attend else {}))  # fmt: skip
+                           **(dict(bm=FEW_BM, attend_block=BLOCK_SIZE, everywhere_rows=1, rope_items=rope_items) if attend else {}))  # fmt: skip
     assert consts["KS_O"] == consts["KS_Q"] == consts["WALK_G"] == 2 and consts["KS_D"] == 4
     assert consts.get("ATTEND", False) == consts["EVERYWHERE"] == attend
+    assert consts.get("ROPE_ITEMS", False) == (attend and rope_items)
+    scratch_qkv = attend and rope_items  # qkv: the items' own rows (q shows in attn, K/V in the cache)
 
     def attended(qkv: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """The mode's attention on qkv's q over the cache, by the split path (as the kernel's items)
@@ -107,7 +109,7 @@ def check_invariant_launches(device: str, attend: bool, rope_later: bool = False
     xn = rms_norm(h, w["norm"], EPS)
     assert torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
     qkv, cache = rotated(mm(xn, w["qkv"]))
-    assert torch.equal(got["qkv"], qkv) and torch.equal(got["cache"], cache)
+    assert torch.equal(got["cache"], cache) and (scratch_qkv or torch.equal(got["qkv"], qkv))
     assert not torch.equal(cache, cache0)
     assert torch.equal(got["attn"], attended(qkv, cache) if attend else attn)
     # a middle launch: layer l's o_proj, norm, MLP, norm of layer l+1, its qkv
@@ -117,7 +119,7 @@ def check_invariant_launches(device: str, attend: bool, rope_later: bool = False
     xn, h = fused_add_rms_norm(down, h_mid.clone(), w["norm"], EPS)
     assert torch.equal(got["h_mid"], h_mid) and torch.equal(got["h"], h) and torch.equal(got["xn"], xn)
     qkv, cache = rotated(mm(xn, w["qkv"]))
-    assert torch.equal(got["qkv"], qkv) and torch.equal(got["cache"], cache)
+    assert torch.equal(got["cache"], cache) and (scratch_qkv or torch.equal(got["qkv"], qkv))
     assert torch.equal(got["attn"], attended(qkv, cache) if attend else attn)
     # TAIL: the same through the final norm (`norm` its weight), into out; no qkv
     got = launch(head=False, tail=True)
@@ -125,7 +127,9 @@ def check_invariant_launches(device: str, attend: bool, rope_later: bool = False
     assert not got["qkv"].any() and torch.equal(got["cache"], cache0) and torch.equal(got["attn"], attn)
 
 
-@pytest.mark.parametrize("attend, rope_later", [(False, False), (True, False), (False, True)])
-def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted(attend: bool, rope_later: bool) -> None:
-    """ROPE_LATER: the launch leaves qkv as its partials, whose chunk sum is the GEMM's."""
-    interpret("test_batch_kernel", f"check_invariant_launches('cpu', {attend}, {rope_later})", timeout=900)
+@pytest.mark.parametrize("attend, rope_later, rope_items", [(False, False, False), (True, False, True), (True, False, False),
+                                                            (False, True, False)])  # fmt: skip
+def test_the_invariant_batch_kernel_gives_the_unfused_bits_interpreted(attend: bool, rope_later: bool, rope_items: bool) -> None:
+    """ROPE_LATER: the launch leaves qkv as its partials, whose chunk sum is the GEMM's. ROPE_ITEMS:
+    the attention's items rotate qkv (3 slots of a (row, KV head) over 2 pieces: two store, one does not)."""
+    interpret("test_batch_kernel", f"check_invariant_launches('cpu', {attend}, {rope_later}, {rope_items})", timeout=900)

@@ -73,6 +73,11 @@ ATTEND_ROWS = 4
 # context 512 (bench/history/2026-12-01.md, entry l): the step at 64 rows 2.020 -> 1.966 / 1.961 ms,
 # at 32 rows 1.632 -> 1.692 / 1.683 (each program's serial sums cost more than the barrier saves).
 ROPE_LATER_ROWS = 32
+# `invariant` steps that attend in the launch (ATTEND_ROWS) rotate a row's qkv on its attention
+# items, each (row, KV head) its own heads (batch_kernel.py ROPE_ITEMS), not on one program a row
+# behind a barrier of its own. H200, 0.6B, context 512 (bench/history/2026-12-02.md, entry a): the
+# step at 1 / 2 / 4 rows 0.949 / 1.011 / 1.124 -> 0.905 / 0.968 / 1.069 ms.
+ROPE_ITEMS = True
 FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # L2 prefetches (batch_kernel.py; bench/history/2026-11-27.md): the first weights of
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
@@ -90,7 +95,7 @@ def kernel_consts(
     shape: LayerShape, programs: int, rows: int, use_pdl: bool, num_warps: int = 4, bn: int = 32,
     bn_gate: int = 32, bk: int = _BK, stages: int = _STAGES, g_pre: int = _G_PRE, d_pre: int = _D_PRE, q_pre: int = _Q_PRE,
     invariant: bool = False, bm: int = KERNEL_MAX_ROWS, attend_block: int = 0, everywhere_rows: int = 0,
-    rope_later: bool = False,
+    rope_later: bool = False, rope_items: bool | None = None,
 ) -> dict[str, object]:  # fmt: skip
     """The persistent kernel's constexprs and launch options, the same at every layer and step of
     `rows` rows at most on `programs` SMs (no device needed: bench/kernels/occupancy.py compiles them).
@@ -100,7 +105,8 @@ def kernel_consts(
     of a GEMV tile, the most a step may have. `everywhere_rows`: every program normalizes the
     rows, up to that many, into its own xn rows (EVERYWHERE: no grid barrier after a norm).
     `rope_later` (`invariant`): no last phase; the attention kernel after it sums and rotates qkv
-    (ROPE_LATER)."""
+    (ROPE_LATER). `rope_items` (with `attend_block`; None: ROPE_ITEMS): the attention's items
+    sum and rotate it (ROPE_ITEMS)."""
     import triton
 
     qkv = (shape.nh + 2 * shape.nkv) * shape.d
@@ -119,7 +125,7 @@ def kernel_consts(
 
             group = shape.nh // shape.nkv
             order.update(ATTEND=True, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=attend_block,
-                         BLOCK_N_=af.BLOCK_N, SPLIT_=af.SPLIT)  # fmt: skip
+                         BLOCK_N_=af.BLOCK_N, SPLIT_=af.SPLIT, ROPE_ITEMS=ROPE_ITEMS if rope_items is None else rope_items)  # fmt: skip
         split_d, split_q = ck_d, ck_q
     else:
         ks_o = k_splits(shape.hidden // bn, shape.nh * shape.d, programs, bk)
@@ -217,7 +223,9 @@ class BatchDecode:
         self.o_part = torch.zeros(ks_o, rows, self.shape.hidden, **f32)
         self.down_part = torch.zeros(ks_d, rows, self.shape.hidden, **f32)
         self.qkv_part = torch.zeros(ks_q, rows, qkv, **f32)
-        self.qkv = torch.zeros(rows if invariant else 0, qkv, **half)  # invariant: the rounded qkv the layers' rotary takes
+        # invariant: the rounded qkv the layers' rotary takes; ROPE_ITEMS: [programs, GROUP + 2, D] in its first rows
+        item_rows = -(-self.programs * (self.shape.nh // self.shape.nkv + 2) * self.shape.d // qkv)
+        self.qkv = torch.zeros(max(rows, item_rows) if invariant else 0, qkv, **half)
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
         self.nbytes = sum(
             t.numel() * t.element_size()

@@ -118,11 +118,13 @@ def _token_kernel(
     g = tl.program_id(1)
     seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
     after_wait(USE_PDL)
-    if ROPE:
+    if ROPE:  # into t's qkv row: its q heads of g, key g, value g (this program's alone)
+        q_row = q_ptr + t.to(tl.int64) * stride_qt
+        dk = q_row + (NUM_HEADS + g) * HEAD_DIM
         rope_kv_head(
-            t, g, q_ptr, part_ptr, stride_part, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-            stride_cos, stride_ctok, stride_chead, 1.0 / HEAD_DIM, eps,
-            KS, NUM_HEADS, NUM_HEADS // GROUP, HEAD_DIM, QK_NORM, BLOCK_HQ, BLOCK_HK,
+            t, g, part_ptr, stride_part, q_row + g * (GROUP * HEAD_DIM), dk, dk + (NUM_HEADS // GROUP) * HEAD_DIM, pos_ptr,
+            cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_cos, stride_ctok, stride_chead,
+            1.0 / HEAD_DIM, eps, KS, NUM_HEADS, NUM_HEADS // GROUP, HEAD_DIM, QK_NORM, BLOCK_HQ, BLOCK_HK,
         )  # fmt: skip
     heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]

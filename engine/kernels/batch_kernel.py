@@ -38,7 +38,12 @@ rope.rotary): the mode's fixed-split attention runs on qkv's q between the launc
      dealt round-robin, each some of the row's pieces into the backend's workspace, the last of
      (row, KV head) to arrive merging them into attn (fixed_rows.piece_item: the split path's
      arithmetic, so its bits). attn is the next launch's input; this launch read it in phase
-     1, barriers before.
+     1, barriers before. ROPE_ITEMS: no phase 7 and no barrier before 8; each item with pieces
+     first sums, norms and rotates its (row, KV head)'s q heads, key and value from the partials
+     into its program's own rows of qkv ([P, GROUP + 2, D]: the slots of a (row, KV head) each
+     compute them) and stores the new K/V row (rope.rope_kv_head, as ROPE_LATER's attention
+     kernel), so a row's rope runs on its KV heads' items at once, not on one program. The slots
+     store the same K/V row; each reads back only what it stored itself.
 EVERYWHERE (steps of one row): phases 2 and 5 on every program, each into its own XN_ROWS rows
 of xn (and of the output, but at TAIL), program 0 storing the stream, and no grid barrier after
 them (layer_kernel.py's NORM_EVERYWHERE: the same norm_phase, so the same bits).
@@ -64,7 +69,7 @@ from engine.kernels.grid_phases import (
     prefetch_items,
     stamp,
 )
-from engine.kernels.rope import rope_token
+from engine.kernels.rope import rope_kv_head, rope_token
 
 
 @triton.jit
@@ -128,6 +133,7 @@ def batch_layer_kernel(
     BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0, ATTEND: tl.constexpr = False,
     GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_SIZE: tl.constexpr = 16, BLOCK_N_: tl.constexpr = 64,
     SPLIT_: tl.constexpr = 128, EVERYWHERE: tl.constexpr = False, XN_ROWS: tl.constexpr = 0, ROPE_LATER: tl.constexpr = False,
+    ROPE_ITEMS: tl.constexpr = False,
 ):  # fmt: skip
     DTYPE: tl.constexpr = h_ptr.dtype.element_ty
     QKV: tl.constexpr = (NH + 2 * NKV) * D
@@ -182,14 +188,26 @@ def batch_layer_kernel(
                    DTYPE, CHUNK=CK_Q)
         if INVARIANT and not ROPE_LATER:
             phase_end(bar_ptr, t_ptr, 13, FIRST_ADD, TIMING)
-            _qkv_rope_phase(row, qkv_part_ptr, MAX_M * QKV, qkv_ptr, M, pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr,
-                            v_cache_ptr, slot_ptr, stride_cos, stride_cslot, stride_chead, qk_eps, KS_Q, NH, NKV, D, QK_NORM,
-                            BLOCK_HQ, BLOCK_HK, BLOCK_HID, DTYPE)  # fmt: skip
+            if not ROPE_ITEMS:
+                _qkv_rope_phase(row, qkv_part_ptr, MAX_M * QKV, qkv_ptr, M, pos_ptr, cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr,
+                                v_cache_ptr, slot_ptr, stride_cos, stride_cslot, stride_chead, qk_eps, KS_Q, NH, NKV, D, QK_NORM,
+                                BLOCK_HQ, BLOCK_HK, BLOCK_HID, DTYPE)  # fmt: skip
             if ATTEND:  # layer l+1's fixed-split attention, items (row, KV head, slot), into attn
-                phase_end(bar_ptr, t_ptr, 15, FIRST_ADD, TIMING)
+                if not ROPE_ITEMS:
+                    phase_end(bar_ptr, t_ptr, 15, FIRST_ADD, TIMING)
                 for item in range(pid, M * NKV * slots, P):
+                    t, g = item // (NKV * slots), item // slots % NKV
+                    q_ptr = qkv_ptr
+                    if ROPE_ITEMS:  # q heads, key and value of (t, g) in this program's rows of qkv [P, GROUP + 2, D]
+                        mine = qkv_ptr + pid * ((GROUP + 2) * D)
+                        q_ptr = mine - (t * QKV + g * (GROUP * D))  # so that piece_item's q of (t, g) is `mine`
+                        tl.debug_barrier()  # the item before has read them
+                        if item % slots < tl.cdiv(tl.load(seq_lens_ptr + t), SPLIT_):  # it has pieces: its q, the new K/V row
+                            rope_kv_head(t, g, qkv_part_ptr, MAX_M * QKV, mine, mine + GROUP * D, mine + (GROUP + 1) * D, pos_ptr,
+                                         cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_cos,
+                                         stride_cslot, stride_chead, 1.0 / D, qk_eps, KS_Q, NH, NKV, D, QK_NORM, BLOCK_HQ, BLOCK_HK)  # fmt: skip
                     piece_item(
-                        item // (NKV * slots), item // slots % NKV, item % slots, slots, qkv_ptr, k_cache_ptr, v_cache_ptr,
+                        t, g, item % slots, slots, q_ptr, k_cache_ptr, v_cache_ptr,
                         bt_ptr, seq_lens_ptr, seq_lens_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, attn_ptr, M, QKV, D,
                         NH * D, D, stride_bt, stride_cblk, stride_cslot, stride_chead, sm_scale_log2, pieces,
                         NH, GROUP, BLOCK_H, D, BLOCK_SIZE, BLOCK_N_, SPLIT_, 1, False, True,

@@ -2,7 +2,8 @@
 weights are given, as one Triton kernel (`rotary`), and its per-token body (`rope_token`) for
 kernels that rotate their own rows (batch_kernel.py INVARIANT, `--deterministic`'s batch decode);
 `rope_kv_head` the same for one KV head's q heads, key and value, summed first from a qkv
-projection's fp32 partials (the fixed-split token kernel's ROPE, attention_fixed.py).
+projection's fp32 partials, into the destinations the caller gives (the fixed-split token kernel's
+ROPE, attention_fixed.py; batch_kernel.py ROPE_ITEMS).
 Only the CUDA path of `engine.models.layers` imports this module (lazily, as fused_ops.py).
 
 `rotary`: rope on q [T, H, D] and k [T, Hkv, D] in place, from the fp32 cos/sin cache and the
@@ -101,38 +102,38 @@ def rope_token(
 
 @triton.jit
 def rope_kv_head(
-    t, g, qkv_ptr, part_ptr, stride_part, pos_ptr, cache_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_cache, stride_cslot, stride_chead, inv_d, eps,
+    t, g, part_ptr, stride_part, dq_ptr, dk_ptr, dv_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr,
+    slot_ptr, stride_cache, stride_cslot, stride_chead, inv_d, eps,
     KS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):  # fmt: skip
     # Token t's KV head g of a qkv projection left as KS fp32 partials (part [KS, *, QKV] at
-    # stride_part; `--deterministic`'s batch decode of many rows, batch_kernel.py ROPE_LATER): its
+    # stride_part; `--deterministic`'s batch decode, batch_kernel.py ROPE_LATER and ROPE_ITEMS): its
     # GROUP = NH / NKV query heads, its key and its value summed in chunk order and rounded into
-    # qkv [*, QKV] (batch_kernel.py phase 7's sums), then `rope_token` on those GROUP q heads and
-    # one k head: normed and rotated in place, the rotated K and the V stored at t's slot, in the
-    # rotary kernel's blocks (BLOCK_HQ / BLOCK_HK rows), so in its bits: a row's sum of squares
-    # does not follow which rows of the block hold heads. The program's own later
-    # loads of qkv and of the cache see these stores (CTA barriers).
+    # dq [GROUP, D], dk [D] and dv [D] (batch_kernel.py phase 7's sums), then `rope_token` on those
+    # GROUP q heads and one k head: normed and rotated in place, the rotated K and the V stored at
+    # t's slot, in the rotary kernel's blocks (BLOCK_HQ / BLOCK_HK rows), so in its bits: a row's
+    # sum of squares does not follow which rows of the block hold heads. The program's own later
+    # loads of dq..dv and of the cache see these stores (CTA barriers). dq..dv pass through the
+    # unrotated sums: no other program may read or write them meanwhile.
     QKV: tl.constexpr = (NH + 2 * NKV) * D
     GROUP: tl.constexpr = NH // NKV
     HALF: tl.constexpr = D // 2
     BLOCK_Q: tl.constexpr = triton.next_power_of_2(GROUP * D)
-    dtype = qkv_ptr.dtype.element_ty
+    dtype = dq_ptr.dtype.element_ty
     row = t.to(tl.int64) * QKV
     offs_q = tl.arange(0, BLOCK_Q)
     q_ok = offs_q < GROUP * D
-    iq = row + g * (GROUP * D) + offs_q  # the group's q heads
-    tl.store(qkv_ptr + iq, part_sum(part_ptr, iq, q_ok, stride_part, KS).to(dtype), mask=q_ok)
-    ik = row + NH * D + g * D + tl.arange(0, D)  # its key; its value NKV heads further
-    tl.store(qkv_ptr + ik, part_sum(part_ptr, ik, ik >= 0, stride_part, KS).to(dtype))
-    tl.store(qkv_ptr + ik + NKV * D, part_sum(part_ptr, ik + NKV * D, ik >= 0, stride_part, KS).to(dtype))
+    tl.store(dq_ptr + offs_q, part_sum(part_ptr, row + g * (GROUP * D) + offs_q, q_ok, stride_part, KS).to(dtype), mask=q_ok)
+    offs_d = tl.arange(0, D)
+    ik = row + NH * D + g * D + offs_d  # its key; its value NKV heads further
+    tl.store(dk_ptr + offs_d, part_sum(part_ptr, ik, ik >= 0, stride_part, KS).to(dtype))
+    tl.store(dv_ptr + offs_d, part_sum(part_ptr, ik + NKV * D, ik >= 0, stride_part, KS).to(dtype))
     tl.debug_barrier()  # the sums, stored by every thread, read back by others
-    rope_token(  # on token t's row of qkv: head g's q heads and k head, the cache at head g
-        t.to(tl.int64), qkv_ptr + g * (GROUP * D), qkv_ptr + (NH + g) * D, pos_ptr, cache_ptr, qw_ptr, kw_ptr,
-        qkv_ptr + (NH + NKV + g) * D, k_cache_ptr + g * stride_chead, v_cache_ptr + g * stride_chead, slot_ptr,
-        QKV, D, QKV, D, stride_cache, QKV, D, stride_cslot, stride_chead, GROUP, 1, inv_d, eps,
-        HAS_NORM, HALF, HALF, BLOCK_HQ, BLOCK_HK, True,
+    rope_token(  # on dq..dv (no token stride), the cache at head g
+        t.to(tl.int64), dq_ptr, dk_ptr, pos_ptr, cache_ptr, qw_ptr, kw_ptr, dv_ptr, k_cache_ptr + g * stride_chead,
+        v_cache_ptr + g * stride_chead, slot_ptr, 0, D, 0, D, stride_cache, 0, D, stride_cslot, stride_chead, GROUP, 1,
+        inv_d, eps, HAS_NORM, HALF, HALF, BLOCK_HQ, BLOCK_HK, True,
     )  # fmt: skip
     tl.debug_barrier()  # q rotated and the new K/V row stored, for the attention's loads
 
