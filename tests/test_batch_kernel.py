@@ -23,7 +23,7 @@ QKV = (NH + 2 * NKV) * D
 
 
 def check_invariant_launches(device: str, attend: bool, rope_later: bool = False, rope_items: bool = True) -> None:
-    from engine.decode.batch_decode import FEW_BM, kernel_consts
+    from engine.decode.batch_consts import FEW_BM, kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.attention import LOG2E
     from engine.kernels.attention_fixed import Workspace, fixed_split_attention

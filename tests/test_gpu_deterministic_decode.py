@@ -6,7 +6,7 @@ engine/attention/triton_fixed.py), on test_gpu_fused_decode.py's checkpoints of 
 (hidden 1024, intermediate 3072, 16 heads of 128, 8 KV heads: K in 2 to 6 chunks) as Qwen3 and as
 Llama, bf16, a random KV cache:
 - decode steps of 1 to 64 rows: the hidden states and the whole cache after, bit for bit (steps
-  of at most batch_decode.ATTEND_ROWS rows with the attention inside the launch);
+  of at most batch_consts.ATTEND_ROWS rows with the attention inside the launch);
 - graph padding writes nothing; graph replays equal the eager call; the barrier is kept across
   steps and zeroed after a resume;
 - not served: a model with qkv bias (Qwen2: the kernel's qkv sum adds none); a shape whose norm and
@@ -28,7 +28,7 @@ from test_gpu_fused_decode import (
 )
 
 from engine.attention import ForwardContext
-from engine.decode import batch_decode
+from engine.decode import batch_consts, batch_decode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,7 +59,7 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 64])
 def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> None:
     model, backend, batch = setup
-    assert batch.attend_rows == batch_decode.ATTEND_ROWS == 4
+    assert batch.attend_rows == batch_consts.ATTEND_ROWS == 4
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
     assert batch.applies(step.input_ids, ForwardContext(backend, step.meta))
     plain, plain_cache, out, cache, _ = with_and_without(model, backend, step, lambda: model_path(model, batch))
@@ -68,8 +68,8 @@ def test_the_invariant_batch_decode_gives_the_layers_bits(setup, rows: int) -> N
     assert torch.equal(cache, plain_cache)
 
 
-# rows 2 (4 with its padding), 1 and 3: steps whose launches attend (batch_decode.ATTEND_ROWS); 6, 12 and 24: not;
-# 20 (40 with its padding) and 40: past batch_decode.ROPE_LATER_ROWS, their attention summing and rotating the qkv partials
+# rows 2 (4 with its padding), 1 and 3: steps whose launches attend (batch_consts.ATTEND_ROWS); 6, 12 and 24: not;
+# 20 (40 with its padding) and 40: past batch_consts.ROPE_LATER_ROWS, their attention summing and rotating the qkv partials
 @pytest.mark.parametrize("rows", [2, 6, 20])
 def test_padding_rows_write_nothing_and_leave_the_real_rows(setup, rows: int) -> None:
     model, backend, batch = setup

@@ -5,7 +5,7 @@ gives invariant_matmul's bits; with an item walking those chunks and the SiLU ep
 silu_and_mul after invariant_matmul, bit for bit. A test kernel runs the phase, a program an
 item (no grid barrier). CPU: Triton's interpreter (tests/interpreted.py), fp16; GPU (`pytest -m
 gpu`): bf16, 1 to 64 rows. And the batch decode's `--deterministic` constants
-(batch_decode.kernel_consts) are those chunks; the whole path: tests/test_gpu_deterministic_decode.py.
+(batch_consts.kernel_consts) are those chunks; the whole path: tests/test_gpu_deterministic_decode.py.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ def test_gemv_phase_in_the_invariant_k_order_on_the_gpu() -> None:
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
 def test_the_invariant_batch_decode_takes_each_weights_chunks() -> None:
-    """batch_decode.kernel_consts(invariant=True), Qwen3-0.6B's layer: each GEMV phase's splits
+    """batch_consts.kernel_consts(invariant=True), Qwen3-0.6B's layer: each GEMV phase's splits
     (or the gate_up items' walk) are its weight's invariant chunks, its items one wave wide."""
-    from engine.decode.batch_decode import invariant_chunks, kernel_consts
+    from engine.decode.batch_consts import invariant_chunks, kernel_consts
     from engine.decode.rules import LayerShape
     from engine.kernels.invariant_tiles import chunking, config
 

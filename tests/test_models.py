@@ -312,19 +312,19 @@ def test_decode_kernels_prefetch_whole_lines_within_a_row() -> None:
 )
 def test_decode_kernels_prefetch_within_their_items_k_split(hidden: int, inter: int, nh: int, nkv: int, d: int) -> None:
     """Every L2 prefetch width the persistent decode kernels are built with (fused_decode.layer_consts,
-    batch_decode.kernel_consts, their defaults) covers at most its GEMV item's K split: the kernels'
+    batch_consts.kernel_consts, their defaults) covers at most its GEMV item's K split: the kernels'
     prefetch_items reads k_lo + [0, width), so a wider one would pull the next split's or the next
     row's weights, or run past the weight's end at its last row. Widths are whole power-of-two runs
     of 128-byte lines, or 0."""
     pytest.importorskip("triton")
-    from engine.decode import batch_decode, fused_decode
+    from engine.decode import batch_consts, batch_decode, fused_decode
     from engine.decode.rules import LayerShape
 
     shape = LayerShape(hidden=hidden, inter=inter, nh=nh, nkv=nkv, d=d, eps=1e-6, qk_norm=True,
                        device=torch.device("cpu"), dtype=torch.bfloat16)  # fmt: skip
     for programs in (132, 78):  # an H100 / H200, and a smaller part
         one = fused_decode.layer_consts(shape, programs, fused_decode.MAX_ROWS, 16, use_pdl=True)
-        batch = batch_decode.kernel_consts(shape, programs, batch_decode.MAX_ROWS, use_pdl=True)
+        batch = batch_consts.kernel_consts(shape, programs, batch_decode.MAX_ROWS, use_pdl=True)
         widths = {
             "one-row O_PRE": (one["O_PRE"], nh * d // one["KS_O"]),
             "one-row G_PRE": (one["G_PRE"], hidden),

@@ -123,10 +123,10 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
     """The batch decode's two kernels (persistent, with its `--deterministic` variant; attention),
     the layers' attention kernel (the same on the qkv output), the split-K parts and their norm
     (splitk_kernels) and the fused decode's persistent kernel, with the constants their launches
-    take by default (batch_decode.kernel_consts, rope_decode.kernel_consts, fused_decode.layer_consts)."""
+    take by default (batch_consts.kernel_consts, rope_decode.kernel_consts, fused_decode.layer_consts)."""
     import torch
 
-    from engine.decode import batch_decode, fused_decode
+    from engine.decode import batch_consts, batch_decode, fused_decode
     from engine.decode.rules import LayerShape
     from engine.kernels import rope_decode
     from engine.kernels.batch_kernel import batch_layer_kernel
@@ -142,12 +142,12 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
                  eps="fp32", qk_eps="fp32", sm_scale_log2="fp32")  # fmt: skip
     for jit in (batch_layer_kernel, decoder_layer_kernel, rope_decode_kernel):
         types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
-    batch = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
+    batch = batch_consts.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
     batch.update(HEAD=False, TAIL=False, TIMING=False)
-    invariant = batch_decode.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=False, invariant=True)
+    invariant = batch_consts.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=False, invariant=True)
     invariant.update(HEAD=False, TAIL=False, TIMING=False)
-    b = batch_decode  # steps of few rows: 16-row tiles, the fixed-split attention in the launch (ATTEND)
-    few = b.kernel_consts(shape, P, b.MAX_ROWS, use_pdl=True, bk=b.FEW_BK, stages=b.FEW_STAGES, invariant=True, bm=b.FEW_BM,
+    b = batch_consts  # steps of few rows: 16-row tiles, the fixed-split attention in the launch (ATTEND)
+    few = b.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True, bk=b.FEW_BK, stages=b.FEW_STAGES, invariant=True, bm=b.FEW_BM,
                           attend_block=BLOCK, everywhere_rows=1)  # fmt: skip
     few.update(HEAD=False, TAIL=False, TIMING=False)
     layer = fused_decode.layer_consts(shape, P, fused_decode.MAX_ROWS, BLOCK, use_pdl=True)

@@ -30,10 +30,10 @@ CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
      layer l+1's cache (`_qkv_rope_phase`),
 so each phase has the unfused mode's bits (invariant_matmul, fused_add_rms_norm, silu_and_mul,
 rope.rotary): the mode's fixed-split attention runs on qkv's q between the launches, or
-  ROPE_LATER (steps of more than batch_decode.ROPE_LATER_ROWS rows): no phase 7; the
+  ROPE_LATER (steps of more than batch_consts.ROPE_LATER_ROWS rows): no phase 7; the
      attention's one-token-a-program kernel does its work per (row, KV head) from the partials
      (rope.rope_kv_head, the same sums and the rotary kernel's blocks), or
-  8. ATTEND (steps of few rows: batch_decode.ATTEND_ROWS, within the workspace's FEW_TOKENS,
+  8. ATTEND (steps of few rows: batch_consts.ATTEND_ROWS, within the workspace's FEW_TOKENS,
      attention_fixed.py): after a barrier, that attention itself, items (row, KV head, slot)
      dealt round-robin, each some of the row's pieces into the backend's workspace, the last of
      (row, KV head) to arrive merging them into attn (fixed_rows.piece_item: the split path's

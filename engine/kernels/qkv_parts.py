@@ -1,7 +1,7 @@
 """A decode step's qkv projection left as fp32 partial sums for the fixed-split attention's
 one-token-a-program kernel (attention_fixed.py `_token_kernel`, ROPE), which sums, norms and
 rotates them itself and stores the new K/V rows (rope.rope_kv_head): `--deterministic`'s batch
-decode past batch_decode.ROPE_LATER_ROWS rows (batch_kernel.py ROPE_LATER). `QkvParts` holds the
+decode past batch_consts.ROPE_LATER_ROWS rows (batch_kernel.py ROPE_LATER). `QkvParts` holds the
 step's tensors; `token_args`, `token_values` and `token_consts` are what a launch of that kernel
 passes for them (placeholders, and no ROPE, without them). Only CUDA code paths, and the CPU tests
 under Triton's interpreter, import this module.
