@@ -8,8 +8,7 @@ the default's.
 Sections, per mode (`default`, then `deterministic` with each of `--backends`, and with
 `--ab-batch-decode` each backend again without the mode's batch decode (`batch_decode=False`, as
 `--no-batch-decode`: decode steps of the layers one op at a time); each engine with its CUDA
-graphs, freed before the next is built; with `--interleave` all of them built first, each on an
-equal share of the GPU, and the RL rounds alternating between them):
+graphs, freed before the next is built):
 - decode: the median step time of B greedy sequences after `--context` prompt tokens each
   (engine_decode.py; the median, as one stalled step of 30 moves a mean by a third), for each B
   of `--batch-sizes`. Target: the mode's step <= 1.10x the default's at B 1, 64 and 256.
@@ -38,7 +37,6 @@ from report import cell, print_table, verdict  # noqa: E402
 
 DECODE_TARGET = 1.10  # the mode's decode step over the default's, at most
 DECODE_TARGET_BATCHES = (1, 64, 256)
-INTERLEAVE_MEMORY = 0.85  # `--interleave`: the GPU's share all engines take together, split evenly
 RL_TARGET = 0.90  # the mode's RL tokens per second over the default's, at least
 
 
@@ -73,86 +71,40 @@ def rl_rollouts(core: Any, args: argparse.Namespace, vocab: int, round_: int) ->
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": steps}
 
 
-def build(args: argparse.Namespace, path: str, knobs: dict[str, Any], mem_fraction: float | None = None) -> Any:
-    """An in-process engine of `knobs` (`mem_fraction`: its share of the GPU, None: the default)."""
-    from engine.config import EngineConfig
-    from engine.core.engine_core import EngineCore
-
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
-    share = {} if mem_fraction is None else {"mem_fraction": mem_fraction}
-    return EngineCore(EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                                   max_num_seqs=max(sizes + [args.rl_requests]), seed=args.seed, **knobs, **share))  # fmt: skip
-
-
-def decode_all(core: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's backend, graphs and median decode step at every batch size."""
-    from engine_decode import decode_steps
-    from engine_graphs import count_graph_replays
-
-    info = core.get_info()
-    out: dict[str, Any] = {"attention_backend": info["attention_backend"],
-                           "graph_batch_sizes": info["cuda_graph_batch_sizes"][-1:], "decode": {}}  # fmt: skip
-    say(f"  engine: backend {out['attention_backend']}, graphs up to bs {out['graph_batch_sizes'] or 'none'}")
-    replays, rng = count_graph_replays(core), random.Random(args.seed + 1)
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
-        step = decode_steps(core, args, bs, rng, 0, 0, None, replays)
-        out["decode"][bs] = {k: step[k] for k in ("step_mean_s", "step_median_s", "graph_replayed_steps", "steps")}
-    return out
-
-
-def rl_summary(warmup: dict[str, Any], rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """The median of the timed RL rounds, with every round's tokens per second."""
-    rounds = sorted(rounds, key=lambda r: r["tokens_per_s"])
-    return rounds[(len(rounds) - 1) // 2] | {"rounds_tok_s": [r["tokens_per_s"] for r in rounds],
-                                             "warmup_tok_s": warmup["tokens_per_s"]}  # fmt: skip
-
-
 def measure(args: argparse.Namespace, path: str, knobs: dict[str, Any]) -> dict[str, Any]:
     """One engine of `knobs`: its decode steps at every batch size, then its RL rollouts."""
     import torch
     from device_timing import free_memory
+    from engine_decode import decode_steps
+    from engine_graphs import count_graph_replays
 
-    core = build(args, path, knobs)
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+
+    device = torch.device(args.device)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    core = EngineCore(EngineConfig(model=path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                                   max_num_seqs=max(sizes + [args.rl_requests]), seed=args.seed, **knobs))  # fmt: skip
     try:
         with engine_process_heap():  # as the engine process runs (engine/core/loop.py)
-            out = decode_all(core, args)
+            info = core.get_info()
+            out: dict[str, Any] = {"attention_backend": info["attention_backend"],
+                                   "graph_batch_sizes": info["cuda_graph_batch_sizes"][-1:], "decode": {}}  # fmt: skip
+            say(f"  engine: backend {out['attention_backend']}, graphs up to bs {out['graph_batch_sizes'] or 'none'}")
+            replays, rng = count_graph_replays(core), random.Random(args.seed + 1)
+            for bs in sizes:
+                step = decode_steps(core, args, bs, rng, 0, 0, None, replays)
+                out["decode"][bs] = {k: step[k] for k in ("step_mean_s", "step_median_s", "graph_replayed_steps", "steps")}
             vocab = core.model_config.vocab_size
             warmup = rl_rollouts(core, args, vocab, 0)
-            out["rl"] = rl_summary(warmup, [rl_rollouts(core, args, vocab, r) for r in range(1, args.rl_rounds + 1)])
+            rounds = sorted((rl_rollouts(core, args, vocab, r) for r in range(1, args.rl_rounds + 1)),
+                            key=lambda r: r["tokens_per_s"])  # fmt: skip
+            out["rl"] = rounds[(len(rounds) - 1) // 2] | {"rounds_tok_s": [r["tokens_per_s"] for r in rounds],
+                                                          "warmup_tok_s": warmup["tokens_per_s"]}  # fmt: skip
             return out
     finally:
         del core
-        free_memory(torch.device(args.device))
-
-
-def measure_interleaved(args: argparse.Namespace, path: str, modes: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """`--interleave`: every mode's engine at once, each on an equal share of the GPU; their decode
-    steps one engine after another, then each RL round on every engine in turn (the order reversed
-    every other round), so a drift of the GPU's clocks during the run falls on all modes alike."""
-    import torch
-    from device_timing import free_memory
-
-    share = INTERLEAVE_MEMORY / len(modes)
-    cores = {name: build(args, path, knobs, share if args.device == "cuda" else None) for name, knobs in modes}
-    try:
-        with engine_process_heap():
-            res = {}
-            for name, core in cores.items():
-                say(f"{name}:")
-                res[name] = decode_all(core, args)
-            vocab = next(iter(cores.values())).model_config.vocab_size
-            warmups = {name: rl_rollouts(core, args, vocab, 0) for name, core in cores.items()}
-            rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in cores}
-            for r in range(1, args.rl_rounds + 1):
-                for name in list(cores)[:: 1 if r % 2 else -1]:
-                    say(f"{name}:")
-                    rounds[name].append(rl_rollouts(cores[name], args, vocab, r))
-            for name in cores:
-                res[name]["rl"] = rl_summary(warmups[name], rounds[name])
-            return res
-    finally:
-        cores.clear()
-        free_memory(torch.device(args.device))
+        free_memory(device)
 
 
 def table(res: dict[str, Any], sizes: list[int]) -> list[list[Any]]:
@@ -185,8 +137,6 @@ def main() -> int:
     p.add_argument("--rl-requests", type=int, help="default 256 (4 with --tiny)")
     p.add_argument("--rl-len", type=int, help="prompt and output tokens of each rollout (default 256; 16 with --tiny)")
     p.add_argument("--rl-rounds", type=int, default=3, help="timed RL rounds after the warm-up; their median")
-    p.add_argument("--interleave", action="store_true",
-                   help="every mode's engine at once, RL rounds alternating between them (measure_interleaved)")
     p.add_argument("--ab-batch-decode", action="store_true",
                    help="also each backend's engine without the mode's batch decode (batch_decode=False)")
     args = p.parse_args()
@@ -210,13 +160,10 @@ def main() -> int:
     modes = [("default", {})] + [(f"deterministic ({b}{'' if batch else ', no batch decode'})",
                                   dict(deterministic=True, attention_backend=b, batch_decode=batch))
                                  for b in args.backends.split(",") for batch in (True, False)[: 1 + args.ab_batch_decode]]  # fmt: skip
-    if args.interleave:
-        res["modes"] = measure_interleaved(args, ckpt["path"], modes)
-    else:
-        for name, knobs in modes:
-            say(f"{name}:")
-            res["modes"][name] = measure(args, ckpt["path"], knobs)
-            write_json(args.out, res)
+    for name, knobs in modes:
+        say(f"{name}:")
+        res["modes"][name] = measure(args, ckpt["path"], knobs)
+        write_json(args.out, res)
     res["table"] = table(res, sizes)
     device = "CPU tiny" if args.tiny else torch.cuda.get_device_name()
     print_table(f"siesta --deterministic against the default mode, {device}, context {args.decode_context}",
