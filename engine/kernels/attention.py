@@ -66,7 +66,7 @@ def smid():
 @triton.jit
 def stamp_row(row_ptr, i: tl.constexpr, SM_AT: tl.constexpr):
     # bench only: this program's %globaltimer (ns) into row_ptr[i]; at point 0 also its %smid into
-    # row_ptr[SM_AT]. Callers own the row layout (attention_decode._stamp, grid_phases.stamp).
+    # row_ptr[SM_AT]. Callers own the row layout (attention_decode._stamp, grid_barrier.stamp).
     tl.store(row_ptr + i, globaltimer())
     if i == 0:
         tl.store(row_ptr + SM_AT, smid().to(tl.int64))

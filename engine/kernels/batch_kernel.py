@@ -60,14 +60,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fixed_rows import piece_item
+from engine.kernels.grid_barrier import phase_end, stamp
 from engine.kernels.grid_phases import (
     gemv_phase,
     norm_step,
     norm_weight,
     part_sum,
-    phase_end,
     prefetch_items,
-    stamp,
 )
 from engine.kernels.rope import rope_kv_head, rope_token
 
@@ -121,7 +120,7 @@ def batch_layer_kernel(
     bt_ptr, seq_lens_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr,  # ATTEND: the step's block tables, seq_lens; the workspace
     stride_bt, stride_cblk, sm_scale_log2, pieces, slots,  # ATTEND
     bar_ptr,  # int32 grid-barrier counter
-    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
+    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_barrier.stamp)
     M, eps,
     HID: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
     KS_O: tl.constexpr, KS_D: tl.constexpr, KS_Q: tl.constexpr, MAX_M: tl.constexpr, BM: tl.constexpr,

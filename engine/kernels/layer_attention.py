@@ -25,7 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.grid_phases import rnd, stamp
+from engine.kernels.grid_barrier import stamp
+from engine.kernels.grid_phases import rnd
 from engine.kernels.split_kv import last_to_arrive, split_chunk
 
 

@@ -65,7 +65,7 @@ early launch (it ends in ~2 us): with it, layer 0's programs were placed beside 
 the one-row step ran 70 us slower; without, the launch is prepared while the gather runs (one-row
 step 0-3 us faster in five pairs: bench/history/2026-11-28.md).
 
-The grid barrier, the norm and GEMV phases are grid_phases.py's.
+The grid barrier is grid_barrier.py's; the norm and GEMV phases are grid_phases.py's.
 """
 
 from __future__ import annotations
@@ -73,15 +73,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels.grid_barrier import phase_end, stamp
 from engine.kernels.grid_phases import (
     gemv_phase,
     norm_phase,
     norm_step,
     norm_weight,
-    phase_end,
     phase_end_prefetching,
     prefetch_items,
-    stamp,
     unwrite_items,
 )
 from engine.kernels.layer_attention import attention_phase, attention_prologue
@@ -105,7 +104,7 @@ def decoder_layer_kernel(
     act_ptr,  # [M, I] scratch
     down_ptr,  # [KS_D, MAX_M, HID] fp32: this layer's down_proj partials
     bar_ptr,  # int32 grid-barrier counter
-    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_phases.stamp)
+    t_ptr,  # [P, STAMPS] int64 timestamps and SM (TIMING only: grid_barrier.stamp)
     count_ptr,  # [MAX_M, NKV] int32: splits of each (row, KV head) done; zero between layers
     M, num_splits, eps, sm_scale_log2, stride_part, stride_xn, has_next,
     stride_cblk, stride_ctok, stride_chead, stride_bt,
