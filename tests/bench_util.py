@@ -1,5 +1,5 @@
-"""What the benchmark tests (test_bench_suite.py, test_bench_scripts.py) share: where the scripts
-are, which ones there are, and how a test runs one."""
+"""What the benchmark tests (test_bench_suite.py, test_bench_scripts.py, test_occupancy.py) share:
+where the scripts are, which ones there are, and how a test runs one."""
 
 from __future__ import annotations
 

@@ -13,11 +13,12 @@ integers Triton would specialize are marked 16-byte divisible, as the engine's l
 
     python3 bench/kernels/occupancy.py --decode-configs 64x4x3,32x4x6,32x4x7 --persistent
 
-CI runs it (tests/test_bench_scripts.py) and checks the occupancy the decode path is built on: the
+CI runs it (tests/test_occupancy.py) and checks the occupancy the decode path is built on: the
 split-KV decode at the engine's own config four programs per SM (bench/history/2026-11-23.md,
 2026-11-23l: fewer lose), and so the batch decode's attention kernel (rope folded in; its
-half-size tiles two buffered, 2026-11-28d), the layer kernel two (a layer's programs get
-scheduled, with PDL, beside the layer before), no kernel spilling. It reaches into the kernel
+half-size tiles two buffered, 2026-11-28d), the layer kernel and `--deterministic`'s few-row
+batch kernel two (a layer's programs get scheduled, with PDL, beside the layer before;
+2026-12-02c), no kernel spilling. It reaches into the kernel
 modules' private kernels (`_decode_kernel`, `_splitk_kernel`, ...): compiling them is its job.
 """
 
