@@ -175,11 +175,13 @@ def _piece_kernel(
     # Program (t, g, slot) of SLOTS: fixed_rows.piece_item, the pieces slot, slot + SLOTS, ... of
     # token t for KV head g, and the merge of them all by the last of (t, g) to arrive.
     after_wait(USE_PDL)
+    t = tl.program_id(0)
+    seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
     piece_item(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2), q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
-        seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, out_ptr, num_seqs, stride_qt, stride_qh,
-        stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead, sm_scale_log2, pieces,
-        NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N_, SPLIT_, SEARCH, IEEE, ONE_EACH,
+        t, tl.program_id(1), tl.program_id(2), tl.num_programs(2), seq, live, context, q_ptr, k_cache_ptr, v_cache_ptr,
+        bt_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        stride_cblk, stride_ctok, stride_chead, sm_scale_log2, pieces,
+        NUM_HEADS, GROUP, BLOCK_H, HEAD_DIM, BLOCK_SIZE, BLOCK_N_, SPLIT_, IEEE,
     )  # fmt: skip
 
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.fixed_rows import piece_item
+from engine.kernels.fixed_rows import locate, piece_item
 from engine.kernels.grid_barrier import phase_end, stamp
 from engine.kernels.grid_phases import (
     gemv_phase,
@@ -196,19 +196,20 @@ def batch_layer_kernel(
                     phase_end(bar_ptr, t_ptr, 15, FIRST_ADD, TIMING)
                 for item in range(pid, M * NKV * slots, P):
                     t, g = item // (NKV * slots), item // slots % NKV
+                    seq, live, context = locate(t, seq_lens_ptr, seq_lens_ptr, M, 1, True)  # one row a sequence
                     q_ptr = qkv_ptr
                     if ROPE_ITEMS:  # q heads, key and value of (t, g) in this program's rows of qkv [P, GROUP + 2, D]
                         mine = qkv_ptr + pid * ((GROUP + 2) * D)
                         q_ptr = mine - (t * QKV + g * (GROUP * D))  # so that piece_item's q of (t, g) is `mine`
                         tl.debug_barrier()  # the item before has read them
-                        if item % slots < tl.cdiv(tl.load(seq_lens_ptr + t), SPLIT_):  # it has pieces: its q, the new K/V row
+                        if item % slots < tl.cdiv(context, SPLIT_):  # it has pieces: its q, the new K/V row
                             rope_kv_head(t, g, qkv_part_ptr, MAX_M * QKV, mine, mine + GROUP * D, mine + (GROUP + 1) * D, pos_ptr,
                                          cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_cos,
                                          stride_cslot, stride_chead, 1.0 / D, qk_eps, KS_Q, NH, NKV, D, QK_NORM, BLOCK_HQ, BLOCK_HK)  # fmt: skip
                     piece_item(
-                        t, g, item % slots, slots, q_ptr, k_cache_ptr, v_cache_ptr,
-                        bt_ptr, seq_lens_ptr, seq_lens_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, attn_ptr, M, QKV, D,
-                        NH * D, D, stride_bt, stride_cblk, stride_cslot, stride_chead, sm_scale_log2, pieces,
-                        NH, GROUP, BLOCK_H, D, BLOCK_SIZE, BLOCK_N_, SPLIT_, 1, False, True,
+                        t, g, item % slots, slots, seq, live, context, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
+                        ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, attn_ptr, QKV, D, NH * D, D, stride_bt, stride_cblk,
+                        stride_cslot, stride_chead, sm_scale_log2, pieces, NH, GROUP, BLOCK_H, D, BLOCK_SIZE, BLOCK_N_, SPLIT_,
+                        False,
                     )  # fmt: skip
     stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)

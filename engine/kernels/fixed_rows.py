@@ -162,19 +162,18 @@ def walk_rows(
 
 @triton.jit
 def piece_item(
-    t, g, slot, slots, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-    count_ptr, out_ptr, num_seqs, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok,
-    stride_chead, sm_scale_log2, pieces,
+    t, g, slot, slots, seq, live, context, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    count_ptr, out_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cblk, stride_ctok, stride_chead,
+    sm_scale_log2, pieces,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, SEARCH: tl.constexpr,
-    IEEE: tl.constexpr, ONE_EACH: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N_: tl.constexpr, SPLIT_: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    # Item (t, g, slot) of `slots` for (token t, KV head g): the token's pieces slot, slot + slots,
+    # Item (t, g, slot) of `slots` for (token t, KV head g), t located by the caller (`locate`:
+    # its sequence, whether it is live, its context): the token's pieces slot, slot + slots,
     # ... each from a fresh state into the workspace's rows (t, piece, head); the last of the
     # `slots` items of (t, g) to arrive merges every piece in ascending order into out (workspace
     # loads past L1: other programs' stores). The split path's program (attention_fixed.py
     # `_piece_kernel`), and a phase of the mode's persistent decode kernel (batch_kernel.py ATTEND).
-    seq, live, context = locate(t, qsl_ptr, seq_lens_ptr, num_seqs, SEARCH, ONE_EACH)
     heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for p in range(slot, tl.cdiv(context, SPLIT_), slots):
