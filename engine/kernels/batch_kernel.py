@@ -206,10 +206,11 @@ def batch_layer_kernel(
                             rope_kv_head(t, g, qkv_part_ptr, MAX_M * QKV, mine, mine + GROUP * D, mine + (GROUP + 1) * D, pos_ptr,
                                          cos_sin_ptr, qk_w_ptr, kk_w_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_cos,
                                          stride_cslot, stride_chead, 1.0 / D, qk_eps, KS_Q, NH, NKV, D, QK_NORM, BLOCK_HQ, BLOCK_HK)  # fmt: skip
+                            stamp(t_ptr, 17, TIMING)  # bench only: q, the new K/V row
                     piece_item(
                         t, g, item % slots, slots, seq, live, context, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
                         ws_m_ptr, ws_l_ptr, ws_acc_ptr, count_ptr, attn_ptr, QKV, D, NH * D, D, stride_bt, stride_cblk,
                         stride_cslot, stride_chead, sm_scale_log2, pieces, NH, GROUP, BLOCK_H, D, BLOCK_SIZE, BLOCK_N_, SPLIT_,
-                        False,
+                        False, t_ptr, TIMING,
                     )  # fmt: skip
     stamp(t_ptr, 11, TIMING)  # the end (the qkv phase's, but at TAIL)
