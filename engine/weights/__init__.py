@@ -11,6 +11,7 @@ trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
   place, or a TP rank's slices through two scratch slots) or one flattened bucket.
 - `checker.py`: `WeightChecker`, one rank's part of `/weights_checker` (snapshot, reset, compare, checksum).
 - `payload.py`: the wire format of `update_weights_from_tensor` (CUDA IPC / shared memory pickles).
+- `unpickler.py`: `PayloadUnpickler`, which reads those pickles with an allow list.
 - `groups.py`: weight-update process groups (`init_weights_update_group`, NCCL or gloo broadcasts).
 - `vllm_nccl.py`: the receiving side of vLLM's NCCL weight transfer (its store rendezvous, its
   pickled NCCL unique id, its communicator), a backend of `groups.py`.

@@ -30,9 +30,9 @@ Rules:
 - CUDA tensors pickled after SGLang's `monkey_patch_torch_reductions` name their device by UUID
   through `sglang...._rebuild_cuda_tensor_modified`; that global is mapped to a local rebuild.
 
-SECURITY: unpickling untrusted bytes can execute code. The unpickler here only resolves an allow
-list of torch rebuild functions and the SGLang classes above, which blocks the usual gadgets but is
-no sandbox: a payload can still make the engine open shared memory or CUDA handles it names. The
+SECURITY: unpickling untrusted bytes can execute code. The unpickler (unpickler.py) only resolves
+an allow list of torch rebuild functions and the SGLang classes above, which blocks the usual
+gadgets but is no sandbox: a payload can still make the engine open shared memory or CUDA handles it names. The
 HTTP route that feeds this module must only be reachable by the trainer (an admin key: a later
 issue), as in SGLang.
 """
@@ -53,6 +53,7 @@ import torch.multiprocessing as torch_mp  # registers torch's tensor reductions 
 from torch.multiprocessing import reductions
 
 from engine.weights.loader import WeightLoadError
+from engine.weights.unpickler import PayloadUnpickler, rebuild_cuda_tensor_by_uuid
 
 LOAD_FORMATS: tuple[str | None, ...] = (None, "direct", "flattened_bucket", "vllm_ipc")
 BUCKET_ALIGN = 16  # bytes; each tensor of a bucket we build starts on this boundary
@@ -136,69 +137,13 @@ def flatten_bucket(pairs: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
 # ---- deserializing (the engine side) -------------------------------------------------------
 
 
-def _rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
-    """SGLang's patched CUDA rebuild: argument 6 is the device, an index or a device UUID."""
-    args_list = list(args)
-    if len(args_list) > 6 and isinstance(args_list[6], str):
-        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-        if args_list[6] not in uuids:
-            raise ValueError(f"tensor is on CUDA device {args_list[6]}, which this process cannot see")
-        args_list[6] = uuids.index(args_list[6])
-    return reductions.rebuild_cuda_tensor(*args_list)
-
-
-_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch.multiprocessing.reductions", n): getattr(reductions, n) for n in (
-        "rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage", "rebuild_typed_storage_child",
-        "rebuild_storage_fd", "rebuild_storage_filename", "rebuild_storage_empty", "rebuild_meta_tensor",
-    )},
-    ("torch", "Size"): torch.Size,
-    ("torch", "Tensor"): torch.Tensor,
-    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
-    ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
-    ("torch.storage", "TypedStorage"): torch.TypedStorage,
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-    ("multiprocessing.resource_sharer", "DupFd"): __import__("multiprocessing.resource_sharer").resource_sharer.DupFd,
-}
 # Classes that SGLang pickles under its own module paths (which moved between releases).
 _SGLANG_NAMES: dict[str, Any] = {
     "FlattenedTensorMetadata": FlattenedTensorMetadata,
     "LocalSerializedTensor": LocalSerializedTensor,
-    "_rebuild_cuda_tensor_modified": _rebuild_cuda_tensor_by_uuid,
+    "_rebuild_cuda_tensor_modified": rebuild_cuda_tensor_by_uuid,
 }
-
-
-def _rebuild_storage_filename_again(*args: Any) -> Any:
-    """torch's rebuild of a `file_system` CPU storage for a second reader of one pickle. The sender
-    counts one reader per pickle (`_shared_incref` as it pickles) and each rebuild gives one back
-    (`_shared_decref`). When several tensor-parallel ranks read one payload, the extra readers
-    take theirs back, so the count never reaches zero while the sender still holds the tensor.
-    At zero, torch's shm manager unlinks the segment, and the sender's next pickle of the same
-    tensor would name a file that is gone."""
-    storage = reductions.rebuild_storage_filename(*args)
-    storage._shared_incref()
-    return storage
-
-
-class _PayloadUnpickler(pickle.Unpickler):
-    """Resolves only the allow-listed globals; anything else is an UnpicklingError. `again`: this
-    process is not the first to read the pickle (see `_rebuild_storage_filename_again`)."""
-
-    def __init__(self, file: io.BytesIO, again: bool = False) -> None:
-        super().__init__(file)
-        self.again = again
-
-    def find_class(self, module: str, name: str) -> Any:
-        if self.again and (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
-            return _rebuild_storage_filename_again
-        found = _ALLOWED_GLOBALS.get((module, name))
-        if found is not None:
-            return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module == __name__ or module.startswith("sglang.")) and name in _SGLANG_NAMES:
-            return _SGLANG_NAMES[name]
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a weight payload")
+_SGLANG_MODULES = (__name__, "sglang.")
 
 
 def deserialize_payload(payload: str | bytes, again: bool = False) -> Any:
@@ -214,7 +159,7 @@ def deserialize_payload(payload: str | bytes, again: bool = False) -> Any:
     else:
         raise WeightPayloadError(f"payload must be a base64 string, got {type(payload).__name__}")
     try:
-        return _PayloadUnpickler(io.BytesIO(data), again).load()
+        return PayloadUnpickler(io.BytesIO(data), _SGLANG_NAMES, _SGLANG_MODULES, again).load()
     except Exception as e:  # any failure of an untrusted pickle is a bad payload
         raise WeightPayloadError(f"payload is not a readable tensor pickle: {type(e).__name__}: {e}") from e
 
