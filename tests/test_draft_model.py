@@ -28,7 +28,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from engine import Engine
 from engine.config import ConfigError, EngineConfig
-from engine.weights.loader import OPTIONAL_PREFIX
+from engine.weights.targets import OPTIONAL_PREFIX
 
 PROMPTS = [random_tokens(23, seed=1), random_tokens(9, seed=2), random_tokens(40, seed=4)]
 

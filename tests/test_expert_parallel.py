@@ -34,11 +34,11 @@ from engine.models.moe import reference_moe
 from engine.parallel import TensorParallel
 from engine.weights.loader import (
     WeightLoadError,
-    checkpoint_targets,
     iterate_checkpoint,
     load_checkpoint,
     load_named_tensors,
 )
+from engine.weights.targets import checkpoint_targets
 
 RANKS = 2
 

@@ -17,13 +17,13 @@ from engine.models import get_model_class
 from engine.parallel import TensorParallel
 from engine.weights.loader import (
     WeightLoadError,
-    checkpoint_targets,
     iterate_checkpoint,
     load_checkpoint,
     load_named_tensors,
     validate_entries,
 )
 from engine.weights.store import WeightStore
+from engine.weights.targets import checkpoint_targets
 
 EXPERTS = "model.layers.0.mlp.experts"
 

@@ -25,7 +25,8 @@ from engine import Engine, EngineDeadError, SamplingParams
 from engine.config import ModelConfig
 from engine.models import get_model_class
 from engine.parallel import TensorParallel
-from engine.weights.loader import checkpoint_targets, iterate_checkpoint
+from engine.weights.loader import iterate_checkpoint
+from engine.weights.targets import checkpoint_targets
 
 PROMPTS = [[5, 9, 13, 200, 7], [7] * 20, list(range(30, 70))]
 N = 16

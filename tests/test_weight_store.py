@@ -16,12 +16,12 @@ import torch
 from engine.config import ModelConfig
 from engine.models import get_model_class
 from engine.weights.loader import (
-    checkpoint_targets,
     iterate_checkpoint,
     load_checkpoint,
     load_named_tensors,
 )
 from engine.weights.store import ALIGN, WeightStore, merge_spans
+from engine.weights.targets import checkpoint_targets
 
 
 def cpu_store(path: str, host_copy: bool = True) -> WeightStore:

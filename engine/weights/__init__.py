@@ -2,6 +2,7 @@
 trainer-side helpers of `payload.py` and `groups.py` run in the trainer's).
 
 - `loader.py`: checkpoint and named tensors into the built model, in place, all or nothing.
+- `targets.py`: `Target`, where each checkpoint name lands (packed parameters and experts, aliases).
 - `store.py`: `WeightStore`, every parameter a view into one allocation of the `weights` region,
   in Hugging Face's parameter order; which pieces are stale after a release; when the host copy
   is kept, dropped (a level-2 release) and made again.

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.weights.loader import checkpoint_names, ignored, load_named_tensors, validate_entries
+from engine.weights.loader import load_named_tensors, validate_entries
+from engine.weights.targets import checkpoint_names, ignored
 
 # vLLM's packed weight broadcast: a bucket closes once its bytes pass this (its
 # DEFAULT_PACKED_BUFFER_SIZE_BYTES; sender and receiver must agree).

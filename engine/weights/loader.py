@@ -6,14 +6,9 @@ Rules:
   parameter's dtype and device); a parameter is never rebound, since CUDA graphs hold its address.
 - Two phases, so that a load is all or nothing: every (name, shape, dtype) is checked against the
   model first, from safetensors headers alone for a checkpoint; only then is anything copied.
-- Names are the checkpoint's (Hugging Face) names. A packed parameter (`MergedLinear`) takes one
-  checkpoint tensor per shard: `...self_attn.q_proj.weight` fills the q rows of
-  `...self_attn.qkv_proj.weight`. Packed experts (`PackedExperts`) take Hugging Face's per-expert
-  tensors (`...mlp.experts.3.up_proj.weight` fills expert 3's up rows of `...mlp.experts.gate_up_proj`),
-  or transformers 5's packed ones (`...mlp.experts.gate_up_proj`), which stand for all of theirs
-  (`_Target.covers`). A family's other names for a tensor (`checkpoint_aliases`: Mixtral's
-  `block_sparse_moe.experts.{e}.w1`) stand for it the same way. Ignored: rotary `inv_freq` buffers, and `lm_head.weight` when the model ties
-  its embeddings.
+- Names are the checkpoint's (Hugging Face) names; where each lands (packed parameters, packed
+  experts, a family's aliases) is targets.py's. Ignored: rotary `inv_freq` buffers, and
+  `lm_head.weight` when the model ties its embeddings.
 - Work per tensor is a few dictionary look-ups and one copy: a Qwen3-30B-A3B update names ~18,900
   tensors, and its validation and copy time must scale with bytes, not names.
 """
@@ -24,16 +19,12 @@ import json
 import os
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models.layers import MergedLinear
-from engine.models.moe import ExpertSlot, PackedExperts
-from engine.parallel import Shard
+from engine.weights.targets import OPTIONAL_PREFIX, Target, checkpoint_targets, ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -45,132 +36,12 @@ class WeightLoadError(ValueError):
     """A checkpoint or update that does not fit the model; the message names the tensor or file."""
 
 
-@dataclass(frozen=True)
-class _Target:
-    """Where one checkpoint tensor goes: `rows` of a parameter (all of it when None); `view` is
-    those bytes (contiguous, but for a tensor-parallel rank's `parts` of a packed name), taken when the targets are listed: a model's parameters
-    never move after it is bound to its memory (engine/weights/store.py), so the list may be kept.
-    `shard`: the part of the checkpoint tensor this tensor-parallel rank holds (None: all of it).
-    A packed name (transformers 5's `mlp.experts.gate_up_proj`) `covers` the checkpoint names it
-    fills at once; where its bytes do not land in `view` as they come (a rank's gate and up rows
-    of it), `parts` are the targets of its pieces, each a shard of the whole tensor."""
-
-    rows: slice | None
-    view: torch.Tensor
-    shard: Shard | None = None
-    covers: tuple[str, ...] = ()
-    parts: tuple[_Target, ...] = ()
-
-    @property
-    def whole(self) -> bool:
-        """Whether the checkpoint tensor is `view`'s bytes as they come (it may be received there)."""
-        return self.shard is None and not self.parts
-
-    @cached_property
-    def shape(self) -> tuple[int, ...]:
-        """The checkpoint tensor's (full) shape."""
-        if self.parts:
-            return self.parts[0].shape
-        shape = list(self.view.shape)
-        if self.shard is not None:
-            shape[self.shard.dim] = self.shard.total
-        return tuple(shape)
-
-    def source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor given whole (or already sliced)."""
-        s = self.shard
-        if s is None or tensor.shape[s.dim] == s.length:
-            return tensor
-        return tensor.narrow(s.dim, s.start, s.length)
-
-    @property
-    def dest(self) -> torch.Tensor:
-        """The bytes the rank's part fills (a padded vocabulary's last rank: its first rows)."""
-        s = self.shard
-        return self.view if s is None or self.view.shape[s.dim] == s.length else self.view.narrow(s.dim, 0, s.length)
-
-    def copies(self, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) pairs that load the checkpoint tensor `tensor`."""
-        return [(t.dest, t.source(tensor)) for t in (self.parts or (self,))]
-
-
-# ---- the model side ------------------------------------------------------------------------
-
-
-# Names of a model riding in the target's weights (speculative decoding's draft,
-# engine/runner/draft_model.py): a full checkpoint of the target need not hold them.
-OPTIONAL_PREFIX = "draft."
-
-
-def checkpoint_targets(model: nn.Module) -> dict[str, _Target]:
-    """Checkpoint name -> target, for every tensor a full checkpoint must provide, then the packed
-    names that stand for several of them (their `covers`)."""
-    targets: dict[str, _Target] = {}
-    packed: dict[str, _Target] = {}
-    for module_name, module in model.named_modules():
-        prefix = module_name.rpartition(".")[0]
-        if isinstance(module, PackedExperts):
-            _expert_targets(module_name, module, targets, packed)
-            continue
-        for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, MergedLinear):
-                for part, rows in module.rows.items():
-                    name = f"{prefix}.{part}.{param_name}" if prefix else f"{part}.{param_name}"
-                    shard = module.parts[part]
-                    targets[name] = _Target(rows, param.data[rows], None if shard.whole else shard)
-            else:
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                targets[name] = _Target(None, param.data, getattr(module, "shards", {}).get(param_name))
-    # Another name a family's checkpoints give a tensor (Mixtral's `block_sparse_moe...w1`) stands
-    # for it as a packed name stands for its parts: one target, covering the model's name.
-    aliases = model.checkpoint_aliases(list(targets)) if hasattr(model, "checkpoint_aliases") else {}
-    for alias, name in aliases.items():
-        t = targets[name]
-        packed[alias] = _Target(t.rows, t.view, t.shard, covers=(name,))
-    return targets | packed
-
-
-def _expert_targets(name: str, experts: PackedExperts, targets: dict[str, _Target], packed: dict[str, _Target]) -> None:
-    """The targets of one `PackedExperts` module (`name`): its per-expert names into `targets`,
-    its packed names into `packed`."""
-    params = dict(experts.named_parameters(recurse=False))
-
-    def target(slot: ExpertSlot) -> _Target:
-        return _Target(None, params[slot.param].data[slot.index], slot.shard)
-
-    covers: dict[str, list[str]] = {p: [] for p in params}
-    for suffix, slot in experts.checkpoint_parts().items():
-        targets[f"{name}.{suffix}"] = target(slot)
-        covers[slot.param].append(f"{name}.{suffix}")
-    for suffix, slots in experts.packed_parts().items():
-        param = slots[0].param
-        parts = () if len(slots) == 1 and slots[0].shard is None else tuple(target(s) for s in slots)
-        packed[f"{name}.{suffix}"] = _Target(None, params[param].data, None, tuple(covers[param]), parts)
-
-
-def checkpoint_names(targets: dict[str, _Target], names: Iterable[str]) -> list[str]:
-    """The checkpoint tensors that `names` fill: a packed name stands for the ones it covers."""
-    out: list[str] = []
-    for name in names:
-        target = targets.get(name)
-        if target is not None and target.covers:
-            out.extend(target.covers)
-        else:
-            out.append(name)
-    return out
-
-
-def ignored(model: nn.Module, name: str) -> bool:
-    """A checkpoint tensor the model does not load (rotary tables, a tied lm_head)."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return True
-    config = getattr(model, "config", None)
-    return name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False))
+# ---- validation and copy -------------------------------------------------------------------
 
 
 def _validate(
     model: nn.Module,
-    targets: dict[str, _Target],
+    targets: dict[str, Target],
     entries: Iterable[tuple[str, tuple[int, ...], str]],  # (name, shape, safetensors dtype)
     require_all: bool,
 ) -> None:
@@ -203,7 +74,7 @@ def _validate(
 
 
 @torch.no_grad()
-def _copy(model: nn.Module, targets: dict[str, _Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def _copy(model: nn.Module, targets: dict[str, Target], pairs: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Copy each pair into its target; the names copied, in order. Host tensors are copied as
     they come (a checkpoint streams file by file); tensors already on the GPU (CUDA IPC, a
     broadcast) are copied by cudaMemcpy when large and together in one launch when small
@@ -264,7 +135,7 @@ def checkpoint_entries(path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
                 yield name, tuple(sl.get_shape()), sl.get_dtype()
 
 
-def iterate_checkpoint(path: str, targets: dict[str, _Target] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(path: str, targets: dict[str, Target] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) of every tensor of the checkpoint, one file at a time; of a tensor a
     target holds one shard of, only that shard is read."""
     for file in checkpoint_files(path):
@@ -282,7 +153,7 @@ def iterate_checkpoint(path: str, targets: dict[str, _Target] | None = None) -> 
 # ---- entry points --------------------------------------------------------------------------
 
 
-def load_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> list[str]:
+def load_checkpoint(model: nn.Module, path: str, targets: dict[str, Target] | None = None) -> list[str]:
     """Load a full checkpoint directory into `model`: validate every header, then copy. Returns
     the names written. `targets`: `checkpoint_targets(model)`, when the caller keeps it."""
     targets = targets if targets is not None else checkpoint_targets(model)
@@ -303,15 +174,15 @@ def load_dummy(model: nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=gen)
 
 
-def validate_checkpoint(model: nn.Module, path: str, targets: dict[str, _Target] | None = None) -> None:
+def validate_checkpoint(model: nn.Module, path: str, targets: dict[str, Target] | None = None) -> None:
     """Check every header of a full checkpoint directory against `model` (nothing else is read)."""
     targets = targets if targets is not None else checkpoint_targets(model)
     _validate(model, targets, checkpoint_entries(path), require_all=True)
 
 
 def validate_entries(
-    model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]], targets: dict[str, _Target] | None = None,
-) -> dict[str, _Target]:
+    model: nn.Module, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]], targets: dict[str, Target] | None = None,
+) -> dict[str, Target]:
     """Check (name, shape, dtype) entries of a partial update before any byte arrives; returns
     the model's targets by name."""
     targets = targets if targets is not None else checkpoint_targets(model)
@@ -322,7 +193,7 @@ def validate_entries(
 
 def load_named_tensors(
     model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], require_all: bool = False,
-    targets: dict[str, _Target] | None = None,
+    targets: dict[str, Target] | None = None,
 ) -> list[str]:
     """Copy (checkpoint name, tensor) pairs into `model`: a full set, or a partial update when
     `require_all` is False. Nothing is copied unless every pair is valid. Returns the names

@@ -4,7 +4,7 @@ it hold the current weights.
 
 Pieces: one per checkpoint tensor (a packed parameter's q, k and v rows are three pieces, a
 packed experts tensor one per expert) and one per computed buffer (the rotary cache); callers
-name pieces by checkpoint name (loader.checkpoint_names expands a packed name). A piece is
+name pieces by checkpoint name (targets.checkpoint_names expands a packed name). A piece is
 current when its device bytes hold the weights of the engine's current version; else it is stale.
 
 Rules:
@@ -30,7 +30,7 @@ Rules:
   update that wrote the last of them, whatever the route); a partial update leaves it dropped.
 - A write that failed half-way (a broadcast cut off) makes its pieces stale again (`invalidate`):
   they come back from the host copy, i.e. the old weights.
-- Pieces named with loader.OPTIONAL_PREFIX (a draft model's) never stop generation: stale with
+- Pieces named with targets.OPTIONAL_PREFIX (a draft model's) never stop generation: stale with
   no host copy to restore them, they are `lost` until an update writes them, and their model is
   not run meanwhile.
 """
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from engine.weights.host_copy import HostCopy
-from engine.weights.loader import OPTIONAL_PREFIX, checkpoint_targets
+from engine.weights.targets import OPTIONAL_PREFIX, checkpoint_targets
 
 log = logging.getLogger("siesta.engine")
 
