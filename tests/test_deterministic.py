@@ -150,7 +150,8 @@ def test_install_leaves_no_few_row_path_that_bypasses_the_hooks(qwen3_dir: str) 
 
     from engine.config import ModelConfig
     from engine.models import get_model_class
-    from engine.models.layers import MLP, MergedLinear
+    from engine.models.layers import MLP
+    from engine.models.linear import MergedLinear
 
     config = ModelConfig.from_hf(qwen3_dir)
     with torch.device("meta"):

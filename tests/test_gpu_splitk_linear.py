@@ -130,14 +130,14 @@ def parts_on() -> Iterator[None]:
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 40, 64])
 def test_layers_with_the_parts_equal_the_layers_on_cublas(wide, rows: int) -> None:
-    from engine.models import layers
+    from engine.models import linear
 
     model, backend = wide
     o = model.model.layers[0].self_attn.o_proj
     x = torch.zeros(rows, o.weight.shape[1], dtype=torch.bfloat16, device="cuda")
-    assert layers.splitk_for(x, o.weight) is None
+    assert linear.splitk_for(x, o.weight) is None
     with parts_on():
-        assert layers.splitk_for(x, o.weight) is not None  # the step below takes the parts
+        assert linear.splitk_for(x, o.weight) is not None  # the step below takes the parts
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)
     new_parts, new_plain = matches_the_layers(model, backend, step, parts_on)
     torch.testing.assert_close(new_parts.float(), new_plain.float(), rtol=1 / 128, atol=1e-2)

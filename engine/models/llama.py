@@ -35,11 +35,10 @@ from engine.models.layers import (
     MLP,
     Attention,
     Embedding,
-    Linear,
     RMSNorm,
     fused_ops_default,
-    skinny_for,
 )
+from engine.models.linear import Linear, skinny_for
 from engine.models.moe import SparseMoE
 from engine.models.rotary import RopeInputs, RotaryEmbedding
 from engine.models.routed_experts import RoutedExperts

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError, ModelConfig
-from engine.models.layers import MLP, Linear
+from engine.models.layers import MLP
+from engine.models.linear import Linear
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import Shard, TensorParallel
 

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from engine.models.layers import MergedLinear
+from engine.models.linear import MergedLinear
 from engine.models.moe import ExpertSlot, PackedExperts
 from engine.parallel import Shard
 
