@@ -110,9 +110,12 @@ def main() -> None:
     tensors = install_stamps()
     ckpt = checkpoint(args.shape, args.model_dir, torch.device("cuda"), seed=0)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    core = EngineCore(EngineConfig(model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=max(2048, args.context + 4 * args.steps + 128),
-                                   max_num_seqs=max(sizes), cuda_graph_max_bs=max(sizes), load_format=ckpt.get("load_format", "auto"),
-                                   weights_backup="none", deterministic=True))  # fmt: skip
+    config = EngineConfig(
+        model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=max(2048, args.context + 4 * args.steps + 128),
+        max_num_seqs=max(sizes), cuda_graph_max_bs=max(sizes), load_format=ckpt.get("load_format", "auto"),
+        weights_backup="none", deterministic=True,
+    )  # fmt: skip
+    core = EngineCore(config)
     if not tensors:
         sys.exit("no BatchDecode ran: the mode's batch decode did not attach to this shape")
     rng = random.Random(0)
@@ -134,9 +137,9 @@ def main() -> None:
             core.step()
         medians = {k: (statistics.median(f for f, _ in v), statistics.median(la for _, la in v)) for k, v in points.items() if v}
         results.append({"batch_size": bs, "context": args.context, "us_first_last": medians})
+        rows = [[k, POINTS[k], f"{f:.2f}", f"{la:.2f}"] for k, (f, la) in sorted(medians.items(), key=lambda kv: kv[1][1])]
         print_table(f"batch decode launch, bs={bs}, context {args.context} (us from the first program's start)",
-                    ["point", "phase", "first program", "last program"],
-                    [[k, POINTS[k], f"{f:.2f}", f"{la:.2f}"] for k, (f, la) in sorted(medians.items(), key=lambda kv: kv[1][1])])  # fmt: skip
+                    ["point", "phase", "first program", "last program"], rows)  # fmt: skip
         say(f"bs={bs}: {len(points[11])} launches")
     write_json(args.out, {"shape": ckpt["shape"], "batches": results})
     core.close()

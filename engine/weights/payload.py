@@ -32,9 +32,9 @@ Rules:
 
 SECURITY: unpickling untrusted bytes can execute code. The unpickler (unpickler.py) only resolves
 an allow list of torch rebuild functions and the SGLang classes above, which blocks the usual
-gadgets but is no sandbox: a payload can still make the engine open shared memory or CUDA handles it names. The
-HTTP route that feeds this module must only be reachable by the trainer (an admin key: a later
-issue), as in SGLang.
+gadgets but is no sandbox: a payload can still make the engine open shared memory or CUDA handles
+it names. The HTTP route that feeds this module must only be reachable by the trainer (an admin
+key: a later issue), as in SGLang.
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ from engine.parallel import Shard
 @dataclass(frozen=True)
 class Target:
     """Where one checkpoint tensor goes: `rows` of a parameter (all of it when None); `view` is
-    those bytes (contiguous, but for a tensor-parallel rank's `parts` of a packed name), taken when the targets are listed: a model's parameters
-    never move after it is bound to its memory (engine/weights/store.py), so the list may be kept.
-    `shard`: the part of the checkpoint tensor this tensor-parallel rank holds (None: all of it).
-    A packed name (transformers 5's `mlp.experts.gate_up_proj`) `covers` the checkpoint names it
-    fills at once; where its bytes do not land in `view` as they come (a rank's gate and up rows
-    of it), `parts` are the targets of its pieces, each a shard of the whole tensor."""
+    those bytes (contiguous, but for a tensor-parallel rank's `parts` of a packed name), taken when
+    the targets are listed. `shard`: the part of the checkpoint tensor this tensor-parallel rank
+    holds (None: all of it). A packed name (transformers 5's `mlp.experts.gate_up_proj`) `covers`
+    the checkpoint names it fills at once; where its bytes do not land in `view` as they come (a
+    rank's gate and up rows of it), `parts` are the targets of its pieces, each a shard of the
+    whole tensor."""
 
     rows: slice | None
     view: torch.Tensor
