@@ -1,5 +1,5 @@
-"""bench/probes/phase_stamps.py without a GPU: its reading of a stamps tensor (what the batch
-kernel's TIMING stamps write: grid_barrier.stamp) and its exit when there is no GPU."""
+"""The GPU probes without a GPU: phase_stamps.py's reading of a stamps tensor (what the batch
+kernel's TIMING stamps write: grid_barrier.stamp), and each probe's exit when there is no GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from bench_util import run_script
 
 PROBE = os.path.join("bench", "probes", "phase_stamps.py")
+NEED_A_GPU = ["phase_stamps.py", "weight_stream.py"]
 
 
 def _probe():  # noqa: ANN202
@@ -38,10 +39,11 @@ def test_read_gives_each_points_first_and_last_program_after_the_launchs_first_s
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_without_a_gpu_it_exits_2_saying_why(tmp_path: str) -> None:
-    out = os.path.join(tmp_path, "stamps.json")
-    p = run_script(PROBE, "--out", out)
+@pytest.mark.parametrize("probe", NEED_A_GPU)
+def test_without_a_gpu_it_exits_2_saying_why(probe: str, tmp_path: str) -> None:
+    out = os.path.join(tmp_path, "probe.json")
+    p = run_script(os.path.join("bench", "probes", probe), "--out", out)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "needs an NVIDIA GPU" in p.stdout
+    assert f"{probe} needs an NVIDIA GPU" in p.stdout
     with open(out) as f:
         assert "gpu" in json.load(f)["errors"]
