@@ -190,9 +190,9 @@ def test_decode_targets_by_batch_and_context() -> None:
 
 def test_with_knobs_sets_an_engine_constant_before_the_script_and_refuses_a_typo(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
-    script.write_text("import sys\nimport engine.kernels.fused_moe as m\nprint('tiles', m.SPARSE_TILES, sys.argv[1:])\n")
+    script.write_text("import sys\nimport engine.kernels.moe_tiles as m\nprint('tiles', m.SPARSE_TILES, sys.argv[1:])\n")
     probe = os.path.join("bench", "probes", "with_knobs.py")
-    p = run_script(probe, "--set", "engine.kernels.fused_moe.SPARSE_TILES=(16, 16, 64, 128, 4, 4)", str(script), "--", "-x", "1")
+    p = run_script(probe, "--set", "engine.kernels.moe_tiles.SPARSE_TILES=(16, 16, 64, 128, 4, 4)", str(script), "--", "-x", "1")
     assert p.returncode == 0, p.stderr
     assert "tiles (16, 16, 64, 128, 4, 4) ['-x', '1']" in p.stdout
     p = run_script(probe, "--set", "engine.kernels.fused_moe.SPARSE_TILE=(1,)", str(script))

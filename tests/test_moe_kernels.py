@@ -169,14 +169,14 @@ def test_align_interpreted() -> None:
 
 
 def test_fused_moe_interpreted() -> None:
-    # T=1 of E=8 and of E=128: one tile a pair, no sort (fused_moe.pair_tiles_apply); the rest sorted
+    # T=1 of E=8 and of E=128: one tile a pair, no sort (moe_tiles.pair_tiles_apply); the rest sorted
     cases = "[(1, 8, 2, 64, 32), (1, 128, 8, 32, 16), (7, 8, 2, 64, 32), (40, 16, 4, 32, 48)]"
     interpret(f"check_fused_moe('cpu', {cases}, torch.float32, 1e-5)\ncheck_fused_moe('cpu', {cases}, torch.float16, 2e-3)")
 
 
 def test_a_few_tokens_grid_does_not_grow_with_the_experts() -> None:
-    from engine.kernels.fused_moe import pair_tiles_apply
     from engine.kernels.moe_align import max_blocks
+    from engine.kernels.moe_tiles import pair_tiles_apply
 
     # decode at top-8 of 128: T <= 4 skips the sort (one tile a pair), T = 5 sorts
     assert pair_tiles_apply(4 * 8, 128) and not pair_tiles_apply(5 * 8, 128)

@@ -76,7 +76,8 @@ def bench_router(T: int, reps: int, copies: int) -> dict[str, Any]:
 def sweep_tokens(T: int, x: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]], routes: list, outs: list,
                  ws: Any, reps: int) -> dict[str, Any]:  # fmt: skip
     """The fastest tiles of the one-tile-a-pair path at T tokens over SWEEP: (us, config)."""
-    from engine.kernels.fused_moe import GemmConfig, fused_moe
+    from engine.kernels.fused_moe import fused_moe
+    from engine.kernels.moe_tiles import GemmConfig
 
     best: tuple[float, tuple[int, ...]] | None = None
     for up_n, down_n, bk, stages in SWEEP:
@@ -98,7 +99,8 @@ def sweep_tokens(T: int, x: torch.Tensor, layers: list[tuple[torch.Tensor, torch
 
 def bench_tokens(T: int, layers: list[tuple[torch.Tensor, torch.Tensor]], bandwidth: float, reps: int,
                  sweep: bool = False) -> dict[str, Any]:  # fmt: skip
-    from engine.kernels.fused_moe import fused_moe, pair_tiles_apply, shared_workspace, topk_softmax
+    from engine.kernels.fused_moe import fused_moe, shared_workspace, topk_softmax
+    from engine.kernels.moe_tiles import pair_tiles_apply
     from engine.models.moe import reference_moe
 
     dev, dt = torch.device("cuda"), torch.bfloat16

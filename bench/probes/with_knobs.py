@@ -4,7 +4,7 @@ a row limit, a measured threshold) without editing the tree, rounds interleaved 
     python3 bench/probes/with_knobs.py --set engine.decode.rules.MAX_HIDDEN=4096 -- \\
         bench/bench_engine.py --shape 30b-a3b --decode-batch-sizes 1 --out $OUT/e.json
     python3 bench/probes/with_knobs.py \\
-        --set "engine.kernels.fused_moe.SPARSE_TILES=(16, 16, 64, 128, 4, 4)" -- bench/bench_engine.py ...
+        --set "engine.kernels.moe_tiles.SPARSE_TILES=(16, 16, 64, 128, 4, 4)" -- bench/bench_engine.py ...
 
 Each `--set NAME=VALUE` imports NAME's module and sets the attribute to VALUE, a Python literal,
 before the script runs (as `__main__`, its directory first on sys.path, the arguments after

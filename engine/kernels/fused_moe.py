@@ -29,8 +29,7 @@ where e = topk_ids[t, j], P = T * k. Rules:
   weights, rounding once. The bits of a token's output depend on its
   own x, ids and weights only, not on the other tokens of the batch, as long as the tiles'
   fp32 sums over K run in the same order (every config walks K in ascending BLOCK_K steps).
-- Configs by expected pairs per expert, T * k / E (vLLM's H200 table for E=128, I=768, with
-  gate_up's BLOCK_N halved: one program holds a gate and an up accumulator).
+- Configs by expected pairs per expert, T * k / E (moe_tiles.py).
 - Buffers come from a `MoeWorkspace` (moe_workspace.py), the shared one by default: no
   allocation when `out` is given, grids fixed by T: CUDA-graph capturable.
 - Expert parallelism (`first`): w13 / w2 hold this rank's E experts, the model's experts
@@ -49,7 +48,6 @@ and wgmma) gave the same bits on the same tokens.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -60,60 +58,16 @@ from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 from engine.kernels.moe_align import held_bucket, max_blocks, moe_align
 from engine.kernels.moe_routing import topk_softmax
-from engine.kernels.moe_workspace import PAIR_TILE_PAIRS, MoeWorkspace, shared_workspace
+from engine.kernels.moe_tiles import GemmConfig, gemm_configs, pair_tiles_apply, pow2
+from engine.kernels.moe_workspace import MoeWorkspace, shared_workspace
 from engine.kernels.split_kv import last_to_arrive
 
-__all__ = ["GemmConfig", "MoeWorkspace", "fused_moe", "gemm_configs", "shared_workspace", "topk_softmax"]
+__all__ = ["MoeWorkspace", "fused_moe", "shared_workspace", "topk_softmax"]
 
 # Triton's interpreter (TRITON_INTERPRET=1: the CPU tests) has no libdevice, and its bf16 tl.dot
 # multiplies the raw 16-bit patterns: there the operands go to fp32 first (bf16 products are exact
 # in fp32, so only the order of the sums differs from the GPU's).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-# Tiles (block_m, gate_up block_n, down block_n, block_k, warps, stages) by expected pairs per
-# expert, T * k / E: SPARSE_TILES up to 2 (decode), then TILES' rows up to their first value. gate_up's
-# tile holds a gate and an up accumulator: half down's columns (at T = 1, 64 of each, the kernel
-# bench's best, made the 30B-A3B step slower: bench/history/2026-12-01.md, entry f; so did 16 / 32,
-# entry l).
-SPARSE_TILES = (16, 32, 64, 128, 4, 4)
-TILES = ((8, (16, 64, 128, 128, 4, 3)), (16, (32, 64, 128, 128, 4, 3)), (48, (64, 64, 128, 64, 4, 3)),
-         (1 << 62, (128, 128, 256, 64, 8, 4)))  # fmt: skip
-
-
-def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: int, k_up: int, k_down: int,
-                 dtype: torch.dtype) -> tuple[GemmConfig, GemmConfig]:  # fmt: skip
-    """(gate_up, down) configs for T tokens; n_up = I (outputs after SiLU-and-mul), k_up = H,
-    n_down = H, k_down = I. Both share block_m (one sort serves both)."""
-    rows = tokens * top_k / num_experts  # expected pairs per expert
-    tiles = SPARSE_TILES if rows <= 2 else next(t for most, t in TILES if rows <= most)
-    bm, up_bn, bn, bk, warps, stages = tiles
-    if dtype == torch.float32:  # twice the bytes a value, no tensor cores: small tiles (tests, fp32 models)
-        bm, up_bn, bn, bk, warps, stages = min(bm, 64), min(up_bn, 32), min(bn, 64), min(bk, 32), 4, 2
-
-    def fit(block_n: int, n: int, k: int) -> GemmConfig:
-        return GemmConfig(bm, max(16, min(block_n, _pow2(n))), max(16, min(bk, _pow2(k))), warps, stages)
-
-    return fit(up_bn, n_up, k_up), fit(bn, n_down, k_down)
-
-
-def pair_tiles_apply(pairs: int, num_experts: int) -> bool:
-    """Whether a call skips the sort: one tile a pair, for at most PAIR_TILE_PAIRS pairs over at
-    least 4x as many experts (few experts are read twice)."""
-    return pairs <= PAIR_TILE_PAIRS and 4 * pairs <= num_experts
 
 
 @triton.jit
@@ -314,7 +268,7 @@ def fused_moe(
         )  # fmt: skip
     if pair_tiles:
         return out
-    block = min(1024, _pow2(H))
+    block = min(1024, pow2(H))
     _weighted_sum_kernel[(T, triton.cdiv(H, block))](
         y, weights, out, H, out.stride(0), TOP_K=k, BLOCK_N=block, num_warps=max(1, min(8, block // 256))
     )

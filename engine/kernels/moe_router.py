@@ -5,7 +5,7 @@ of moe_routing.py. Only CUDA code paths import this module (engine/models/moe.py
     weights, ids [T, k]  = top-k of softmax(logits)                  (moe_routing.topk_rows)
 
 Rules:
-- For the steps whose experts take one tile a pair (fused_moe.pair_tiles_apply: decode at T <= 4
+- For the steps whose experts take one tile a pair (moe_tiles.pair_tiles_apply: decode at T <= 4
   for top-8 of 128) in half precision: there a layer is a chain of launches a few microseconds
   each, and this one replaces two (bench/history/2026-11-29.md, the 30B-A3B batch-1 profile).
 - One program per (TILE_E experts, K split): `splits(H)` chunks of whole BLOCK_K = 128 steps

@@ -226,8 +226,9 @@ class SparseMoE(nn.Module):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]: the experts' sum
         if x.is_cuda and self.kernels:
             from engine.kernels import moe_router
-            from engine.kernels.fused_moe import fused_moe, pair_tiles_apply
+            from engine.kernels.fused_moe import fused_moe
             from engine.kernels.moe_routing import topk_softmax
+            from engine.kernels.moe_tiles import pair_tiles_apply
 
             E, T, held = self.experts.num_experts, x.shape[0], self.experts.held
             # The one-launch router keeps its logits in the experts' workspace, sized for all E.
