@@ -1,10 +1,12 @@
 """What every benchmark script shares: the run's clock and log line (`say`), a free loopback port,
 the JSON results file rewritten atomically, `run_section` (one section, its crash recorded,
-not raised), and the flags of an in-process engine benchmark's checkpoint (`checkpoint_args`).
+not raised), a probe's exit without a GPU (`require_gpu`), and the flags of an in-process engine
+benchmark's checkpoint (`checkpoint_args`).
 
 Importing this module puts the repository root on sys.path, so that `engine` imports after it
 work when a script runs as `python bench/<script>.py` (sys.path then holds bench/, not the root).
-It imports no torch: the serving suite's client processes import it too.
+It imports no torch (`require_gpu` does, when called): the serving suite's client processes
+import it too.
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ def write_json(path: str, results: dict[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(results, f, indent=2, default=str)
     os.replace(tmp, path)
+
+
+def require_gpu(out: str, script: str) -> None:
+    """A probe's start: without a CUDA GPU, write {"errors": {"gpu": ...}} to `out`, say so and exit 2."""
+    import torch
+
+    if not torch.cuda.is_available():
+        write_json(out, {"errors": {"gpu": f"{script} needs an NVIDIA GPU"}})
+        print(f"{script} needs an NVIDIA GPU")
+        sys.exit(2)
 
 
 def run_section(res: dict[str, Any], out: str, skip: Container[str], name: str, fn: Callable[..., Any], *a: Any,

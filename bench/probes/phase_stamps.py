@@ -26,7 +26,7 @@ import torch
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH, os.path.join(BENCH, "probes")]
 
-from bench_runtime import say, write_json  # noqa: E402
+from bench_runtime import require_gpu, say, write_json  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -100,10 +100,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        write_json(args.out, {"errors": {"gpu": "phase_stamps.py needs an NVIDIA GPU"}})
-        print("phase_stamps.py needs an NVIDIA GPU")
-        sys.exit(2)
+    require_gpu(args.out, "phase_stamps.py")
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
 

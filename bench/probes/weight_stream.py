@@ -28,7 +28,7 @@ import triton.language as tl
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 
-from bench_runtime import write_json  # noqa: E402
+from bench_runtime import require_gpu, write_json  # noqa: E402
 
 LAYER = [(1024, 2048), (6144, 1024), (1024, 3072), (4096, 1024)]  # Qwen3-0.6B: o, gate_up, down, qkv
 WHOLE = (15360, 1024)  # the same 31.5 MB as one weight
@@ -100,10 +100,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        write_json(args.out, {"errors": {"gpu": "weight_stream.py needs an NVIDIA GPU"}})
-        print("weight_stream.py needs an NVIDIA GPU")
-        sys.exit(2)
+    require_gpu(args.out, "weight_stream.py")
     r = measure(args.reps)
     print(f"one launch of {r['mb']:.1f} MB at one row (max |error| {r['max_abs_error']:.2g}); best configs:")
     for s in r["sweep"][:8]:
