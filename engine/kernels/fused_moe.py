@@ -58,7 +58,7 @@ from engine.kernels import pdl
 from engine.kernels.launcher import Launcher
 from engine.kernels.moe_align import held_bucket, max_blocks, moe_align
 from engine.kernels.moe_routing import topk_softmax
-from engine.kernels.moe_tiles import GemmConfig, gemm_configs, pair_tiles_apply, pow2
+from engine.kernels.moe_tiles import GemmConfig, gemm_configs, pair_tiles_apply
 from engine.kernels.moe_workspace import MoeWorkspace, shared_workspace
 from engine.kernels.split_kv import last_to_arrive
 
@@ -268,7 +268,7 @@ def fused_moe(
         )  # fmt: skip
     if pair_tiles:
         return out
-    block = min(1024, pow2(H))
+    block = min(1024, triton.next_power_of_2(H))
     _weighted_sum_kernel[(T, triton.cdiv(H, block))](
         y, weights, out, H, out.stride(0), TOP_K=k, BLOCK_N=block, num_warps=max(1, min(8, block // 256))
     )

@@ -40,14 +40,10 @@ BLOCK_MS = (16, 32, 64, 128)  # the tile heights the grouped GEMMs use (fused_mo
 ONE_PROGRAM_CHUNKS = 8
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def chunk_pairs(num_experts: int) -> int:
     """Pairs per chunk: a [chunk, E] one-hot of about 8k int32 values in one program (16k spill
     registers on sm_90)."""
-    return max(32, min(1024, 8192 // _next_pow2(num_experts)))
+    return max(32, min(1024, 8192 // triton.next_power_of_2(num_experts)))
 
 
 def max_padded(pairs: int, num_experts: int, block_m: int) -> int:
@@ -78,7 +74,7 @@ class AlignBuffers:
         chunks = max(1, triton.cdiv(max_pairs, chunk_pairs(num_experts)))
         i32 = dict(dtype=torch.int32, device=device)
         return cls(max_pairs, num_experts, torch.zeros(slots, **i32), torch.zeros(blocks, **i32),
-                   torch.zeros(1, **i32), torch.zeros(chunks, _next_pow2(num_experts), **i32))  # fmt: skip
+                   torch.zeros(1, **i32), torch.zeros(chunks, triton.next_power_of_2(num_experts), **i32))  # fmt: skip
 
 
 # ---- helpers: a chunk's one-hot, and what the per-expert counts decide ------------------------------
@@ -220,7 +216,7 @@ def moe_align(
     if pairs == 0:
         buffers.num_padded.zero_()
         return sorted_ids, expert_ids, buffers.num_padded
-    ch, e_pad = chunk_pairs(num_experts), _next_pow2(num_experts)
+    ch, e_pad = chunk_pairs(num_experts), triton.next_power_of_2(num_experts)
     held = dict(FIRST=first or 0, HELD=0 if first is None else num_experts - 1)
     chunks = triton.cdiv(pairs, ch)
     warps = 8 if ch * e_pad >= 4096 else 4

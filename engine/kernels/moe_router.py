@@ -45,10 +45,6 @@ BLOCK_K = 128
 WARPS = 4  # a program's warps: the top-k's picks reduce across them
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def applies(x: torch.Tensor, num_experts: int) -> bool:
     """Whether `router_topk` takes these rows: half precision, at most ROUTER_ROWS of them, E <=
     MAX_EXPERTS (the caller checks that the experts' GEMMs take one tile a pair)."""
@@ -152,7 +148,7 @@ def router_topk(
                          f"{workspace.router_logits.dtype}")  # fmt: skip
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights, ids = topk_outputs(T, k, x.device, out)
-    block_k = BLOCK_K if H >= BLOCK_K else max(16, _next_pow2(H))
+    block_k = BLOCK_K if H >= BLOCK_K else max(16, triton.next_power_of_2(H))
     split = split or splits(H, block_k)
     if split > ROUTER_SPLITS or (split > 1 and H % (split * block_k)):
         raise ValueError(f"router_topk: {split} K splits of hidden {H} in {block_k}-wide steps")
@@ -162,8 +158,8 @@ def router_topk(
         x, gate, workspace.router_logits, workspace.router_partials, weights, ids, workspace.router_count,
         T, E, H, x.stride(0),
         K=k, RENORMALIZE=renormalize, LIBDEVICE_EXP=_LIBDEVICE_EXP, EVEN_K=H % block_k == 0,
-        BLOCK_T=ROUTER_ROWS, TILE=TILE_E, BLOCK_K=block_k, BLOCK_E=_next_pow2(E), BLOCK_KS=_next_pow2(k),
-        SPLIT=split, TOPK_T=_next_pow2(T),
+        BLOCK_T=ROUTER_ROWS, TILE=TILE_E, BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(E), BLOCK_KS=triton.next_power_of_2(k),
+        SPLIT=split, TOPK_T=triton.next_power_of_2(T),
         USE_PDL=use_pdl, PREFETCH_LINES=pdl.prefetch_lines(gate.numel() * gate.element_size(), H // split, line) if use_pdl else 0,
         LINE=line, num_warps=warps or WARPS, num_stages=5, launch_pdl=use_pdl,
     )  # fmt: skip

@@ -38,10 +38,6 @@ _LIBDEVICE_EXP = os.environ.get("TRITON_INTERPRET", "0") != "1"
 MAX_EXPERTS = 1024  # a row of logits in one program's registers
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @triton.jit
 def topk_rows(
     x,  # [BLOCK_T, BLOCK_E] the rows' logits, any float dtype (columns past E and rows past T: anything)
@@ -132,12 +128,12 @@ def topk_softmax(
     weights, ids = topk_outputs(T, k, logits.device, out)
     if T == 0:
         return weights, ids
-    block_e = _next_pow2(E)
+    block_e = triton.next_power_of_2(E)
     block_t = max(1, min(16, 4096 // block_e))  # about 4096 values a program; fixed by E, not by T
     _topk_softmax_kernel[(triton.cdiv(T, block_t),)](
         logits, weights, ids, T, E, logits.stride(0),
         K=k, RENORMALIZE=renormalize, LIBDEVICE_EXP=_LIBDEVICE_EXP,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
         num_warps=4 if block_t * block_e <= 4096 else 8,
     )  # fmt: skip
     return weights, ids

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from triton import next_power_of_2
 
 from engine.kernels.moe_workspace import PAIR_TILE_PAIRS
 
@@ -27,11 +28,6 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-
-
-def pow2(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # Tiles (block_m, gate_up block_n, down block_n, block_k, warps, stages) by expected pairs per
@@ -55,7 +51,7 @@ def gemm_configs(tokens: int, num_experts: int, top_k: int, n_up: int, n_down: i
         bm, up_bn, bn, bk, warps, stages = min(bm, 64), min(up_bn, 32), min(bn, 64), min(bk, 32), 4, 2
 
     def fit(block_n: int, n: int, k: int) -> GemmConfig:
-        return GemmConfig(bm, max(16, min(block_n, pow2(n))), max(16, min(bk, pow2(k))), warps, stages)
+        return GemmConfig(bm, max(16, min(block_n, next_power_of_2(n))), max(16, min(bk, next_power_of_2(k))), warps, stages)
 
     return fit(up_bn, n_up, k_up), fit(bn, n_down, k_down)
 
