@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.kernels.grid_barrier import stamp
+from engine.kernels.grid_barrier import stamp, stamp_landed
 from engine.kernels.split_kv import attend_tiles, last_to_arrive, softmax_step, tile_scores
 
 
@@ -177,9 +177,7 @@ def piece_item(
     # loads past L1: other programs' stores). The split path's program (attention_fixed.py
     # `_piece_kernel`), and a phase of the mode's persistent decode kernel (batch_kernel.py ATTEND).
     heads, h_mask, offs_d, q = query_rows(q_ptr, t, g, live, stride_qt, stride_qh, GROUP, BLOCK_H, HEAD_DIM)
-    if TIMING:  # bench only (grid_barrier.stamp): a stamp on a value waits for its loads
-        if tl.sum(q.to(tl.float32)) > float("-inf"):
-            stamp(t_ptr, 20, TIMING)  # q landed
+    stamp_landed(t_ptr, 20, q, TIMING)  # bench only (grid_barrier.py): q landed
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for p in range(slot, tl.cdiv(context, SPLIT_), slots):
         start = p * SPLIT_
@@ -187,9 +185,7 @@ def piece_item(
         m_s, l_s, acc_s = attend_tiles(q, k_cache_ptr, v_cache_ptr, bt_row, start, end, g, sm_scale_log2,
                                        stride_cblk, stride_ctok, stride_chead, BLOCK_H, HEAD_DIM, BLOCK_SIZE,
                                        BLOCK_N_, IEEE, True)  # fmt: skip
-        if TIMING:
-            if tl.sum(acc_s) > float("-inf"):
-                stamp(t_ptr, 21, TIMING)  # the piece's tiles done
+        stamp_landed(t_ptr, 21, acc_s, TIMING)  # the piece's tiles done
         rows = (t.to(tl.int64) * pieces + p) * NUM_HEADS + heads  # [BLOCK_H]
         tl.store(ws_m_ptr + rows, m_s, mask=h_mask)
         tl.store(ws_l_ptr + rows, l_s, mask=h_mask)

@@ -78,6 +78,15 @@ def stamp(t_ptr, i: tl.constexpr, TIMING: tl.constexpr):
 
 
 @triton.jit
+def stamp_landed(t_ptr, i: tl.constexpr, x, TIMING: tl.constexpr):
+    # bench only (TIMING): stamp point i once x's loads have landed (the stamp depends on x's
+    # values; a NaN sum skips it), not when they were issued.
+    if TIMING:
+        if tl.sum(x.to(tl.float32)) > float("-inf"):
+            stamp_row(t_ptr + tl.program_id(0) * STAMPS, i, SM_SLOT)
+
+
+@triton.jit
 def phase_end(
     bar_ptr, t_ptr, POINT: tl.constexpr, FIRST_ADD: tl.constexpr, TIMING: tl.constexpr, LAST_LEAVES: tl.constexpr = False
 ):  # fmt: skip
