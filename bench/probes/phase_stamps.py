@@ -26,7 +26,7 @@ import torch
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(BENCH), BENCH, os.path.join(BENCH, "probes")]
 
-from bench_runtime import require_gpu, say, write_json  # noqa: E402
+from bench_runtime import checkpoint_args, checkpoint_spec, require_gpu, say, write_json  # noqa: E402
 from engine_shapes import checkpoint  # noqa: E402
 from report import print_table  # noqa: E402
 
@@ -93,19 +93,17 @@ def read(stamps: torch.Tensor) -> dict[int, list[tuple[float, float]]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="0.6b", help="0.6b | 8b | DIR (as bench_engine.py takes it)")
-    p.add_argument("--model-dir")
+    checkpoint_args(p)
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--out", required=True)
     args = p.parse_args()
     require_gpu(args.out, "phase_stamps.py")
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
 
     tensors = install_stamps()
-    ckpt = checkpoint(args.shape, args.model_dir, torch.device("cuda"), seed=0)
+    ckpt = checkpoint(checkpoint_spec(args), args.model_dir, torch.device("cuda"), args.seed)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     config = EngineConfig(
         model=ckpt["path"], device="cuda", mem_fraction=0.6, max_model_len=max(2048, args.context + 4 * args.steps + 128),
