@@ -4,7 +4,7 @@ norm, tied embeddings; Llama: llama3 rope scaling; Qwen2: q/k/v bias), bf16, Tri
 random KV cache.
 
 The two-launches-per-layer decode (engine/decode/batch_decode.py, batch_kernel.py):
-- decode steps of 5, 16, 33 and 64 rows: the hidden states and the new K/V rows equal the
+- decode steps of 1, 5, 16, 33 and 64 rows (up to 8 rows, wider GEMV items): the hidden states and the new K/V rows equal the
   layer-by-layer forward's within bf16 rounding, and no other cache row changes;
 - graph padding (rows of seq_len 0, slot -1) writes nothing and leaves the real rows' results;
 - captured in a CUDA graph, replays equal the eager call for new inputs;
@@ -75,7 +75,7 @@ def attached(model, attention) -> Iterator[None]:
 # ---- the batch decode ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows", [5, 16, 33, 64])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 64])
 def test_batch_decode_equals_the_layers(setup, rows: int) -> None:
     model, backend, batch, _ = setup
     step = _decode_step(rows, seed=rows, vocab=model.config.vocab_size)

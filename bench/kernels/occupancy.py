@@ -145,6 +145,8 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         types.update({n: BF16 for n in _jit(jit).arg_names if n.endswith("_ptr") and n not in types})
     batch = batch_consts.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=True)
     batch.update(HEAD=False, TAIL=False, TIMING=False)
+    narrow = batch_consts.kernel_consts(shape, P, batch_decode.MAX_ROWS, True, bn=batch_consts.GEMV_BN_FEW)  # steps of few rows
+    narrow.update(HEAD=False, TAIL=False, TIMING=False)
     invariant = batch_consts.kernel_consts(shape, P, batch_decode.MAX_ROWS, use_pdl=False, invariant=True)
     invariant.update(HEAD=False, TAIL=False, TIMING=False)
     b = batch_consts  # steps of few rows: 16-row tiles, the fixed-split attention in the launch (ATTEND)
@@ -161,6 +163,7 @@ def persistent_kernels() -> dict[str, dict[str, object]]:
         **splitk_kernels(),
         **logits_kernels(),
         "batch_layer_kernel": compile_sm90(batch_layer_kernel, types, *_split(batch), ("M",)),
+        "batch_layer_kernel (few rows)": compile_sm90(batch_layer_kernel, types, *_split(narrow), ("M",)),
         "batch_layer_kernel (--deterministic)": compile_sm90(batch_layer_kernel, types, *_split(invariant), ("M",)),
         "batch_layer_kernel (--deterministic, few rows)": compile_sm90(
             batch_layer_kernel, types, *_split(few), ("M", "stride_bt", "pieces", "slots")

@@ -8,6 +8,12 @@ from __future__ import annotations
 from engine.decode.rules import LayerShape, k_splits, prefetch_width
 
 KERNEL_MAX_ROWS = 64  # one tl.dot tile of rows
+GEMV_BN, GEMV_BN_GATE = 32, 32  # output columns of a GEMV item: o_proj, down and qkv; gate_up
+# o_proj, down and qkv items of the default kernel in steps of at most rope_decode.FEW_ROWS rows
+# (twice the K splits). H200, 0.6B, step ms at 32 / 64 columns (bench/history/2026-12-02.md, entry
+# g): 1 / 4 / 8 rows at 8k 1.199 / 1.798 / 2.668 -> 1.172 / 1.779 / 2.653, 1 row at 32k 1.863 ->
+# 1.839, 8 rows at 512 1.046 -> 1.022; past 8 rows slower (64 rows at 512 1.789 -> 1.833).
+GEMV_BN_FEW = 64
 GEMV_BK = 64  # K per step of the GEMV loops
 GEMV_STAGES = 8  # of their software pipeline (bench/history/2026-11-27.md)
 # `invariant` steps of at most ATTEND_ROWS rows run the fixed-split attention inside the launch

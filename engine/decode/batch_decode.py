@@ -67,7 +67,7 @@ def unsupported(model: nn.Module, backend: object, invariant: bool = False) -> s
 class BatchDecode:
     def __init__(
         self, model: nn.Module, backend: object, min_rows: int, max_rows: int, num_warps: int = 4,
-        bn: int = 32, bn_gate: int = 32, bk: int = bc.GEMV_BK, stages: int = bc.GEMV_STAGES, use_pdl: int = 1,
+        bn: int = bc.GEMV_BN, bn_gate: int = bc.GEMV_BN_GATE, bk: int = bc.GEMV_BK, bn_few: int = bc.GEMV_BN_FEW, stages: int = bc.GEMV_STAGES, use_pdl: int = 1,
         g_pre: int = bc.G_PRE_WIDTH, d_pre: int = bc.D_PRE_WIDTH, q_pre: int = bc.Q_PRE_WIDTH, invariant: bool = False,
         attend: bool = True, few_bk: int = bc.FEW_BK, few_stages: int = bc.FEW_STAGES, everywhere: bool = True,
     ) -> None:  # fmt: skip
@@ -101,19 +101,25 @@ class BatchDecode:
         self.wide_rows = max(bc.ROPE_LATER_ROWS, backend.workspace.m.shape[0]) if invariant else rows
         wide = bc.kernel_consts(self.shape, self.programs, rows, self.pdl, num_warps, bn, bn_gate, bk, stages, g_pre, d_pre, q_pre,
                              True, rope_later=True) if invariant else self.consts  # fmt: skip
+        # default: steps of at most the attention's FEW_ROWS rows take GEMV items of bn_few columns
+        # (batch_consts.GEMV_BN_FEW), more K splits
+        self.narrow_rows = 0 if invariant else rope_decode.FEW_ROWS
+        narrow = self.consts if invariant else bc.kernel_consts(
+            self.shape, self.programs, rows, self.pdl, num_warps, bn_few, bn_gate, bk, stages, g_pre, d_pre, q_pre)  # fmt: skip
         # (constants of a layer's launch, of the step's first launch: a plain one) by kind of step
-        self.launch_sets = {k: (c, {**c, "launch_pdl": False})
-                            for k, c in zip(("one", "few", "many", "wide"), (*few, self.consts, wide), strict=True)}
-        ks_o, ks_d, ks_q = (self.consts[k] for k in ("KS_O", "KS_D", "KS_Q"))
-        # The attention kernel's (kernels/rope_decode.py), reading qkv_part [ks_q, rows, qkv].
+        self.launch_sets = {k: (c, {**c, "launch_pdl": False}) for k, c in
+                            zip(("one", "few", "many", "wide", "narrow"), (*few, self.consts, wide, narrow), strict=True)}  # fmt: skip
+        # the partials' buffers hold every kind's K splits
+        ks_o, ks_d, ks_q = (max(c[k] for c, _ in self.launch_sets.values()) for k in ("KS_O", "KS_D", "KS_Q"))
+        # The attention kernel's (kernels/rope_decode.py), reading qkv_part [KS_Q, rows, qkv] of its steps' kind.
         attn0 = self.lm.layers[0].self_attn
         elem_bytes = backend.kv_cache.element_size()
         # One set for steps of few rows and one for more (rope_decode.batch_tile_config).
         self.attention_consts = [] if invariant else [rope_decode.kernel_consts(
-            self.shape.nh, self.shape.nkv, self.shape.d, ks_q, rows * qkv, attn0.qkv_proj.bias is not None,
+            self.shape.nh, self.shape.nkv, self.shape.d, c["KS_Q"], rows * qkv, attn0.qkv_proj.bias is not None,
             self.shape.qk_norm, backend.kv_cache.shape[3], elem_bytes, self.pdl,
             rope_decode.batch_tile_config(self.shape.d, elem_bytes, m), rope_decode.merge_for(m),
-        ) for m in (rope_decode.FEW_ROWS, rows)]  # fmt: skip
+        ) for m, c in ((rope_decode.FEW_ROWS, narrow), (rows, self.consts))]  # fmt: skip
         f32 = dict(dtype=torch.float32, device=device)
         half = dict(dtype=dtype, device=device)
         self.h = torch.zeros(rows, self.shape.hidden, **half)
@@ -157,7 +163,7 @@ class BatchDecode:
         plan = None if self.invariant else self.backend.merged_decode_plan(m)
         attn = self.attn
         few = 0 < m <= self.attend_rows and meta.seq_lens.shape[0] == m  # ATTEND: a decode row a sequence
-        kind = ("one" if m == 1 else "few") if few else "wide" if m > self.wide_rows else "many"
+        kind = ("one" if m == 1 else "few") if few else "wide" if m > self.wide_rows else "narrow" if m <= self.narrow_rows else "many"
         for i in range(len(layers) + 1):
             prev = layers[i - 1] if i > 0 else None  # whose o_proj and MLP run
             nxt = layers[i] if i < len(layers) else None  # whose norm, qkv and attention run
