@@ -1,8 +1,8 @@
 """grid_phases.py's GEMV phase (the GEMMs of the persistent decode kernels, batch_kernel.py and
 layer_kernel.py) over `--deterministic`'s K order: with its splits the invariant GEMM's chunks
 (invariant_tiles.config, the last chunk shorter) and the partial sums added in chunk order, it
-gives invariant_matmul's bits; with an item walking those chunks and the SiLU epilogue, it gives
-silu_and_mul after invariant_matmul, bit for bit. A test kernel runs the phase, a program an
+gives invariant_matmul's bits; with an item walking those chunks (a loop a chunk, or one loop:
+FLAT_WALK) and the SiLU epilogue, it gives silu_and_mul after invariant_matmul, bit for bit. A test kernel runs the phase, a program an
 item (no grid barrier). CPU: Triton's interpreter (tests/interpreted.py), fp16; GPU (`pytest -m
 gpu`): bf16, 1 to 64 rows. And the batch decode's `--deterministic` constants
 (batch_consts.kernel_consts) are those chunks; the whole path: tests/test_gpu_deterministic_decode.py.
@@ -26,16 +26,16 @@ else:
     @triton.jit
     def _items(x_ptr, w_ptr, out_ptr, stride_out, M, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
                SILU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
-               CHUNK: tl.constexpr, WALK: tl.constexpr):  # fmt: skip
+               CHUNK: tl.constexpr, WALK: tl.constexpr, FLAT_WALK: tl.constexpr):  # fmt: skip
         # gemv_phase's items, a program each: PARTIAL sums unless SILU.
         gemv_phase(x_ptr, K, w_ptr, w_ptr, out_ptr, stride_out, M, N, K, KS, not SILU, SILU, False, BM, BN, 64, P,
-                   DTYPE, CHUNK=CHUNK, WALK=WALK)  # fmt: skip
+                   DTYPE, CHUNK=CHUNK, WALK=WALK, FLAT_WALK=FLAT_WALK)  # fmt: skip
 
 
-def gemv_chunks(x: torch.Tensor, w: torch.Tensor, silu: bool, bm: int = 64, bn: int = 32) -> torch.Tensor:
+def gemv_chunks(x: torch.Tensor, w: torch.Tensor, silu: bool, bm: int = 64, bn: int = 32, flat: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T through gemv_phase in the invariant K order of w's shape: split items
     and a chunk-order sum of their fp32 partials; or (silu) items walking the chunks of a gate | up
-    weight, its SiLU epilogue -> [M, N / 2]."""
+    weight (`flat`: in one loop, FLAT_WALK, where the chunks are even), its SiLU epilogue -> [M, N / 2]."""
     from engine.kernels.invariant_tiles import chunking, config
 
     (m, k), n = x.shape, w.shape[0]
@@ -45,20 +45,21 @@ def gemv_chunks(x: torch.Tensor, w: torch.Tensor, silu: bool, bm: int = 64, bn: 
         out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
         items = triton.cdiv(n // 2, bn)
         _items[(items,)](x, w, out, 0, m, N=n // 2, K=k, KS=1, SILU=True, BM=bm, BN=bn, P=items, DTYPE=dtype,
-                                  CHUNK=chunk, WALK=chunks)  # fmt: skip
+                                  CHUNK=chunk, WALK=chunks, FLAT_WALK=flat)  # fmt: skip
         return out
     parts = torch.full((chunks, bm, n), float("nan"), dtype=torch.float32, device=x.device)
     items = triton.cdiv(n, bn) * chunks
     _items[(items,)](x, w, parts, bm * n, m, N=n, K=k, KS=chunks, SILU=False, BM=bm, BN=bn, P=items,
-                              DTYPE=dtype, CHUNK=chunk, WALK=1)  # fmt: skip
+                              DTYPE=dtype, CHUNK=chunk, WALK=1, FLAT_WALK=False)  # fmt: skip
     total = parts[0, :m].clone()
     for c in range(1, chunks):
         total += parts[c, :m]
     return total.to(x.dtype)
 
 
-# (N, K): K in chunks of 640 + 576 (2) and 576 + 576 + 448 (3): the last one shorter.
-SHAPES = [(128, 1216), (128, 1600)]
+# (N, K): K in chunks of 640 + 576 (2) and 576 + 576 + 448 (3): the last one shorter; 4 x 512 even
+# (FLAT_WALK's walk).
+SHAPES = [(128, 1216), (128, 1600), (128, 2048)]
 
 
 def check_chunks(device: str, dtype: torch.dtype, rows: list[int]) -> None:
@@ -69,7 +70,7 @@ def check_chunks(device: str, dtype: torch.dtype, rows: list[int]) -> None:
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         chunk, chunks = chunking(k, config(n, k))
-        assert chunks > 1 and chunk * chunks > k, (n, k)  # what the phase's CHUNK is for
+        assert chunks > 1 and chunk * chunks >= k, (n, k)  # what the phase's CHUNK is for
         w = torch.randn(n, k, generator=g) * 0.02
         if chunks > 2:
             w[:, chunk : 2 * chunk] = w[:, :chunk]
@@ -82,7 +83,8 @@ def check_chunks(device: str, dtype: torch.dtype, rows: list[int]) -> None:
             x = x.to(dtype).to(device)
             want = invariant_matmul(x, w)
             assert torch.equal(gemv_chunks(x, w, silu=False), want), (n, k, m)
-            assert torch.equal(gemv_chunks(x, w, silu=True), silu_and_mul(want)), (n, k, m)
+            for flat in (False, True):
+                assert torch.equal(gemv_chunks(x, w, silu=True, flat=flat), silu_and_mul(want)), (n, k, m, flat)
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")

@@ -42,6 +42,9 @@ FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # each row of a program's gate_up, down_proj and next-layer qkv items, issued once its GEMV item
 # before them is done, so they land during the barrier (and norm) between.
 G_PRE_WIDTH, D_PRE_WIDTH, Q_PRE_WIDTH = 256, 512, 256
+# `invariant`: a gate_up item walks its K chunks in one software-pipelined loop, not a loop a chunk
+# (grid_phases.gemv_phase FLAT_WALK: the same sums).
+FLAT_WALK = True
 
 
 def kernel_consts(
@@ -69,7 +72,7 @@ def kernel_consts(
             invariant_chunks(n, k, bk) for n, k in
             ((shape.hidden, shape.nh * shape.d), (shape.hidden, shape.inter), (qkv, shape.hidden), (2 * shape.inter, shape.hidden))
         )  # fmt: skip
-        order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g, QK_NORM=shape.qk_norm,
+        order = dict(INVARIANT=True, CK_O=ck_o, CK_D=ck_d, CK_Q=ck_q, CK_G=ck_g, WALK_G=walk_g, FLAT_WALK=FLAT_WALK, QK_NORM=shape.qk_norm,
                      BLOCK_HQ=triton.next_power_of_2(shape.nh), BLOCK_HK=triton.next_power_of_2(shape.nkv),
                      BN_D=one_wave(shape.hidden, ks_d, programs, bn), BN_Q=one_wave(qkv, ks_q, programs, bn),
                      ROPE_LATER=rope_later)  # fmt: skip

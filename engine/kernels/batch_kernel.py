@@ -24,7 +24,7 @@ up to the order of fp32 sums.
 
 INVARIANT (`--deterministic`, batch_decode.py `invariant`): the GEMV phases take the invariant
 GEMM's K order (their splits CK_O / CK_D / CK_Q long, the gate_up items walking WALK_G chunks of
-CK_G: invariant_tiles.config's chunks), and after phase 6 a barrier and
+CK_G: invariant_tiles.config's chunks, in one pipelined loop with FLAT_WALK), and after phase 6 a barrier and
   7. qkv (programs P-1..P-M, a row each): the partials summed in chunk order, rounded, into qkv
      [M, QKV]; then the rotary kernel's q/k norm and rope in place and the new K/V rows into
      layer l+1's cache (`_qkv_rope_phase`),
@@ -128,7 +128,7 @@ def batch_layer_kernel(
     FIRST_ADD: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr, USE_PDL: tl.constexpr,
     G_PRE: tl.constexpr, D_PRE: tl.constexpr, Q_PRE: tl.constexpr, TIMING: tl.constexpr = False,
     INVARIANT: tl.constexpr = False, CK_O: tl.constexpr = 0, CK_D: tl.constexpr = 0, CK_Q: tl.constexpr = 0,
-    CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1,
+    CK_G: tl.constexpr = 0, WALK_G: tl.constexpr = 1, FLAT_WALK: tl.constexpr = False, QK_NORM: tl.constexpr = False, BLOCK_HQ: tl.constexpr = 1,
     BLOCK_HK: tl.constexpr = 1, BN_D: tl.constexpr = 0, BN_Q: tl.constexpr = 0, ATTEND: tl.constexpr = False,
     GROUP: tl.constexpr = 1, BLOCK_H: tl.constexpr = 16, BLOCK_SIZE: tl.constexpr = 16, BLOCK_N_: tl.constexpr = 64,
     SPLIT_: tl.constexpr = 128, EVERYWHERE: tl.constexpr = False, XN_ROWS: tl.constexpr = 0, ROPE_LATER: tl.constexpr = False,
@@ -168,7 +168,7 @@ def batch_layer_kernel(
         norm_step(row, h_ptr, o_part_ptr, S_HID, h_mid_ptr, post_w, xn_ptr, M, eps, ids_ptr, bar_ptr, t_ptr, 3, KS_O, HID, BLOCK_HID,
                   DTYPE, False, EVERYWHERE, FIRST_ADD, TIMING)  # fmt: skip
         gemv_phase(xn_ptr, HID, gate_up_w_ptr, gate_up_w_ptr, act_ptr, 0, M, INTER, HID, 1, False, True, False, BM, BN_G, BK, P, DTYPE,
-                   CHUNK=CK_G, WALK=WALK_G)
+                   CHUNK=CK_G, WALK=WALK_G, FLAT_WALK=FLAT_WALK)
         if D_PRE > 0:
             prefetch_items(down_w_ptr, HID, INTER, KS_D, False, BN_DOWN, P, D_PRE, CK_D)
         phase_end(bar_ptr, t_ptr, 5, FIRST_ADD, TIMING)

@@ -169,6 +169,7 @@ def gemv_phase(
     N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, P: tl.constexpr, DTYPE: tl.constexpr,
     X_LAMPORT: tl.constexpr = False, OUT_LAMPORT: tl.constexpr = False, CHUNK: tl.constexpr = 0, WALK: tl.constexpr = 1,
+    FLAT_WALK: tl.constexpr = False,
 ):  # fmt: skip
     # Items (tile of BN cols, K split c) dealt round-robin (item i -> program i % P); x [M, K] at
     # row stride stride_x, M <= BM. PARTIAL: out[c] [M, N] fp32 partial sums of x[:, c-th split] @
@@ -176,7 +177,9 @@ def gemv_phase(
     # or silu(gate) * up of w = gate | up with SILU.
     # Splits are K / KS long, or CHUNK (a multiple of BK; the last split shorter where CHUNK * KS
     # > K). WALK > 1 (KS 1): an item walks WALK chunks of CHUNK, each summed from zero and added
-    # in order, ((p_0 + p_1) + p_2) + ...: invariant_matmul.py's K order (`--deterministic`).
+    # in order, ((p_0 + p_1) + p_2) + ...: invariant_matmul.py's K order (`--deterministic`);
+    # FLAT_WALK, in one loop over the walk's K steps (one pipeline ramp, not one a chunk), each
+    # chunk's dots still from zero and its sum added at its last step: the same sums.
     # Lamport buffers (lamport.py), so no grid barrier between producer and consumer: X_LAMPORT,
     # an item first waits until its x slice holds no sentinel; OUT_LAMPORT, out gets no -0.0.
     pid = tl.program_id(0)
@@ -194,25 +197,39 @@ def gemv_phase(
             await_rows(x_ptr, stride_x, M, k_lo, KC, BM, BK)
         acc = tl.zeros([BM, BN], tl.float32)
         acc_up = tl.zeros([BM, BN], tl.float32)
-        for j in tl.static_range(WALK):
+        if FLAT_WALK and WALK > 1 and not SHORT:  # one software pipeline over the walk's K steps
+            STEPS: tl.constexpr = KC // BK
             part = tl.zeros([BM, BN], tl.float32)
             part_up = tl.zeros([BM, BN], tl.float32)
-            lo = k_lo + j * KC
-            hi = lo + KC
-            if SHORT:
-                hi = tl.minimum(hi, K)
-            for k0 in range(lo, hi, BK):
-                cols = (k0 + offs_k)[None, :]
+            for t in range(0, WALK * STEPS):
+                cols = (k_lo + t * BK + offs_k)[None, :]
                 x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-                part = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), part)
+                first, last = t % STEPS == 0, t % STEPS == STEPS - 1  # of a chunk: its sum starts from zero
+                part = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), tl.where(first, 0.0, part))
+                acc = tl.where(last, tl.where(t < STEPS, part, acc + part), acc)
                 if SILU:
-                    part_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), part_up)
-            if j == 0:
-                acc = part
-                acc_up = part_up
-            else:
-                acc += part
-                acc_up += part_up
+                    part_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), tl.where(first, 0.0, part_up))
+                    acc_up = tl.where(last, tl.where(t < STEPS, part_up, acc_up + part_up), acc_up)
+        else:
+            for j in tl.static_range(WALK):
+                part = tl.zeros([BM, BN], tl.float32)
+                part_up = tl.zeros([BM, BN], tl.float32)
+                lo = k_lo + j * KC
+                hi = lo + KC
+                if SHORT:
+                    hi = tl.minimum(hi, K)
+                for k0 in range(lo, hi, BK):
+                    cols = (k0 + offs_k)[None, :]
+                    x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+                    part = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + cols)), part)
+                    if SILU:
+                        part_up = tl.dot(x, tl.trans(tl.load(w_ptr + N * K + w_rows + cols)), part_up)
+                if j == 0:
+                    acc = part
+                    acc_up = part_up
+                else:
+                    acc += part
+                    acc_up += part_up
         mask = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:
             if OUT_LAMPORT:
