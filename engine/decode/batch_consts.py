@@ -43,8 +43,9 @@ FEW_BM, FEW_BK, FEW_STAGES = 16, 128, 5
 # before them is done, so they land during the barrier (and norm) between.
 G_PRE_WIDTH, D_PRE_WIDTH, Q_PRE_WIDTH = 256, 512, 256
 # `invariant`: a gate_up item walks its K chunks in one software-pipelined loop, not a loop a chunk
-# (grid_phases.gemv_phase FLAT_WALK: the same sums).
-FLAT_WALK = True
+# (grid_phases.gemv_phase FLAT_WALK: the same sums; its bits checked on an H200, bench/history/
+# 2026-12-02.md entry h). Off until its step is measured against the loop a chunk.
+FLAT_WALK = False
 
 
 def kernel_consts(
