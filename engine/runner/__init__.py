@@ -5,6 +5,8 @@ process.
   backend, sampler, graphs); `launch` queues a step on the device without waiting.
 - `model_builder.py`: the model and the draft model built on the meta device, in the engine's dtype.
 - `kv_sizing.py`: how many KV blocks the cache gets (the profiling forward on CUDA).
+- `graph_setup.py`: the attention backends, the persistent decode paths and the captured graphs
+  (decode, piecewise, the draft's) on one pool, inside the `cuda_graph` region; the tensors it holds.
 - `graph_sizes.py`: which graphs the engine captures (decode, verify, piecewise), by config,
   device and backend.
 - `step_plan.py`: a scheduled batch planned as plain numbers (`StepPlan`: what every

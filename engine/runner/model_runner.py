@@ -20,22 +20,18 @@ from engine.attention import (
     resolve_backend_name,
 )
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.decode.attach import attach_decode_paths, long_kv_rows
 from engine.kernels import configure as configure_kernels
 from engine.memory.kv_budget import make_kv_cache
-from engine.memory.poison import tensors_of
 from engine.memory.regions import MemoryRegions
 from engine.models import invariant
-from engine.models.hooks import DecodeStepPath
 from engine.models.routed_experts import RoutedExperts
 from engine.parallel import FusedReduce, TensorParallel, device_for_rank
 from engine.request import Batch, Request
-from engine.runner.cuda_graph import CudaGraphRunner
+from engine.runner.graph_setup import attach_graphs, region_tensors
 from engine.runner.graph_sizes import GraphSizes
 from engine.runner.kv_sizing import num_kv_blocks
 from engine.runner.launched_step import LaunchedStep
 from engine.runner.model_builder import ModelBuilder
-from engine.runner.piecewise_graph import PiecewiseGraphRunner
 from engine.runner.prompt_logprobs import PromptLogprobs
 from engine.runner.route_log import RouteLog
 from engine.runner.sampler import SampledOnDevice, Sampler
@@ -150,43 +146,9 @@ class ModelRunner:
         log.info("KV cache in %.2f s: %d blocks of %d tokens, %.1f MiB", time.perf_counter() - t0, self.num_kv_blocks,
                  self.block_size, self.kv_cache_bytes / (1 << 20))
 
-        # Decode graphs and piecewise graphs share one pool: they never run at once.
-        self.graphs: CudaGraphRunner | None = None
-        self.piecewise: PiecewiseGraphRunner | None = None
-        self.decode_paths: list[DecodeStepPath] = []
-        piecewise_sizes = self.graph_sizes.piecewise(self.num_kv_blocks * self.block_size)
-        graph_max_bs = self.graph_sizes.decode_max_bs
-        with self.memory.region("cuda_graph"):
-            self.attn_backend = self.make_backend(self.kv_cache)
-            if self.draft is not None:
-                self.draft.backend = self.make_backend(self.kv_caches[1], self.draft.config)
-            if self.device.type == "cuda":  # in --deterministic only paths in its orders (attach.py)
-                self.decode_paths = attach_decode_paths(self.model, self.attn_backend, config)
-                if self.draft is not None:
-                    self.draft.decode_paths = attach_decode_paths(self.draft.model, self.draft.backend, config)
-            pool = torch.cuda.graph_pool_handle() if graph_max_bs > 0 or piecewise_sizes else None
-            if graph_max_bs > 0:
-                self.graphs = CudaGraphRunner(
-                    self.model, self.attn_backend, graph_max_bs, mc.vocab_size, self.device, pool=pool,
-                    long_kv_rows=long_kv_rows(self.decode_paths), verify_rows=self.graph_sizes.verify_rows,
-                )
-            if piecewise_sizes:
-                self.piecewise = PiecewiseGraphRunner(
-                    self.model, self.attn_backend, piecewise_sizes, mc.hidden_size, self.num_heads, mc.head_dim,
-                    self.dtype, self.device, pool=pool,
-                )  # fmt: skip
-            if self.draft is not None and self.graph_sizes.draft_rows:  # the draft's forwards (draft_model.py)
-                self.draft.make_graphs(self.graph_sizes.draft_rows, self.graph_sizes.verify_rows > 0, self.device, pool,
-                                       long_kv_rows(self.draft.decode_paths))  # fmt: skip
-        self.graph_bytes = 0  # the shared pool and every static buffer of the runners
-        runners = (self.graphs, self.piecewise, self.draft.graphs if self.draft is not None else None)
-        for runner in runners:
-            if runner is not None:
-                runner.capture(self.memory.graph_capture)
-                self.graph_bytes += runner.static_bytes
-        pool_bytes = max((r.pool_bytes for r in runners if r is not None), default=0)
-        self.memory.bytes["cuda_graph"] += pool_bytes
-        self.graph_bytes += pool_bytes
+        # The attention backend, the persistent decode paths and the graphs, captured on one pool:
+        # attn_backend, decode_paths, graphs, piecewise and graph_bytes (graph_setup.py).
+        attach_graphs(self)
         self.memory.holds("cuda_graph", self._graph_region_tensors)
         self.sampler = Sampler(seed=config.seed, device=self.device)
         # Compile what only mixed steps launch (mixed_plan: two sequences). One sequence at a time
@@ -224,16 +186,10 @@ class ModelRunner:
         return routed
 
     def _graph_region_tensors(self) -> list[torch.Tensor]:
-        """The tensors the `cuda_graph` region holds: the attention backend's workspaces and graph
-        buffers, the graphs' static inputs and outputs, the persistent decode paths' buffers, the
-        MoE workspaces and the routed experts' record (views of the KV cache or the weights that
-        their owners keep are not the region's)."""
-        owners = [self.attn_backend, self.graphs, self.graphs.io if self.graphs else None, self.piecewise, self.arrivals,
-                  *self.decode_paths, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed,
-                  *((self.draft.backend, self.draft.graphs, self.draft.graphs and self.draft.graphs.io,
-                     *self.draft.decode_paths) if self.draft is not None else ())]  # fmt: skip
-        others = {t.untyped_storage().data_ptr() for t in (*self.kv_caches, self.weights.flat)}
-        return [t for o in owners if o is not None for t in tensors_of(o) if t.untyped_storage().data_ptr() not in others]
+        """The tensors the `cuda_graph` region holds (graph_setup.region_tensors), with the MoE
+        workspaces, the invariant matmuls' arrivals and the routed experts' record."""
+        others = [self.arrivals, *self.moe_workspaces, *(ws.align for ws in self.moe_workspaces), self.routed]
+        return region_tensors(self, others, self.weights.flat)
 
     def make_backend(self, kv_cache: torch.Tensor, draft: ModelConfig | None = None) -> AttentionBackend:
         """The attention backend over `kv_cache`: the target's, or the draft model's (`draft`: its config)."""
