@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = shlex.split(args.server_args) + (["--tokenizer", ckpt["tokenizer"]] if ckpt["tokenizer"] else [])
         flags += dummy_flags(ckpt.get("load_format", "auto"), flags)
         work = {n: random_prompts(random.Random(args.seed * 7919 + n), n, args.input_len, vocab) for n in args.num_prompts}
-        second = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_bytes(ckpt["shape"])),
+        second = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_bytes(ckpt["shape"], flags)),
                    ()),) if args.routed_experts and "serve" not in args.skip else ()
         extra = shlex.split(args.compare_server_args or "")
         second += (("serve_compare", lambda: serve_runs(args, model, flags, work, vocab, res, extra=extra), ()),) if (

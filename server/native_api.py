@@ -86,6 +86,8 @@ def meta_info(
         meta["output_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.output_token_logprobs]
     if out.input_token_logprobs is not None:
         meta["input_token_logprobs"] = [(lp, tok, name(tok)) for lp, tok in out.input_token_logprobs]
+    if out.routed_experts is not None:  # the integers of its bytes, as SGLang names them (its reader: int32 if absent)
+        meta["routed_experts_dtype"] = out.routed_experts_dtype
     if out.output_top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, tok, name(tok)] for tok, lp in row] for row in out.output_top_logprobs]
     if routes and out.routed_experts_base64 is not None:  # encoded as the rows arrived: a JSON string as is

@@ -15,7 +15,9 @@ Rules:
   So are the top-level `image_data`, `lora_path` and `custom_logit_processor`.
 - `return_routed_experts: true` needs a server started with `--enable-return-routed-experts`
   (SGLang's flag), else a 400; `meta_info.routed_experts` is then the base64 of an int32 array
-  [prompt + output - 1, num_layers, top_k] (SGLang's layout).
+  [prompt + output - 1, num_layers, top_k] (SGLang's layout), or of uint16 / uint8 with
+  `--routed-experts-dtype` (SGLang's SGLANG_ROUTED_EXPERTS_DTYPE), named in
+  `meta_info.routed_experts_dtype`.
 - `stream_interval`: a streamed request sends an event every that many tokens (and the last).
 - `logit_bias`: {"token id": bias}, added to the logits (engine/runner/sampler.py).
 - `weight_version` fields take a string or an integer, kept as a string.
@@ -178,8 +180,8 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = False
     return_text_in_logprobs: bool = False  # each logprob entry's third item: the token's text, not null
-    # Each MoE layer's experts per position, base64 int32 in meta_info (the server records them:
-    # --enable-return-routed-experts).
+    # Each MoE layer's experts per position, base64 in meta_info (the server records them:
+    # --enable-return-routed-experts; int32 unless --routed-experts-dtype).
     return_routed_experts: bool = False
     # SGLang's, not served here: null (or false) only.
     image_data: Any = None

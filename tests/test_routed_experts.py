@@ -3,7 +3,8 @@
 layer's top-k experts are transformers' router choices on the tiny Qwen3-MoE checkpoint (float32),
 through chunked prefill, prefix-cache hits, stops and aborts; over HTTP they arrive as slime
 reads them (THUDM/slime `slime/rollout/sglang_rollout.py`, `generate`: base64 of int32, reshaped
-to (len(tokens) - 1, num_layers, moe_router_topk))."""
+to (len(tokens) - 1, num_layers, moe_router_topk)); in uint16 or uint8 with `--routed-experts-dtype`
+(SGLang's SGLANG_ROUTED_EXPERTS_DTYPE), named in meta_info as SGLang's reader takes them."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ def ask(max_new_tokens: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, return_routed_experts=True, **kw)
 
 
-def rows(data: bytes | bytearray) -> torch.Tensor:
-    return torch.from_numpy(np.frombuffer(bytes(data), dtype=np.int32).reshape(-1, LAYERS, TOP_K).copy())
+def rows(data: bytes | bytearray, dtype: str = "int32") -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(bytes(data), dtype=dtype).reshape(-1, LAYERS, TOP_K).astype(np.int32))
 
 
 def want(path: str, tokens: list[int]) -> torch.Tensor:
@@ -118,6 +119,7 @@ def test_over_http_as_slime_reads_them(qwen3_moe_dir: str) -> None:
             output = http.post("/generate", json=body).json()
             tokens = prompt + [t for _, t, _ in output["meta_info"]["output_token_logprobs"]]
             assert torch.equal(torch.from_numpy(_slime_routes(output, tokens).copy()), want(qwen3_moe_dir, tokens[:-1]))
+            assert output["meta_info"]["routed_experts_dtype"] == "int32"
             # A batch: each answer its own rows (the answers joined into one array).
             other = random_tokens(9, seed=9)
             both = http.post("/generate", json={**body, "input_ids": [prompt, other]}).json()
@@ -130,6 +132,64 @@ def test_over_http_as_slime_reads_them(qwen3_moe_dir: str) -> None:
             last = httpx.Response(200, content=events[-1]).json()
             assert last["output_ids"] == tokens[len(prompt) :]
             assert _slime_routes(last, tokens).tobytes() == _slime_routes(output, tokens).tobytes()
+    finally:
+        server.stop()
+
+
+def test_smaller_integers_carry_the_same_experts(qwen3_moe_dir: str) -> None:
+    """--routed-experts-dtype uint16 / uint8 (SGLang's SGLANG_ROUTED_EXPERTS_DTYPE): the same ids in
+    a half or a quarter of the bytes, the output naming its dtype."""
+    prompt = random_tokens(30, seed=11)
+    for dtype, size in (("uint16", 2), ("uint8", 1)):
+        with Engine(model=qwen3_moe_dir, routed_experts_dtype=dtype, **KNOBS) as llm:
+            (out,) = llm.generate(input_ids=[prompt], sampling_params=ask(5))
+        tokens = prompt + out.output_ids
+        assert out.routed_experts_dtype == dtype and len(out.routed_experts) == (len(tokens) - 1) * LAYERS * TOP_K * size
+        assert torch.equal(rows(out.routed_experts, dtype), want(qwen3_moe_dir, tokens[:-1])), dtype
+
+
+def test_the_wire_dtype_is_the_flag_else_sglangs_variable_else_int32(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.config import ConfigError, EngineConfig
+    from engine.models.routed_experts import RoutedExperts
+    from engine.runner.route_log import RouteLog
+
+    monkeypatch.delenv("SGLANG_ROUTED_EXPERTS_DTYPE", raising=False)
+    assert EngineConfig(model="m").routed_experts_dtype == "int32"
+    monkeypatch.setenv("SGLANG_ROUTED_EXPERTS_DTYPE", " UINT8 ")
+    assert EngineConfig(model="m").routed_experts_dtype == "uint8"
+    assert EngineConfig(model="m", routed_experts_dtype="uint16").routed_experts_dtype == "uint16"
+    with pytest.raises(ConfigError, match="int32, uint16, uint8"):
+        EngineConfig(model="m", routed_experts_dtype="int8")
+    # ids must fit: 256 experts in uint8, not 257
+    routed = RoutedExperts(num_layers=2, top_k=2, max_tokens=4)
+    assert RouteLog(routed, 16, 8, 256, "uint8").table.dtype == np.uint8
+    with pytest.raises(ConfigError, match="ids up to 255, the model has 257 experts"):
+        RouteLog(routed, 16, 8, 257, "uint8")
+
+
+def _sglang_reader(output: dict, tokens: list[int]) -> np.ndarray:
+    """SGLang's own reader (sgl-project/sglang python/sglang/srt/state_capturer/routed_experts_wire.py
+    `extract_routed_experts_from_meta_info`): the sender's meta_info.routed_experts_dtype, else int32."""
+    meta = output["meta_info"]
+    dtype = meta.get("routed_experts_dtype", "int32")
+    return np.frombuffer(base64.b64decode(meta["routed_experts"].encode("utf-8")), dtype=dtype).reshape(len(tokens) - 1, -1)
+
+
+def test_over_http_in_uint8_as_sglangs_reader_takes_them(qwen3_moe_dir: str) -> None:
+    """SGLang's variable set on the server: answers name uint8 in meta_info, a quarter of int32's bytes."""
+    server = ServerProcess(qwen3_moe_dir, "--max-model-len", "512", "--block-size", "8", "--enable-return-routed-experts",
+                           env={"SGLANG_ROUTED_EXPERTS_DTYPE": "uint8"})  # fmt: skip
+    try:
+        with server.client() as http:
+            prompt = random_tokens(30, seed=8)
+            body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                    "sampling_params": {"max_new_tokens": 7, "temperature": 0.0, "ignore_eos": True}}  # fmt: skip
+            output = http.post("/generate", json=body).json()
+            tokens = prompt + [t for _, t, _ in output["meta_info"]["output_token_logprobs"]]
+            assert output["meta_info"]["routed_experts_dtype"] == "uint8"
+            got = _sglang_reader(output, tokens).reshape(-1, LAYERS, TOP_K).astype(np.int32)
+            assert torch.equal(torch.from_numpy(got), want(qwen3_moe_dir, tokens[:-1]))
+            assert len(base64.b64decode(output["meta_info"]["routed_experts"])) == (len(tokens) - 1) * LAYERS * TOP_K
     finally:
         server.stop()
 

@@ -1,6 +1,7 @@
 """What the server pays to build and send a large non-streamed answer: bench_serving's 30B-A3B RL
 batch with routed experts (256 answers, each 511 positions x 48 layers x 8 int32 ids, base64-encoded
-as the rows arrive in `engine.client.output.Base64Stream`: ~1.05 MB an answer, ~270 MB in all).
+as the rows arrive in `engine.client.output.Base64Stream`: ~1.05 MB an answer, ~270 MB in all;
+`--item-bytes 1`: uint8 ids, `--routed-experts-dtype uint8`, a quarter of that).
 
 Three ways, each building the 256 answers' JSON at request time from the same streams and a small
 meta_info, then sending them from uvicorn in its own process (this interpreter):
@@ -16,6 +17,7 @@ with bench_serving's client (an httpx.AsyncClient `post`: `httpx read`), and tim
 apart (`json parse`, which bench_serving's clock leaves out): the client's share of the tail.
 
     python3 bench/probes/answer_writes.py --out /tmp/writes.json
+    python3 bench/probes/answer_writes.py --item-bytes 1 --out /tmp/writes8.json
     python3 bench/probes/answer_writes.py --answers 8 --positions 20 --rounds 2 --out /tmp/w.json   # smoke
 """
 
@@ -36,7 +38,7 @@ sys.path[:0] = [os.path.dirname(BENCH), BENCH]
 from bench_runtime import free_port, say, write_json  # noqa: E402
 
 WAYS = ("joined", "parts", "pieces")
-ROW_BYTES = 48 * 8 * 4  # one position's routes at the 30B-A3B shape: layers x top-k x int32
+ROW_IDS = 48 * 8  # one position's routes at the 30B-A3B shape: layers x top-k
 
 SERVER = """
 import os, sys, msgspec, uvicorn
@@ -112,12 +114,14 @@ def main() -> None:
     ap.add_argument("--answers", type=int, default=256)
     ap.add_argument("--positions", type=int, default=511, help="prompt + output - 1 positions an answer")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--item-bytes", type=int, default=4, choices=(4, 2, 1),
+                    help="bytes an expert id: int32 4, uint16 2, uint8 1 (the server's --routed-experts-dtype)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     port = free_port()
     paths = [os.path.dirname(BENCH), os.environ.get("PYTHONPATH", "")]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    argv = [sys.executable, "-c", SERVER, str(port), str(args.answers), str(args.positions), str(ROW_BYTES)]
+    argv = [sys.executable, "-c", SERVER, str(port), str(args.answers), str(args.positions), str(ROW_IDS * args.item_bytes)]
     proc = subprocess.Popen(argv, env=env)
     try:
         for _ in range(1200):  # bounded: 120 s for the server to build its streams and listen
@@ -142,7 +146,7 @@ def main() -> None:
     say(f"{lengths.pop() / 1e6:.1f} MB, Python {sys.version.split()[0]}: median " + ", ".join(f"{w} {med[w]:.3f} s" for w in WAYS)
         + f"; pieces / joined {med['pieces'] / med['joined']:.3f}; pieces read by httpx {med['httpx read']:.3f} s, "
         f"its json() {med['json parse']:.3f} s")
-    write_json(args.out, {"python": sys.version, "answers": args.answers, "positions": args.positions,
+    write_json(args.out, {"python": sys.version, "answers": args.answers, "positions": args.positions, "item_bytes": args.item_bytes,
                           "seconds": times, "median": med})
 
 

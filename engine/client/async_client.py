@@ -252,7 +252,8 @@ class AsyncEngineClient:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         # A whole response without stop strings needs its text only at the end: decode once there.
         incremental = every_step or bool(params.stop)
-        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer, incremental=incremental)
+        state = RequestState(request_id, prompt_token_ids, params, self.tokenizer, incremental=incremental,
+                             routes_dtype=self.config.routed_experts_dtype)  # fmt: skip
         live = self._live[request_id] = LiveRequest(state, every_step, waker, on_tokens)
         return live
 

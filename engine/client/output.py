@@ -38,10 +38,12 @@ class GenerationOutput:
     input_token_logprobs: list[tuple[float | None, int]] | None = None  # from logprob_start_len
     # With top_logprobs_num > 0 too: each of those positions' top (token id, logprob) pairs.
     input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    # return_routed_experts: int32 [prompt + output - 1, num_layers, top_k] as bytes (SGLang's layout),
-    # and their base64 as it arrives (the server's answer: no encoding left for the end).
+    # return_routed_experts: [prompt + output - 1, num_layers, top_k] as bytes (SGLang's layout) of
+    # `routed_experts_dtype` integers (the engine's --routed-experts-dtype, int32 unless set), and
+    # their base64 as it arrives (the server's answer: no encoding left for the end).
     routed_experts: bytearray | None = None
     routed_experts_base64: Base64Stream | None = None
+    routed_experts_dtype: str = "int32"
     cached_tokens: int = 0
     e2e_latency: float = 0.0
     unavailable: bool = False  # refused because the engine cannot serve now (memory released)
@@ -106,7 +108,7 @@ class RequestState:
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Any,
-        incremental: bool = True,
+        incremental: bool = True, routes_dtype: str = "int32",
     ) -> None:
         if not incremental and params.stop:
             raise ValueError("stop strings are matched as text arrives: they need incremental decoding")
@@ -125,6 +127,7 @@ class RequestState:
             output_top_logprobs=[] if params.top_logprobs_num > 0 else None,
             routed_experts=bytearray() if params.return_routed_experts else None,
             routed_experts_base64=Base64Stream() if params.return_routed_experts else None,
+            routed_experts_dtype=routes_dtype,
         )
 
     def apply(self, delta: RequestDelta) -> StepUpdate:

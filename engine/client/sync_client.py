@@ -80,7 +80,8 @@ class Engine:
         adds = []
         for ids, sp in zip(prompt_ids, params, strict=True):
             rid = f"gen-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-            states[rid] = RequestState(rid, ids, sp, self.tokenizer, incremental=bool(sp.stop))  # text once, at the end
+            states[rid] = RequestState(rid, ids, sp, self.tokenizer, incremental=bool(sp.stop),  # text once, at the end
+                                       routes_dtype=self.config.routed_experts_dtype)
             adds.append(AddRequest(request_id=rid, prompt_token_ids=ids, sampling_params=sp))
         if adds:
             self._core.send(AddRequests(requests=adds))  # one message: added whole before the next step

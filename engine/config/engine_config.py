@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,12 @@ class EngineConfig:
         default=False,
         metadata={"help": "record every MoE layer's top-k experts per token, so requests may ask for them (return_routed_experts: RL routing replay)"},
     )
+    routed_experts_dtype: str | None = field(
+        default=None,
+        metadata={"help": "integers of the returned routed experts' base64: int32 (SGLang's default), uint16 or uint8 "
+                          "(a quarter of the bytes; every expert id must fit); unset: SGLang's SGLANG_ROUTED_EXPERTS_DTYPE, "
+                          "else int32. Answers name it in meta_info.routed_experts_dtype, as SGLang's reader takes it"},
+    )
     deterministic: bool = field(
         default=False,
         metadata={"help": "bitwise-reproducible tokens and logprobs whatever the batch, chunking or prefix cache "
@@ -144,6 +151,10 @@ class EngineConfig:
         if self.ep_size > 1 or (self.enable_expert_parallel and self.tp_size > 1):  # one switch, both forms
             object.__setattr__(self, "enable_expert_parallel", True)
             object.__setattr__(self, "ep_size", self.tp_size)
+        wire = (self.routed_experts_dtype or os.environ.get(ROUTED_EXPERTS_DTYPE_ENV) or "int32").strip().lower()
+        if wire not in ROUTED_EXPERTS_DTYPES:
+            raise ConfigError(f"routed_experts_dtype must be one of {', '.join(ROUTED_EXPERTS_DTYPES)}, got {wire!r}")
+        object.__setattr__(self, "routed_experts_dtype", wire)
         if self.speculative_config is not None:
             self._take_speculative_config(self.speculative_config)
         if self.speculative_algorithm is not None:
@@ -181,6 +192,10 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
+
+# The routed experts' wire integers (SGLang's names), and SGLang's variable naming one.
+ROUTED_EXPERTS_DTYPES = ("int32", "uint16", "uint8")
+ROUTED_EXPERTS_DTYPE_ENV = "SGLANG_ROUTED_EXPERTS_DTYPE"
 
 # speculative_algorithm's names, SGLang's and vLLM's -> ours
 _SPECULATIVE = {"ngram": "ngram", "draft": "draft", "standalone": "draft", "draft_model": "draft"}

@@ -142,7 +142,8 @@ class ModelRunner:
                 self.kv_caches.append(self.draft.allocate_cache(self.num_kv_blocks, self.dtype, self.device))
         self.kv_cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.memory.holds("kv_cache", lambda: self.kv_caches)
-        self.route_log = RouteLog(self.routed, self.num_kv_blocks * self.block_size, self.block_size) if self.routed else None
+        self.route_log = RouteLog(self.routed, self.num_kv_blocks * self.block_size, self.block_size, mc.num_experts,
+                                  config.routed_experts_dtype) if self.routed else None  # fmt: skip
         log.info("KV cache in %.2f s: %d blocks of %d tokens, %.1f MiB", time.perf_counter() - t0, self.num_kv_blocks,
                  self.block_size, self.kv_cache_bytes / (1 << 20))
 

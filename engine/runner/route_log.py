@@ -1,7 +1,8 @@
 """`RouteLog`: the experts every MoE layer chose for the token in each KV slot, on the host, for RL
 routing replay (SGLang's `--enable-return-routed-experts` and the request's `return_routed_experts`).
 
-    table [num_slots, num_layers, top_k] int32 (numpy; num_slots = KV blocks x block size)
+    table [num_slots, num_layers, top_k] (numpy; num_slots = KV blocks x block size) of the wire
+          dtype (`--routed-experts-dtype`: int32, uint16 or uint8), which must hold every expert id
     row s: the choices of the forward that wrote the KV in slot s (a dense layer's column is 0)
 
 Rules:
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.config import ConfigError
 from engine.models.routed_experts import RoutedExperts
 
 
@@ -47,11 +49,14 @@ class StagedRoutes:
 
 
 class RouteLog:
-    def __init__(self, routed: RoutedExperts, num_slots: int, block_size: int) -> None:
+    def __init__(self, routed: RoutedExperts, num_slots: int, block_size: int, num_experts: int, dtype: str = "int32") -> None:
+        wire = np.dtype(dtype)
+        if num_experts - 1 > np.iinfo(wire).max:
+            raise ConfigError(f"--routed-experts-dtype {dtype} holds ids up to {np.iinfo(wire).max}, the model has {num_experts} experts")
         self.routed = routed
         self.block_size = block_size
         _, layers, k = routed.buffer.shape
-        self.table = np.zeros((num_slots, layers, k), dtype=np.int32)
+        self.table = np.zeros((num_slots, layers, k), dtype=wire)
         device = routed.buffer.device
         self._staging = None
         if device.type == "cuda":
@@ -79,8 +84,8 @@ class RouteLog:
 
     def rows(self, spans: list[tuple[list[int], int, int]]) -> list[bytes]:
         """For each (block table, start, end): the rows of positions [start, end) of the sequence
-        whose KV is in that block table, as the bytes of an int32 array [end - start, layers, k]
-        (C order, little-endian on every platform torch runs on). One gather for all of them: a
+        whose KV is in that block table, as the bytes of an array [end - start, layers, k] of the
+        table's dtype (C order, little-endian on every platform torch runs on). One gather for all of them: a
         decode step asks for one row per running request."""
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, start, end in spans for p in range(start, end)]
