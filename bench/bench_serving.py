@@ -27,7 +27,8 @@ Rules:
   been the bottleneck: raise --client-procs).
 - `--routed-experts` (MoE only, serving_routes.py): after the server sections, a second server
   with `--enable-return-routed-experts` runs batched, singles and n8 again, every request asking
-  for its routed experts; each mode against itself without.
+  for its routed experts; each mode against itself without (`--server-args "--routed-experts-dtype
+  uint8"`: in SGLang's smallest wire integers).
 - `--compare-server-args FLAGS` (serving_routes.py): the same, a second server with FLAGS added
   (`--deterministic`: issue 76's cost over HTTP), each mode against itself without, target
   `--compare-target`.
