@@ -21,7 +21,8 @@ Rules:
   the attention after it reads the step's metadata before its PDL wait, and the kernel before
   it (a decode graph's gather, engine/runner/graph_io.py) writes that metadata.
 - One program per SM, launched cooperatively (grid barriers). GEMV tiles of BM = 64 rows
-  (tl.dot), BN output columns; K splits (1, 2, 4, 8) fill one wave of items.
+  (tl.dot), BN output columns (twice as many for o_proj, down and qkv in steps of at most 8 rows:
+  batch_consts.GEMV_BN_FEW); K splits (1, 2, 4, 8) fill one wave of items.
 
 `--no-batch-decode` turns it off (engine/decode/attach.py).
 
