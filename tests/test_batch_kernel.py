@@ -1,6 +1,10 @@
-"""engine/kernels/batch_kernel.py's `--deterministic` variant (INVARIANT) under Triton's
-interpreter (tests/interpreted.py), fp16, one program (a grid of one needs no barrier; its norm
-phases then take one row, so a step of one row): a launch's outputs against the mode's unfused
+"""engine/kernels/batch_kernel.py under Triton's interpreter (tests/interpreted.py), fp16, one
+program (a grid of one needs no barrier; its norm phases then take one row, so a step of one row).
+
+The default kernel: a middle launch against the layer in fp32, up to its roundings, with GEMV
+items 32 and 64 columns wide (the K splits of a 132-SM part). The GPU's: tests/test_gpu_batch_decode.py.
+
+Its `--deterministic` variant (INVARIANT): a launch's outputs against the mode's unfused
 ops on the same inputs (invariant_matmul, fused_add_rms_norm, silu_and_mul, rotary), bit for bit, for the
 three launches a step makes: HEAD (the embedding rows, layer 0's norm and qkv), a middle one
 (layer l's o_proj and MLP, layer l+1's norm and qkv) and TAIL (the last layer's, the final norm);
@@ -125,6 +129,63 @@ def check_invariant_launches(device: str, attend: bool, rope_later: bool = False
     got = launch(head=False, tail=True)
     assert torch.equal(got["out"], xn) and torch.equal(got["h"], h)
     assert not got["qkv"].any() and torch.equal(got["cache"], cache0) and torch.equal(got["attn"], attn)
+
+
+def check_default_launch(device: str, bn: int) -> None:
+    """The default kernel's middle launch (layer l's o_proj and MLP, layer l+1's norm and qkv
+    partials) against the same layer in fp32, up to its fp16 roundings: GEMV items of `bn` columns,
+    K split as on a 132-SM part (32: 4 / 4 / 2 splits; 64, the steps of few rows: 8 / 8 / 4), dealt
+    to one program."""
+    from engine.decode.batch_consts import kernel_consts
+    from engine.decode.rules import LayerShape
+    from engine.kernels.batch_kernel import batch_layer_kernel
+
+    g = torch.Generator().manual_seed(1)
+    dt = torch.float16
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
+
+    w = dict(o=rand(HID, NH * D, scale=0.03), post=rand(HID, scale=0.5) + 1, gate_up=rand(2 * INTER, HID, scale=0.03),
+             down=rand(HID, INTER, scale=0.03), norm=rand(HID, scale=0.5) + 1, qkv=rand(QKV, HID, scale=0.03))  # fmt: skip
+    rows = 1  # one program runs the norms of one row (program P - 1 - r: row r)
+    attn, h0 = rand(rows, NH * D), rand(rows, HID)
+    shape = LayerShape(hidden=HID, inter=INTER, nh=NH, nkv=NKV, d=D, eps=EPS, qk_norm=True, device=torch.device(device), dtype=dt)
+    consts = kernel_consts(shape, 132, ROWS, use_pdl=False, g_pre=0, d_pre=0, q_pre=0, bn=bn)
+    assert [consts[k] for k in ("KS_O", "KS_D", "KS_Q")] == ([4, 4, 2] if bn == 32 else [8, 8, 4])
+    consts.update(P=1, FIRST_ADD=2**31)  # every item on one program: no barrier waits on another
+    f32 = dict(dtype=torch.float32, device=device)
+    h, h_mid, xn = (torch.zeros(ROWS, HID, dtype=dt, device=device) for _ in range(3))
+    h[:rows] = h0
+    act = torch.zeros(ROWS, INTER, dtype=dt, device=device)
+    parts = [torch.zeros(consts[k], ROWS, n, **f32) for k, n in (("KS_O", HID), ("KS_D", HID), ("KS_Q", QKV))]
+    bar = torch.zeros(1, dtype=torch.int32, device=device)
+    batch_layer_kernel[(1,)](
+        attn, attn, attn, h, h_mid, w["o"], w["post"], w["gate_up"], w["down"], w["norm"], w["qkv"], xn, xn, act, *parts,
+        parts[2], *(bar,) * 7, 0, 0, 0, 0.0, *(bar,) * 6, 0, 0, 0.0, 0, 1, bar, bar, rows, EPS,
+        HEAD=False, TAIL=False, TIMING=False, **consts,
+    )  # fmt: skip
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+
+    f = {k: v.float() for k, v in w.items()}
+    want_mid = h0.float() + attn.float() @ f["o"].T
+    want_xn = norm(want_mid, f["post"])
+    gate, up = (want_xn @ f["gate_up"].T).split(INTER, dim=-1)
+    want_h = want_mid + (torch.nn.functional.silu(gate) * up) @ f["down"].T
+    want_qkv = norm(want_h, f["norm"]) @ f["qkv"].T
+    for got, want in ((h_mid[:rows], want_mid), (h[:rows], want_h), (xn[:rows], norm(want_h, f["norm"])),
+                      (parts[2][:, :rows].sum(0), want_qkv)):  # fmt: skip
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert not h[rows:].any() and not parts[2][:, rows:].any()  # rows past the step untouched
+
+
+@pytest.mark.parametrize("bn", [32, 64])
+def test_the_default_batch_kernel_gives_the_layer_interpreted(bn: int) -> None:
+    """GEMV items of 32 columns (steps of more than 8 rows) and of 64 (steps of at most 8,
+    batch_consts.GEMV_BN_FEW) give the layer's values."""
+    interpret("test_batch_kernel", f"check_default_launch('cpu', {bn})", timeout=900)
 
 
 @pytest.mark.parametrize("attend, rope_later, rope_items", [(False, False, False), (True, False, True), (True, False, False),
