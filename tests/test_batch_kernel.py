@@ -17,6 +17,8 @@ bits, through the engine's layers: tests/test_gpu_deterministic_decode.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from interpreted import interpret
@@ -24,6 +26,21 @@ from interpreted import interpret
 HID, INTER, NH, NKV, D, M, ROWS, VOCAB, EPS = 1024, 2048, 8, 4, 128, 1, 64, 50, 1e-6
 BLOCKS, BLOCK_SIZE, MAX_POS, CONTEXT = 16, 16, 256, 200
 QKV = (NH + 2 * NKV) * D
+
+
+def randoms(g: torch.Generator, dt: torch.dtype, device: str) -> Callable[..., torch.Tensor]:
+    """rand(*shape, scale=1.0): normal values from `g`, times scale, in dt on device."""
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
+
+    return rand
+
+
+def layer_weights(rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's weights as the kernel takes them, o_proj to the next layer's qkv."""
+    return dict(o=rand(HID, NH * D, scale=0.03), post=rand(HID, scale=0.5) + 1, gate_up=rand(2 * INTER, HID, scale=0.03),
+                down=rand(HID, INTER, scale=0.03), norm=rand(HID, scale=0.5) + 1, qkv=rand(QKV, HID, scale=0.03))  # fmt: skip
 
 
 def check_invariant_launches(device: str, attend: bool, rope_later: bool = False, rope_items: bool = True) -> None:
@@ -38,12 +55,8 @@ def check_invariant_launches(device: str, attend: bool, rope_later: bool = False
 
     g = torch.Generator().manual_seed(0)
     dt = torch.float16
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
-
-    w = dict(o=rand(HID, NH * D, scale=0.03), post=rand(HID, scale=0.5) + 1, gate_up=rand(2 * INTER, HID, scale=0.03),
-             down=rand(HID, INTER, scale=0.03), norm=rand(HID, scale=0.5) + 1, qkv=rand(QKV, HID, scale=0.03))  # fmt: skip
+    rand = randoms(g, dt, device)
+    w = layer_weights(rand)
     emb, ids = rand(VOCAB, HID), torch.randint(0, VOCAB, (M,), generator=g).to(device)
     attn, h0 = rand(M, NH * D), rand(M, HID)
     qw, kw = rand(D, scale=0.5) + 1, rand(D, scale=0.5) + 1
@@ -140,14 +153,9 @@ def check_default_launch(device: str, bn: int) -> None:
     from engine.decode.rules import LayerShape
     from engine.kernels.batch_kernel import batch_layer_kernel
 
-    g = torch.Generator().manual_seed(1)
     dt = torch.float16
-
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * scale).to(dt).to(device)
-
-    w = dict(o=rand(HID, NH * D, scale=0.03), post=rand(HID, scale=0.5) + 1, gate_up=rand(2 * INTER, HID, scale=0.03),
-             down=rand(HID, INTER, scale=0.03), norm=rand(HID, scale=0.5) + 1, qkv=rand(QKV, HID, scale=0.03))  # fmt: skip
+    rand = randoms(torch.Generator().manual_seed(1), dt, device)
+    w = layer_weights(rand)
     rows = 1  # one program runs the norms of one row (program P - 1 - r: row r)
     attn, h0 = rand(rows, NH * D), rand(rows, HID)
     shape = LayerShape(hidden=HID, inter=INTER, nh=NH, nkv=NKV, d=D, eps=EPS, qk_norm=True, device=torch.device(device), dtype=dt)
