@@ -72,7 +72,7 @@ from serving_clients import (  # noqa: E402
     rl_specs,
 )
 from serving_longtail import longtail_specs, summarize_longtail  # noqa: E402
-from serving_routes import ROUTED_MODES, route_bytes  # noqa: E402
+from serving_routes import ROUTED_MODES, route_bytes, route_ids  # noqa: E402
 from serving_server import Server, cpu_pct, cpu_s, py_spy, stop_py_spy  # noqa: E402
 from serving_summary import summarize  # noqa: E402
 from serving_table import print_table, table_rows  # noqa: E402
@@ -163,7 +163,7 @@ def median_section(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dict[int, list[list[int]]],
                vocab: int, res: dict[str, Any], routes: int = 0, extra: list[str] | None = None) -> None:
     """The server: every mode at each N, then the online shape; stopped whatever happens. With
-    `routes` (bytes of routed experts per position) it records them and every request asks for
+    `routes` (expert ids of routes per position) it records them and every request asks for
     them: ROUTED_MODES only, into res["rl_routed"]. With `extra` flags (--compare-server-args):
     ROUTED_MODES only, into res["rl_compare"]."""
     variant = "routed" if routes else "compare" if extra else ""
@@ -174,6 +174,7 @@ def serve_runs(args: argparse.Namespace, model: str, flags: list[str], work: dic
     try:
         info = res[f"server_{variant}" if variant else "server"] = server.wait_ready(args.startup_timeout_s)
         say(f"server: ready at {server.url}, engine pid {server.engine_pid}, device {info.get('device')}")
+        routes = route_bytes(routes, info) if routes else 0
         pool = ClientPool(server.url, args.client_procs, args.request_timeout_s)
         sampling = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature}
         warm = rl_specs("batched", work[min(work)][:16], sampling | {"max_new_tokens": 4}, args.client_procs)
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = shlex.split(args.server_args) + (["--tokenizer", ckpt["tokenizer"]] if ckpt["tokenizer"] else [])
         flags += dummy_flags(ckpt.get("load_format", "auto"), flags)
         work = {n: random_prompts(random.Random(args.seed * 7919 + n), n, args.input_len, vocab) for n in args.num_prompts}
-        second = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_bytes(ckpt["shape"], flags)),
+        second = (("serve_routed", lambda: serve_runs(args, model, flags, work, vocab, res, route_ids(ckpt["shape"])),
                    ()),) if args.routed_experts and "serve" not in args.skip else ()
         extra = shlex.split(args.compare_server_args or "")
         second += (("serve_compare", lambda: serve_runs(args, model, flags, work, vocab, res, extra=extra), ()),) if (

@@ -5,17 +5,16 @@ carrying `"return_routed_experts": true`, each mode's tok/s against the same mod
 (`--deterministic`, issue 76: >= 0.90), requests unchanged.
 
 Rules:
-- An answer's `meta_info.routed_experts` is the base64 of int32 [prompt + output - 1, layers,
-  top_k] (server/schemas.py), or of the integers `--server-args "--routed-experts-dtype uint8"`
-  names (or SGLang's SGLANG_ROUTED_EXPERTS_DTYPE in the environment): its length is checked,
-  never decoded.
+- An answer's `meta_info.routed_experts` is the base64 of [prompt + output - 1, layers, top_k]
+  integers of the server's `routed_experts_dtype` (server/schemas.py: int32 unless
+  `--server-args "--routed-experts-dtype uint8"` or SGLang's SGLANG_ROUTED_EXPERTS_DTYPE say
+  otherwise; read from the server's own config): its length is checked, never decoded.
 - The routed run leaves out streams (an RL rollout does not stream, and every event would repeat
   the routes so far) and the online shape; its prompts are the run without's (the same seeds).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from serving_clients import SAMPLES
@@ -24,20 +23,20 @@ ROUTED_TARGET = 0.95  # a mode's tok/s with routed experts over the same mode's 
 ROUTED_MODES = ("batched", "singles", "n8")
 
 
-_ITEM_BYTES = {"int32": 4, "uint16": 2, "uint8": 1}  # the server's --routed-experts-dtype
+_ITEM_BYTES = {"int32": 4, "uint16": 2, "uint8": 1}  # an expert id, by the server's routed_experts_dtype
 
 
-def route_bytes(shape: dict[str, Any], flags: list[str]) -> int:
-    """Bytes of routes per position: an integer (the server `flags`' --routed-experts-dtype, else
-    the environment's SGLANG_ROUTED_EXPERTS_DTYPE, else int32) per decoder layer per chosen expert
-    (a dense layer's column is there too, as zeros)."""
+def route_ids(shape: dict[str, Any]) -> int:
+    """Expert ids of routes per position: one per decoder layer per chosen expert (a dense
+    layer's column is there too, as zeros)."""
     if not shape.get("num_experts"):
         raise ValueError("--routed-experts needs a mixture-of-experts checkpoint (--shape 30b-a3b, tiny-moe)")
-    name = os.environ.get("SGLANG_ROUTED_EXPERTS_DTYPE") or "int32"
-    for i, flag in enumerate(flags):
-        if flag.startswith("--routed-experts-dtype"):
-            name = flag.partition("=")[2] or flags[i + 1]
-    return _ITEM_BYTES[name.strip().lower()] * int(shape["num_hidden_layers"]) * int(shape["num_experts_per_tok"])
+    return int(shape["num_hidden_layers"]) * int(shape["num_experts_per_tok"])
+
+
+def route_bytes(ids: int, server_info: dict[str, Any]) -> int:
+    """Bytes of routes per position on a server whose /get_server_info is `server_info`."""
+    return ids * _ITEM_BYTES[server_info["config"]["routed_experts_dtype"]]
 
 
 def routed_rows(res: dict[str, Any], row: Any) -> None:
